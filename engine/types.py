@@ -1,0 +1,78 @@
+"""Request-level types of the public engine API: sampling parameters and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve; the message says what was wrong and what is allowed."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Names follow OpenAI / vLLM.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k. ``seed`` makes a
+    sampled request reproducible. ``stop`` strings are removed from the output text;
+    ``stop_token_ids`` (and EOS unless ``ignore_eos``) end the request.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top k
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop must be a list of non-empty strings")
+        if len(self.stop) > 16:
+            raise InvalidRequest(f"at most 16 stop strings are allowed, got {len(self.stop)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"top logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One streamed update of a request: the text and tokens new since the last update.
+
+    ``finish_reason`` is one of ``"stop"`` (EOS, stop token or stop string),
+    ``"length"`` (max_tokens or the context window), ``"abort"`` or ``"error"``.
+    Token counts are totals so far.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
