@@ -1,0 +1,1 @@
+"""Model loading: GGUF files and Hugging Face directories into one in-memory form."""

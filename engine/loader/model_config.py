@@ -1,0 +1,37 @@
+"""The architecture description every loader produces and the model consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder (Llama, Qwen2, Mistral; MoE variants add ``moe``)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # Qwen2 puts biases on q/k/v
+    qk_norm: bool = False          # Qwen3 RMS-normalises q and k per head
+    moe: dict[str, Any] = field(default_factory=dict)  # empty for dense models
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple "
+                             f"of num_kv_heads ({self.num_kv_heads})")
