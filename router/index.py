@@ -45,20 +45,15 @@ class PrefixIndex:
         mine = self._by_worker.get(worker)
         if mine is None:
             return
-        for h in hashes:
-            mine.discard(h)
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker)
-                if not holders:
-                    del self._holders[h]
+        hashes = list(hashes)
+        mine.difference_update(hashes)
+        self._unlink(worker, hashes)
 
     def clear_worker(self, worker: str) -> None:
         """Drop every entry of ``worker`` (a ``cleared`` event, death, or before a resync)."""
-        mine = self._by_worker.pop(worker, set())
-        self.removed_from(worker, mine)
+        self._unlink(worker, self._by_worker.pop(worker, set()))
 
-    def removed_from(self, worker: str, hashes: Iterable[int]) -> None:
+    def _unlink(self, worker: str, hashes: Iterable[int]) -> None:
         for h in hashes:
             holders = self._holders.get(h)
             if holders is not None:

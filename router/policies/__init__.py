@@ -1,0 +1,1 @@
+"""Routing policies, one per file; see ``router.policy`` for the interface and registry."""

@@ -1,0 +1,101 @@
+"""agentrt's policy: cost = uncached prefill tokens + load, with soft affinity and spill.
+
+For every live worker ``w`` (all quantities in prefill-token equivalents):
+
+    cost(w) = (prompt_tokens - cached_tokens(w)) + load_weight * load(w)
+
+``cached_tokens`` comes from the global prefix index (exact: built from the workers' KV
+events, contract 2). ``load(w)`` is the larger of the router's own in-flight work on
+``w`` and the worker's reported queue times ``tokens_per_queued_request`` (which covers
+requests other router replicas sent). ``load_weight`` (default 0.1) prices a queued
+token at a tenth of a prefill token: a queue drains in seconds, while a session moved
+off its prefix loses that prefix for every later turn and duplicates it in a second
+cache. Balance comes mainly from the overload bound and from placing new prefixes on
+the least-loaded worker (ties rotate, so idle workers share new sessions evenly).
+
+Rules, in order:
+
+1. **Overload bound.** ``w`` is overloaded when
+   ``load(w) > max(overload_rel * mean_load, mean_load + overload_abs_tokens)``
+   (default 131072 tokens: ~13 s of queued prefill on a 10k tok/s GPU).
+   Overloaded workers are skipped unless every worker is overloaded.
+2. **Soft session affinity.** The session's last worker wins if it still holds at least
+   ``affinity_min_fraction`` of the best cached prefix any worker has, and is not
+   overloaded.
+3. **Short match fallback.** If no worker holds more than ``min_match_tokens`` of the
+   prompt beyond what every worker holds (e.g. only a system prompt everyone has), the
+   request goes to the least-loaded worker (equal loads: rotating); its prefix is recorded there through the
+   worker's KV events, so affinity builds up.
+4. Otherwise the cheapest worker by ``cost``.
+
+A hot shared prefix (one fleet's long tools prompt) thus stays on its holder while the
+holder's load is within the bound and spills to the next-cheapest worker (which then
+holds it too) as soon as it exceeds it, instead of piling up on one worker.
+"""
+
+from __future__ import annotations
+
+from router.policy import RouteDecision, RouteRequest, RoutingPolicy, WorkerState, require_workers
+
+
+class AgentrtPolicy(RoutingPolicy):
+    name = "agentrt"
+
+    def __init__(self, load_weight: float = 0.1, overload_rel: float = 1.5,
+                 overload_abs_tokens: float = 131072.0, affinity_min_fraction: float = 0.9,
+                 min_match_tokens: int = 1024, tokens_per_queued_request: float = 4096.0) -> None:
+        if load_weight < 0 or overload_abs_tokens < 0 or min_match_tokens < 0:
+            raise ValueError("load_weight, overload_abs_tokens and min_match_tokens must be >= 0")
+        if overload_rel < 1.0:
+            raise ValueError(f"overload_rel must be >= 1, got {overload_rel}")
+        if not 0.0 <= affinity_min_fraction <= 1.0:
+            raise ValueError(f"affinity_min_fraction must be in [0, 1], got {affinity_min_fraction}")
+        if tokens_per_queued_request < 0:
+            raise ValueError("tokens_per_queued_request must be >= 0")
+        self.load_weight = load_weight
+        self.overload_rel = overload_rel
+        self.overload_abs_tokens = overload_abs_tokens
+        self.affinity_min_fraction = affinity_min_fraction
+        self.min_match_tokens = min_match_tokens
+        self.tokens_per_queued_request = tokens_per_queued_request
+        self._turn = 0  # rotates ties among equally loaded workers
+
+    def load(self, w: WorkerState) -> float:
+        return max(w.in_flight_tokens, (w.running + w.waiting) * self.tokens_per_queued_request)
+
+    def select(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
+        require_workers(workers)
+        load = {w.worker_id: self.load(w) for w in workers}
+        mean = sum(load.values()) / len(load)
+        bound = max(self.overload_rel * mean, mean + self.overload_abs_tokens)
+        ok = [w for w in workers if load[w.worker_id] <= bound] or list(workers)
+        cached = {w.worker_id: w.cached_tokens(request) for w in workers}
+        best = max(cached.values())
+
+        last = next((w for w in ok if w.worker_id == request.last_worker), None)
+        if last is not None and best > 0 and cached[last.worker_id] >= self.affinity_min_fraction * best:
+            return RouteDecision(last.worker_id, last.cached_blocks, "affinity")
+
+        common = min(cached.values())
+        if max(cached[w.worker_id] for w in ok) - common <= self.min_match_tokens:
+            return RouteDecision(*self._least_loaded(ok, load), "fallback")
+
+        def cost(w: WorkerState) -> tuple[float, str]:
+            return (request.num_tokens - cached[w.worker_id] + self.load_weight * load[w.worker_id],
+                    w.worker_id)
+
+        w = min(ok, key=cost)
+        holder = max(workers, key=lambda w: (cached[w.worker_id], w.worker_id))
+        reason = "prefix" if cached[w.worker_id] == best else (
+            "spill" if load[holder.worker_id] > bound else "cost")
+        return RouteDecision(w.worker_id, w.cached_blocks, reason)
+
+    def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
+        if decision.reason == "fallback":
+            self._turn += 1
+
+    def _least_loaded(self, ok: list[WorkerState], load: dict[str, float]) -> tuple[str, int]:
+        lowest = min(load[w.worker_id] for w in ok)
+        tied = sorted((w for w in ok if load[w.worker_id] == lowest), key=lambda w: w.worker_id)
+        w = tied[self._turn % len(tied)]
+        return w.worker_id, w.cached_blocks

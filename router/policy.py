@@ -1,0 +1,146 @@
+"""Routing policy interface and registry.
+
+One policy object serves one router replica (live, phase 2) or one simulated run
+(benchmarks/routing.py): the same classes, fed the same types. The caller builds a
+``RouteRequest`` (contract-1 block hashes of the prompt), asks the prefix index for each
+live worker's cached prefix length, builds one ``WorkerState`` per live worker, and calls
+``select``. It then calls ``on_dispatch`` once the request is sent and ``on_complete``
+when it finishes (or fails), so stateful policies can track what they routed.
+
+Implementations are registered by name and imported lazily (``make_policy``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+class NoWorkerAvailable(RuntimeError):
+    """``select`` was called with no live worker."""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about one request.
+
+    ``hashes`` are the contract-1 hashes of the prompt's full blocks, ``num_tokens`` the
+    prompt length, ``block_size`` tokens per block. ``session_id`` and ``last_worker``
+    come from the session record (``None`` for sessionless requests).
+    ``est_output_tokens`` is the router's guess of the reply length (``max_tokens``).
+    """
+
+    request_id: str
+    hashes: tuple[int, ...]
+    num_tokens: int
+    block_size: int
+    session_id: str | None = None
+    last_worker: str | None = None
+    est_output_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_tokens < 0 or self.est_output_tokens < 0:
+            raise ValueError("num_tokens and est_output_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One live worker as the policy sees it at decision time.
+
+    ``cached_blocks``: the longest prefix of ``request.hashes`` the prefix index says the
+    worker holds. ``running``/``waiting``/``pages_used``/``pages_free``: the worker's last
+    load report (may be a few hundred ms stale). ``in_flight``: requests this router
+    replica sent and has not seen finish; ``in_flight_tokens``: this router's estimate of
+    the work they still represent, in prefill-token equivalents (see ``InFlightTracker``).
+    """
+
+    worker_id: str
+    cached_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    in_flight: int = 0
+    in_flight_tokens: float = 0.0
+
+    def cached_tokens(self, request: RouteRequest) -> int:
+        return min(self.cached_blocks * request.block_size, request.num_tokens)
+
+    @property
+    def queue(self) -> int:
+        """Requests on the worker: the larger of its report and this router's own count."""
+        return max(self.running + self.waiting, self.in_flight)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The chosen worker, how many prompt blocks it is believed to hold, and why (for logs)."""
+
+    worker_id: str
+    cached_blocks: int
+    reason: str
+
+
+class RoutingPolicy:
+    """Base class. ``select`` must return one of ``workers``; hooks default to no-ops.
+
+    Contract: ``select`` never mutates its arguments and raises ``NoWorkerAvailable`` on
+    an empty list; policies that learn from their own decisions do so in ``on_dispatch``
+    (called with the decision actually used), never in ``select``.
+    """
+
+    name = "base"
+
+    def select(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
+        raise NotImplementedError
+
+    def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """The request was sent to ``decision.worker_id``."""
+
+    def on_complete(self, request: RouteRequest, worker_id: str) -> None:
+        """The request finished on (or failed at) ``worker_id``."""
+
+    def on_worker_removed(self, worker_id: str) -> None:
+        """The worker left or died; forget anything about it."""
+
+
+def require_workers(workers: list[WorkerState]) -> None:
+    if not workers:
+        raise NoWorkerAvailable("no live worker to route to")
+
+
+def least_loaded(workers: list[WorkerState]) -> WorkerState:
+    """Fewest queued requests, then least in-flight work, then id (deterministic)."""
+    return min(workers, key=lambda w: (w.queue, w.in_flight_tokens, w.worker_id))
+
+
+_REGISTRY: dict[str, str] = {
+    "round_robin": "router.policies.round_robin:RoundRobinPolicy",
+    "least_load": "router.policies.least_load:LeastLoadPolicy",
+    "session_hash": "router.policies.session_hash:SessionHashPolicy",
+    "sglang_like": "router.policies.sglang_like:SGLangLikePolicy",
+    "agentrt": "router.policies.agentrt:AgentrtPolicy",
+}
+
+
+def policy_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def register_policy(name: str, target: str) -> None:
+    """Register ``"module:Class"`` under ``name`` (imported on first use)."""
+    if ":" not in target:
+        raise ValueError(f"policy target must be 'module:Class', got {target!r}")
+    _REGISTRY[name] = target
+
+
+def make_policy(name: str, **options) -> RoutingPolicy:
+    """A new policy instance; ``options`` are the class's keyword arguments."""
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(_REGISTRY)}") from None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)(**options)
