@@ -76,3 +76,43 @@ class RequestOutput:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's waiting queue is full: retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class GenerationResult:
+    """A finished request, as :meth:`LLMEngine.generate` returns it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    ttft_s: float | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    pages_pinned: int
+    num_pins: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+    page_size: int

@@ -1,0 +1,150 @@
+"""AsyncEngine: runs ``LLMEngine.step()`` in a background thread and streams to asyncio.
+
+Each request gets an asyncio queue on the submitting loop; the engine thread
+hands outputs over with ``call_soon_threadsafe``. Closing a stream (or cancelling
+its consumer) aborts the request, which frees its pages at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from typing import Sequence
+
+from engine.constraints import TokenConstraint
+from engine.engine import LLMEngine
+from engine.types import RequestOutput, SamplingParams
+
+
+class RequestStream:
+    """Async iterator of one request's :class:`RequestOutput` updates."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, q: asyncio.Queue) -> None:
+        self._engine, self.request_id, self._q = engine, request_id, q
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._q.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if out.finished:
+            self._done = True
+            self._engine._forget(self.request_id)
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="agentrt-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None, *, constraint: TokenConstraint | None = None,
+               cache_salt: str = "", pin_ttl_s: float | None = None) -> RequestStream:
+        """Validate and enqueue; raises InvalidRequest / EngineOverloaded at once."""
+        if self._stop:
+            raise RuntimeError("the engine is shutting down")
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        try:
+            self.engine.add_request(prompt_token_ids, params, rid, constraint=constraint,
+                                    cache_salt=cache_salt, pin_ttl_s=pin_ttl_s)
+        except BaseException:
+            self._forget(rid)
+            raise
+        self._wake.set()
+        return RequestStream(self, rid, q)
+
+    def abort(self, request_id: str) -> None:
+        self._forget(request_id)
+        self.engine.abort_request(request_id)
+        self._wake.set()
+
+    def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
+        self.engine.pin(pin_id, token_ids, ttl_s, cache_salt)
+        self._wake.set()
+
+    def unpin(self, pin_id: str) -> None:
+        self.engine.unpin(pin_id)
+        self._wake.set()
+
+    def stats(self):
+        return self.engine.stats()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5 if self.engine.scheduler.pins else None)
+                self._wake.clear()
+                if not self.engine.has_unfinished():
+                    self.engine.step()   # applies pin/unpin commands and expires pins
+                    continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # keep serving: fail what was running, log, go on
+                self.error = e
+                outputs = self._fail_all(repr(e))
+            for out in outputs:
+                with self._lock:
+                    target = self._streams.get(out.request_id)
+                if target is not None:
+                    loop, q = target
+                    try:
+                        loop.call_soon_threadsafe(q.put_nowait, out)
+                    except RuntimeError:  # the loop is closed: nobody is listening
+                        pass
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        import logging
+        logging.getLogger("agentrt.engine").exception("engine step failed; failing running requests")
+        outs = []
+        sched = self.engine.scheduler
+        for req in list(sched.running) + list(sched.waiting):
+            req.finish_reason, req.error = "error", message
+            sched.finish(req)
+            outs.append(self.engine._emit(req))
+        return outs
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop the loop; with a drain timeout, let running requests finish first."""
+        deadline = asyncio.get_running_loop().time() + drain_timeout_s
+        while self.engine.has_unfinished() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self.engine.abort_request(rid)
+        self._wake.set()
+        await asyncio.sleep(0.1)
+        self._stop = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)

@@ -1,0 +1,70 @@
+"""Engine configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build and run one engine.
+
+    ``model``: a ``.gguf`` file or a Hugging Face directory (config.json,
+    safetensors, tokenizer.json); ``None`` is the embedded default model.
+    ``kv_cache_tokens`` sizes the paged KV pool (``kv_cache_tokens // page_size``
+    pages). ``max_batched_tokens`` is the per-step token budget that chunked
+    prefill works within; decode tokens count against it too.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    page_size: int = 16
+    kv_cache_tokens: int = 131072
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    enable_prefix_cache: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.page_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"page_size must be a power of two from 1 to 128, got {self.page_size}")
+        if self.kv_cache_tokens < 4 * self.page_size:
+            raise ValueError(f"kv_cache_tokens must hold at least 4 pages, got {self.kv_cache_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_batched_tokens < self.page_size:
+            raise ValueError(f"max_batched_tokens must be >= page_size, got {self.max_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache_tokens // self.page_size
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "flashinfer" if self.resolved_device().startswith("cuda") else "torch"

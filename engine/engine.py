@@ -1,0 +1,286 @@
+"""LLMEngine: the synchronous core. ``step()`` is schedule -> run -> sample -> postprocess.
+
+Thread model: ``add_request``/``abort_request``/``pin``/``unpin`` may be called
+from any thread; they enqueue commands that ``step()`` applies at its start, so
+the scheduler's state is only ever touched by the thread running ``step()``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from typing import Sequence
+
+import torch
+
+from engine.attention import create_backend
+from engine.config import EngineConfig
+from engine.constraints import TokenConstraint
+from engine.hashing import make_seed
+from engine.kv_pool import KVCache, PagePool
+from engine.loader import load_model_files
+from engine.model_runner import ModelRunner
+from engine.models import build_model
+from engine.radix_cache import RadixCache
+from engine.request import Request, Status
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer
+from engine.types import (EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
+                          RequestOutput, SamplingParams)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, on_kv_event=None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = config.resolved_device()
+        dtype = _DTYPES[config.dtype]
+        mcfg, state, tok, model_id = load_model_files(config.model, dtype)
+        self.model_config, self.tokenizer = mcfg, tok
+        self.model_id = config.served_model_name or model_id
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings)
+        self.model = build_model(mcfg, state, dtype, self.device)
+        del state
+        P = config.page_size
+        self.pool = PagePool(config.num_pages)
+        self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
+                          dtype, self.device)
+        self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event)
+        self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
+                                   config.max_batched_tokens, config.enable_prefix_cache)
+        self.backend_name = config.resolved_backend()
+        attn = create_backend(self.backend_name, kv=self.kv, num_heads=mcfg.num_heads,
+                              num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim)
+        self.runner = ModelRunner(self.model, attn, P, self.device)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0                      # requests in the inbox, for admission control
+        self._pending_lock = threading.Lock()
+        self._requests: dict[str, Request] = {}
+        self._seeds: dict[str, bytes] = {}
+        self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+
+    def _seed(self, salt: str) -> bytes:
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = make_seed(self.model_id, salt)
+        return seed
+
+    # -- commands (any thread) -------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, constraint: TokenConstraint | None = None,
+                    cache_salt: str = "", pin_ttl_s: float | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens but this model's context "
+                                 f"window is {self.max_model_len} tokens (including the reply)")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt)} "
+                                 f"tokens) exceeds the context window of {self.max_model_len} tokens; "
+                                 f"use max_tokens <= {self.max_model_len - len(prompt)}")
+        with self._pending_lock:
+            queued = self._pending + len(self.scheduler.waiting)
+            if queued >= self.config.max_waiting:
+                raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
+            self._pending += 1
+        rid = request_id or uuid.uuid4().hex
+        req = Request(rid, prompt, params, IncrementalDetokenizer(self.tokenizer), constraint,
+                      cache_salt, pin_ttl_s)
+        if not params.greedy:
+            req.generator = torch.Generator(device="cpu")
+            req.generator.manual_seed(params.seed if params.seed is not None
+                                      else int.from_bytes(uuid.uuid4().bytes[:8], "little"))
+        self._inbox.put(("add", req))
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
+        self._inbox.put(("pin", (pin_id, list(token_ids), ttl_s, cache_salt)))
+
+    def unpin(self, pin_id: str) -> None:
+        self._inbox.put(("unpin", pin_id))
+
+    def flush_cache(self) -> None:
+        self._inbox.put(("flush", None))
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                with self._pending_lock:
+                    self._pending -= 1
+                self._requests[arg.request_id] = arg
+                self.scheduler.waiting.append(arg)
+            elif kind == "abort":
+                req = self._requests.get(arg)
+                if req is not None and not req.finished:
+                    req.finish_reason = "abort"
+                    self.scheduler.finish(req)
+                    outputs.append(self._emit(req))
+            elif kind == "pin":
+                self.scheduler.pin(*arg)
+            elif kind == "unpin":
+                self.scheduler.unpin(arg)
+            elif kind == "flush":
+                self.cache.reset()
+
+    # -- the step (one thread) ------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty())
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        self.scheduler.expire_pins()
+        batch = self.scheduler.schedule()
+        for req in self.scheduler.failed:
+            outputs.append(self._emit(req))
+        self.scheduler.failed.clear()
+        if not batch:
+            return outputs
+        logits, sample_idx = self.runner.run(batch)
+        for req, n in zip(batch.requests, batch.num_new):
+            req.num_computed += n
+            if req.num_computed < req.num_tokens and req.num_computed // self.config.page_size > req.num_tree_pages:
+                self.scheduler.cache_request(req)   # share prefill progress with other requests
+        if sample_idx:
+            reqs = [batch.requests[i] for i in sample_idx]
+            tokens, lps = sample(logits, reqs)
+            now = time.monotonic()
+            for req, tok, lp in zip(reqs, tokens, lps):
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    self.prompt_tokens_total += len(req.prompt_ids)
+                    self.cached_tokens_total += req.cached_tokens or 0
+                self._append_token(req, tok, lp)
+                if req.finished:
+                    self.scheduler.finish(req)
+                outputs.append(self._emit(req))
+        return outputs
+
+    def _append_token(self, req: Request, tok: int, lp) -> None:
+        p = req.params
+        req.output_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.constraint is not None and not req.constraint.accept(tok):
+            req.finish_reason, req.error = "error", "the constraint rejected a sampled token"
+            req.status = Status.FINISHED
+            return
+        eos = tok in self.tokenizer.eos_token_ids and not p.ignore_eos
+        if eos or tok in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", (None if eos else tok)
+            req.status = Status.FINISHED
+        else:
+            req.pending_ids.append(tok)
+            if lp is not None:
+                req.pending_logprobs.append(lp)
+            req.text += req.detok.push([tok])
+            if self._check_stop_strings(req):
+                return
+            if req.constraint is not None and req.constraint.is_terminated():
+                req.finish_reason = "stop"
+                req.status = Status.FINISHED
+        if not req.finished and (len(req.output_ids) >= p.max_tokens
+                                 or req.num_tokens >= self.max_model_len):
+            req.finish_reason = "length"
+            req.status = Status.FINISHED
+        if req.finished:
+            req.text += req.detok.flush()
+            self._check_stop_strings(req)
+
+    def _check_stop_strings(self, req: Request) -> bool:
+        stops = req.params.stop
+        if not stops:
+            return False
+        start = max(0, req.sent - max(map(len, stops)))
+        hits = [(req.text.find(s, start), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        idx, s = min(hits)
+        req.text = req.text[:idx]
+        req.finish_reason, req.stop_reason = "stop", s
+        req.status = Status.FINISHED
+        return True
+
+    def _emit(self, req: Request) -> RequestOutput:
+        """The update since the last one; text that may begin a stop string is held back."""
+        end = len(req.text)
+        if not req.finished and req.params.stop:
+            end = max(req.sent, end - (max(map(len, req.params.stop)) - 1))
+        out = RequestOutput(
+            request_id=req.request_id, text=req.text[req.sent:end], token_ids=req.pending_ids,
+            finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens or 0,
+            completion_tokens=len(req.output_ids),
+            logprobs=req.pending_logprobs if req.params.logprobs is not None else None, error=req.error)
+        req.sent = end
+        req.pending_ids, req.pending_logprobs = [], []
+        if req.finished:
+            self._requests.pop(req.request_id, None)
+        return out
+
+    # -- conveniences ---------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 constraints: list[TokenConstraint | None] | None = None) -> list[GenerationResult]:
+        """Run ``prompts`` together to completion (tests, benchmarks, offline use)."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids, acc = [], {}
+        start = time.monotonic()
+        for i, prompt in enumerate(prompts):
+            rid = self.add_request(prompt, plist[i], constraint=constraints[i] if constraints else None)
+            ids.append(rid)
+            acc[rid] = GenerationResult(rid, [], "", None, len(prompt), 0,
+                                        [] if plist[i].logprobs is not None else None)
+        done = 0
+        while done < len(ids):
+            for out in self.step():
+                r = acc.get(out.request_id)
+                if r is None:
+                    continue
+                if r.ttft_s is None and out.token_ids:
+                    r.ttft_s = time.monotonic() - start
+                r.token_ids.extend(out.token_ids)
+                r.text += out.text
+                if out.logprobs is not None and r.logprobs is not None:
+                    r.logprobs.extend(out.logprobs)
+                if out.finished:
+                    r.finish_reason, r.cached_tokens, r.error = out.finish_reason, out.cached_tokens, out.error
+                    done += 1
+        return [acc[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting) + self._pending,
+            pages_total=self.pool.capacity, pages_used=self.pool.capacity - self.pool.num_free,
+            pages_free=self.pool.num_free, pages_cached=self.cache.cached_pages,
+            pages_pinned=sum(len(_path_pages(p.node)) for p in s.pins.values()),
+            num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=s.num_preemptions, page_size=self.config.page_size)
+
+
+def _path_pages(node) -> list[int]:
+    pages = []
+    while node is not None:
+        pages.extend(node.pages)
+        node = node.parent
+    return pages

@@ -1,0 +1,115 @@
+"""Load a Hugging Face model directory: config.json + *.safetensors + tokenizer.json.
+
+Dense Llama-family architectures (Llama, Mistral, Qwen2, Qwen3) are read here; MoE
+families add their expert settings to ``ModelConfig.moe``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.loader.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+DENSE_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+def config_from_hf(cfg: dict, source: str) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in DENSE_ARCHITECTURES or a in MOE_ARCHITECTURES), None)
+    if arch is None:
+        supported = sorted(DENSE_ARCHITECTURES) + sorted(MOE_ARCHITECTURES)
+        raise ValueError(f"{source}: architectures {archs} not supported (supported: {supported})")
+    family = DENSE_ARCHITECTURES.get(arch) or MOE_ARCHITECTURES[arch]
+    n_head = int(cfg["num_attention_heads"])
+    moe = {}
+    if arch in MOE_ARCHITECTURES:
+        moe = {"family": family,
+               "num_experts": int(cfg.get("num_local_experts", cfg.get("num_experts", 0))),
+               "top_k": int(cfg.get("num_experts_per_tok", 2)),
+               "moe_intermediate_size": int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))),
+               "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+               "norm_topk_prob": bool(cfg.get("norm_topk_prob", family == "mixtral"))}
+    return ModelConfig(
+        architecture=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg.get("intermediate_size", 1)),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=n_head,
+        num_kv_heads=int(cfg.get("num_key_value_heads", n_head)),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_head),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "qwen2_moe"))),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        moe=moe,
+    )
+
+
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32):
+    """Returns ``(ModelConfig, state_dict, Tokenizer)`` for a Hugging Face model directory."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    cfg = config_from_hf(raw, path)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({k: v.to(dtype) for k, v in load_file(f).items()})
+    return cfg, state, load_hf_tokenizer(path, raw)
+
+
+def load_hf_tokenizer(path: str, model_cfg: dict) -> Tokenizer:
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tok_path):
+        raise FileNotFoundError(f"{path}: no tokenizer.json")
+    hf = HFTokenizer.from_file(tok_path)
+    tc = {}
+    tc_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(tc_path):
+        with open(tc_path) as f:
+            tc = json.load(f)
+    template = tc.get("chat_template")
+    tmpl_file = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.exists(tmpl_file):
+        with open(tmpl_file) as f:
+            template = f.read()
+
+    def _tok_id(value):
+        if isinstance(value, dict):
+            value = value.get("content")
+        return hf.token_to_id(value) if isinstance(value, str) else None
+
+    eos = model_cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    tc_eos = _tok_id(tc.get("eos_token"))
+    if tc_eos is not None and tc_eos not in eos_ids:
+        eos_ids = (tc_eos,) + eos_ids
+    bos = model_cfg.get("bos_token_id")
+    if bos is None:
+        bos = _tok_id(tc.get("bos_token"))
+    return Tokenizer(hf=hf, chat_template=template, bos_token_id=bos, eos_token_ids=eos_ids,
+                     add_bos=bool(tc.get("add_bos_token", False)))

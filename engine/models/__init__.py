@@ -1,0 +1,22 @@
+"""Model definitions (plain torch modules over flattened token batches)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.loader.model_config import ModelConfig
+from engine.models.llama import LlamaModel
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str) -> LlamaModel:
+    """Instantiate the decoder for ``cfg`` and load ``state`` (HF names) into it."""
+    if cfg.moe:
+        from engine.models.moe_model import build_moe_model
+        return build_moe_model(cfg, state, dtype, device)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = model.rope.__class__(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    model.load_hf_state_dict(state)
+    return model.eval()

@@ -1,0 +1,167 @@
+"""``locality``: put experts that fire together, and the tokens that use them, on one rank.
+
+The dispatcher sends a token once per destination rank, so the bytes a layout costs
+are the distinct remote ranks per token. We minimise the expected sends per token
+(``cost.py``: off-rank + ``node_weight`` x off-node) under a rank-load cap, then serve
+each token from the replica on its own rank, else its node (``locality`` policy).
+
+1. Greedy co-activation clustering: experts in decreasing load; each goes to the rank
+   with a free slot and room under the cap that gains most: pairs from that rank (and,
+   weighted, from its node) that become local, plus co-activations with the experts
+   already there that stop needing a second send.
+2. Replicate hot experts within their node: each redundant slot gets the (expert, rank)
+   among the hottest experts and the free slots of nodes already holding the expert
+   that lowers the objective most (replicas also relieve load).
+3. Local search: random slot swaps between ranks and replica re-targets, kept when the
+   objective drops; a fixed evaluation budget and seed make it deterministic.
+Steps 1-3 run from the greedy layout and from the EPLB layout; the better result wins,
+so the plan is never worse than ``balanced`` by this objective.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.moe.config import Topology
+from engine.moe.cost import replica_counts, routing_fractions, load_from_fractions, sends_from_fractions
+from engine.moe.eplb import eplb_phy2log
+from engine.moe.placement import Placement
+from engine.moe.stats import ExpertStats
+
+
+class _Objective:
+    """Expected sends per token plus a steep penalty for rank load above the cap."""
+
+    def __init__(self, stats: ExpertStats, topology: Topology, load_cap: float, node_weight: float):
+        self.source, self.coact = stats.source.numpy(), stats.coact.numpy()
+        self.topology, self.cap, self.node_weight = topology, load_cap, node_weight
+        self.tokens = max(stats.tokens, 1.0)
+        self.e, self.r = self.source.shape[1], topology.world_size
+
+    def load_ratio(self, phy2log: np.ndarray) -> float:
+        d = routing_fractions(replica_counts(phy2log, self.e, self.r), self.topology, "locality")
+        load = load_from_fractions(d, self.source)
+        return float(load.max() / max(load.mean(), 1e-12))
+
+    def __call__(self, phy2log: np.ndarray) -> float:
+        d = routing_fractions(replica_counts(phy2log, self.e, self.r), self.topology, "locality")
+        load = load_from_fractions(d, self.source)
+        ratio = load.max() / max(load.mean(), 1e-12)
+        off_rank, off_node = sends_from_fractions(d, self.source, self.coact, self.topology)
+        return (off_rank + self.node_weight * off_node) / self.tokens + 100.0 * max(0.0, ratio - self.cap)
+
+
+class LocalityPlacement(Placement):
+    """Co-activation clustering under a load cap, source-rank affinity, hot replicas within
+    nodes, same-rank-then-same-node replica choice."""
+
+    name = "locality"
+    replica_policy = "locality"
+
+    def __init__(self, num_redundant: int = 0, load_cap: float = 1.15, node_weight: float = 1.0,
+                 max_evals: int = 3000, seed: int = 0):
+        super().__init__(num_redundant)
+        if load_cap < 1.0:
+            raise ValueError(f"load_cap is a max/mean ratio and must be >= 1, got {load_cap}")
+        if node_weight < 0 or max_evals < 0:
+            raise ValueError("node_weight and max_evals must be >= 0")
+        self.load_cap, self.node_weight, self.max_evals, self.seed = load_cap, node_weight, max_evals, seed
+
+    def fit_phy2log(self, stats: ExpertStats, topology: Topology) -> torch.Tensor:
+        s = self.slots_per_rank(stats.num_experts, topology)
+        obj = _Objective(stats, topology, self.load_cap, self.node_weight)
+        load = stats.load.numpy() + 1e-9
+        starts = [self._replicate(self._cluster(stats, topology, s), obj, s),
+                  eplb_phy2log(load, s * topology.world_size, topology)]
+        results = [self._search(p, obj, s) for p in starts]
+        return torch.from_numpy(min(results, key=obj))
+
+    def score(self, layer, stats: ExpertStats) -> float:
+        obj = _Objective(stats, layer.topology, self.load_cap, self.node_weight)
+        return obj(layer.phy2log.numpy())
+
+    def _cluster(self, stats: ExpertStats, topology: Topology, s: int) -> list[list[int]]:
+        """Step 1: one replica of every expert, greedily clustered. Returns experts per rank."""
+        src, coact = stats.source.numpy(), stats.coact.numpy()
+        load = src.sum(0)
+        r, rpn = topology.world_size, topology.ranks_per_node
+        share = src / np.maximum(load, 1e-30)  # (R, E)
+        node_src = np.stack([src[(i // rpn) * rpn:(i // rpn + 1) * rpn].sum(0) for i in range(r)])  # (R, E)
+        node_share = node_src / np.maximum(load, 1e-30)
+        cap = self.load_cap * load.sum() / r
+        ranks: list[list[int]] = [[] for _ in range(r)]
+        rank_load = np.zeros(r)
+        for e in np.argsort(-load, kind="stable"):
+            free = [i for i in range(r) if len(ranks[i]) < s]
+            fits = [i for i in free if rank_load[i] + load[e] <= cap] or [min(free, key=lambda i: rank_load[i])]
+
+            def gain(i: int) -> float:
+                together = 0.0
+                for f in ranks[i]:
+                    saved = (1 - 0.5 * (share[i, e] + share[i, f])) + self.node_weight * (1 - 0.5 * (node_share[i, e] + node_share[i, f]))
+                    together += coact[e, f] * saved
+                return src[i, e] + self.node_weight * node_src[i, e] + together - 1e-9 * rank_load[i]
+
+            best = max(fits, key=gain)
+            ranks[best].append(int(e))
+            rank_load[best] += load[e]
+        return ranks
+
+    def _replicate(self, ranks: list[list[int]], obj: _Objective, s: int) -> np.ndarray:
+        """Step 2: fill the free slots with replicas of hot experts, inside their nodes first."""
+        rpn = obj.topology.ranks_per_node
+        load = obj.source.sum(0)
+        while any(len(x) < s for x in ranks):
+            count = np.bincount(np.concatenate([np.array(x, dtype=np.int64) for x in ranks]), minlength=obj.e)
+            hot = np.argsort(-(load / count), kind="stable")[: 2 * obj.r]
+            best, best_f = None, np.inf
+            for e in hot:
+                nodes = {i // rpn for i in range(obj.r) if e in ranks[i]}
+                free = [i for i in range(obj.r) if len(ranks[i]) < s and e not in ranks[i]]
+                near = [i for i in free if i // rpn in nodes] or free
+                for i in near:
+                    trial = [x + [int(e)] if j == i else x for j, x in enumerate(ranks)]
+                    f = obj(_flatten(trial, s))
+                    if f < best_f:
+                        best, best_f = (int(e), i), f
+            if best is None:  # every hot expert is already on every free rank: take any absent expert
+                i = next(i for i in range(obj.r) if len(ranks[i]) < s)
+                best = (int(next(e for e in np.argsort(-load) if e not in ranks[i])), i)
+            ranks[best[1]].append(best[0])
+        return _flatten(ranks, s)
+
+    def _search(self, phy2log: np.ndarray, obj: _Objective, s: int) -> np.ndarray:
+        """Step 3: first-improvement local search over random swaps and replica re-targets."""
+        rng = np.random.default_rng(self.seed)
+        cur, f_cur = phy2log.copy(), obj(phy2log)
+        n = len(cur)
+        for _ in range(self.max_evals):
+            a, b = rng.integers(n, size=2)
+            if a // s == b // s or cur[a] == cur[b]:
+                continue
+            new = cur.copy()
+            count = np.bincount(cur, minlength=obj.e)
+            if count[cur[a]] > 1 and rng.random() < 0.3:
+                new[a] = cur[b]  # re-target a replica slot to the expert in slot b
+            else:
+                new[a], new[b] = cur[b], cur[a]
+            if _duplicate(new, a, s) or _duplicate(new, b, s):
+                continue
+            f_new = obj(new)
+            if f_new < f_cur - 1e-12:
+                cur, f_cur = new, f_new
+        return cur
+
+
+def _duplicate(phy2log: np.ndarray, slot: int, s: int) -> bool:
+    """Whether slot's expert appears twice on slot's rank."""
+    r = slot // s
+    return int((phy2log[r * s:(r + 1) * s] == phy2log[slot]).sum()) > 1
+
+
+def _flatten(ranks: list[list[int]], s: int) -> np.ndarray:
+    out = np.full(len(ranks) * s, -1, dtype=np.int64)  # -1: slot still empty
+    for i, x in enumerate(ranks):
+        out[i * s:i * s + len(x)] = sorted(x)
+    return out

@@ -1,0 +1,211 @@
+"""Radix-tree prefix cache over KV pages (RadixAttention, page-aligned).
+
+Each edge holds a run of whole pages: ``key`` is the tokens (a multiple of
+``page_size``), ``pages`` the page ids holding their K/V, ``hashes`` their block
+hashes (contract 1, block == page). Trees are kept per cache salt, so tenants
+with different salts never share a node.
+
+Contracts:
+- ``match_prefix`` returns the longest cached page-aligned prefix; it splits an
+  edge where the match ends inside it. It does not lock: callers lock the node
+  they will use with ``lock`` before the next eviction can run.
+- ``insert`` adds a page-aligned sequence whose pages the caller owns. Pages for
+  positions the tree already holds with *other* page ids are returned as
+  duplicates: the caller frees them and from then on uses the tree's pages.
+- ``lock``/``unlock`` count references on the node and every ancestor; a node
+  with a reference is never evicted.
+- ``evict(n)`` frees up to ``n`` pages from unlocked leaves, least recently used
+  first, and returns how many it freed.
+- ``on_event(kind, hashes, parent)`` (contract 2) is called with ``"stored"`` when
+  pages are added and ``"removed"`` when they are evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable, Sequence
+
+from engine.hashing import block_hashes
+from engine.kv_pool import PagePool
+
+EventCallback = Callable[[str, list[int], "int | None"], None]
+
+
+class Node:
+    __slots__ = ("key", "pages", "hashes", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], hashes: list[int],
+                 parent: "Node | None") -> None:
+        self.key = key
+        self.pages = pages
+        self.hashes = hashes
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+    @property
+    def last_hash(self) -> int | None:
+        return self.hashes[-1] if self.hashes else None
+
+
+class RadixCache:
+    def __init__(self, pool: PagePool, page_size: int, seed_fn: Callable[[str], bytes],
+                 on_event: EventCallback | None = None) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.seed_fn = seed_fn
+        self.on_event = on_event
+        self._roots: dict[str, Node] = {}
+        self._clock = itertools.count(1)
+        self.cached_pages = 0      # pages owned by the tree
+        self.locked_pages = 0      # of which locked (not evictable)
+
+    # -- lookup ---------------------------------------------------------------
+    def root(self, salt: str = "") -> Node:
+        node = self._roots.get(salt)
+        if node is None:
+            node = self._roots[salt] = Node((), [], [], None)
+            node.lock_ref = 1  # roots are never evicted
+        return node
+
+    def _child_key(self, tokens: Sequence[int], pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos:pos + self.page_size])
+
+    def match_prefix(self, tokens: Sequence[int], salt: str = "") -> tuple[list[int], Node]:
+        """(pages of the longest cached prefix of whole pages, the node where it ends)."""
+        P = self.page_size
+        node, pos, pages = self.root(salt), 0, []
+        now = next(self._clock)
+        node.last_access = now
+        while pos + P <= len(tokens):
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            n = self._matching_pages(child.key, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            pages.extend(child.pages)
+            pos += len(child.key)
+            node = child
+            node.last_access = now
+        return pages, node
+
+    def _matching_pages(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+        P, n = self.page_size, 0
+        while (n + 1) * P <= len(key) and pos + (n + 1) * P <= len(tokens):
+            if tuple(tokens[pos + n * P:pos + (n + 1) * P]) != key[n * P:(n + 1) * P]:
+                break
+            n += 1
+        return n
+
+    def _split(self, child: Node, n_pages: int) -> Node:
+        """Cut ``child`` after ``n_pages`` pages; returns the new upper node."""
+        P = self.page_size
+        parent = child.parent
+        upper = Node(child.key[:n_pages * P], child.pages[:n_pages], child.hashes[:n_pages], parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        parent.children[child.key[:P]] = upper
+        child.key, child.pages, child.hashes = (child.key[n_pages * P:], child.pages[n_pages:],
+                                                child.hashes[n_pages:])
+        child.parent = upper
+        upper.children[child.key[:P]] = child
+        return upper
+
+    # -- insert ---------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str = "") -> tuple[Node, list[int]]:
+        """Insert whole pages of ``tokens``; returns (end node, duplicate pages to free)."""
+        P = self.page_size
+        n_pages = len(tokens) // P
+        if len(pages) < n_pages:
+            raise ValueError(f"insert: {n_pages} pages of tokens but only {len(pages)} page ids")
+        node, pos, dups = self.root(salt), 0, []
+        now = next(self._clock)
+        while pos < n_pages * P:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            n = self._matching_pages(child.key, tokens[:n_pages * P], pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            first = pos // P
+            dups.extend(p for p, q in zip(pages[first:first + n], child.pages) if p != q)
+            pos += len(child.key)
+            node = child
+            node.last_access = now
+        if pos < n_pages * P:
+            first = pos // P
+            new_pages = list(pages[first:n_pages])
+            hashes = block_hashes(tokens[pos:n_pages * P], P, self.seed_fn(salt), parent=node.last_hash)
+            leaf = Node(tuple(tokens[pos:n_pages * P]), new_pages, hashes, node)
+            leaf.last_access = now
+            node.children[leaf.key[:P]] = leaf
+            self.cached_pages += len(new_pages)
+            if self.on_event:
+                self.on_event("stored", hashes, node.last_hash)
+            node = leaf
+        return node, dups
+
+    # -- locking --------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            if node.lock_ref == 0:
+                self.locked_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            if node.lock_ref <= 0:
+                raise RuntimeError("radix cache: unlock of a node that is not locked")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.locked_pages -= len(node.pages)
+            node = node.parent
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.cached_pages - self.locked_pages
+
+    # -- eviction -------------------------------------------------------------
+    def _leaves(self) -> list[Node]:
+        out, stack = [], list(self._roots.values())
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n.parent is not None:
+                out.append(n)
+        return out
+
+    def evict(self, n_pages: int) -> int:
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[:self.page_size]]
+            self.pool.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.cached_pages -= len(leaf.pages)
+            if self.on_event:
+                self.on_event("removed", leaf.hashes, parent.last_hash)
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def all_hashes(self) -> list[int]:
+        """Every cached block hash (the worker's snapshot for router resync)."""
+        out, stack = [], list(self._roots.values())
+        while stack:
+            n = stack.pop()
+            out.extend(n.hashes)
+            stack.extend(n.children.values())
+        return out
+
+    def reset(self) -> int:
+        """Drop every unlocked page (flush_cache); returns pages freed."""
+        return self.evict(self.cached_pages)

@@ -1,0 +1,70 @@
+"""A request's state inside the engine: tokens, pages, progress, output text."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.constraints import TokenConstraint
+from engine.tokenizer import IncrementalDetokenizer
+from engine.types import SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    constraint: TokenConstraint | None = None
+    cache_salt: str = ""
+    pin_ttl_s: float | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    # KV: pages[i] holds tokens [i*P, (i+1)*P). The first ``num_tree_pages`` pages are
+    # owned by the radix cache (locked through ``tree_node``); the rest by the request.
+    pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    tree_node: object | None = None
+    num_computed: int = 0          # tokens whose K/V are in ``pages``
+    cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    # output text: ``text`` is all decoded text, ``sent`` how much was streamed
+    text: str = ""
+    sent: int = 0
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to compute before this request can sample (1 while decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

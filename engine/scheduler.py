@@ -1,0 +1,223 @@
+"""Continuous batching with chunked prefill, a radix prefix cache and preemption.
+
+Each step, under a token budget (``max_batched_tokens``):
+1. every running request that is decoding gets one token;
+2. running requests still prefilling get their next chunk;
+3. waiting requests are admitted, oldest first: the longest cached prefix is
+   matched (and locked) in the radix cache, and the next chunk is scheduled.
+Pages come from the free pool; when it runs dry the scheduler evicts unlocked
+cache, then releases session pins (earliest expiry first), then preempts the
+youngest running request: its computed pages go into the cache (so resuming is
+cheap if they survive) and it returns to the front of the waiting queue. A
+request that cannot fit even alone is finished with an error. So every request
+finishes: nothing waits on memory that no one will free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_pool import PagePool
+from engine.radix_cache import Node, RadixCache
+from engine.request import Request, Status
+
+
+@dataclass
+class Pin:
+    node: Node
+    expires_at: float
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    num_new: list[int]      # tokens computed for each request this step
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, cache: RadixCache, page_size: int, max_num_seqs: int,
+                 max_batched_tokens: int, enable_prefix_cache: bool = True) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.P = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.enable_prefix_cache = enable_prefix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pins: dict[str, Pin] = {}
+        self.num_preemptions = 0
+        self.failed: list[Request] = []   # finished by the scheduler; the engine reports them
+
+    # -- pages ----------------------------------------------------------------
+    def _pages_for(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.P) - len(req.pages))
+
+    def _free_up(self, n: int) -> bool:
+        """Make ``n`` pages free by evicting cache, then releasing pins."""
+        if self.pool.num_free < n:
+            self.cache.evict(n - self.pool.num_free)
+        while self.pool.num_free < n and self.pins:
+            pin_id = min(self.pins, key=lambda k: self.pins[k].expires_at)
+            self.unpin(pin_id)
+            self.cache.evict(n - self.pool.num_free)
+        return self.pool.num_free >= n
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self._pages_for(req, num_tokens)
+        if need and not self._free_up(need):
+            return False
+        req.pages.extend(self.pool.alloc(need))
+        return True
+
+    # -- pins -----------------------------------------------------------------
+    def pin(self, pin_id: str, tokens: list[int], ttl_s: float, salt: str = "") -> int:
+        """Lock the cached prefix of ``tokens`` for ``ttl_s`` seconds; returns pinned tokens."""
+        self.unpin(pin_id)
+        pages, node = self.cache.match_prefix(tokens, salt)
+        if not pages:
+            return 0
+        self.cache.lock(node)
+        self.pins[pin_id] = Pin(node, time.monotonic() + ttl_s)
+        return len(pages) * self.P
+
+    def unpin(self, pin_id: str) -> None:
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self.cache.unlock(pin.node)
+
+    def expire_pins(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for pin_id in [k for k, p in self.pins.items() if p.expires_at <= now]:
+            self.unpin(pin_id)
+
+    # -- cache hand-over ------------------------------------------------------
+    def _match(self, req: Request) -> None:
+        """Start a (re)admitted request from the longest cached prefix."""
+        if self.enable_prefix_cache:
+            # at least one token must be computed to produce logits
+            limit = ((req.num_tokens - 1) // self.P) * self.P
+            pages, node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
+        else:
+            pages, node = [], self.cache.root(req.cache_salt)
+        self.cache.lock(node)
+        req.tree_node, req.pages, req.num_tree_pages = node, list(pages), len(pages)
+        req.num_computed = len(pages) * self.P
+
+    def cache_request(self, req: Request) -> Node:
+        """Hand the request's full computed pages to the radix cache and adopt the tree's pages."""
+        n_full = req.num_computed // self.P
+        node = req.tree_node
+        if self.enable_prefix_cache and n_full > req.num_tree_pages:
+            tokens = req.all_ids[:n_full * self.P]
+            _, dups = self.cache.insert(tokens, req.pages[:n_full], req.cache_salt)
+            pages, node = self.cache.match_prefix(tokens, req.cache_salt)
+            if dups:
+                self.pool.free(dups)
+            req.pages[:n_full] = pages
+            self.cache.lock(node)
+            self.cache.unlock(req.tree_node)
+            req.tree_node, req.num_tree_pages = node, n_full
+        return node
+
+    def release(self, req: Request) -> None:
+        """Give back everything the request holds (its full pages go to the cache first)."""
+        if req.tree_node is None:
+            return
+        node = self.cache_request(req)
+        if req.pin_ttl_s and req.finished and req.num_tree_pages:
+            self.cache.lock(node)
+            self.unpin(req.request_id)
+            self.pins[req.request_id] = Pin(node, time.monotonic() + req.pin_ttl_s)
+        self.pool.free(req.pages[req.num_tree_pages:])
+        self.cache.unlock(req.tree_node)
+        req.pages, req.tree_node, req.num_tree_pages = [], None, 0
+        req.num_computed = 0
+
+    def preempt(self, req: Request) -> None:
+        self.release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- the step -------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_batched_tokens
+        batch = ScheduledBatch([], [])
+        # decoding requests first (oldest first), then running prefills
+        order = sorted(self.running, key=lambda r: (r.remaining_prefill > 1, r.arrival))
+        for req in order:
+            if req.status is not Status.RUNNING or budget <= 0:
+                continue
+            n = min(req.remaining_prefill, budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = self._youngest_unscheduled(batch, exclude=req)
+                if victim is None:
+                    break
+                self.preempt(victim)
+            else:
+                batch.requests.append(req)
+                batch.num_new.append(n)
+                budget -= n
+                continue
+            # nothing left to preempt: this request cannot grow now
+            if not batch.requests:
+                # alone and with the whole cache evicted it still does not fit: it never will
+                self._fail(req, "the request does not fit in the KV cache")
+            else:
+                self.preempt(req)
+        # admit waiting requests
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self._match(req)
+            n = min(req.remaining_prefill, budget)
+            if not self._grow(req, req.num_computed + n):
+                self.release(req)
+                if not self.running and not batch.requests:
+                    self.waiting.popleft()
+                    self._fail(req, "the request does not fit in the KV cache")
+                    continue
+                break
+            self.waiting.popleft()
+            if req.cached_tokens is None:
+                req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new.append(n)
+            budget -= n
+        return batch
+
+    def _youngest_unscheduled(self, batch: ScheduledBatch, exclude: Request) -> Request | None:
+        scheduled = set(map(id, batch.requests))
+        for req in sorted(self.running, key=lambda r: r.arrival, reverse=True):
+            if req is not exclude and id(req) not in scheduled:
+                return req
+        return None
+
+    def _fail(self, req: Request, message: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        req.status = Status.FINISHED
+        if req.output_ids:
+            req.finish_reason = "length"   # it ran out of room while generating
+        else:
+            req.finish_reason, req.error = "error", message
+        self.release(req)
+        self.failed.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished (or aborted) request and free what it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.release(req)
