@@ -65,6 +65,9 @@ class RouterConfig:
     def snapshot_key(self, worker_id: str) -> str:
         return f"{self.key_prefix}worker:{worker_id}:blocks"
 
+    def snapshot_seq_key(self, worker_id: str) -> str:
+        return f"{self.key_prefix}worker:{worker_id}:blocks_seq"
+
     @property
     def workers_set_key(self) -> str:
         return f"{self.key_prefix}workers:{self.deployment}"

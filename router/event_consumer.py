@@ -1,0 +1,181 @@
+"""Router side of contract 2: read the KV event stream into the ``PrefixIndex``.
+
+One ``KVEventConsumer`` per router replica, on the router's event loop. It reads the
+deployment's stream with blocking ``XREAD``, decodes each entry with the bounded
+``decode_event`` (undecodable entries are counted in ``stats.malformed``, logged and
+skipped), and applies it. Per worker it remembers the next expected ``seq``; a gap, a
+``cleared`` event or a worker it has no baseline for triggers ``resync(worker)``: the
+worker's entries are replaced by its snapshot (``SnapshotSource``) and events already
+reflected in the snapshot (``seq <= snapshot.seq``) are skipped.
+
+The snapshot source is injectable: ``RedisSnapshotSource`` reads the set the worker's
+``KVEventPublisher`` maintains; phase 2 may pass one that asks the worker over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from router.config import RouterConfig
+from router.events import EventDecodeError, KVEvent, decode_event, unpack_hash
+from router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A worker's cached block hashes as of event ``seq`` (-1: before any event)."""
+
+    seq: int
+    hashes: tuple[int, ...]
+
+
+SnapshotSource = Callable[[str], Awaitable[Snapshot]]
+
+
+class RedisSnapshotSource:
+    """Reads the snapshot set and its seq, atomically, from Redis."""
+
+    def __init__(self, client: aioredis.Redis, config: RouterConfig) -> None:
+        self._redis, self._config = client, config
+
+    async def __call__(self, worker_id: str) -> Snapshot:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.smembers(self._config.snapshot_key(worker_id))
+        pipe.get(self._config.snapshot_seq_key(worker_id))
+        members, seq = await pipe.execute()
+        return Snapshot(-1 if seq is None else int(seq),
+                        tuple(sorted(unpack_hash(m) for m in members)))
+
+
+@dataclass
+class ConsumerStats:
+    applied: int = 0
+    malformed: int = 0
+    skipped: int = 0  # already reflected in a snapshot, or out of order
+    gaps: int = 0
+    resyncs: int = 0
+    per_kind: dict = field(default_factory=dict)
+
+
+class KVEventConsumer:
+    def __init__(self, client: aioredis.Redis, config: RouterConfig, index: PrefixIndex,
+                 snapshot_source: SnapshotSource | None = None) -> None:
+        self._redis = client
+        self.config = config
+        self.index = index
+        self.snapshot_source = snapshot_source or RedisSnapshotSource(client, config)
+        self.stats = ConsumerStats()
+        self._next_seq: dict[str, int] = {}
+        self._last_id = "0-0"
+        self._task: asyncio.Task | None = None
+
+    async def bootstrap(self, worker_ids: list[str]) -> None:
+        """Start from now: note the stream's tail, then load every worker's snapshot.
+
+        Events written between the two are read afterwards and skipped by seq."""
+        tail = await self._redis.xrevrange(self.config.events_stream_key, count=1)
+        self._last_id = tail[0][0].decode() if tail else "0-0"
+        for wid in worker_ids:
+            await self.resync(wid)
+
+    async def resync(self, worker_id: str, min_next_seq: int = 0) -> None:
+        """Replace ``worker_id``'s index entries with its snapshot; events before
+        ``max(snapshot.seq + 1, min_next_seq)`` are skipped from now on."""
+        snap = await self.snapshot_source(worker_id)
+        self.index.replace_worker(worker_id, snap.hashes)
+        self._next_seq[worker_id] = max(snap.seq + 1, min_next_seq)
+        self.stats.resyncs += 1
+        log.info("resynced %s from snapshot at seq %d (%d blocks)", worker_id, snap.seq,
+                 len(snap.hashes))
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker is dead: drop its entries; its next event triggers a resync."""
+        self.index.clear_worker(worker_id)
+        self._next_seq.pop(worker_id, None)
+
+    async def poll(self, block_ms: int = 1000, count: int = 1000) -> int:
+        """Read and apply one batch (waiting up to ``block_ms``); returns entries read."""
+        reply = await self._redis.xread({self.config.events_stream_key: self._last_id},
+                                        count=count, block=block_ms)
+        n = 0
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id.decode()
+                n += 1
+                await self._handle(fields.get(b"e"))
+        return n
+
+    async def _handle(self, payload: bytes | None) -> None:
+        try:
+            if payload is None:
+                raise EventDecodeError("stream entry has no 'e' field")
+            event = decode_event(payload, self.config.event_max_bytes,
+                                 self.config.event_max_hashes)
+        except EventDecodeError as e:
+            self.stats.malformed += 1
+            log.warning("skipping undecodable KV event on %s: %s",
+                        self.config.events_stream_key, e)
+            return
+        await self.apply(event)
+
+    async def apply(self, event: KVEvent) -> None:
+        expected = self._next_seq.get(event.worker)
+        if event.kind == "cleared":
+            self.index.clear_worker(event.worker)
+            await self.resync(event.worker, min_next_seq=event.seq + 1)
+            self._count(event)
+            return
+        if expected is not None and event.seq < expected:
+            self.stats.skipped += 1
+            return
+        if expected is None or event.seq > expected:
+            self.stats.gaps += 1
+            log.info("KV event gap for %s: expected seq %s, got %d", event.worker, expected,
+                     event.seq)
+            await self.resync(event.worker)
+            if event.seq < self._next_seq[event.worker]:
+                self.stats.skipped += 1
+                return
+        if event.kind == "stored":
+            self.index.stored(event.worker, event.hashes)
+        else:
+            self.index.removed(event.worker, event.hashes)
+        self._next_seq[event.worker] = event.seq + 1
+        self._count(event)
+
+    def _count(self, event: KVEvent) -> None:
+        self.stats.applied += 1
+        self.stats.per_kind[event.kind] = self.stats.per_kind.get(event.kind, 0) + 1
+
+    async def run(self, block_ms: int = 1000) -> None:
+        """Poll forever. A failed read or resync is logged and retried after a second:
+        the consumer must outlive a Redis restart or a worker that cannot serve a snapshot."""
+        while True:
+            try:
+                await self.poll(block_ms)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reading KV events failed; retrying in 1 s")
+                await asyncio.sleep(1.0)
+
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="kv-events")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

@@ -1,0 +1,201 @@
+"""KV events (contract 2): the msgpack codec and the worker-side publisher.
+
+An event is ``{"worker": id, "seq": n, "kind": "stored"|"removed"|"cleared",
+"hashes": [...], "parent": hash|None, "ts": ms}``. ``seq`` is per worker and
+monotonic. ``decode_event`` is the only way a router reads one: bounded size, strict
+types, msgpack only (no pickle, no ext types); anything else raises
+``EventDecodeError`` and the consumer counts, logs and skips it. Unknown extra keys
+are ignored so a newer worker can add fields without blinding older routers.
+
+Snapshot (for resynchronisation): in the same Redis transaction as each event, the
+publisher keeps the set of the worker's cached block hashes (8-byte little-endian
+members) at ``config.snapshot_key(worker)`` and the seq it reflects at
+``config.snapshot_seq_key(worker)``. A router that sees a gap reads
+both atomically (``router.event_consumer.RedisSnapshotSource``) and skips events with
+``seq <= snapshot seq``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import redis
+
+from router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+KINDS = ("stored", "removed", "cleared")
+_U64 = 1 << 64
+_MAX_WORKER_ID = 256
+
+
+class EventDecodeError(ValueError):
+    """Bytes that are not a valid contract-2 KV event."""
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    worker: str
+    seq: int
+    kind: str
+    hashes: tuple[int, ...]
+    parent: int | None
+    ts: int
+
+    def __post_init__(self) -> None:
+        _check_event(self.worker, self.seq, self.kind, self.hashes, self.parent, self.ts)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_event(worker, seq, kind, hashes, parent, ts) -> None:
+    if not isinstance(worker, str) or not 0 < len(worker) <= _MAX_WORKER_ID:
+        raise EventDecodeError(f"worker must be a non-empty string of <= {_MAX_WORKER_ID} chars")
+    if not _is_int(seq) or seq < 0:
+        raise EventDecodeError(f"seq must be an integer >= 0, got {seq!r}")
+    if kind not in KINDS:
+        raise EventDecodeError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not all(_is_int(h) and 0 <= h < _U64 for h in hashes):
+        raise EventDecodeError("hashes must be unsigned 64-bit integers")
+    if parent is not None and not (_is_int(parent) and 0 <= parent < _U64):
+        raise EventDecodeError(f"parent must be None or an unsigned 64-bit integer, got {parent!r}")
+    if not _is_int(ts) or ts < 0:
+        raise EventDecodeError(f"ts must be an integer >= 0 (ms), got {ts!r}")
+
+
+def encode_event(event: KVEvent) -> bytes:
+    return msgpack.packb({"worker": event.worker, "seq": event.seq, "kind": event.kind,
+                          "hashes": list(event.hashes), "parent": event.parent, "ts": event.ts})
+
+
+def decode_event(data: bytes, max_bytes: int = 1 << 20, max_hashes: int = 65_536) -> KVEvent:
+    """Decode and validate one event; raises ``EventDecodeError`` on anything unexpected."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise EventDecodeError(f"event payload must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise EventDecodeError(f"event of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
+                              max_array_len=max_hashes, max_map_len=32, max_str_len=4096,
+                              max_bin_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise EventDecodeError(f"not a msgpack event: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise EventDecodeError(f"event must be a map, got {type(obj).__name__}")
+    missing = {"worker", "seq", "kind", "hashes", "parent", "ts"} - obj.keys()
+    if missing:
+        raise EventDecodeError(f"event lacks {sorted(missing)}")
+    hashes = obj["hashes"]
+    if not isinstance(hashes, list):
+        raise EventDecodeError(f"hashes must be a list, got {type(hashes).__name__}")
+    _check_event(obj["worker"], obj["seq"], obj["kind"], hashes, obj["parent"], obj["ts"])
+    return KVEvent(obj["worker"], obj["seq"], obj["kind"], tuple(hashes), obj["parent"], obj["ts"])
+
+
+def pack_hash(h: int) -> bytes:
+    return h.to_bytes(8, "little")
+
+
+def unpack_hash(b: bytes) -> int:
+    if len(b) != 8:
+        raise EventDecodeError(f"snapshot member must be 8 bytes, got {len(b)}")
+    return int.from_bytes(b, "little")
+
+
+class KVEventPublisher:
+    """Worker side: turns radix-cache callbacks into stream entries, off the engine thread.
+
+    ``publish(kind, hashes, parent)`` matches the cache's ``on_event`` callback; it only
+    assigns the next seq and enqueues (never blocks on Redis). A daemon thread writes
+    batches: per event one ``XADD`` (``MAXLEN ~ config.events_maxlen``) plus the matching
+    snapshot update, in one ``MULTI`` transaction. ``start`` publishes a ``cleared``
+    event first, so a worker that comes back wipes its stale entries in every router.
+    """
+
+    def __init__(self, config: RouterConfig, worker_id: str,
+                 client: redis.Redis | None = None) -> None:
+        if not worker_id or len(worker_id) > _MAX_WORKER_ID:
+            raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID} characters")
+        self.config = config
+        self.worker_id = worker_id
+        self._redis = client or redis.Redis.from_url(config.redis_url)
+        self._queue: queue.Queue[KVEvent | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self.published = 0
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("publisher already started")
+        self.publish("cleared", [], None)
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{self.worker_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def publish(self, kind: str, hashes: list[int], parent: int | None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        with self._lock:
+            event = KVEvent(self.worker_id, self._seq, kind, tuple(hashes), parent,
+                            int(time.time() * 1000))
+            self._seq += 1
+            self._queue.put(event)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every event published so far is in Redis."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._queue.unfinished_tasks} KV events not yet written")
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < 512:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            events = [e for e in batch if e is not None]
+            try:
+                if events:
+                    self._write(events)
+            except redis.RedisError:
+                log.exception("KV events %d..%d of %s lost; routers will resync on the gap",
+                              events[0].seq, events[-1].seq, self.worker_id)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if len(events) < len(batch):
+                return
+
+    def _write(self, events: list[KVEvent]) -> None:
+        cfg, snap = self.config, self.config.snapshot_key(self.worker_id)
+        pipe = self._redis.pipeline(transaction=True)
+        for e in events:
+            if e.kind == "cleared":
+                pipe.delete(snap)
+            elif e.kind == "stored" and e.hashes:
+                pipe.sadd(snap, *map(pack_hash, e.hashes))
+            elif e.kind == "removed" and e.hashes:
+                pipe.srem(snap, *map(pack_hash, e.hashes))
+            pipe.xadd(cfg.events_stream_key, {"e": encode_event(e)},
+                      maxlen=cfg.events_maxlen, approximate=True)
+        pipe.set(cfg.snapshot_seq_key(self.worker_id), events[-1].seq)
+        pipe.execute()

@@ -1,0 +1,222 @@
+"""Session records and their stores: the ``SessionStore`` interface and its Redis implementation.
+
+A session record is the source of truth that lets any worker rebuild a session after a
+failure (contract 3). Turns are idempotent (contract 4): ``append_turn_once`` appends a
+turn's messages and reply only if its ``turn_id`` was never recorded, atomically, so two
+routers replaying the same turn never append twice; the loser gets the recorded reply.
+
+Redis layout: ``session:<id>`` holds the msgpack record; ``sessions`` is a sorted set of
+ids scored by last update (ms). Every recorded turn id is kept for the session's life
+(the record's size limit bounds it). Decoding is bounded (``session_max_bytes``) and
+type-checked; a record that fails is reported as ``SessionDecodeError``, never guessed at.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from router.config import RouterConfig
+
+RECORD_VERSION = 1
+
+
+class SessionNotFound(KeyError):
+    """No session with that id."""
+
+
+class SessionExists(ValueError):
+    """``create`` with an id that is already taken."""
+
+
+class SessionDecodeError(ValueError):
+    """A stored session record is corrupt, too large, or of an unknown version."""
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class SessionRecord:
+    """One session. ``messages``: OpenAI-style message dicts in order; ``turns``: turn id ->
+    the reply recorded for it; ``turn``: turns appended so far; ``pinned_until_ms``: the
+    KV pin deadline (0: none); ``last_worker``: where its last turn ran."""
+
+    session_id: str
+    tenant: str = ""
+    model: str = ""
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+    pinned_until_ms: int = 0
+    last_worker: str | None = None
+    turn: int = 0
+    turns: dict[str, dict] = field(default_factory=dict)
+    created_ms: int = 0
+    updated_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.session_id, str) or not 0 < len(self.session_id) <= 256:
+            raise ValueError("session_id must be a string of 1..256 characters")
+
+
+class SessionStore:
+    """Where session records live. Implementations: ``RedisSessionStore`` (here, shared by
+    router replicas) and the in-process store of the embedded server (agentrt/).
+
+    Contracts: ``get`` raises ``SessionNotFound``; ``create`` raises ``SessionExists`` and
+    fills ``created_ms``/``updated_ms``; ``append_turn_once`` raises ``SessionNotFound``,
+    and is atomic: if ``turn_id`` is recorded it changes nothing and returns
+    ``(record, False)``, else it appends ``messages`` then ``reply``, records
+    ``turns[turn_id] = reply``, increments ``turn``, sets ``last_worker`` when given, and
+    returns ``(new record, True)``. Returned records are copies the caller may mutate.
+    """
+
+    async def get(self, session_id: str) -> SessionRecord:
+        raise NotImplementedError
+
+    async def create(self, record: SessionRecord) -> SessionRecord:
+        raise NotImplementedError
+
+    async def append_turn_once(self, session_id: str, turn_id: str, messages: list[dict],
+                               reply: dict, *, last_worker: str | None = None
+                               ) -> tuple[SessionRecord, bool]:
+        raise NotImplementedError
+
+    async def delete(self, session_id: str) -> bool:
+        """Remove the session; False if it did not exist."""
+        raise NotImplementedError
+
+    async def list(self, tenant: str | None = None, limit: int = 100) -> list[str]:
+        """Up to ``limit`` session ids, most recently updated first, of ``tenant`` if given."""
+        raise NotImplementedError
+
+
+def apply_turn(record: SessionRecord, turn_id: str, messages: list[dict], reply: dict,
+               last_worker: str | None) -> SessionRecord:
+    """The record after appending one new turn (shared by every store implementation)."""
+    if not turn_id:
+        raise ValueError("turn_id must be non-empty")
+    if not all(isinstance(m, dict) for m in messages) or not isinstance(reply, dict):
+        raise ValueError("messages must be a list of dicts and reply a dict")
+    return replace(record, messages=[*record.messages, *messages, reply],
+                   turns={**record.turns, turn_id: reply}, turn=record.turn + 1,
+                   last_worker=last_worker if last_worker is not None else record.last_worker,
+                   updated_ms=_now_ms())
+
+
+def encode_record(record: SessionRecord) -> bytes:
+    return msgpack.packb({"v": RECORD_VERSION, **asdict(record)})
+
+
+_FIELD_TYPES = {"session_id": str, "tenant": str, "model": str, "messages": list, "tools": list,
+                "settings": dict, "pinned_until_ms": int, "last_worker": (str, type(None)),
+                "turn": int, "turns": dict, "created_ms": int, "updated_ms": int}
+
+
+def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
+    if len(data) > max_bytes:
+        raise SessionDecodeError(f"session record of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise SessionDecodeError(f"session record is not msgpack: {e}") from None
+    if not isinstance(obj, dict) or obj.get("v") != RECORD_VERSION:
+        raise SessionDecodeError("session record is not a map of a known version")
+    obj.pop("v")
+    if set(obj) != set(_FIELD_TYPES):
+        raise SessionDecodeError(f"session record fields {sorted(obj)} are not the expected ones")
+    for name, typ in _FIELD_TYPES.items():
+        if not isinstance(obj[name], typ) or isinstance(obj[name], bool):
+            raise SessionDecodeError(f"session field {name} has type {type(obj[name]).__name__}")
+    return SessionRecord(**obj)
+
+
+class RedisSessionStore(SessionStore):
+    """Records as msgpack under ``config.session_key(id)``; atomic turns via WATCH/MULTI."""
+
+    def __init__(self, client: aioredis.Redis, config: RouterConfig, max_retries: int = 64) -> None:
+        self._redis = client
+        self.config = config
+        self.max_retries = max_retries
+
+    async def get(self, session_id: str) -> SessionRecord:
+        raw = await self._redis.get(self.config.session_key(session_id))
+        if raw is None:
+            raise SessionNotFound(session_id)
+        return decode_record(raw, self.config.session_max_bytes)
+
+    async def create(self, record: SessionRecord) -> SessionRecord:
+        now = _now_ms()
+        record = replace(record, created_ms=record.created_ms or now, updated_ms=now)
+        data = self._encode(record)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self.config.session_key(record.session_id), data, nx=True)
+        pipe.zadd(self.config.sessions_set_key, {record.session_id: now})
+        created, _ = await pipe.execute()
+        if not created:
+            raise SessionExists(record.session_id)
+        return record
+
+    async def append_turn_once(self, session_id: str, turn_id: str, messages: list[dict],
+                               reply: dict, *, last_worker: str | None = None
+                               ) -> tuple[SessionRecord, bool]:
+        key = self.config.session_key(session_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for _ in range(self.max_retries):
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        raise SessionNotFound(session_id)
+                    record = decode_record(raw, self.config.session_max_bytes)
+                    if turn_id in record.turns:
+                        await pipe.unwatch()
+                        return record, False
+                    new = apply_turn(record, turn_id, messages, reply, last_worker)
+                    pipe.multi()
+                    pipe.set(key, self._encode(new))
+                    pipe.zadd(self.config.sessions_set_key, {session_id: new.updated_ms})
+                    await pipe.execute()
+                    return new, True
+                except WatchError:
+                    continue
+                finally:
+                    await pipe.reset()
+        raise RuntimeError(f"session {session_id}: {self.max_retries} concurrent updates in a row")
+
+    async def delete(self, session_id: str) -> bool:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.config.session_key(session_id))
+        pipe.zrem(self.config.sessions_set_key, session_id)
+        deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    async def list(self, tenant: str | None = None, limit: int = 100) -> list[str]:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        ids = [m.decode() for m in await self._redis.zrevrange(self.config.sessions_set_key, 0, -1)]
+        if tenant is None:
+            return ids[:limit]
+        out = []
+        for sid in ids:
+            if len(out) >= limit:
+                break
+            try:
+                if (await self.get(sid)).tenant == tenant:
+                    out.append(sid)
+            except SessionNotFound:
+                continue
+        return out
+
+    def _encode(self, record: SessionRecord) -> bytes:
+        data = encode_record(record)
+        if len(data) > self.config.session_max_bytes:
+            raise ValueError(f"session {record.session_id} would be {len(data)} bytes, over the "
+                             f"{self.config.session_max_bytes}-byte limit")
+        return data

@@ -1,0 +1,245 @@
+"""KV events: codec limits, publisher -> stream -> consumer -> index, gaps, cleared, garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import msgpack
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from router.config import RouterConfig
+from router.event_consumer import KVEventConsumer, Snapshot
+from router.events import (EventDecodeError, KVEvent, KVEventPublisher, decode_event,
+                           encode_event)
+from router.index import PrefixIndex
+
+
+def test_codec_roundtrip():
+    ev = KVEvent("w1", 7, "stored", (1, 2**64 - 1), None, 123)
+    assert decode_event(encode_event(ev)) == ev
+    extra = msgpack.packb({"worker": "w1", "seq": 0, "kind": "cleared", "hashes": [],
+                           "parent": 5, "ts": 0, "medium": "gpu"})
+    assert decode_event(extra).parent == 5
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\xc1", "not a msgpack"),
+    (msgpack.packb([1, 2]), "must be a map"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": []}), "lacks"),
+    (msgpack.packb({"worker": "w", "seq": -1, "kind": "stored", "hashes": [], "parent": None,
+                    "ts": 0}), "seq"),
+    (msgpack.packb({"worker": "w", "seq": True, "kind": "stored", "hashes": [], "parent": None,
+                    "ts": 0}), "seq"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "evicted", "hashes": [], "parent": None,
+                    "ts": 0}), "kind"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": ["1"], "parent": None,
+                    "ts": 0}), "hashes"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": [-1], "parent": None,
+                    "ts": 0}), "hashes"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": list(range(11)),
+                    "parent": None, "ts": 0}), "not a msgpack"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": [],
+                    "parent": msgpack.ExtType(1, b"x"), "ts": 0}), "not a msgpack"),
+    (pickle.dumps({"worker": "w"}), "not a msgpack"),
+    (b"\x00" * 5000, "exceeds"),
+])
+def test_decode_rejects(payload, match):
+    with pytest.raises(EventDecodeError, match=match):
+        decode_event(payload, max_bytes=4096, max_hashes=10)
+
+
+def _cfg(url):
+    return RouterConfig(redis_url=url)
+
+
+async def _drain(consumer):
+    while await consumer.poll(block_ms=50):
+        pass
+
+
+def _publisher(url, wid="w1"):
+    cfg = _cfg(url)
+    pub = KVEventPublisher(cfg, wid, redis.Redis.from_url(url))
+    pub.start()
+    return pub
+
+
+def test_events_reach_index(redis_url):
+    pub = _publisher(redis_url)
+    pub.publish("stored", [10, 11, 12], None)
+    pub.publish("stored", [13], 12)
+    pub.publish("removed", [13], None)
+    pub.flush()
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+        consumer = KVEventConsumer(client, _cfg(redis_url), index)
+        await _drain(consumer)
+        await client.aclose()
+        return index, consumer.stats
+    index, stats = asyncio.run(body())
+    pub.close()
+    assert index.match([10, 11, 12, 13]) == {"w1": 3}
+    assert stats.malformed == 0 and stats.gaps == 0
+    # `cleared` resyncs from the snapshot, which already reflects the later events.
+    assert stats.per_kind == {"cleared": 1} and stats.skipped == 3
+
+
+def test_events_apply_one_by_one_after_baseline(redis_url):
+    cfg = _cfg(redis_url)
+    sync = redis.Redis.from_url(redis_url)
+    for ev in [KVEvent("w1", 0, "cleared", (), None, 0), KVEvent("w1", 1, "stored", (1, 2), None, 0),
+               KVEvent("w2", 0, "cleared", (), None, 0), KVEvent("w2", 1, "stored", (1,), None, 0),
+               KVEvent("w1", 2, "removed", (2,), None, 0)]:
+        sync.xadd(cfg.events_stream_key, {"e": encode_event(ev)})
+    sync.close()
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+
+        async def empty(wid):
+            return Snapshot(-1, ())
+        consumer = KVEventConsumer(client, cfg, index, snapshot_source=empty)
+        await _drain(consumer)
+        await client.aclose()
+        return index, consumer.stats
+    index, stats = asyncio.run(body())
+    assert index.match([1, 2]) == {"w1": 1, "w2": 1}
+    assert stats.per_kind == {"cleared": 2, "stored": 2, "removed": 1} and stats.gaps == 0
+
+
+def test_seq_gap_triggers_resync_from_snapshot(redis_url):
+    cfg = _cfg(redis_url)
+    pub = _publisher(redis_url)
+    pub.publish("stored", [1, 2], None)
+    pub.flush()
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+        consumer = KVEventConsumer(client, cfg, index)
+        await _drain(consumer)
+        # Lose one event on the wire: the snapshot has it, the stream does not.
+        sync = redis.Redis.from_url(redis_url)
+        sync.sadd(cfg.snapshot_key("w1"), (3).to_bytes(8, "little"))
+        sync.set(cfg.snapshot_seq_key("w1"), 2)
+        sync.xadd(cfg.events_stream_key,
+                  {"e": encode_event(KVEvent("w1", 3, "stored", (4,), 3, 0))})
+        sync.close()
+        await _drain(consumer)
+        await client.aclose()
+        return index, consumer.stats
+    index, stats = asyncio.run(body())
+    pub.close()
+    assert stats.gaps == 1
+    assert index.match([1, 2, 3]) == {"w1": 3}  # block 3 came from the snapshot
+    assert index.holders(4) == {"w1"}            # the event after the gap still applied
+
+
+def test_cleared_drops_stale_entries_of_returning_worker(redis_url):
+    pub = _publisher(redis_url)
+    pub.publish("stored", [1, 2, 3], None)
+    pub.flush()
+    pub.close()
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+        consumer = KVEventConsumer(client, _cfg(redis_url), index)
+        await _drain(consumer)
+        before = index.match([1, 2, 3])
+        again = _publisher(redis_url)  # the worker restarts: seq starts over with `cleared`
+        again.publish("stored", [7], None)
+        again.flush()
+        again.close()
+        await _drain(consumer)
+        await client.aclose()
+        return before, index, consumer.stats
+    before, index, stats = asyncio.run(body())
+    assert before == {"w1": 3}
+    assert index.match([1, 2, 3]) == {}
+    assert index.holders(7) == {"w1"}
+    assert stats.gaps == 0
+
+
+def test_malformed_events_counted_and_skipped(redis_url):
+    cfg = _cfg(redis_url)
+    sync = redis.Redis.from_url(redis_url)
+    good = [KVEvent("w1", 0, "cleared", (), None, 0), KVEvent("w1", 1, "stored", (5, 6), None, 0)]
+    sync.xadd(cfg.events_stream_key, {"e": encode_event(good[0])})
+    sync.xadd(cfg.events_stream_key, {"e": b"\xc1\xc1"})
+    sync.xadd(cfg.events_stream_key, {"e": pickle.dumps(["stored"])})
+    sync.xadd(cfg.events_stream_key, {"other": b"x"})
+    sync.xadd(cfg.events_stream_key, {"e": b"\x00" * (cfg.event_max_bytes + 1)})
+    sync.xadd(cfg.events_stream_key, {"e": encode_event(good[1])})
+    sync.close()
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+        resyncs = []
+
+        async def snapshot(wid):
+            resyncs.append(wid)
+            return Snapshot(-1, ())
+        consumer = KVEventConsumer(client, cfg, index, snapshot_source=snapshot)
+        await _drain(consumer)
+        await client.aclose()
+        return index, consumer.stats, resyncs
+    index, stats, resyncs = asyncio.run(body())
+    assert stats.malformed == 4
+    assert stats.applied == 2
+    assert index.match([5, 6]) == {"w1": 2}
+    assert resyncs == ["w1"]  # the `cleared` only
+
+
+def test_bootstrap_loads_snapshots_and_skips_older_events(redis_url):
+    pub = _publisher(redis_url)
+    pub.publish("stored", [1, 2], None)
+    pub.publish("removed", [2], None)
+    pub.flush()
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+        consumer = KVEventConsumer(client, _cfg(redis_url), index)
+        await consumer.bootstrap(["w1"])
+        pub.publish("stored", [9], None)
+        pub.flush()
+        await _drain(consumer)
+        consumer.forget_worker("w1")
+        forgotten = len(index)
+        await client.aclose()
+        return index, consumer.stats, forgotten
+    index, stats, forgotten = asyncio.run(body())
+    pub.close()
+    assert stats.resyncs == 1 and stats.gaps == 0
+    assert stats.applied == 1  # only the event after the snapshot
+    assert forgotten == 0
+
+
+def test_consumer_task_runs_until_stopped(redis_url):
+    pub = _publisher(redis_url)
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex()
+        consumer = KVEventConsumer(client, _cfg(redis_url), index)
+        consumer.start()
+        pub.publish("stored", [42], None)
+        pub.flush()
+        for _ in range(200):
+            if index.holders(42):
+                break
+            await asyncio.sleep(0.02)
+        await consumer.stop()
+        await client.aclose()
+        return index
+    index = asyncio.run(body())
+    pub.close()
+    assert index.holders(42) == {"w1"}

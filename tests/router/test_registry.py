@@ -1,0 +1,111 @@
+"""Worker registry against a real redis-server: registration, heartbeat expiry, loads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from router.config import RouterConfig
+from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_registry(url, body, **cfg):
+    client = aioredis.Redis.from_url(url)
+    try:
+        return await body(WorkerRegistry(client, RouterConfig(redis_url=url, **cfg)), client)
+    finally:
+        await client.aclose()
+
+
+def info(wid="w1", **kw):
+    return WorkerInfo(wid, f"http://127.0.0.1:9{wid[-1]}00", "smollm2", capacity=8, kv_pages=1024, **kw)
+
+
+def test_register_then_live(redis_url):
+    async def body(reg, _):
+        await reg.register(info("w1"))
+        await reg.register(info("w2"))
+        return await reg.live_workers()
+    live = run(_with_registry(redis_url, body))
+    assert [w.worker_id for w in live] == ["w1", "w2"]
+    assert live[0] == info("w1")
+
+
+def test_heartbeat_expiry_and_return(redis_url):
+    async def body(reg, _):
+        await reg.register(info("w1"))
+        await reg.register(info("w2"))
+        deadline = time.monotonic() + 10
+        while len(await reg.live_workers()) == 2:  # w1 stops beating, w2 keeps going
+            await reg.heartbeat("w2")
+            if time.monotonic() > deadline:
+                raise AssertionError("heartbeat never expired")
+            await asyncio.sleep(0.05)
+        after_expiry = [w.worker_id for w in await reg.live_workers()]
+        await reg.register(info("w1"))  # the worker comes back
+        return after_expiry, [w.worker_id for w in await reg.live_workers()]
+    after_expiry, back = run(_with_registry(redis_url, body, heartbeat_ttl_s=0.3,
+                                            heartbeat_interval_s=0.1))
+    assert after_expiry == ["w2"]
+    assert back == ["w1", "w2"]
+
+
+def test_heartbeat_loop_keeps_worker_live(redis_url):
+    async def body(reg, _):
+        await reg.register(info("w1"))
+        task = asyncio.create_task(reg.heartbeat_loop("w1", lambda: LoadReport(running=2)))
+        await asyncio.sleep(0.6)  # two TTLs: only the loop keeps it alive
+        live = [w.worker_id for w in await reg.live_workers()]
+        task.cancel()
+        return live, await reg.loads(["w1"])
+    live, loads = run(_with_registry(redis_url, body, heartbeat_ttl_s=0.3, heartbeat_interval_s=0.05))
+    assert live == ["w1"]
+    assert loads["w1"].running == 2
+
+
+def test_loads_and_mark_dead(redis_url):
+    async def body(reg, client):
+        await reg.register(info("w1"))
+        await reg.register(info("w2"))
+        await reg.heartbeat("w1", LoadReport(running=3, waiting=1, pages_used=10, pages_free=90))
+        await client.set(reg.config.load_key("w2"), b"\xc1garbage")
+        loads = await reg.loads(["w1", "w2", "w3"])
+        await reg.mark_dead("w1")
+        return loads, [w.worker_id for w in await reg.live_workers()]
+    loads, live = run(_with_registry(redis_url, body))
+    assert loads == {"w1": LoadReport(running=3, waiting=1, pages_used=10, pages_free=90,
+                                      ts_ms=0)}
+    assert live == ["w2"]
+
+
+def test_unregister_and_malformed_registration(redis_url):
+    async def body(reg, client):
+        await reg.register(info("w1"))
+        await reg.register(info("w2"))
+        await client.hdel(reg.config.worker_key("w2"), "url")
+        await reg.unregister("w1")
+        return [w.worker_id for w in await reg.live_workers()]
+    assert run(_with_registry(redis_url, body)) == []
+
+
+def test_bad_input_is_rejected(redis_url):
+    with pytest.raises(ValueError, match="url"):
+        WorkerInfo("w1", "ftp://x", "m")
+    with pytest.raises(ValueError, match="worker_id"):
+        WorkerInfo("a:b", "http://x", "m")
+    with pytest.raises(ValueError, match="running"):
+        LoadReport(running=-1)
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        RouterConfig(heartbeat_ttl_s=1, heartbeat_interval_s=2)
+
+    async def body(reg, _):
+        await reg.register(info("w1", block_size=32))
+    with pytest.raises(ValueError, match="contract 1"):
+        run(_with_registry(redis_url, body))
