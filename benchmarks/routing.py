@@ -28,7 +28,9 @@ H100-class GPU):
 The router side is the real code: ``router.policy`` policies, ``PrefixIndex``,
 ``InFlightTracker``. A "session" is approximated by the record's second block id (the
 first is one system prompt shared by every conversation request), used by
-``session_hash`` and as the session record's last worker for ``agentrt``.
+``session_hash`` and as the session record's last worker for ``agentrt``;
+``--no-sessions`` replays without it (``session_hash`` then keys on the first block,
+which every conversation request shares).
 
 Figures: token hit rate (a block is hit only if every earlier block hit), ideal hit rate
 (one infinite cache, requests in timestamp order), max/mean of the workers' busy seconds
@@ -149,7 +151,7 @@ class SimWorker:
 
 
 def simulate(records: list[dict], policy_name: str, n_workers: int, cache_blocks: int,
-             model: LatencyModel) -> dict:
+             model: LatencyModel, sessions: bool = True) -> dict:
     """Replay ``records`` under one policy; returns its figures."""
     policy = make_policy(policy_name)
     index = PrefixIndex()
@@ -177,7 +179,7 @@ def simulate(records: list[dict], policy_name: str, n_workers: int, cache_blocks
                 tracker.completed(req.request_id)
                 policy.on_complete(req, w.worker_id)
         hashes = r["hash_ids"]
-        session = hashes[1] if len(hashes) > 1 else None
+        session = hashes[1] if sessions and len(hashes) > 1 else None
         req = RouteRequest(str(i), tuple(hashes), r["input_length"], TRACE_BLOCK,
                            session_id=None if session is None else str(session),
                            last_worker=last_worker.get(session),
@@ -245,15 +247,15 @@ def _figures(hit: int, total: int, workers: list[SimWorker], ttfts: list[float])
 
 
 def run(records: list[dict], n_workers: int, cache_tokens: int, policies: list[str],
-        model: LatencyModel) -> dict:
+        model: LatencyModel, sessions: bool = True) -> dict:
     cache_blocks = max(1, cache_tokens // TRACE_BLOCK)
     out = {"ideal_hit_rate": ideal_hit_rate(records), "records": len(records),
            "workers": n_workers, "cache_tokens_per_worker": cache_blocks * TRACE_BLOCK,
            "latency_model": {"prefill_tok_s": model.prefill_tok_s,
                              "decode_s_per_tok": model.decode_s_per_tok},
-           "policies": {}}
+           "sessions": sessions, "policies": {}}
     for name in policies:
-        out["policies"][name] = simulate(records, name, n_workers, cache_blocks, model)
+        out["policies"][name] = simulate(records, name, n_workers, cache_blocks, model, sessions)
     return out
 
 
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-s-per-tok", type=float, default=LatencyModel.decode_s_per_tok)
     p.add_argument("--quick", type=int, nargs="?", const=2000, default=None, metavar="N",
                    help="replay only the first N records (default 2000)")
+    p.add_argument("--no-sessions", action="store_true",
+                   help="replay without session ids (no last worker, no session_hash key)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--live", action="store_true", help="part (b): not available in this build")
     args = p.parse_args(argv)
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_tokens = args.cache_tokens or default_cache_tokens(records, args.workers)
     model = LatencyModel(args.prefill_tok_s, args.decode_s_per_tok)
     t0 = time.perf_counter()
-    out = run(records, args.workers, cache_tokens, policies, model)
+    out = run(records, args.workers, cache_tokens, policies, model, not args.no_sessions)
     out["elapsed_s"] = round(time.perf_counter() - t0, 2)
     print(f"{len(records)} records, {args.workers} workers, {out['cache_tokens_per_worker']} "
           f"cache tokens/worker; ideal hit rate {out['ideal_hit_rate']:.4f}")

@@ -85,9 +85,8 @@ class AgentrtPolicy(RoutingPolicy):
                     w.worker_id)
 
         w = min(ok, key=cost)
-        holder = max(workers, key=lambda w: (cached[w.worker_id], w.worker_id))
-        reason = "prefix" if cached[w.worker_id] == best else (
-            "spill" if load[holder.worker_id] > bound else "cost")
+        spilled = any(cached[h.worker_id] == best for h in workers if h not in ok)
+        reason = "spill" if spilled else ("prefix" if cached[w.worker_id] == best else "cost")
         return RouteDecision(w.worker_id, w.cached_blocks, reason)
 
     def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
