@@ -131,17 +131,20 @@ class KVEventPublisher:
         self._lock = threading.Lock()
         self._seq = 0
         self._thread: threading.Thread | None = None
-        self.published = 0
+        self._started = False
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._started:
             raise RuntimeError("publisher already started")
+        self._started = True
         self.publish("cleared", [], None)
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{self.worker_id}",
                                         daemon=True)
         self._thread.start()
 
     def publish(self, kind: str, hashes: list[int], parent: int | None) -> None:
+        if not self._started:
+            raise RuntimeError("call start() before publishing (it announces `cleared` first)")
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         with self._lock:
