@@ -1,13 +1,14 @@
 """Expected dispatch cost and rank load of a layout, from aggregated routing statistics.
 
-The dispatcher sends a token once per destination rank. With the counts in
-``ExpertStats`` (no per-token data) we estimate the sends per token by first-order
-inclusion-exclusion: every remote token->expert pair costs one send, and every pair of
-co-activated experts served on the same remote rank saves one. It is exact for
-top-2 and optimistic for larger groups on one rank, which is the right direction for
-a clustering objective. Co-activations are split over source ranks in proportion to
-the experts' source shares (we do not keep per-source co-activation, which would be
-R x E x E per layer).
+The dispatcher sends a token once per destination rank. With a token sample in
+``ExpertStats`` the expected sends are exact per sampled token: rank r is used with
+probability 1 - prod_j (1 - d[src, e_j, r]) (replica choices of a token's experts are
+independent hashes). Without a sample we fall back to pairwise counts: every remote
+token->expert pair costs one send and every co-activated pair served on the same remote
+rank saves 2/k of one (exact for top-2, conservative for larger k: m experts of a token
+on one rank save m - 1 sends, the m(m-1)/2 pairs credit (m - 1) m / k <= m - 1).
+Co-activations are split over source ranks in proportion to the experts' source shares
+(per-source co-activation would be R x E x E per layer).
 
 Works on numpy arrays: a placement search calls these thousands of times.
 """
@@ -55,8 +56,22 @@ def load_from_fractions(d: np.ndarray, source: np.ndarray) -> np.ndarray:
     return np.einsum("se,ser->r", source, d)
 
 
-def sends_from_fractions(d: np.ndarray, source: np.ndarray, coact: np.ndarray, topology: Topology) -> tuple[float, float]:
-    """Expected (off-rank, off-node) token sends, summed over the counted tokens."""
+def sends_from_sample(d: np.ndarray, ids: np.ndarray, src: np.ndarray, topology: Topology) -> tuple[float, float]:
+    """Expected (off-rank, off-node) sends per token over a token sample: ids [n, k], src [n]."""
+    r = d.shape[0]
+    node = np.arange(r) // topology.ranks_per_node
+    p = d[src[:, None], ids]  # (n, k, R) where each of the token's experts is served
+    used = 1.0 - np.prod(1.0 - p, axis=1)  # (n, R) P(rank r receives the token)
+    off_rank = used * (np.arange(r)[None, :] != src[:, None])
+    off_node = used * (node[None, :] != node[src][:, None])
+    n = max(len(src), 1)
+    return float(off_rank.sum() / n), float(off_node.sum() / n)
+
+
+def sends_from_fractions(d: np.ndarray, source: np.ndarray, coact: np.ndarray, topology: Topology,
+                         top_k: int = 2) -> tuple[float, float]:
+    """Estimated (off-rank, off-node) token sends from pairwise counts, summed over the
+    counted tokens (see the module docstring)."""
     r = source.shape[0]
     node = np.arange(r) // topology.ranks_per_node
     off_rank = 1.0 - np.eye(r)  # (R_src, R_dst)
@@ -69,7 +84,7 @@ def sends_from_fractions(d: np.ndarray, source: np.ndarray, coact: np.ndarray, t
         dm = d * mask[:, None, :]  # (R_src, E, R_dst) remote part
         pairs = np.einsum("se,ser->", source, dm)
         together = np.einsum("ser,sfr->sef", dm, dm)  # (R, E, E) P(both on the same remote rank)
-        out.append(float(pairs - 0.5 * (coact_s * together).sum()))
+        out.append(float(pairs - 0.5 * (2.0 / max(top_k, 2)) * (coact_s * together).sum()))
     return out[0], out[1]
 
 
@@ -82,7 +97,15 @@ def expected_sends(layer: LayerPlacement, stats: ExpertStats) -> tuple[float, fl
     """Expected (off-rank, off-node) sends per token for ``layer`` under ``stats``."""
     m = replica_counts(layer.phy2log.numpy(), layer.num_experts, layer.world_size)
     d = routing_fractions(m, layer.topology, layer.replica_policy)
-    a, b = sends_from_fractions(d, stats.source.numpy(), stats.coact.numpy(), layer.topology)
+    return sends_per_token(d, stats, layer.topology)
+
+
+def sends_per_token(d: np.ndarray, stats: ExpertStats, topology: Topology) -> tuple[float, float]:
+    """Expected sends per token: from the token sample when ``stats`` has one, else pairwise."""
+    if stats.sample_ids is not None and len(stats.sample_ids):
+        return sends_from_sample(d, stats.sample_ids.numpy(), stats.sample_src.numpy(), topology)
+    k = int(round(float(stats.source.sum()) / max(stats.tokens, 1.0)))
+    a, b = sends_from_fractions(d, stats.source.numpy(), stats.coact.numpy(), topology, k)
     t = max(stats.tokens, 1.0)
     return a / t, b / t
 

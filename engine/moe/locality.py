@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.moe.config import Topology
-from engine.moe.cost import replica_counts, routing_fractions, load_from_fractions, sends_from_fractions
+from engine.moe.cost import load_from_fractions, replica_counts, routing_fractions, sends_per_token
 from engine.moe.eplb import eplb_phy2log
 from engine.moe.placement import Placement
 from engine.moe.stats import ExpertStats
@@ -33,10 +33,11 @@ from engine.moe.stats import ExpertStats
 class _Objective:
     """Expected sends per token plus a steep penalty for rank load above the cap."""
 
-    def __init__(self, stats: ExpertStats, topology: Topology, load_cap: float, node_weight: float):
-        self.source, self.coact = stats.source.numpy(), stats.coact.numpy()
+    def __init__(self, stats: ExpertStats, topology: Topology, load_cap: float, node_weight: float,
+                 max_sample: int = 2048):
+        self.stats = _subsample(stats, max_sample)
+        self.source = stats.source.numpy()
         self.topology, self.cap, self.node_weight = topology, load_cap, node_weight
-        self.tokens = max(stats.tokens, 1.0)
         self.e, self.r = self.source.shape[1], topology.world_size
 
     def load_ratio(self, phy2log: np.ndarray) -> float:
@@ -48,8 +49,16 @@ class _Objective:
         d = routing_fractions(replica_counts(phy2log, self.e, self.r), self.topology, "locality")
         load = load_from_fractions(d, self.source)
         ratio = load.max() / max(load.mean(), 1e-12)
-        off_rank, off_node = sends_from_fractions(d, self.source, self.coact, self.topology)
-        return (off_rank + self.node_weight * off_node) / self.tokens + 100.0 * max(0.0, ratio - self.cap)
+        off_rank, off_node = sends_per_token(d, self.stats, self.topology)
+        return off_rank + self.node_weight * off_node + 100.0 * max(0.0, ratio - self.cap)
+
+
+def _subsample(stats: ExpertStats, n: int) -> ExpertStats:
+    """``stats`` with at most ``n`` sampled tokens (evenly spaced, deterministic)."""
+    if stats.sample_ids is None or len(stats.sample_ids) <= n:
+        return stats
+    keep = torch.linspace(0, len(stats.sample_ids) - 1, n).long()
+    return ExpertStats(stats.source, stats.coact, stats.tokens, stats.sample_ids[keep], stats.sample_src[keep])
 
 
 class LocalityPlacement(Placement):
