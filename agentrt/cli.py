@@ -1,0 +1,156 @@
+"""The ``agentrt`` command. Subcommands are entries of :data:`SUBCOMMANDS`.
+
+To add one, write ``configure(parser)`` and ``run(args) -> int`` functions and add a
+:class:`Subcommand` to the tuple; heavy imports go inside ``run`` so ``agentrt chat`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from agentrt.config import ENV_PREFIX, ServerConfig
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ------------------------------------------------------------ serve
+
+
+def configure_serve(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field (``--pin-ttl-s`` for ``pin_ttl_s``); unset flags fall back to env."""
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        if f.name == "api_keys":
+            parser.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                                help=f"accept this API key (repeatable; env {env}, comma-separated)")
+            continue
+        kind = int if f.name in ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting") else (
+            type(f.default) if f.default is not None else str)
+        parser.add_argument(flag, dest=f.name, type=kind, default=None,
+                            help=f"default {f.default!r}; env {env}")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from agentrt.server import create_app
+
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    try:
+        config = ServerConfig.from_sources({k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as exc:
+        print(f"agentrt serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1)
+    return 0
+
+
+# ------------------------------------------------------------ chat
+
+
+def configure_chat(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server URL")
+    parser.add_argument("--api-key", default=None, help="API key (env AGENTRT_API_KEY)")
+    parser.add_argument("--system", default=None, help="system prompt of the session")
+    parser.add_argument("--max-tokens", type=int, default=256, help="reply token limit")
+    parser.add_argument("--temperature", type=float, default=None)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    import os
+
+    from agentrt.client import AgentRTError, Client
+
+    client = Client(args.url, api_key=args.api_key or os.environ.get("AGENTRT_API_KEY"))
+    try:
+        session = client.sessions.create(system=args.system)
+    except AgentRTError as exc:
+        print(f"agentrt chat: cannot open a session at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(f"session {session.id} on {session.info.model}. /fork, /history, /quit")
+    try:
+        return _chat_loop(session, args)
+    finally:
+        try:
+            session.close()
+        except AgentRTError:
+            pass
+        client.close()
+
+
+def _chat_loop(session, args: argparse.Namespace) -> int:
+    from agentrt.client import AgentRTError
+
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/history":
+            for m in session.refresh().messages:
+                print(f"[{m['role']}] {m.get('content')}")
+            continue
+        if line == "/fork":
+            session = session.fork()
+            print(f"forked: now in session {session.id}")
+            continue
+        try:
+            stream = session.send(line, stream=True, max_tokens=args.max_tokens, temperature=args.temperature)
+            print("assistant> ", end="", flush=True)
+            for delta in stream:
+                if delta.tool_call is not None:
+                    print(f"\n[tool call] {delta.tool_call.name}({delta.tool_call.arguments})", end="")
+                print(delta.content, end="", flush=True)
+            usage = stream.reply.usage if stream.reply else None
+            if usage:
+                print(f"\n  ({usage.prompt_tokens} prompt tokens, {usage.cached_tokens} cached, "
+                      f"{usage.completion_tokens} generated)")
+        except AgentRTError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("serve", "run the server: engine in-process, OpenAI and session APIs", configure_serve, run_serve),
+    Subcommand("chat", "chat in the terminal with a running server", configure_chat, run_chat),
+)
+
+
+def build_parser(subcommands: Sequence[Subcommand] = SUBCOMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentrt", description="A runtime that serves LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for cmd in subcommands:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.configure(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

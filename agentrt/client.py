@@ -1,0 +1,448 @@
+"""Python client for the session API: :class:`Client` (blocking) and :class:`AsyncClient`.
+
+    client = agentrt.Client("http://127.0.0.1:8000")
+    session = client.sessions.create(system="You are terse.", tools=[...])
+    reply = session.send("What is 2+2?")            # a Reply
+    for delta in session.send("And 3+3?", stream=True):  # TurnDelta objects
+        print(delta.content, end="")
+    child = session.fork(); session.close()
+
+HTTP errors raise typed exceptions (:class:`NotFoundError`, :class:`ConflictError`, ...)
+that carry the server's OpenAI-shaped error fields.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import httpx
+
+# ------------------------------------------------------------ errors
+
+
+class AgentRTError(Exception):
+    """Base of every error this client raises."""
+
+
+class APIConnectionError(AgentRTError):
+    """The server could not be reached or the connection broke."""
+
+
+class APIStatusError(AgentRTError):
+    """The server answered with an error status; fields come from its error body."""
+
+    def __init__(self, status_code: int, message: str, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+class BadRequestError(APIStatusError): ...
+class AuthenticationError(APIStatusError): ...
+class NotFoundError(APIStatusError): ...
+class ConflictError(APIStatusError): ...
+class RequestTooLargeError(APIStatusError): ...
+
+
+class RateLimitError(APIStatusError):
+    @property
+    def retry_after(self) -> float | None:
+        value = self.headers.get("retry-after")
+        return float(value) if value is not None else None
+
+
+class InternalServerError(APIStatusError): ...
+
+
+_BY_STATUS = {400: BadRequestError, 401: AuthenticationError, 404: NotFoundError, 409: ConflictError,
+              413: RequestTooLargeError, 422: BadRequestError, 429: RateLimitError}
+
+
+def _error(status: int, body: Any, headers: dict[str, str] | None = None) -> APIStatusError:
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        err = {"message": str(body)[:500] or "no error body"}
+    cls = _BY_STATUS.get(status, InternalServerError if status >= 500 else APIStatusError)
+    return cls(status, str(err.get("message")), err.get("type"), err.get("param"), err.get("code"), headers)
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = response.text
+    raise _error(response.status_code, body, {k.lower(): v for k, v in response.headers.items()})
+
+# ------------------------------------------------------------ results
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+    def args(self) -> Any:
+        """The arguments parsed; raises ``ValueError`` if the model wrote invalid JSON."""
+        return json.loads(self.arguments) if self.arguments.strip() else {}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One recorded turn: the assistant's reply and its token usage."""
+
+    id: str
+    session_id: str
+    index: int
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    usage: Usage
+    replayed: bool
+    message: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Reply":
+        msg = d["message"]
+        calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                 for c in msg.get("tool_calls") or []]
+        return cls(id=d["id"], session_id=d["session_id"], index=d["index"], content=msg.get("content"),
+                   tool_calls=calls, finish_reason=d["finish_reason"], usage=Usage(**d["usage"]),
+                   replayed=d.get("replayed", False), message=msg)
+
+
+@dataclass(frozen=True)
+class TurnDelta:
+    """A streamed piece of a reply: content text, or one complete tool call."""
+
+    content: str = ""
+    tool_call: ToolCall | None = None
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: str
+    model: str
+    system: str | None
+    tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]]
+    turns: int
+    usage: Usage
+    metadata: dict[str, str]
+    parent_id: str | None
+    expires_at: float
+    pin: dict[str, Any] | None
+    raw: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SessionInfo":
+        return cls(id=d["id"], model=d["model"], system=d.get("system"), tools=d.get("tools"),
+                   messages=d["messages"], turns=d["turns"], usage=Usage(**d["usage"]),
+                   metadata=d.get("metadata", {}), parent_id=d.get("parent_id"), expires_at=d["expires_at"],
+                   pin=d.get("pin"), raw=d)
+
+
+def tool_result(tool_call_id: str, content: Any) -> dict[str, Any]:
+    """A ``role: tool`` message answering the tool call ``tool_call_id``."""
+    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+    return {"role": "tool", "tool_call_id": tool_call_id, "content": text}
+
+
+def _messages(messages: str | dict | list[dict]) -> list[dict[str, Any]]:
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if isinstance(messages, dict):
+        return [messages]
+    return list(messages)
+
+
+def _turn_body(messages: Any, stream: bool, turn_id: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": _messages(messages), "stream": stream, "turn_id": turn_id or "turn_" + uuid.uuid4().hex,
+            **{k: v for k, v in options.items() if v is not None}}
+
+
+def _create_body(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class _EventDecoder:
+    """Server-sent events of a turn stream into deltas; keeps the final reply."""
+
+    def __init__(self) -> None:
+        self.reply: Reply | None = None
+
+    def feed(self, line: str) -> TurnDelta | None:
+        if not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return None
+        event = json.loads(data)
+        if "error" in event:
+            status = {"invalid_request_error": 400, "not_found_error": 404, "conflict_error": 409}
+            raise _error(status.get(event["error"].get("type"), 500), event)
+        kind = event.get("type")
+        if kind == "turn.delta":
+            return TurnDelta(content=event["content"])
+        if kind == "turn.tool_call":
+            return TurnDelta(tool_call=ToolCall(event["id"], event["name"], event["arguments"]))
+        if kind == "turn.completed":
+            self.reply = Reply.from_json(event["turn"])
+        return None
+
+# ------------------------------------------------------------ blocking client
+
+
+class SessionStream:
+    """Iterate for :class:`TurnDelta`; ``reply`` holds the recorded turn once the stream ends."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._decoder = _EventDecoder()
+        self._open = False
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._decoder.reply
+
+    def __iter__(self) -> Iterator[TurnDelta]:
+        try:
+            response = self._context.__enter__()
+            self._open = True
+            if response.status_code >= 400:
+                response.read()
+                _raise_for(response)
+            for line in response.iter_lines():
+                delta = self._decoder.feed(line)
+                if delta is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise APIConnectionError(str(exc)) from exc
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._context.__exit__(None, None, None)
+
+    def __enter__(self) -> "SessionStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Session:
+    def __init__(self, client: "Client", info: SessionInfo) -> None:
+        self._client = client
+        self.id = info.id
+        self.info = info
+
+    def send(self, messages: str | dict | list[dict], *, stream: bool = False, turn_id: str | None = None,
+             **options: Any) -> Reply | SessionStream:
+        """Append messages and get the reply (or a stream of deltas). Retrying with the same ``turn_id`` is safe."""
+        body = _turn_body(messages, stream, turn_id, options)
+        path = f"/v1/sessions/{self.id}/turns"
+        if stream:
+            return SessionStream(self._client._http.stream("POST", path, json=body))
+        return Reply.from_json(self._client._request("POST", path, json=body))
+
+    def refresh(self) -> SessionInfo:
+        self.info = SessionInfo.from_json(self._client._request("GET", f"/v1/sessions/{self.id}"))
+        return self.info
+
+    def fork(self, metadata: dict[str, str] | None = None) -> "Session":
+        body = _create_body(metadata=metadata)
+        return Session(self._client, SessionInfo.from_json(
+            self._client._request("POST", f"/v1/sessions/{self.id}/fork", json=body)))
+
+    def close(self) -> None:
+        """Delete the session on the server (its pinned cache is released)."""
+        self._client._request("DELETE", f"/v1/sessions/{self.id}")
+
+
+class Sessions:
+    def __init__(self, client: "Client") -> None:
+        self._client = client
+
+    def create(self, *, system: str | None = None, tools: list[dict] | None = None, model: str | None = None,
+               sampling: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
+               idle_ttl_s: float | None = None, pin_ttl_s: float | None = None) -> Session:
+        body = _create_body(system=system, tools=tools, model=model, sampling=sampling, metadata=metadata,
+                            idle_ttl_s=idle_ttl_s, pin_ttl_s=pin_ttl_s)
+        return Session(self._client, SessionInfo.from_json(self._client._request("POST", "/v1/sessions", json=body)))
+
+    def get(self, session_id: str) -> Session:
+        return Session(self._client, SessionInfo.from_json(self._client._request("GET", f"/v1/sessions/{session_id}")))
+
+    def list(self) -> list[SessionInfo]:
+        return [SessionInfo.from_json(d) for d in self._client._request("GET", "/v1/sessions")["data"]]
+
+
+class Client:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 timeout: float = 600.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.sessions = Sessions(self)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(str(exc)) from exc
+        _raise_for(response)
+        return response.json()
+
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/health")
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+# ------------------------------------------------------------ async client
+
+
+class AsyncSessionStream:
+    """``async for`` over :class:`TurnDelta`; ``reply`` holds the recorded turn once the stream ends."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._decoder = _EventDecoder()
+        self._open = False
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._decoder.reply
+
+    async def __aiter__(self) -> AsyncIterator[TurnDelta]:
+        try:
+            response = await self._context.__aenter__()
+            self._open = True
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for(response)
+            async for line in response.aiter_lines():
+                delta = self._decoder.feed(line)
+                if delta is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise APIConnectionError(str(exc)) from exc
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._open:
+            self._open = False
+            await self._context.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> "AsyncSessionStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class AsyncSession:
+    def __init__(self, client: "AsyncClient", info: SessionInfo) -> None:
+        self._client = client
+        self.id = info.id
+        self.info = info
+
+    async def send(self, messages: str | dict | list[dict], *, stream: bool = False, turn_id: str | None = None,
+                   **options: Any) -> Reply | AsyncSessionStream:
+        body = _turn_body(messages, stream, turn_id, options)
+        path = f"/v1/sessions/{self.id}/turns"
+        if stream:
+            return AsyncSessionStream(self._client._http.stream("POST", path, json=body))
+        return Reply.from_json(await self._client._request("POST", path, json=body))
+
+    async def refresh(self) -> SessionInfo:
+        self.info = SessionInfo.from_json(await self._client._request("GET", f"/v1/sessions/{self.id}"))
+        return self.info
+
+    async def fork(self, metadata: dict[str, str] | None = None) -> "AsyncSession":
+        data = await self._client._request("POST", f"/v1/sessions/{self.id}/fork", json=_create_body(metadata=metadata))
+        return AsyncSession(self._client, SessionInfo.from_json(data))
+
+    async def close(self) -> None:
+        await self._client._request("DELETE", f"/v1/sessions/{self.id}")
+
+
+class AsyncSessions:
+    def __init__(self, client: "AsyncClient") -> None:
+        self._client = client
+
+    async def create(self, *, system: str | None = None, tools: list[dict] | None = None, model: str | None = None,
+                     sampling: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
+                     idle_ttl_s: float | None = None, pin_ttl_s: float | None = None) -> AsyncSession:
+        body = _create_body(system=system, tools=tools, model=model, sampling=sampling, metadata=metadata,
+                            idle_ttl_s=idle_ttl_s, pin_ttl_s=pin_ttl_s)
+        return AsyncSession(self._client, SessionInfo.from_json(
+            await self._client._request("POST", "/v1/sessions", json=body)))
+
+    async def get(self, session_id: str) -> AsyncSession:
+        data = await self._client._request("GET", f"/v1/sessions/{session_id}")
+        return AsyncSession(self._client, SessionInfo.from_json(data))
+
+    async def list(self) -> list[SessionInfo]:
+        return [SessionInfo.from_json(d) for d in (await self._client._request("GET", "/v1/sessions"))["data"]]
+
+
+class AsyncClient:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 timeout: float = 600.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.sessions = AsyncSessions(self)
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(str(exc)) from exc
+        _raise_for(response)
+        return response.json()
+
+    async def health(self) -> dict[str, Any]:
+        return await self._request("GET", "/health")
+
+    async def models(self) -> list[str]:
+        return [m["id"] for m in (await self._request("GET", "/v1/models"))["data"]]
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,118 @@
+"""Server configuration: one frozen dataclass, from command-line flags and environment variables.
+
+Every field has an environment variable ``AGENTRT_<FIELD>`` (upper case); a flag given on the
+command line wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+ENV_PREFIX = "AGENTRT_"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How ``agentrt serve`` runs: the model, the listener, and the limits it enforces.
+
+    Engine settings (``model`` ... ``max_waiting``) go to ``engine.EngineConfig``; ``None``
+    keeps the engine's default (the KV pool is smaller than the engine's default: a laptop
+    runs ``agentrt serve`` with its defaults). ``api_keys`` empty means no authentication.
+    ``max_concurrent_requests`` is the HTTP admission limit (generations in flight); past it
+    a request gets 429 with ``Retry-After``. ``default_max_tokens`` is used when a request
+    gives no token limit (capped by what is left of the context window).
+    Sessions: ``session_idle_ttl_s`` deletes a session nobody used for that long;
+    ``pin_ttl_s`` keeps a session's KV prefix pinned between turns, ``pin_ttl_tool_s`` when
+    the last reply ended in a tool call (the agent comes straight back); ``max_pin_ttl_s``
+    caps what a session may ask for.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_tokens: int | None = 32768  # 1.5 GB of fp32 KV for the default model
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    max_waiting: int | None = None
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 << 20
+    max_concurrent_requests: int = 64
+    retry_after_s: int = 1
+    default_max_tokens: int = 1024
+    max_sessions: int = 10_000
+    session_idle_ttl_s: float = 3600.0
+    pin_ttl_s: float = 30.0
+    pin_ttl_tool_s: float = 120.0
+    max_pin_ttl_s: float = 600.0
+    sweep_interval_s: float = 1.0
+    shutdown_timeout_s: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.api_keys, tuple) or any(not k for k in self.api_keys):
+            raise ValueError("api_keys must be a tuple of non-empty strings")
+        for name in ("max_body_bytes", "max_concurrent_requests", "default_max_tokens", "max_sessions",
+                     "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("session_idle_ttl_s", "pin_ttl_s", "pin_ttl_tool_s", "max_pin_ttl_s",
+                     "sweep_interval_s", "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if max(self.pin_ttl_s, self.pin_ttl_tool_s) > self.max_pin_ttl_s:
+            raise ValueError(f"pin_ttl_s ({self.pin_ttl_s}) and pin_ttl_tool_s ({self.pin_ttl_tool_s}) "
+                             f"must not exceed max_pin_ttl_s ({self.max_pin_ttl_s})")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(f"log_level must be one of critical/error/warning/info/debug/trace, "
+                             f"got {self.log_level!r}")
+
+    def engine_config(self):
+        """The ``engine.EngineConfig`` these settings describe (imports the engine lazily)."""
+        from engine import EngineConfig
+
+        kwargs: dict[str, Any] = {"model": self.model, "device": self.device, "dtype": self.dtype}
+        for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        return EngineConfig(**kwargs)
+
+    @classmethod
+    def from_sources(cls, overrides: Mapping[str, Any] | None = None,
+                     environ: Mapping[str, str] | None = None) -> "ServerConfig":
+        """Defaults, then ``AGENTRT_*`` environment variables, then ``overrides`` (flags; None = unset)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.name, raw)
+        for name, value in (overrides or {}).items():
+            if value is not None:
+                values[name] = tuple(value) if name == "api_keys" else value
+        return cls(**values)
+
+
+def _parse(name: str, raw: str) -> Any:
+    """One environment variable's text as the field's type."""
+    default = getattr(ServerConfig, name, None)
+    if name == "api_keys":
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    optional_ints = ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting")
+    kind = int if name in optional_ints else type(default)
+    if kind is str or kind is type(None):
+        return raw
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None

@@ -1,0 +1,234 @@
+"""The core both APIs share: sampling parameters, admission, and one running generation.
+
+:class:`Generator` turns request fields into engine calls; :class:`Generation` turns the
+engine's stream of token deltas into content deltas and parsed tool calls, records TTFT
+and TPOT, and releases its admission slot exactly once, however it ends (finished,
+failed, or abandoned by a client that went away).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from engine.chat import StreamingToolCallParser, ToolCall
+from engine.types import EngineOverloaded, InvalidRequest, SamplingParams, TokenLogprob
+
+from agentrt.config import ServerConfig
+from agentrt.errors import APIError, bad_request, from_exception, not_found, overloaded
+from agentrt.metrics import Metrics
+
+
+@dataclass
+class Delta:
+    """New output of one step: content text, finished tool calls, logprobs of new tokens."""
+
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Result:
+    """A finished generation."""
+
+    text: str
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
+class Generation:
+    """One request running in the engine. Iterate :meth:`deltas` once, or call :meth:`collect`."""
+
+    def __init__(self, generator: "Generator", stream: Any, request_id: str, *, parse_tools: bool,
+                 parallel_tool_calls: bool, want_logprobs: bool, started_at: float) -> None:
+        self.gen = generator
+        self.request_id = request_id
+        self._stream = stream
+        self._parser = StreamingToolCallParser() if parse_tools else None
+        self._parallel = parallel_tool_calls
+        self._want_logprobs = want_logprobs
+        self._started_at = started_at
+        self._first_token_at: float | None = None
+        self._text: list[str] = []
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._closed = False
+        self.result: Result | None = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas until the request finishes; raises :class:`APIError` if the engine failed it."""
+        try:
+            async for out in self._stream:
+                delta = self._absorb(out)
+                if delta.content or delta.tool_calls or delta.logprobs:
+                    yield delta
+                if out.finished:
+                    tail = self._finish(out)
+                    if tail.content or tail.tool_calls:
+                        yield tail
+                    return
+            raise APIError(503, "the engine stopped before the request finished", type="server_error")
+        finally:
+            await self.close()
+
+    async def collect(self) -> Result:
+        async for _ in self.deltas():
+            pass
+        if self.result is None:
+            raise APIError(503, "the engine stopped before the request finished", type="server_error")
+        return self.result
+
+    async def close(self) -> None:
+        """Abort the request if it is still running and free its admission slot (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.gen.release()
+        if self.result is None:
+            await self._stream.aclose()
+
+    def _absorb(self, out: Any) -> Delta:
+        if out.token_ids and self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+            self.gen.metrics.observe_ttft(self._first_token_at - self._started_at)
+        self._token_ids.extend(out.token_ids)
+        self._text.append(out.text)
+        logprobs = out.logprobs if self._want_logprobs else None
+        if logprobs:
+            self._logprobs.extend(logprobs)
+        if self._parser is None:
+            self._content.append(out.text)
+            return Delta(content=out.text, logprobs=logprobs)
+        content, calls = self._parser.push(out.text)
+        self._content.append(content)
+        return Delta(content=content, tool_calls=self._take(calls), logprobs=logprobs)
+
+    def _take(self, calls: list[ToolCall]) -> list[ToolCall]:
+        if not self._parallel:
+            calls = calls[:max(0, 1 - len(self._calls))]
+        self._calls.extend(calls)
+        return calls
+
+    def _finish(self, out: Any) -> Delta:
+        tail = Delta()
+        if self._parser is not None:
+            content, calls = self._parser.finish()
+            tail = Delta(content=content, tool_calls=self._take(calls))
+            self._content.append(content)
+        if out.finish_reason in ("error", "abort"):
+            raise APIError(500 if out.finish_reason == "error" else 503,
+                           f"generation {out.finish_reason}ed: {out.error or 'the engine ended the request'}",
+                           type="server_error")
+        reason = "tool_calls" if (self._calls and out.finish_reason == "stop") else out.finish_reason
+        content: str | None = "".join(self._content)
+        if self._calls:
+            content = content.strip() or None  # OpenAI: content is null next to tool calls
+        now = time.monotonic()
+        if self._first_token_at is not None and out.completion_tokens > 1:
+            self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
+        self.result = Result(
+            text="".join(self._text), content=content,
+            tool_calls=list(self._calls), finish_reason=reason or "stop", prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+            token_ids=list(self._token_ids), logprobs=self._logprobs if self._want_logprobs else None)
+        self.gen.metrics.observe_finished(self.result)
+        return tail
+
+
+def _grammar_constraint_fn():
+    """``engine.grammar.constraint_for_request`` when that module is part of the engine."""
+    if importlib.util.find_spec("engine.grammar") is None:
+        return None
+    from engine.grammar import constraint_for_request
+    return constraint_for_request
+
+
+class Generator:
+    """Submits requests to the in-process engine under the server's admission limit."""
+
+    def __init__(self, async_engine: Any, llm: Any, config: ServerConfig, metrics: Metrics) -> None:
+        self.engine = async_engine
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = int(llm.max_model_len)
+        self.model_name = llm.model_id
+        self.config = config
+        self.metrics = metrics
+        self.in_flight = 0
+        self._constraint_for_request = _grammar_constraint_fn()
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.model_name:
+            raise not_found(f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                            param="model", code="model_not_found")
+        return self.model_name
+
+    def sampling_params(self, fields: dict[str, Any], prompt_len: int,
+                        logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams from OpenAI-named fields (``None`` values mean "not given")."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if fields.get(name):
+                raise bad_request(f"{name} is not supported by this server (only 0)", param=name)
+        max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = max(1, min(self.config.default_max_tokens, self.max_model_len - prompt_len))
+        stop = fields.get("stop")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        temperature = fields.get("temperature")
+        top_p = fields.get("top_p")
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+                                top_p=1.0 if top_p is None else top_p, seed=fields.get("seed"), stop=stop,
+                                logprobs=logprobs)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return params
+
+    def constraint(self, response_format: dict | None, tools: list[dict] | None, tool_choice: Any,
+                   parallel_tool_calls: bool | None = None) -> Any:
+        """The grammar constraint for these options (None: free output), or 400 for options it refuses."""
+        if self._constraint_for_request is None:
+            return None
+        try:
+            return self._constraint_for_request(self.tokenizer, response_format, tools, tool_choice,
+                                                parallel_tool_calls)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
+              parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
+              request_id: str | None = None, started_at: float | None = None) -> Generation:
+        """Admit and submit one request; raises 429 past the admission limit, 400 if the engine refuses."""
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
+                             "concurrent requests; retry later", self.config.retry_after_s)
+        request_id = request_id or "req-" + uuid.uuid4().hex
+        try:
+            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s)
+        except RuntimeError as exc:
+            if isinstance(exc, EngineOverloaded):
+                raise from_exception(exc, self.config.retry_after_s) from None
+            raise APIError(503, f"the engine is not accepting requests: {exc}", type="server_error") from None
+        except InvalidRequest as exc:
+            raise bad_request(str(exc)) from None
+        self.in_flight += 1
+        self.metrics.set_in_flight(self.in_flight)
+        return Generation(self, stream, request_id, parse_tools=parse_tools,
+                          parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
+                          started_at=started_at if started_at is not None else time.monotonic())
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.set_in_flight(self.in_flight)

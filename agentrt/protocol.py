@@ -1,0 +1,237 @@
+"""Request and response models of the HTTP API: the OpenAI-compatible endpoints and sessions.
+
+Requests ignore fields they do not know (agent frameworks send many optional ones);
+fields they know are type-checked, and values the server cannot honour are rejected by
+the service with a clear message, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    """One message; ``content`` is a string, a list of text parts, or null (assistant tool calls)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Sampling parameters as OpenAI names them; shared by chat, completions and session turns."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    user: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "agentrt"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- sessions
+
+
+class SessionSampling(_Request):
+    """Per-session sampling defaults; a turn may override any of them."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+class SessionCreateRequest(_Request):
+    model: str | None = None
+    system: str | None = None
+    tools: list[Tool] | None = None
+    sampling: SessionSampling = Field(default_factory=SessionSampling)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    idle_ttl_s: float | None = Field(default=None, gt=0)
+    pin_ttl_s: float | None = Field(default=None, gt=0)
+
+
+class TurnRequest(_Request):
+    """Messages to append (user messages or tool results) and how to generate the reply."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    turn_id: str | None = Field(default=None, min_length=1, max_length=128)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ForkRequest(_Request):
+    metadata: dict[str, str] | None = None
+    idle_ttl_s: float | None = Field(default=None, gt=0)
+
+
+class TurnUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class TurnResponse(BaseModel):
+    id: str
+    object: Literal["session.turn"] = "session.turn"
+    session_id: str
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    usage: TurnUsage
+    replayed: bool = False
+    created_at: float
+
+
+class SessionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    total_tokens: int
+
+
+class PinInfo(BaseModel):
+    id: str
+    expires_at: float
+    active: bool
+
+
+class SessionResponse(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    model: str
+    system: str | None
+    tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+    metadata: dict[str, str]
+    idle_ttl_s: float
+    pin_ttl_s: float | None
+    created_at: float
+    last_active_at: float
+    expires_at: float
+    parent_id: str | None
+    turns: int
+    messages: list[dict[str, Any]]
+    usage: SessionUsage
+    pin: PinInfo | None
+
+
+class SessionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SessionResponse]
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    object: Literal["session.deleted"] = "session.deleted"
+    deleted: bool = True

@@ -1,0 +1,306 @@
+"""The HTTP app: thin routes over the services kept in ``app.state``.
+
+``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
+from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
+drains the engine. Streams are server-sent events ending with ``data: [DONE]``; a client
+that disconnects cancels its stream, which aborts the engine request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from agentrt.config import ServerConfig
+from agentrt.errors import APIError, from_exception, install_handlers
+from agentrt.generation import Generator
+from agentrt.metrics import CONTENT_TYPE, Metrics
+from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
+                              SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
+                              TurnResponse)
+from agentrt.service import OpenAIService
+from agentrt.sessions import SessionManager, TurnRun
+from agentrt.store import InMemorySessionStore, SessionStore
+
+log = logging.getLogger("agentrt.server")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 429, 500, 503)}
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes`` (checked on Content-Length, then while reading), and request counts."""
+
+    def __init__(self, app: Any, max_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            body = await self._read_body(scope, receive)
+            if body is None:
+                too_big = APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes",
+                                   code="request_too_large")
+                return await too_big.response()(scope, receive, counting_send)
+            await self.app(scope, _replay(body, receive), counting_send)
+        finally:
+            route = scope.get("route")
+            self.metrics.count_request(getattr(route, "path", "unmatched"), status["code"])
+
+    async def _read_body(self, scope: dict, receive: Callable) -> bytes | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b""
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls: wait for the client to disconnect
+
+    return replay
+
+
+def _auth(request: Request) -> None:
+    keys = request.app.state.config.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() not in keys:
+        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: Callable[[], Awaitable]) -> Any:
+    """Await ``work``; if the client goes away first, cancel it and run ``cleanup``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await cleanup()
+        return Response(status_code=499)
+    return task.result()
+
+
+def _sse(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except Exception as exc:  # headers are sent: the error goes in the stream, as OpenAI does
+            yield f"data: {json.dumps(from_exception(exc, retry_after_s).body())}\n\n"
+        finally:
+            await close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(close),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ------------------------------------------------------------ routes
+
+api = APIRouter(dependencies=[Depends(_auth)], responses=_ERRORS)
+open_routes = APIRouter()
+
+
+@open_routes.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state
+    if state.stopping:
+        return JSONResponse({"status": "stopping"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.generator.model_name})
+
+
+@open_routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@api.get("/v1/models", response_model=ModelList)
+async def models(request: Request) -> dict:
+    return request.app.state.openai.models()
+
+
+@api.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    svc: OpenAIService = request.app.state.openai
+    generation = svc.start_chat(body)
+    if body.stream:
+        return _sse(svc.chat_chunks(body, generation), generation.close, request.app.state.config.retry_after_s)
+    return await _unless_disconnected(request, svc.chat(body, generation), generation.close)
+
+
+@api.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    svc: OpenAIService = request.app.state.openai
+    generation = svc.start_completion(body)
+    if body.stream:
+        return _sse(svc.completion_chunks(body, generation), generation.close,
+                    request.app.state.config.retry_after_s)
+    return await _unless_disconnected(request, svc.completion(body, generation), generation.close)
+
+
+@api.post("/v1/sessions", response_model=SessionResponse, status_code=201)
+async def create_session(body: SessionCreateRequest, request: Request) -> dict:
+    sessions: SessionManager = request.app.state.sessions
+    return sessions.view(await sessions.create(body))
+
+
+@api.get("/v1/sessions", response_model=SessionList)
+async def list_sessions(request: Request) -> dict:
+    sessions: SessionManager = request.app.state.sessions
+    records = await sessions.store.list()
+    return {"object": "list", "data": [sessions.view(r) for r in records]}
+
+
+@api.get("/v1/sessions/{session_id}", response_model=SessionResponse)
+async def get_session(session_id: str, request: Request) -> dict:
+    sessions: SessionManager = request.app.state.sessions
+    return sessions.view(await sessions.get(session_id))
+
+
+@api.delete("/v1/sessions/{session_id}", response_model=SessionDeleted)
+async def delete_session(session_id: str, request: Request) -> dict:
+    await request.app.state.sessions.delete(session_id)
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@api.post("/v1/sessions/{session_id}/fork", response_model=SessionResponse, status_code=201)
+async def fork_session(session_id: str, request: Request, body: ForkRequest | None = None) -> dict:
+    sessions: SessionManager = request.app.state.sessions
+    return sessions.view(await sessions.fork(session_id, body or ForkRequest()))
+
+
+@api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
+async def session_turn(session_id: str, body: TurnRequest, request: Request) -> Any:
+    """Append messages and generate the reply. Streaming sends ``turn.delta`` events, then ``turn.completed``."""
+    sessions: SessionManager = request.app.state.sessions
+    started = await sessions.start_turn(session_id, body)
+    if not isinstance(started, TurnRun):  # a retried turn id: the recorded reply, nothing appended
+        sessions.gen.metrics.turns.labels("replayed").inc()
+        view = sessions.turn_view(session_id, started, replayed=True)
+        if body.stream:
+            return _sse(_one_event({"type": "turn.completed", "turn": view}), _nothing, 1)
+        return view
+    if body.stream:
+        return _sse(_turn_events(session_id, started), started.close, request.app.state.config.retry_after_s)
+
+    async def run() -> dict:
+        return sessions.turn_view(session_id, await started.run())
+
+    return await _unless_disconnected(request, run(), started.close)
+
+
+async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
+    index = 0
+    async for d in run.deltas():
+        if d.content:
+            yield {"type": "turn.delta", "content": d.content}
+        for call in d.tool_calls:
+            yield {"type": "turn.tool_call", "index": index, "id": call.id, "name": call.name,
+                   "arguments": call.arguments}
+            index += 1
+    yield {"type": "turn.completed", "turn": SessionManager.turn_view(session_id, run.turn)}
+
+
+async def _one_event(event: dict) -> AsyncIterator[dict]:
+    yield event
+
+
+async def _nothing() -> None:
+    return None
+
+
+# ------------------------------------------------------------ app
+
+
+def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | None = None) -> FastAPI:
+    """The app around ``engine`` (an ``engine.LLMEngine``; built from ``config`` when None)."""
+    from engine import AsyncEngine, LLMEngine
+
+    llm = engine if engine is not None else LLMEngine(config.engine_config())
+    async_engine = AsyncEngine(llm)
+    metrics = Metrics()
+    metrics.attach_engine(async_engine.stats)
+    generator = Generator(async_engine, llm, config, metrics)
+    sessions = SessionManager(store or InMemorySessionStore(config.max_sessions), generator, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_sweep_forever(sessions, config.sweep_interval_s))
+        try:
+            yield
+        finally:
+            app.state.stopping = True
+            sweeper.cancel()
+            await async_engine.shutdown(config.shutdown_timeout_s)
+
+    app = FastAPI(title="agentrt", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible chat API plus server-side sessions for LLM agents.")
+    app.state.config = config
+    app.state.stopping = False
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.state.generator = generator
+    app.state.openai = OpenAIService(generator)
+    app.state.sessions = sessions
+    install_handlers(app, config.retry_after_s)
+    app.include_router(open_routes)
+    app.include_router(api)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
+    return app
+
+
+async def _sweep_forever(sessions: SessionManager, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await sessions.sweep()
+        except Exception:  # a failed sweep must not end sweeping
+            log.exception("session sweep failed")

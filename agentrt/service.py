@@ -1,0 +1,199 @@
+"""The OpenAI-compatible endpoints as a service class: requests in, response bodies or chunks out.
+
+Nothing here knows about HTTP; routes in ``server.py`` wrap the chunks as server-sent
+events. Chunk shapes follow OpenAI exactly: a first chunk with the assistant role, then
+content or tool-call deltas (a tool call's first delta carries ``index``, ``id`` and
+``name``, the next its ``arguments``), a chunk with ``finish_reason``, an optional usage
+chunk with ``choices: []``, and the ``[DONE]`` sentinel added by the route.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from engine.chat import ToolCall, content_text, encode_chat
+
+from agentrt.errors import bad_request
+from agentrt.generation import Generation, Generator, Result
+from agentrt.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated messages as the plain dicts the chat template renders."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if m.role == "developer":
+            d["role"] = "system"
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
+        try:
+            content_text(m.content)
+        except ValueError as exc:
+            raise bad_request(f"messages[{i}].content: {exc}", param=f"messages.{i}.content") from None
+        d.setdefault("content", None)
+        out.append(d)
+    return out
+
+
+def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class OpenAIService:
+    def __init__(self, generator: Generator) -> None:
+        self.gen = generator
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.gen.model_name, "object": "model", "created": self.created,
+                                             "owned_by": "agentrt", "max_model_len": self.gen.max_model_len}]}
+
+    # ------------------------------------------------------------ chat
+
+    def start_chat(self, req: ChatCompletionRequest) -> Generation:
+        """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed."""
+        started = time.monotonic()
+        self.gen.check_model(req.model)
+        if req.n != 1:
+            raise bad_request("only n=1 is supported", param="n")
+        messages = message_dicts(req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tool_choice = req.tool_choice
+        if tool_choice is not None and not tools and tool_choice != "none":
+            raise bad_request("tool_choice is set but no tools were given", param="tool_choice")
+        try:
+            prompt = encode_chat(self.gen.tokenizer, messages, tools)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=top)
+        constraint = self.gen.constraint(req.response_format, tools, tool_choice, req.parallel_tool_calls)
+        return self.gen.start(prompt, params, constraint=constraint,
+                              parse_tools=bool(tools) and tool_choice != "none",
+                              parallel_tool_calls=req.parallel_tool_calls is not False, started_at=started)
+
+    async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
+        result = await generation.collect()
+        message: dict[str, Any] = {"role": "assistant", "content": result.content}
+        if result.tool_calls:
+            message["tool_calls"] = tool_call_dicts(result.tool_calls)
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": result.finish_reason,
+                                  "logprobs": None}
+        if result.logprobs is not None:
+            choice["logprobs"] = {"content": self._chat_logprobs(result.logprobs)}
+        return {"id": "chatcmpl-" + generation.request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.gen.model_name, "choices": [choice],
+                "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+
+    async def chat_chunks(self, req: ChatCompletionRequest, generation: Generation) -> AsyncIterator[dict]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": "chatcmpl-" + generation.request_id, "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.gen.model_name}
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None) -> dict:
+            c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                c["usage"] = None
+            return c
+
+        yield chunk({"role": "assistant", "content": ""})
+        n_calls = 0
+        async for d in generation.deltas():
+            logprobs = {"content": self._chat_logprobs(d.logprobs)} if d.logprobs else None
+            if d.content or logprobs:
+                yield chunk({"content": d.content}, logprobs=logprobs)
+            for call in d.tool_calls:
+                yield chunk({"tool_calls": [{"index": n_calls, "id": call.id, "type": "function",
+                                             "function": {"name": call.name, "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": call.arguments}}]})
+                n_calls += 1
+        result = generation.result
+        yield chunk({}, finish=result.finish_reason)
+        if include_usage:
+            yield {**base, "choices": [],
+                   "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+
+    def _chat_logprobs(self, logprobs: list) -> list[dict[str, Any]]:
+        out = []
+        for lp in logprobs:
+            token = self._token_text(lp.token_id)
+            out.append({"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": (t := self._token_text(i)), "logprob": v,
+                                          "bytes": list(t.encode())} for i, v in lp.top]})
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.gen.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ completions
+
+    def start_completion(self, req: CompletionRequest) -> Generation:
+        started = time.monotonic()
+        self.gen.check_model(req.model)
+        if req.n != 1:
+            raise bad_request("only n=1 is supported", param="n")
+        if req.echo or req.suffix:
+            raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        prompt = self._prompt_ids(req.prompt)
+        params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=req.logprobs)
+        return self.gen.start(prompt, params, started_at=started)
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.gen.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab = self.gen.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        else:
+            raise bad_request("prompt must be a string or a list of token ids (one prompt per request)",
+                              param="prompt")
+        if not ids:
+            raise bad_request("prompt is empty", param="prompt")
+        return ids
+
+    async def completion(self, req: CompletionRequest, generation: Generation) -> dict[str, Any]:
+        result = await generation.collect()
+        return {"id": "cmpl-" + generation.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.gen.model_name,
+                "choices": [{"index": 0, "text": result.text, "finish_reason": result.finish_reason,
+                             "logprobs": self._completion_logprobs(result.logprobs)}],
+                "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+
+    async def completion_chunks(self, req: CompletionRequest, generation: Generation) -> AsyncIterator[dict]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": "cmpl-" + generation.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.gen.model_name}
+        async for d in generation.deltas():
+            yield {**base, "choices": [{"index": 0, "text": d.content, "finish_reason": None,
+                                        "logprobs": self._completion_logprobs(d.logprobs)}]}
+        result: Result = generation.result
+        yield {**base, "choices": [{"index": 0, "text": "", "finish_reason": result.finish_reason, "logprobs": None}]}
+        if include_usage:
+            yield {**base, "choices": [],
+                   "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+
+    def _completion_logprobs(self, logprobs: list | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._token_text(i): v for i, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+

@@ -1,0 +1,291 @@
+"""Sessions: server-side conversations whose KV prefix stays warm between turns.
+
+A turn renders the session's whole history plus the new messages, so the engine's radix
+cache serves everything the previous turn already computed. After a turn the engine pins
+the turn's sequence (prompt + reply) under the turn's request id for a time-to-live
+(longer when the reply ended in a tool call); the next turn unpins it once its own
+request is admitted, and delete or idle expiry unpin it too. The engine may drop a pin
+early under memory pressure: a pin is a hint, never a reason to fail.
+
+Turns are atomic: the new messages and the reply are appended together, once, after the
+reply is complete (``SessionStore.append_turn_once``). An error or a client that goes
+away leaves the session as it was. One turn runs at a time per session (409 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from engine.chat import encode_chat
+
+from agentrt.config import ServerConfig
+from agentrt.errors import APIError, bad_request, not_found
+from agentrt.generation import Generation, Generator
+from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
+from agentrt.service import message_dicts, tool_call_dicts
+from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnRecord
+
+log = logging.getLogger("agentrt.sessions")
+
+
+class TurnRun:
+    """A turn in progress: its generation, the session lock it holds, and how to record it."""
+
+    def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str,
+                 new_messages: list[dict[str, Any]], prompt_ids: list[int], generation: Generation,
+                 lock: asyncio.Lock, pin_ttl_s: float) -> None:
+        self.manager = manager
+        self.record = record
+        self.turn_id = turn_id
+        self.new_messages = new_messages
+        self.prompt_ids = prompt_ids
+        self.generation = generation
+        self.pin_ttl_s = pin_ttl_s
+        self._lock = lock
+        self.turn: TurnRecord | None = None
+
+    async def deltas(self) -> AsyncIterator[Any]:
+        """Generation deltas; when the reply is complete the turn is recorded (``self.turn``)."""
+        try:
+            async for d in self.generation.deltas():
+                yield d
+            self.turn = await self.manager._record_turn(self)
+        finally:
+            await self.close()
+
+    async def run(self) -> TurnRecord:
+        async for _ in self.deltas():
+            pass
+        if self.turn is None:
+            raise APIError(503, "the turn ended before its reply was complete", type="server_error")
+        return self.turn
+
+    async def close(self) -> None:
+        """Abort the generation if unfinished, drop its pin if not recorded, release the lock (idempotent)."""
+        await self.generation.close()
+        if self.turn is None:  # the engine pins a request when it ends, even aborted: undo that
+            self.manager.unpin(self.generation.request_id)
+        if self._lock.locked():
+            self._lock.release()
+
+
+class SessionManager:
+    def __init__(self, store: SessionStore, generator: Generator, config: ServerConfig) -> None:
+        self.store = store
+        self.gen = generator
+        self.config = config
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._pins: dict[str, tuple[str, float]] = {}  # session id -> (pin id, expires at)
+        self._expiry: dict[str, float] = {}  # session id -> idle expiry, for the sessions made here
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def create(self, req: SessionCreateRequest) -> SessionRecord:
+        model = self.gen.check_model(req.model)
+        sampling = req.sampling.model_dump(exclude_none=True)
+        self.gen.sampling_params(sampling, 0)  # validate the defaults now, not at the first turn
+        record = SessionRecord(
+            id="sess_" + uuid.uuid4().hex, model=model, system=req.system,
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            sampling=sampling, metadata=dict(req.metadata),
+            idle_ttl_s=req.idle_ttl_s or self.config.session_idle_ttl_s,
+            pin_ttl_s=self._check_pin_ttl(req.pin_ttl_s))
+        return await self._create(record)
+
+    async def fork(self, session_id: str, req: ForkRequest) -> SessionRecord:
+        """A new session with the parent's history and turn records (the engine shares the prefix)."""
+        parent = await self.get(session_id)
+        record = SessionRecord(
+            id="sess_" + uuid.uuid4().hex, model=parent.model, system=parent.system, tools=parent.tools,
+            sampling=dict(parent.sampling),
+            metadata=dict(parent.metadata if req.metadata is None else req.metadata),
+            idle_ttl_s=req.idle_ttl_s or parent.idle_ttl_s, pin_ttl_s=parent.pin_ttl_s, parent_id=parent.id,
+            messages=parent.messages, turns=parent.turns)
+        return await self._create(record)
+
+    async def _create(self, record: SessionRecord) -> SessionRecord:
+        try:
+            record = await self.store.create(record)
+        except SessionLimitReached as exc:
+            raise APIError(429, str(exc), code="too_many_sessions",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        self.gen.metrics.sessions.inc()
+        self._expiry[record.id] = record.expires_at
+        return record
+
+    async def get(self, session_id: str) -> SessionRecord:
+        record = await self.store.get(session_id)
+        if record is None or record.expires_at <= time.time():
+            raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
+                            param="session_id", code="session_not_found")
+        return record
+
+    async def delete(self, session_id: str) -> None:
+        record = await self.store.delete(session_id)
+        if record is None:
+            raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
+                            param="session_id", code="session_not_found")
+        self._forget(session_id)
+
+    def _forget(self, session_id: str) -> None:
+        self.gen.metrics.sessions.dec()
+        self._expiry.pop(session_id, None)
+        self._locks.pop(session_id, None)
+        pin = self._pins.pop(session_id, None)
+        if pin is not None:
+            self.unpin(pin[0])
+
+    async def sweep(self) -> int:
+        """Delete sessions idle past their TTL and forget expired pins; returns sessions deleted."""
+        now = time.time()
+        for sid, (_, expires) in list(self._pins.items()):
+            if expires <= now:
+                del self._pins[sid]
+        deleted = 0
+        for sid, expires in list(self._expiry.items()):
+            lock = self._locks.get(sid)
+            if expires > now or (lock is not None and lock.locked()):
+                continue
+            record = await self.store.get(sid)
+            if record is not None and record.expires_at > now:  # used since: keep it
+                self._expiry[sid] = record.expires_at
+                continue
+            await self.store.delete(sid)
+            self._forget(sid)
+            deleted += 1
+        return deleted
+
+    def pin_info(self, record: SessionRecord) -> dict[str, Any] | None:
+        turn = record.last_turn
+        if turn is None or turn.pin_id is None:
+            return None
+        active = self._pins.get(record.id, (None, 0.0))[0] == turn.pin_id and turn.pin_expires_at > time.time()
+        return {"id": turn.pin_id, "expires_at": turn.pin_expires_at, "active": active}
+
+    def unpin(self, pin_id: str) -> None:
+        """Release a pin; a no-op when the engine already released it (expiry, memory pressure)."""
+        self.gen.engine.unpin(pin_id)
+
+    def _check_pin_ttl(self, ttl: float | None) -> float | None:
+        if ttl is not None and ttl > self.config.max_pin_ttl_s:
+            raise bad_request(f"pin_ttl_s {ttl} exceeds the server's maximum of {self.config.max_pin_ttl_s}",
+                              param="pin_ttl_s")
+        return ttl
+
+    # ------------------------------------------------------------ turns
+
+    async def replay(self, session_id: str, turn_id: str | None) -> TurnRecord | None:
+        """The recorded turn with this id, if the session has one."""
+        if turn_id is None:
+            return None
+        return (await self.get(session_id)).find_turn(turn_id)
+
+    async def start_turn(self, session_id: str, req: TurnRequest) -> TurnRun | TurnRecord:
+        """A recorded turn (replay of ``turn_id``) or a running one holding the session's lock."""
+        record = await self.get(session_id)
+        new_messages = self._check_new_messages(req)
+        if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
+            return done
+        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        if lock.locked():
+            raise APIError(409, f"session '{session_id}' already has a turn in progress; wait for it to finish",
+                           param="session_id", code="turn_in_progress")
+        await lock.acquire()
+        try:
+            run = self._submit(await self.get(session_id), req, new_messages, lock)
+        except BaseException:
+            lock.release()
+            raise
+        previous = self._pins.pop(session_id, None)
+        if previous is not None:  # the new request now holds the prefix; the old pin has done its job
+            self.unpin(previous[0])
+        return run
+
+    def _check_new_messages(self, req: TurnRequest) -> list[dict[str, Any]]:
+        for i, m in enumerate(req.messages):
+            if m.role not in ("user", "tool"):
+                raise bad_request(f"messages[{i}]: a turn appends user messages or tool results, not "
+                                  f"'{m.role}' messages", param=f"messages.{i}.role")
+        return message_dicts(req.messages)
+
+    def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
+                lock: asyncio.Lock) -> TurnRun:
+        started = time.monotonic()
+        prompt = self._encode(record, new_messages)
+        fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop", "seed"},
+                                                      exclude_none=True)}
+        params = self.gen.sampling_params(fields, len(prompt))
+        constraint = self.gen.constraint(req.response_format, record.tools, req.tool_choice,
+                                         req.parallel_tool_calls)
+        pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
+        generation = self.gen.start(prompt, params, constraint=constraint,
+                                    parse_tools=bool(record.tools) and req.tool_choice != "none",
+                                    parallel_tool_calls=req.parallel_tool_calls is not False,
+                                    pin_ttl_s=pin_ttl, started_at=started)
+        return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, prompt,
+                       generation, lock, pin_ttl)
+
+    def _encode(self, record: SessionRecord, new_messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt: system, history (replies as the model wrote them, for exact cache reuse), new messages."""
+        history = list(record.messages)
+        for t in record.turns:
+            if t.raw_text is not None and 0 <= t.index < len(history):
+                history[t.index] = {"role": "assistant", "content": t.raw_text}
+        system = [{"role": "system", "content": record.system}] if record.system is not None else []
+        try:
+            return encode_chat(self.gen.tokenizer, system + history + new_messages, record.tools)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+
+    async def _record_turn(self, run: TurnRun) -> TurnRecord:
+        result = run.generation.result
+        pin_ttl = run.pin_ttl_s
+        if result.tool_calls and run.record.pin_ttl_s is None:
+            # The agent runs the tool and comes straight back: keep the prefix longer.
+            pin_ttl = self.config.pin_ttl_tool_s
+            self.gen.engine.pin(run.generation.request_id, run.prompt_ids + result.token_ids, pin_ttl)
+        now = time.time()
+        message: dict[str, Any] = {"role": "assistant", "content": result.content}
+        if result.tool_calls:
+            message["tool_calls"] = tool_call_dicts(result.tool_calls)
+        turn = TurnRecord(turn_id=run.turn_id, index=len(run.record.messages) + len(run.new_messages),
+                          message=message, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
+                          completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
+                          created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
+                          raw_text=result.text)
+        try:
+            record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn)
+        except SessionNotFound:
+            self.unpin(turn.pin_id)
+            raise not_found(f"session '{run.record.id}' was deleted while its turn ran",
+                            param="session_id", code="session_not_found") from None
+        if not was_new:  # a concurrent retry recorded this turn id first: keep its reply
+            self.unpin(turn.pin_id)
+            return record.find_turn(run.turn_id)
+        self._pins[record.id] = (turn.pin_id, turn.pin_expires_at)
+        self._expiry[record.id] = record.expires_at
+        self.gen.metrics.turns.labels("new").inc()
+        return turn
+
+    # ------------------------------------------------------------ views
+
+    def view(self, record: SessionRecord) -> dict[str, Any]:
+        return {"id": record.id, "object": "session", "model": record.model, "system": record.system,
+                "tools": record.tools, "sampling": record.sampling, "metadata": record.metadata,
+                "idle_ttl_s": record.idle_ttl_s, "pin_ttl_s": record.pin_ttl_s, "created_at": record.created_at,
+                "last_active_at": record.last_active_at, "expires_at": record.expires_at,
+                "parent_id": record.parent_id, "turns": len(record.turns), "messages": record.messages,
+                "usage": record.usage(), "pin": self.pin_info(record)}
+
+    @staticmethod
+    def turn_view(session_id: str, turn: TurnRecord, replayed: bool = False) -> dict[str, Any]:
+        usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": turn.completion_tokens,
+                 "cached_tokens": turn.cached_tokens, "total_tokens": turn.prompt_tokens + turn.completion_tokens}
+        return {"id": turn.turn_id, "object": "session.turn", "session_id": session_id, "index": turn.index,
+                "message": turn.message, "finish_reason": turn.finish_reason, "usage": usage,
+                "replayed": replayed, "created_at": turn.created_at}
+
