@@ -8,8 +8,9 @@ through ``ExpertParallelMoE`` (tokens start on the rank the trace says). Per tra
    own tokens in ``SlidingWindowStats``;
 2. per placement, rank 0 fits on the summed window, the plan is broadcast and the
    weights migrate from the contiguous layout (``migrate``, counted);
-3. the second half is measured with a ``Rebalancer`` refitting every few steps on a
-   sliding window (migrations counted). Traffic comes from the ``all_to_all_single``
+3. the second half is measured with a ``Rebalancer`` refitting every 3 steps on a
+   sliding window and adopting a candidate only when it wins on the next window
+   (migrations counted). Traffic comes from the ``all_to_all_single``
    split sizes: a row (hidden state out + partial sum back) per token and remote rank,
    12 bytes of metadata per token->expert pair.
 ``reference_ok``: EP output equals the dense oracle (max abs diff <= 1e-5, fp32) on tiny
@@ -50,8 +51,8 @@ class BenchConfig:
     intermediate: int = 64
     num_redundant: int = 4
     step_tokens: int = 1024  # tokens per step over all ranks
-    rebalance_every: int = 4  # steps of the measured half
-    window: int = 4  # steps in the rebalancer's sliding window
+    rebalance_every: int = 3  # steps of the measured half between refits
+    window: int = 3  # steps in the rebalancer's sliding window
 
 
 def make_traces(quick: bool, seed: int, world: int) -> list[Trace]:
@@ -119,7 +120,7 @@ def _measure(ctx: EPContext, name: str, trace: Trace, blocks: list[MoEBlock], fi
             reduced = window.reduced(ctx.group)
             new = None
             if ctx.rank == 0:
-                adopted += sum(d.adopted for d in rebalancer.rebalance(reduced.snapshots()))
+                adopted += sum(int(d.adopted) for d in rebalancer.rebalance(reduced.snapshots()))
                 new = rebalancer.plan
             new = sync_plan(new, PlacementPlan([ep.layer for ep in eps]), ctx)
             for ep, lp in zip(eps, new.layers):

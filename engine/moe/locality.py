@@ -12,8 +12,10 @@ each token from the replica on its own rank, else its node (``locality`` policy)
 2. Replicate hot experts within their node: each redundant slot gets the (expert, rank)
    among the hottest experts and the free slots of nodes already holding the expert
    that lowers the objective most (replicas also relieve load).
-3. Local search: random slot swaps between ranks and replica re-targets, kept when the
-   objective drops; a fixed evaluation budget and seed make it deterministic.
+3. Iterated local search: descend over every slot swap between ranks and every replica
+   re-target (seeded random order) to a local optimum, then kick it with a few random
+   swaps and descend again, keeping improvements, until the evaluation budget ends;
+   deterministic for given stats.
 Steps 1-3 run from the greedy layout and from the EPLB layout; the better result wins,
 so the plan is never worse than ``balanced`` by this objective.
 """
@@ -69,13 +71,14 @@ class LocalityPlacement(Placement):
     replica_policy = "locality"
 
     def __init__(self, num_redundant: int = 0, load_cap: float = 1.15, node_weight: float = 1.0,
-                 max_evals: int = 3000, seed: int = 0):
+                 max_evals: int = 6000, kick_swaps: int = 4, seed: int = 0):
         super().__init__(num_redundant)
         if load_cap < 1.0:
             raise ValueError(f"load_cap is a max/mean ratio and must be >= 1, got {load_cap}")
         if node_weight < 0 or max_evals < 0:
             raise ValueError("node_weight and max_evals must be >= 0")
         self.load_cap, self.node_weight, self.max_evals, self.seed = load_cap, node_weight, max_evals, seed
+        self.kick_swaps = kick_swaps
 
     def fit_phy2log(self, stats: ExpertStats, topology: Topology) -> torch.Tensor:
         s = self.slots_per_rank(stats.num_experts, topology)
@@ -87,7 +90,9 @@ class LocalityPlacement(Placement):
         return torch.from_numpy(min(results, key=obj))
 
     def score(self, layer, stats: ExpertStats) -> float:
-        obj = _Objective(stats, layer.topology, self.load_cap, self.node_weight)
+        """Expected sends per token; load is only penalised above the cap + 0.1, so that
+        sampling noise in the load does not decide a rebalance."""
+        obj = _Objective(stats, layer.topology, self.load_cap + 0.1, self.node_weight)
         return obj(layer.phy2log.numpy())
 
     def _cluster(self, stats: ExpertStats, topology: Topology, s: int) -> list[list[int]]:
@@ -141,26 +146,63 @@ class LocalityPlacement(Placement):
         return _flatten(ranks, s)
 
     def _search(self, phy2log: np.ndarray, obj: _Objective, s: int) -> np.ndarray:
-        """Step 3: first-improvement local search over random swaps and replica re-targets."""
+        """Step 3: iterated local search within ``max_evals`` objective evaluations: descend
+        to a local optimum, then repeatedly kick the best layout (a few random swaps) and
+        descend again, keeping the result when it is better."""
         rng = np.random.default_rng(self.seed)
-        cur, f_cur = phy2log.copy(), obj(phy2log)
-        n = len(cur)
-        for _ in range(self.max_evals):
-            a, b = rng.integers(n, size=2)
-            if a // s == b // s or cur[a] == cur[b]:
+        best, f_best, evals = _descend(phy2log, obj, s, rng, self.max_evals)
+        while evals < self.max_evals:
+            kicked = best.copy()
+            for _ in range(self.kick_swaps):
+                a, b = rng.integers(len(kicked), size=2)
+                new = _apply(kicked, (int(a), int(b)), obj.e, s) if a // s != b // s else None
+                kicked = kicked if new is None else new
+            cand, f_cand, used = _descend(kicked, obj, s, rng, self.max_evals - evals)
+            evals += used + 1
+            if f_cand < f_best - 1e-12:
+                best, f_best = cand, f_cand
+        return best
+
+
+def _descend(cur: np.ndarray, obj: _Objective, s: int, rng: np.random.Generator, budget: int) -> tuple[np.ndarray, float, int]:
+    """First-improvement descent: passes over every swap of two slots on different ranks and
+    every re-target of a replica slot (seeded random order) until a pass finds nothing or
+    ``budget`` evaluations are spent. Returns (layout, objective, evaluations)."""
+    f_cur, n, evals, improved = obj(cur), len(cur), 0, True
+    moves = [(a, b) for a in range(n) for b in range(a + 1, n) if a // s != b // s]
+    moves += [(a, -1 - e) for a in range(n) for e in range(obj.e)]  # re-target slot a to expert e
+    while improved and evals < budget:
+        improved = False
+        for i in rng.permutation(len(moves)):
+            if evals >= budget:
+                break
+            new = _apply(cur, moves[i], obj.e, s)
+            if new is None:
                 continue
-            new = cur.copy()
-            count = np.bincount(cur, minlength=obj.e)
-            if count[cur[a]] > 1 and rng.random() < 0.3:
-                new[a] = cur[b]  # re-target a replica slot to the expert in slot b
-            else:
-                new[a], new[b] = cur[b], cur[a]
-            if _duplicate(new, a, s) or _duplicate(new, b, s):
-                continue
+            evals += 1
             f_new = obj(new)
             if f_new < f_cur - 1e-12:
-                cur, f_cur = new, f_new
-        return cur
+                cur, f_cur, improved = new, f_new, True
+    return cur, f_cur, evals
+
+
+def _apply(cur: np.ndarray, move: tuple[int, int], num_experts: int, s: int) -> np.ndarray | None:
+    """The layout after ``move`` (a swap (a, b) or a re-target (a, -1 - e)), or None if the
+    move is a no-op, leaves an expert without a replica or puts an expert twice on a rank."""
+    a, b = move
+    new = cur.copy()
+    if b >= 0:
+        if cur[a] == cur[b]:
+            return None
+        new[a], new[b] = cur[b], cur[a]
+    else:
+        e = -1 - b
+        if cur[a] == e or np.count_nonzero(cur == cur[a]) < 2:
+            return None
+        new[a] = e
+    if _duplicate(new, a, s) or (b >= 0 and _duplicate(new, b, s)):
+        return None
+    return new
 
 
 def _duplicate(phy2log: np.ndarray, slot: int, s: int) -> bool:

@@ -67,9 +67,15 @@ class RebalanceDecision:
 
 
 class Rebalancer:
-    """Refit every ``interval`` steps; adopt a layer's new layout only if its score (the
-    placement's own ``score``, lower is better) improves by at least ``min_gain`` (relative),
-    so a stationary workload does not churn weights."""
+    """Refit every ``interval`` steps, validating each candidate on fresh statistics.
+
+    ``rebalance(stats)`` first judges the candidate fitted at the previous call: it is
+    adopted for a layer only if, on *these* stats (which it was not fitted on), its score
+    (the placement's own ``score``, lower is better) beats the layout in force by at least
+    ``min_gain`` (relative). Then it fits a new candidate on these stats for next time.
+    Scoring a plan on the data it was fitted to would always flatter it and churn weights
+    on a stationary workload; the one-interval delay avoids that.
+    """
 
     def __init__(self, placement: Placement, plan: PlacementPlan, interval: int, expert_bytes: int, min_gain: float = 0.05):
         if interval < 1:
@@ -79,21 +85,23 @@ class Rebalancer:
         self.placement, self.plan, self.interval = placement, plan, interval
         self.expert_bytes, self.min_gain = expert_bytes, min_gain
         self.total_migration_bytes = 0
+        self._candidates: list[LayerPlacement] | None = None
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.interval == 0
 
     def rebalance(self, stats: Sequence[ExpertStats],
                   migrate: Callable[[int, LayerPlacement], None] | None = None) -> list[RebalanceDecision]:
-        """Refit every layer on ``stats``; for adopted layers call ``migrate(layer, new)``
-        (e.g. ``ExpertParallelMoE.migrate``) and update ``self.plan``."""
-        decisions = []
-        layers = list(self.plan.layers)
+        """Judge the pending candidates on ``stats`` (per layer), adopt the winners (calling
+        ``migrate(layer, new)``, e.g. ``ExpertParallelMoE.migrate``), refit candidates."""
+        if len(stats) != len(self.plan):
+            raise ValueError(f"got stats for {len(stats)} layers, the plan has {len(self.plan)}")
+        decisions, layers = [], list(self.plan.layers)
         for i, st in enumerate(stats):
             old = layers[i]
-            new = align_slots(old, self.placement.fit_layer(st, old.topology))
+            new = self._candidates[i] if self._candidates is not None else old
             old_score, new_score = self.placement.score(old, st), self.placement.score(new, st)
-            adopt = new_score < old_score * (1.0 - self.min_gain)
+            adopt = new is not old and new_score < old_score * (1.0 - self.min_gain)
             moved = migration_bytes(old, new, self.expert_bytes) if adopt else 0
             if adopt:
                 if migrate is not None:
@@ -102,4 +110,5 @@ class Rebalancer:
             self.total_migration_bytes += moved
             decisions.append(RebalanceDecision(i, adopt, old_score, new_score, moved))
         self.plan = PlacementPlan(layers)
+        self._candidates = [align_slots(lp, self.placement.fit_layer(st, lp.topology)) for lp, st in zip(layers, stats)]
         return decisions

@@ -4,7 +4,8 @@ Used by the tests and by ``benchmarks/moe_placement.py`` (``reference_ok``). Eac
 loads the block from a real HF checkpoint directory (its own slots through the lazy
 reader, the full block for the oracle), feeds its own tokens (a different count per
 rank, rank 1 none at all) and compares with ``MoEBlock.reference_forward``. It checks
-every placement straight after fitting and after migrating from the contiguous layout.
+every placement straight after fitting and after migrating from the contiguous layout,
+and that the traffic counted from the split sizes equals ``cost.simulate_dispatch``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from engine.moe.checkpoint import SafetensorsDict, read_hf_config
 from engine.moe.config import MoEConfig
+from engine.moe.cost import simulate_dispatch
 from engine.moe.ep import EPContext, ExpertParallelMoE
 from engine.moe.layers import MoEBlock
 from engine.moe.placement import LayerPlacement, contiguous_phy2log, get_placement
@@ -34,7 +36,9 @@ def ep_matches_reference(ctx: EPContext, checkpoint_dirs: list[str], placements:
                          tokens: int = 24, layer: int = 0, seed: int = 0,
                          placement_kwargs: dict | None = None) -> dict[str, float]:
     """Max abs difference EP vs oracle on this rank's tokens, keyed "family/placement" and
-    "family/placement/migrated". Collective: every rank must call it with the same arguments."""
+    "family/placement/migrated"; "family/placement/traffic_mismatch" is the absolute
+    difference between counted and simulated remote rows and pairs (0 when they agree).
+    Collective: every rank must call it with the same arguments."""
     out: dict[str, float] = {}
     prefix = f"model.layers.{layer}."
     for directory in checkpoint_dirs:
@@ -53,6 +57,11 @@ def ep_matches_reference(ctx: EPContext, checkpoint_dirs: list[str], placements:
             with torch.no_grad():
                 ep = ExpertParallelMoE.from_hf_state_dict(cfg, fitted, ctx, sd, prefix)
                 out[f"{cfg.family}/{name}"] = _diff(ep(x), ref)
+                sim = simulate_dispatch(fitted, block.route(x)[0], torch.full((n,), ctx.rank))
+                c = ep.traffic
+                out[f"{cfg.family}/{name}/traffic_mismatch"] = (
+                    abs(c.rows_off_rank - sim["rows_off_rank"]) + abs(c.rows_off_node - sim["rows_off_node"])
+                    + abs(c.pairs_off_rank - sim["pairs_off_rank"]) + abs(c.pairs_off_node - sim["pairs_off_node"]))
                 moved = ExpertParallelMoE.from_hf_state_dict(cfg, contiguous, ctx, sd, prefix)
                 moved.migrate(fitted)
                 out[f"{cfg.family}/{name}/migrated"] = _diff(moved(x), ref)

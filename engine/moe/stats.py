@@ -88,7 +88,8 @@ def _count(topk_ids: torch.Tensor, src_rank: torch.Tensor, num_experts: int, wor
 
 
 class SlidingWindowStats:
-    """Per-layer counts over the last ``window`` steps (a ring buffer of step buckets).
+    """Per-layer counts over the last ``window`` steps, the open one included (a ring
+    buffer of step buckets).
 
     Call ``record(layer, topk_ids, src_rank)`` for every MoE layer of a step, then
     ``advance()`` once per step; ``snapshot(layer)`` sums the buckets in the window.
