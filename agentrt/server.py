@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -195,7 +196,8 @@ async def create_session(body: SessionCreateRequest, request: Request) -> dict:
 @api.get("/v1/sessions", response_model=SessionList)
 async def list_sessions(request: Request) -> dict:
     sessions: SessionManager = request.app.state.sessions
-    records = await sessions.store.list()
+    now = time.time()
+    records = [r for r in await sessions.store.list() if r.expires_at > now]
     return {"object": "list", "data": [sessions.view(r) for r in records]}
 
 

@@ -85,3 +85,9 @@ def agentrt_server(tmp_path_factory: pytest.TempPathFactory):
     server = start_server(tmp_path_factory.mktemp("agentrt"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def start_agentrt_server():
+    """``start_agentrt_server(tmp_dir, *flags)`` starts another server; the caller stops it."""
+    return start_server

@@ -1,0 +1,34 @@
+"""Small helpers for the agentrt API tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """One unlabelled sample from the server's /metrics."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(f"{name} not in /metrics")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0, interval_s: float = 0.2) -> bool:
+    """Poll until ``condition()`` is true; False if the deadline passes first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return condition()

@@ -1,0 +1,55 @@
+"""Units without a server: the in-memory session store's contract and ServerConfig sources."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentrt.cli import build_parser
+from agentrt.config import ServerConfig
+from agentrt.store import InMemorySessionStore, SessionLimitReached, SessionNotFound, SessionRecord, TurnRecord
+
+
+def turn(turn_id: str, index: int) -> TurnRecord:
+    return TurnRecord(turn_id=turn_id, index=index, message={"role": "assistant", "content": "ok"},
+                      finish_reason="stop", prompt_tokens=10, completion_tokens=2, cached_tokens=4, created_at=0.0)
+
+
+def test_append_turn_once_is_atomic_and_idempotent():
+    async def main():
+        store = InMemorySessionStore(max_sessions=1)
+        await store.create(SessionRecord(id="s1", model="m"))
+        user = [{"role": "user", "content": "hi"}]
+        record, new = await store.append_turn_once("s1", "t1", user, turn("t1", 1))
+        again, new_again = await store.append_turn_once("s1", "t1", user, turn("t1", 1))
+        assert new and not new_again
+        assert again.messages == user + [{"role": "assistant", "content": "ok"}]
+        assert again.usage() == {"prompt_tokens": 10, "completion_tokens": 2, "cached_tokens": 4, "total_tokens": 12}
+        record.messages.append({"role": "user", "content": "mutating a copy"})
+        assert len((await store.get("s1")).messages) == 2
+        with pytest.raises(SessionLimitReached):
+            await store.create(SessionRecord(id="s2", model="m"))
+        assert (await store.delete("s1")).id == "s1" and await store.get("s1") is None
+        with pytest.raises(SessionNotFound):
+            await store.append_turn_once("s1", "t2", user, turn("t2", 3))
+
+    asyncio.run(main())
+
+
+def test_config_from_env_then_flags():
+    env = {"AGENTRT_PORT": "9001", "AGENTRT_API_KEYS": "a, b", "AGENTRT_PIN_TTL_S": "5",
+           "AGENTRT_KV_CACHE_TOKENS": "4096"}
+    cfg = ServerConfig.from_sources({"port": 9002, "model": None}, environ=env)
+    assert (cfg.port, cfg.api_keys, cfg.pin_ttl_s, cfg.kv_cache_tokens) == (9002, ("a", "b"), 5.0, 4096)
+    with pytest.raises(ValueError, match="AGENTRT_PORT"):
+        ServerConfig.from_sources(environ={"AGENTRT_PORT": "eighty"})
+    with pytest.raises(ValueError, match="max_pin_ttl_s"):
+        ServerConfig(pin_ttl_tool_s=1000)
+    with pytest.raises(ValueError, match="device"):
+        ServerConfig(device="tpu")
+
+
+def test_serve_flags_cover_every_config_field():
+    args = build_parser().parse_args(["serve", "--port", "0", "--api-key", "k", "--pin-ttl-s", "2.5"])
+    assert (args.port, args.api_keys, args.pin_ttl_s, args.host) == (0, ["k"], 2.5, None)
