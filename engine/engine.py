@@ -177,6 +177,9 @@ class LLMEngine:
     def _append_token(self, req: Request, tok: int, lp) -> None:
         p = req.params
         req.output_ids.append(tok)
+        req.pending_ids.append(tok)   # stop tokens included (as vLLM does); their text is not
+        if lp is not None:
+            req.pending_logprobs.append(lp)
         self.generation_tokens_total += 1
         if req.constraint is not None and not req.constraint.accept(tok):
             req.finish_reason, req.error = "error", "the constraint rejected a sampled token"
@@ -187,9 +190,6 @@ class LLMEngine:
             req.finish_reason, req.stop_reason = "stop", (None if eos else tok)
             req.status = Status.FINISHED
         else:
-            req.pending_ids.append(tok)
-            if lp is not None:
-                req.pending_logprobs.append(lp)
             req.text += req.detok.push([tok])
             if self._check_stop_strings(req):
                 return

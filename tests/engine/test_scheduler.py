@@ -1,0 +1,163 @@
+"""Scheduling behaviour with the real default model: cache reuse, page pressure, pins, stops."""
+
+import pytest
+
+from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from engine.chat import encode_chat
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def chat(tok, text, system="You are a careful assistant who answers briefly."):
+    return encode_chat(tok, [{"role": "system", "content": system}, {"role": "user", "content": text}])
+
+
+@pytest.fixture(scope="module")
+def small_engine():
+    """A deliberately tiny KV pool: 24 pages of 16 tokens."""
+    return LLMEngine(EngineConfig(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8))
+
+
+def test_cached_prefix_gives_identical_output(default_engine, tokenizer):
+    default_engine.flush_cache()
+    prompt = chat(tokenizer, "Name a large animal that lives in the ocean.") * 3  # > several pages
+    cold = default_engine.generate([prompt], GREEDY)[0]
+    assert cold.cached_tokens == 0
+    warm = default_engine.generate([prompt], GREEDY)[0]
+    assert warm.cached_tokens >= len(prompt) - 16
+    assert warm.token_ids == cold.token_ids
+
+
+def test_shared_system_prompt_served_from_cache_while_batched(default_engine, tokenizer):
+    default_engine.flush_cache()
+    system = "You are an agent with tools. " * 30
+    prompts = [chat(tokenizer, f"Question number {i}: what is {i} plus {i}?", system) for i in range(4)]
+    res = default_engine.generate(prompts, GREEDY)
+    # chunked prefill of the first request is shared with the ones admitted after it
+    assert sum(r.cached_tokens for r in res) > 0
+    alone = [default_engine.generate([p], GREEDY)[0].token_ids for p in prompts[:2]]
+    assert alone == [r.token_ids for r in res[:2]]
+
+
+def test_page_pressure_every_request_finishes(small_engine, tokenizer):
+    prompts = [chat(tokenizer, f"Tell me a fact about the number {i}.") for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    res = small_engine.generate(prompts, params)
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 40 for r in res)
+    assert small_engine.scheduler.num_preemptions > 0  # memory really ran out
+    # preemption + resume does not change greedy output
+    for p, r in zip(prompts[:2], res[:2]):
+        assert small_engine.generate([p], params)[0].token_ids == r.token_ids
+    st = small_engine.stats()
+    assert st.running == 0 and st.waiting == 0
+    assert st.pages_used == st.pages_cached  # everything left is evictable cache
+
+
+def test_request_larger_than_pool_fails_cleanly(small_engine, tokenizer):
+    too_long = chat(tokenizer, "word " * 600)
+    res = small_engine.generate([too_long, chat(tokenizer, "hi")], SamplingParams(max_tokens=4, temperature=0))
+    assert res[0].finish_reason == "error" and "KV cache" in res[0].error
+    assert res[1].finish_reason in ("stop", "length")
+
+
+def test_pin_survives_pressure_until_released(small_engine, tokenizer):
+    small_engine.flush_cache()
+    prompt = chat(tokenizer, "Remember this sentence about pinning.")
+    small_engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    small_engine.pin("p1", prompt, ttl_s=60)
+    small_engine.step()
+    assert small_engine.stats().num_pins == 1
+    assert small_engine.generate([prompt], GREEDY)[0].cached_tokens > 0
+    # pressure: pins give way instead of failing requests
+    others = [chat(tokenizer, f"Unrelated question {i} about rivers and mountains.") for i in range(5)]
+    res = small_engine.generate(others, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert all(r.finish_reason == "length" for r in res)
+    small_engine.unpin("p1")
+    small_engine.step()
+    assert small_engine.stats().num_pins == 0
+
+
+def test_pin_expiry(small_engine, tokenizer):
+    prompt = chat(tokenizer, "Short-lived pin.")
+    small_engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    small_engine.pin("short", prompt, ttl_s=0.0)
+    small_engine.step()
+    assert "short" not in small_engine.scheduler.pins
+
+
+def test_pin_ttl_on_request(default_engine, tokenizer):
+    prompt = chat(tokenizer, "Pin me when done.")
+    rid = default_engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0), pin_ttl_s=30)
+    while default_engine.has_unfinished():
+        default_engine.step()
+    assert rid in default_engine.scheduler.pins
+    default_engine.unpin(rid)
+    default_engine.step()
+    assert rid not in default_engine.scheduler.pins
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(default_engine, tokenizer):
+    p = chat(tokenizer, "Write one sentence about cats.")
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    a = default_engine.generate([p], params)[0]
+    b = default_engine.generate([chat(tokenizer, "other"), p], [GREEDY, params])[1]
+    assert a.token_ids == b.token_ids
+    c = default_engine.generate([p], SamplingParams(max_tokens=16, temperature=0.9, seed=99))[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_stop_strings_and_tokens(default_engine, tokenizer):
+    p = chat(tokenizer, "Count from 1 to 10, separated by commas.")
+    full = default_engine.generate([p], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert "5" in full.text
+    cut = default_engine.generate([p], SamplingParams(max_tokens=40, temperature=0, stop=["5"]))[0]
+    assert cut.finish_reason == "stop" and "5" not in cut.text
+    assert full.text.startswith(cut.text)
+    first = full.token_ids[3]
+    by_token = default_engine.generate([p], SamplingParams(max_tokens=40, temperature=0,
+                                                           stop_token_ids=[first]))[0]
+    assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == first
+
+
+def test_streamed_deltas_reassemble_the_text(default_engine, tokenizer):
+    p = chat(tokenizer, "Say something in French with accents, like café or élève.")
+    params = SamplingParams(max_tokens=30, temperature=0, stop=["xyzzy"])
+    rid = default_engine.add_request(p, params)
+    parts, ids = [], []
+    while default_engine.has_unfinished():
+        for out in default_engine.step():
+            if out.request_id == rid:
+                parts.append(out.text)
+                ids.extend(out.token_ids)
+                assert "\ufffd" not in out.text
+    assert "".join(parts) == tokenizer.decode(ids)
+
+
+def test_invalid_requests(default_engine, tokenizer):
+    n = default_engine.max_model_len
+    with pytest.raises(InvalidRequest, match=str(n)):
+        default_engine.add_request([5] * n, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        default_engine.add_request([5] * 10, SamplingParams(max_tokens=n))
+    with pytest.raises(InvalidRequest):
+        default_engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidRequest):
+        default_engine.add_request([10**9], SamplingParams())
+    with pytest.raises(InvalidRequest, match="temperature"):
+        default_engine.add_request([5], SamplingParams(temperature=-1))
+
+
+def test_abort_frees_pages(default_engine, tokenizer):
+    default_engine.flush_cache()
+    default_engine.step()
+    before = default_engine.stats().pages_used
+    rid = default_engine.add_request(chat(tokenizer, "Write a long story."),
+                                     SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        default_engine.step()
+    default_engine.abort_request(rid)
+    outs = default_engine.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
+    st = default_engine.stats()
+    assert st.running == 0
+    assert st.pages_used == st.pages_cached >= before
