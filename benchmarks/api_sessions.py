@@ -1,0 +1,143 @@
+"""S concurrent agent sessions through the HTTP session API: TTFT per turn and cache reuse.
+
+    python benchmarks/api_sessions.py --url http://127.0.0.1:8000 --json out/api_sessions.json
+
+The workload is the engine benchmark's (``benchmarks/workload.py``): S sessions share a
+~1,500-token system prompt with tool definitions; every turn appends a ~200-token tool
+result and asks for a 32-token reply at temperature 0. Sessions run concurrently, turns
+within a session one after another. TTFT is measured at the client, from sending the turn
+to the first streamed content event, so it includes the whole HTTP layer; compare it with
+``benchmarks/engine_sessions.py`` on the same workload to see that layer's overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import agentrt  # noqa: E402
+from benchmarks.workload import AgenticWorkload, system_prompt  # noqa: E402
+
+
+def load_tokenizer(path: str | None):
+    """The model's tokenizer from its GGUF metadata (no weights), to size the workload's text."""
+    from gguf import GGUFReader
+
+    from engine.loader.gguf_loader import _field, default_model_path
+    from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
+
+    reader = GGUFReader(path or default_model_path())
+    hf = tokenizer_from_gguf_fields(
+        tokens=list(_field(reader, "tokenizer.ggml.tokens")), merges=list(_field(reader, "tokenizer.ggml.merges")),
+        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
+        pre=_field(reader, "tokenizer.ggml.pre", "default"))
+    return Tokenizer(hf=hf, chat_template=None, bos_token_id=None, eos_token_ids=())
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+async def run_session(client: agentrt.AsyncClient, wl: AgenticWorkload, tokenizer, system: str, s: int,
+                      records: list[dict]) -> None:
+    session = await client.sessions.create(system=system, sampling={"temperature": 0, "max_tokens": wl.reply_tokens},
+                                           metadata={"benchmark": "api_sessions"})
+    try:
+        for t in range(wl.turns):
+            messages = wl.turn_messages(tokenizer, s, t)
+            start = time.perf_counter()
+            first = None
+            stream = await session.send(messages, stream=True)
+            async for delta in stream:
+                if first is None and (delta.content or delta.tool_call):
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            usage = stream.reply.usage
+            records.append({"session": s, "turn": t, "ttft_s": (first or end) - start, "latency_s": end - start,
+                            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+                            "completion_tokens": usage.completion_tokens})
+    finally:
+        await session.close()
+
+
+def summarize(records: list[dict], wl: AgenticWorkload, wall_s: float) -> dict:
+    per_turn = []
+    for t in range(wl.turns):
+        rows = [r for r in records if r["turn"] == t]
+        ttft = [r["ttft_s"] for r in rows]
+        prompt = sum(r["prompt_tokens"] for r in rows)
+        per_turn.append({"turn": t + 1, "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 99),
+                         "cached_fraction": sum(r["cached_tokens"] for r in rows) / max(1, prompt)})
+    later = [r for r in records if r["turn"] > 0]
+    prompt_all = sum(r["prompt_tokens"] for r in records)
+    return {
+        "workload": {"sessions": wl.sessions, "turns": wl.turns, "system_tokens": wl.system_tokens,
+                     "tool_result_tokens": wl.tool_result_tokens, "reply_tokens": wl.reply_tokens},
+        "wall_s": wall_s,
+        "ttft_p50_s": statistics.median(r["ttft_s"] for r in records),
+        "ttft_p99_s": percentile([r["ttft_s"] for r in records], 99),
+        "ttft_p50_turns_2_plus_s": statistics.median(r["ttft_s"] for r in later) if later else None,
+        "cached_fraction": sum(r["cached_tokens"] for r in records) / max(1, prompt_all),
+        "cached_fraction_turns_2_plus": (sum(r["cached_tokens"] for r in later)
+                                         / max(1, sum(r["prompt_tokens"] for r in later))),
+        "completion_tokens": sum(r["completion_tokens"] for r in records),
+        "per_turn": per_turn,
+        "records": records,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                         tool_result_tokens=args.tool_result_tokens, reply_tokens=args.reply_tokens)
+    tokenizer = load_tokenizer(args.model_path)
+    system = system_prompt(tokenizer, wl.system_tokens, seed=wl.seed)
+    records: list[dict] = []
+    async with agentrt.AsyncClient(args.url, api_key=args.api_key, timeout=600) as client:
+        await client.health()
+        start = time.perf_counter()
+        await asyncio.gather(*(run_session(client, wl, tokenizer, system, s, records) for s in range(wl.sessions)))
+        wall = time.perf_counter() - start
+    return summarize(records, wl, wall)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=1500)
+    parser.add_argument("--tool-result-tokens", type=int, default=200)
+    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--model-path", default=None, help="GGUF whose tokenizer sizes the text (default model)")
+    parser.add_argument("--quick", action="store_true", help="4 sessions x 4 turns")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sessions, args.turns = 4, 4
+    result = asyncio.run(main_async(args))
+    print(f"{args.sessions} sessions x {args.turns} turns in {result['wall_s']:.1f} s; "
+          f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms, p99 {result['ttft_p99_s'] * 1000:.0f} ms; "
+          f"cached fraction {result['cached_fraction']:.2f} ({result['cached_fraction_turns_2_plus']:.2f} on turns 2+)")
+    for row in result["per_turn"]:
+        print(f"  turn {row['turn']}: TTFT p50 {row['ttft_p50_s'] * 1000:7.0f} ms  p99 {row['ttft_p99_s'] * 1000:7.0f} ms"
+              f"  cached {row['cached_fraction']:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
