@@ -131,9 +131,25 @@ def _chat_loop(session, args: argparse.Namespace) -> int:
             print(f"\nerror: {exc}", file=sys.stderr)
 
 
+def _cluster_subcommands() -> tuple[Subcommand, ...]:
+    from router import commands as rc
+
+    return (
+        Subcommand("worker", "run a worker: the engine behind the HTTP API, registered in Redis for routers",
+                   rc.configure_worker, rc.run_worker),
+        Subcommand("router", "run a router: the public API, routing each request to a worker by cache and load",
+                   rc.configure_router, rc.run_router),
+        Subcommand("up", "start a local cluster: Redis (if needed), N workers and a router", rc.configure_up,
+                   rc.run_up),
+        Subcommand("status", "show a cluster's workers, load, cached blocks, sessions and hit rates",
+                   rc.configure_status, rc.run_status),
+    )
+
+
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("serve", "run the server: engine in-process, OpenAI and session APIs", configure_serve, run_serve),
     Subcommand("chat", "chat in the terminal with a running server", configure_chat, run_chat),
+    *_cluster_subcommands(),
 )
 
 

@@ -22,6 +22,15 @@ from agentrt.errors import APIError, bad_request, from_exception, not_found, ove
 from agentrt.metrics import Metrics
 
 
+@dataclass(frozen=True)
+class SessionHint:
+    """Which session a request belongs to and where its last turn ran (a routing hint:
+    the in-process engine has only one place to run it; a router uses it for affinity)."""
+
+    session_id: str
+    last_worker: str | None = None
+
+
 @dataclass
 class Delta:
     """New output of one step: content text, finished tool calls, logprobs of new tokens."""
@@ -209,14 +218,15 @@ class Generator:
 
     def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
               parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
-              request_id: str | None = None, started_at: float | None = None) -> Generation:
+              request_id: str | None = None, started_at: float | None = None,
+              session: SessionHint | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the admission limit, 400 if the engine refuses."""
         if self.in_flight >= self.config.max_concurrent_requests:
             raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
                              "concurrent requests; retry later", self.config.retry_after_s)
         request_id = request_id or "req-" + uuid.uuid4().hex
         try:
-            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s)
+            stream = self._submit(prompt_ids, params, request_id, constraint, pin_ttl_s, session)
         except RuntimeError as exc:
             if isinstance(exc, EngineOverloaded):
                 raise from_exception(exc, self.config.retry_after_s) from None
@@ -228,6 +238,11 @@ class Generator:
         return Generation(self, stream, request_id, parse_tools=parse_tools,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic())
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, constraint: Any,
+                pin_ttl_s: float | None, session: SessionHint | None) -> Any:
+        """The engine's stream for one request (a router's generator overrides this to route by ``session``)."""
+        return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s)
 
     def release(self) -> None:
         self.in_flight -= 1

@@ -267,10 +267,17 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
     from engine import AsyncEngine, LLMEngine
 
     llm = engine if engine is not None else LLMEngine(config.engine_config())
-    async_engine = AsyncEngine(llm)
+    return assemble_app(config, AsyncEngine(llm), llm, store)
+
+
+def assemble_app(config: ServerConfig, backend: Any, model: Any, store: SessionStore | None = None,
+                 generator_cls: type[Generator] = Generator, title: str = "agentrt") -> FastAPI:
+    """The app over ``backend``: an ``engine.AsyncEngine`` or anything with its methods (``submit``,
+    ``pin``, ``unpin``, ``stats``, ``shutdown``), such as the router's remote engine. ``model`` gives
+    ``tokenizer``, ``max_model_len`` and ``model_id``."""
     metrics = Metrics()
-    metrics.attach_engine(async_engine.stats)
-    generator = Generator(async_engine, llm, config, metrics)
+    metrics.attach_engine(backend.stats)
+    generator = generator_cls(backend, model, config, metrics)
     sessions = SessionManager(store or InMemorySessionStore(config.max_sessions), generator, config)
 
     @contextlib.asynccontextmanager
@@ -281,13 +288,13 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
         finally:
             app.state.stopping = True
             sweeper.cancel()
-            await async_engine.shutdown(config.shutdown_timeout_s)
+            await backend.shutdown(config.shutdown_timeout_s)
 
-    app = FastAPI(title="agentrt", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title=title, version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible chat API plus server-side sessions for LLM agents.")
     app.state.config = config
     app.state.stopping = False
-    app.state.engine = async_engine
+    app.state.engine = backend
     app.state.metrics = metrics
     app.state.generator = generator
     app.state.openai = OpenAIService(generator)

@@ -24,7 +24,7 @@ from engine.chat import encode_chat
 
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, not_found
-from agentrt.generation import Generation, Generator
+from agentrt.generation import Generation, Generator, SessionHint
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
 from agentrt.service import message_dicts, tool_call_dicts
 from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnRecord
@@ -225,7 +225,8 @@ class SessionManager:
         generation = self.gen.start(prompt, params, constraint=constraint,
                                     parse_tools=bool(record.tools) and req.tool_choice != "none",
                                     parallel_tool_calls=req.parallel_tool_calls is not False,
-                                    pin_ttl_s=pin_ttl, started_at=started)
+                                    pin_ttl_s=pin_ttl, started_at=started,
+                                    session=SessionHint(record.id, record.last_worker))
         return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, prompt,
                        generation, lock, pin_ttl)
 

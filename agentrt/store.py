@@ -50,6 +50,7 @@ class SessionRecord:
     last_active_at: float = field(default_factory=time.time)
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
+    last_worker: str | None = None  # where the last turn ran (router mode; None in-process)
 
     @property
     def expires_at(self) -> float:

@@ -142,6 +142,12 @@ class KVEventPublisher:
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def last_seq(self) -> int:
+        """Seq of the last event published (-1: none yet)."""
+        with self._lock:
+            return self._seq - 1
+
     def publish(self, kind: str, hashes: list[int], parent: int | None) -> None:
         if not self._started:
             raise RuntimeError("call start() before publishing (it announces `cleared` first)")

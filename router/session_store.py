@@ -74,7 +74,9 @@ class SessionStore:
     and is atomic: if ``turn_id`` is recorded it changes nothing and returns
     ``(record, False)``, else it appends ``messages`` then ``reply``, records
     ``turns[turn_id] = reply``, increments ``turn``, sets ``last_worker`` when given, and
-    returns ``(new record, True)``. Returned records are copies the caller may mutate.
+    returns ``(new record, True)``. ``turn_record``, if given, is what is recorded under
+    ``turn_id`` instead of ``reply`` (the reply message plus usage, for instance).
+    Returned records are copies the caller may mutate.
     """
 
     async def get(self, session_id: str) -> SessionRecord:
@@ -84,8 +86,8 @@ class SessionStore:
         raise NotImplementedError
 
     async def append_turn_once(self, session_id: str, turn_id: str, messages: list[dict],
-                               reply: dict, *, last_worker: str | None = None
-                               ) -> tuple[SessionRecord, bool]:
+                               reply: dict, *, last_worker: str | None = None,
+                               turn_record: dict | None = None) -> tuple[SessionRecord, bool]:
         raise NotImplementedError
 
     async def delete(self, session_id: str) -> bool:
@@ -98,14 +100,17 @@ class SessionStore:
 
 
 def apply_turn(record: SessionRecord, turn_id: str, messages: list[dict], reply: dict,
-               last_worker: str | None) -> SessionRecord:
+               last_worker: str | None, turn_record: dict | None = None) -> SessionRecord:
     """The record after appending one new turn (shared by every store implementation)."""
     if not turn_id:
         raise ValueError("turn_id must be non-empty")
     if not all(isinstance(m, dict) for m in messages) or not isinstance(reply, dict):
         raise ValueError("messages must be a list of dicts and reply a dict")
+    if turn_record is not None and not isinstance(turn_record, dict):
+        raise ValueError("turn_record must be a dict")
     return replace(record, messages=[*record.messages, *messages, reply],
-                   turns={**record.turns, turn_id: reply}, turn=record.turn + 1,
+                   turns={**record.turns, turn_id: reply if turn_record is None else turn_record},
+                   turn=record.turn + 1,
                    last_worker=last_worker if last_worker is not None else record.last_worker,
                    updated_ms=_now_ms())
 
@@ -164,8 +169,8 @@ class RedisSessionStore(SessionStore):
         return record
 
     async def append_turn_once(self, session_id: str, turn_id: str, messages: list[dict],
-                               reply: dict, *, last_worker: str | None = None
-                               ) -> tuple[SessionRecord, bool]:
+                               reply: dict, *, last_worker: str | None = None,
+                               turn_record: dict | None = None) -> tuple[SessionRecord, bool]:
         key = self.config.session_key(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             for _ in range(self.max_retries):
@@ -178,7 +183,7 @@ class RedisSessionStore(SessionStore):
                     if turn_id in record.turns:
                         await pipe.unwatch()
                         return record, False
-                    new = apply_turn(record, turn_id, messages, reply, last_worker)
+                    new = apply_turn(record, turn_id, messages, reply, last_worker, turn_record)
                     pipe.multi()
                     pipe.set(key, self._encode(new))
                     pipe.zadd(self.config.sessions_set_key, {session_id: new.updated_ms})

@@ -1,0 +1,58 @@
+"""The router process: agentrt's public API (OpenAI endpoints and sessions) over a fleet of workers.
+
+``create_router_app`` assembles agentrt's app (``agentrt.server.assemble_app``) with:
+the model's tokenizer only (``router.model_info``), a ``RemoteEngine`` that routes every
+request through ``RouterCore`` and streams it from a worker, and sessions in Redis
+(``RedisAgentrtStore``). Everything it routes on comes from Redis, so any number of
+replicas run side by side and agree (contract 3). ``GET /router/state`` shows this
+replica's view: live workers, their load and indexed blocks, KV event counters, and how
+many decisions each policy rule made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import APIRouter, FastAPI, Request
+
+from agentrt.config import ServerConfig
+from router.config import RouterConfig
+
+router_routes = APIRouter()
+
+
+@router_routes.get("/router/state")
+async def router_state(request: Request) -> dict:
+    state = request.app.state
+    return {**state.core.state(), "failovers": state.engine.failovers}
+
+
+def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
+    from agentrt.server import assemble_app
+    from router.core import RouterCore
+    from router.model_info import load_router_model
+    from router.redis_store import RedisAgentrtStore
+    from router.remote import RemoteEngine, RouterGenerator
+    from router.session_store import RedisSessionStore
+
+    model = load_router_model(config.model, config.served_model_name, config.max_model_len)
+    core = RouterCore(rconfig, model.model_id)
+    remote = RemoteEngine(core, model.max_model_len)
+    store = RedisAgentrtStore(RedisSessionStore(core.redis, rconfig), remote.worker_of)
+    app = assemble_app(config, remote, model, store, generator_cls=RouterGenerator, title="agentrt router")
+    app.state.core = core
+    app.include_router(router_routes)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await core.start()
+        try:
+            async with inner(app):
+                yield
+        finally:
+            await core.stop()
+
+    app.router.lifespan_context = lifespan
+    return app

@@ -1,0 +1,175 @@
+"""One router replica's view of the cluster, and the routing decision.
+
+``RouterCore`` keeps, all rebuilt from Redis (contract 3): the live workers and their load
+reports (refreshed every ``refresh_interval_s``), and the global ``PrefixIndex`` fed by the
+``KVEventConsumer``. Its own in-flight counts are transient and per replica (the workers'
+load reports cover the other replicas' traffic). ``choose`` hashes the prompt (contract 1,
+``engine.hashing``), matches it against the index and asks the routing policy.
+
+A dead worker (heartbeat expired, or a failed connection reported through ``mark_dead``)
+leaves the live set at once; its index entries are dropped. When it comes back it
+registers again and its publisher's opening ``cleared`` event resets its entries. If Redis
+is unreachable the replica keeps routing on the last worker list it read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from engine.hashing import block_hashes, make_seed
+from router.config import RouterConfig
+from router.event_consumer import KVEventConsumer
+from router.index import PrefixIndex
+from router.inflight import InFlightTracker
+from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, WorkerState, make_policy
+from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+
+log = logging.getLogger("router.core")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A routing decision with everything needed to dispatch and account for it."""
+
+    worker: WorkerInfo
+    request: RouteRequest
+    decision: RouteDecision
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.request.num_tokens - self.decision.cached_blocks * self.request.block_size)
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig, model_id: str, refresh_interval_s: float = 0.5,
+                 decode_token_weight: float = 10.0) -> None:
+        self.config = config
+        self.model_id = model_id
+        self.refresh_interval_s = refresh_interval_s
+        self.redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self.registry = WorkerRegistry(self.redis, config)
+        self.index = PrefixIndex()
+        self.consumer = KVEventConsumer(self.redis, config, self.index)
+        self.policy = make_policy(config.policy, **config.policy_options)
+        self.inflight = InFlightTracker(decode_token_weight)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.loads: dict[str, LoadReport] = {}
+        self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
+        self._seeds: dict[str, bytes] = {}
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Read the live workers and their snapshots, then follow events and registrations."""
+        try:
+            await self.refresh()
+            await self.consumer.bootstrap(list(self.workers))
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("Redis unreachable at start (%s); the router retries in the background", exc)
+        self.consumer.start()
+        self._task = asyncio.create_task(self._refresh_forever(), name="router-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.consumer.stop()
+        await self.redis.aclose()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("cannot read workers from Redis (%s); routing on the last known list", exc)
+
+    async def refresh(self) -> None:
+        live = {w.worker_id: w for w in await self.registry.live_workers()}
+        for wid in set(self.workers) - set(live):
+            log.info("worker %s left (heartbeat expired or unregistered)", wid)
+            self._forget(wid)
+        wrong = {wid for wid, info in live.items() if info.model != self.model_id}
+        for wid in wrong:
+            log.warning("worker %s serves %r, this router %r: not routing to it", wid, live.pop(wid).model,
+                        self.model_id)
+        self.workers = live
+        self.loads = await self.registry.loads(list(live))
+
+    def _forget(self, worker_id: str) -> None:
+        self.consumer.forget_worker(worker_id)
+        self.policy.on_worker_removed(worker_id)
+        self.workers.pop(worker_id, None)
+        self.loads.pop(worker_id, None)
+
+    async def mark_dead(self, worker_id: str) -> None:
+        """A connection to the worker failed: route around it now, and tell the other replicas."""
+        log.warning("worker %s unreachable: marked dead", worker_id)
+        self._forget(worker_id)
+        try:
+            await self.registry.mark_dead(worker_id)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not mark %s dead in Redis: %s", worker_id, exc)
+
+    # ------------------------------------------------------------ routing
+
+    def hashes(self, prompt_ids: list[int], cache_salt: str = "") -> list[int]:
+        seed = self._seeds.get(cache_salt)
+        if seed is None:
+            seed = self._seeds[cache_salt] = make_seed(self.model_id, cache_salt)
+        return block_hashes(prompt_ids, self.config.block_size, seed)
+
+    def choose(self, request_id: str, prompt_ids: list[int], est_output_tokens: int, *,
+               session_id: str | None = None, last_worker: str | None = None,
+               exclude: frozenset[str] = frozenset(), cache_salt: str = "") -> Route:
+        """The policy's pick among live workers not in ``exclude``; ``NoWorkerAvailable`` if none."""
+        candidates = [w for wid, w in self.workers.items() if wid not in exclude]
+        if not candidates:
+            raise NoWorkerAvailable("no live worker to route to" + (
+                f" ({len(exclude)} failed for this request)" if exclude else ""))
+        req = RouteRequest(request_id, tuple(self.hashes(prompt_ids, cache_salt)), len(prompt_ids),
+                           self.config.block_size, session_id, last_worker, est_output_tokens)
+        matched = self.index.match(req.hashes)
+        states = []
+        for w in candidates:
+            load = self.loads.get(w.worker_id, LoadReport())
+            states.append(WorkerState(w.worker_id, matched.get(w.worker_id, 0), load.running, load.waiting,
+                                      load.pages_used, load.pages_free, self.inflight.count(w.worker_id),
+                                      self.inflight.tokens(w.worker_id)))
+        decision = self.policy.select(req, states)
+        return Route(self.workers[decision.worker_id], req, decision)
+
+    def dispatched(self, route: Route) -> None:
+        self.policy.on_dispatch(route.request, route.decision)
+        self.inflight.dispatched(route.request.request_id, route.worker.worker_id, route.uncached_tokens,
+                                 route.request.est_output_tokens)
+        self.decisions[route.decision.reason] = self.decisions.get(route.decision.reason, 0) + 1
+
+    def completed(self, route: Route) -> None:
+        self.inflight.completed(route.request.request_id)
+        self.policy.on_complete(route.request, route.worker.worker_id)
+
+    def state(self) -> dict:
+        """This replica's view, for ``GET /router/state`` and ``agentrt status``."""
+        now_ms = int(time.time() * 1000)
+        stats = self.consumer.stats
+        return {
+            "model": self.model_id, "policy": self.policy.name, "decisions": dict(self.decisions),
+            "index_blocks": len(self.index),
+            "events": {"applied": stats.applied, "malformed": stats.malformed, "skipped": stats.skipped,
+                       "gaps": stats.gaps, "resyncs": stats.resyncs, "per_kind": dict(stats.per_kind)},
+            "workers": [{"id": wid, "url": w.url, "indexed_blocks": self.index.blocks_of(wid),
+                         "in_flight": self.inflight.count(wid),
+                         "load": None if (l := self.loads.get(wid)) is None else
+                         {"running": l.running, "waiting": l.waiting, "pages_used": l.pages_used,
+                          "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None}}
+                        for wid, w in sorted(self.workers.items())],
+        }

@@ -1,0 +1,174 @@
+"""``agentrt up``: Redis (if none answers), N workers and a router on this machine, as child processes.
+
+Each child's output is printed with a prefix (``[worker-0] ...``). Ctrl-C (or SIGTERM) stops
+the router first, then the workers (each unregisters), then the Redis it started. A Redis
+started here runs from PATH on a free port with its data (``appendonly yes``) in a
+temporary directory that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from urllib.parse import urlparse
+
+import httpx
+import redis
+
+START_TIMEOUT_S = 300.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except redis.RedisError:
+        return False
+
+
+def start_redis(port: int, data_dir: str) -> subprocess.Popen:
+    """``redis-server`` from PATH on 127.0.0.1:``port`` with AOF persistence in ``data_dir``."""
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("no Redis answers and redis-server is not on PATH: install Redis or pass --redis URL")
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", data_dir,
+                             "--appendonly", "yes", "--save", "", "--daemonize", "no"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not redis_answers(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"redis-server did not start on port {port}")
+        time.sleep(0.05)
+    return proc
+
+
+def _pump(name: str, stream, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        with lock:
+            sys.stdout.write(f"[{name}] {raw.decode(errors='replace')}")
+            sys.stdout.flush()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not become healthy in {timeout_s} s")
+
+
+class LocalCluster:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.lock = threading.Lock()
+        self.redis_dir: str | None = None
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        threading.Thread(target=_pump, args=(name, proc.stdout, self.lock), daemon=True).start()
+        self.procs.append((name, proc))
+        return proc
+
+    def _common(self) -> list[str]:
+        a, out = self.args, []
+        for flag, value in (("--model", a.model), ("--kv-cache-tokens", a.kv_cache_tokens),
+                            ("--device", a.device), ("--dtype", a.dtype)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out + ["--log-level", a.log_level]
+
+    def _redis_url(self) -> str:
+        url = self.args.redis_url or "redis://127.0.0.1:6379/0"
+        if redis_answers(url):
+            return url
+        port = free_port() if self.args.redis_url is None else (urlparse(url).port or 6379)
+        self.redis_dir = tempfile.mkdtemp(prefix="agentrt-up-redis-")
+        proc = start_redis(port, self.redis_dir)
+        threading.Thread(target=_pump, args=("redis", proc.stdout, self.lock), daemon=True).start()
+        self.procs.append(("redis", proc))
+        return f"redis://127.0.0.1:{port}/0"
+
+    def start(self) -> dict[str, str]:
+        a = self.args
+        redis_url = self._redis_url()
+        urls = {"redis": redis_url}
+        exe = [sys.executable, "-m", "agentrt.cli"]
+        workers = []
+        for i in range(a.workers):
+            port = free_port(a.host)
+            url = f"http://{a.host}:{port}"
+            workers.append((url, self._spawn(f"worker-{i}", exe + [
+                "worker", "--redis", redis_url, "--host", a.host, "--port", str(port),
+                "--worker-id", f"worker-{i}", *self._common()])))
+            urls[f"worker-{i}"] = url
+        for url, proc in workers:
+            wait_healthy(url, proc)
+        router_url = f"http://{a.host}:{a.port}"
+        router = self._spawn("router", exe + ["router", "--redis", redis_url, "--host", a.host, "--port",
+                                              str(a.port), "--policy", a.policy, *self._common()])
+        wait_healthy(router_url, router)
+        urls["router"] = router_url
+        return urls
+
+    def stop(self) -> None:
+        """Router first, then workers (they unregister), then Redis; SIGKILL what lingers."""
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if self.redis_dir is not None:
+            shutil.rmtree(self.redis_dir, ignore_errors=True)
+
+    def run(self) -> int:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            urls = self.start()
+            with self.lock:
+                print("\nagentrt cluster is up:")
+                for name, url in urls.items():
+                    print(f"  {name:10s} {url}")
+                print(f"  API:       {urls['router']}/v1  (agentrt status --redis {urls['redis']})\n"
+                      "Ctrl-C stops everything.\n", flush=True)
+            while not stop.is_set():
+                if any(proc.poll() is not None for _, proc in self.procs):
+                    dead = [name for name, proc in self.procs if proc.poll() is not None]
+                    print(f"agentrt up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+                    return 1
+                stop.wait(0.5)
+            return 0
+        except KeyboardInterrupt:
+            return 0
+        except RuntimeError as exc:
+            print(f"agentrt up: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            self.stop()

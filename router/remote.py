@@ -1,0 +1,200 @@
+"""The router's generation backend: agentrt's engine interface, served by workers over HTTP.
+
+``RemoteEngine`` has the methods ``agentrt`` uses of ``engine.AsyncEngine`` (``submit``,
+``pin``, ``unpin``, ``stats``, ``shutdown``), so the router runs agentrt's own OpenAI and
+session services unchanged: the router applies the chat template and tokenizes, and each
+request goes to one worker's ``/internal/generate`` as token ids (``router/worker_api.py``).
+Worker output streams through line by line, never buffered.
+
+Failover: if the connection to the chosen worker fails before the worker produced any
+output, the worker is marked dead (``RouterCore.mark_dead``) and the request is sent at
+once to the next-best live worker, never again to the failed one. A worker that dies after
+output was streamed fails that request (the client sees an error; a session turn is then
+not recorded, so retrying its ``turn_id`` runs it again, once).
+
+``RouterGenerator`` is agentrt's ``Generator`` with two changes: it passes the session
+hint on to routing, and it sends constraint *options* (the worker compiles the grammar).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, AsyncIterator
+
+import httpx
+
+from engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
+
+from agentrt.errors import APIError
+from agentrt.generation import Generator, SessionHint
+from router.core import Route, RouterCore
+from router.policy import NoWorkerAvailable
+from router.worker_api import ConstraintSpec, output_from_wire, sampling_to_wire
+
+log = logging.getLogger("router.remote")
+
+# A refused or reset connection is a dead worker; a timeout or an HTTP error status is not.
+_CONNECTION_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+                      httpx.ConnectTimeout)
+
+
+class RemoteEngine:
+    def __init__(self, core: RouterCore, max_model_len: int, max_attempts: int = 3,
+                 read_timeout_s: float = 600.0, remembered_requests: int = 65_536) -> None:
+        self.core = core
+        self.max_model_len = max_model_len
+        self.max_attempts = max_attempts
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s),
+                                      limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self._ran_on: OrderedDict[str, str] = OrderedDict()  # request id -> worker id (for pins)
+        self._remembered = remembered_requests
+        self._background: set[asyncio.Task] = set()
+        self.failovers = 0
+
+    def worker_of(self, request_id: str) -> str | None:
+        """Where a request of this replica ran (last attempt), if it is remembered."""
+        return self._ran_on.get(request_id)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
+               constraint: ConstraintSpec | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
+               session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (``InvalidRequest``), route and stream when iterated."""
+        params.validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                                 f"exceeds the context window of {self.max_model_len} tokens")
+        body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
+                "constraint": None if constraint is None else constraint.model_dump(),
+                "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
+        return self._stream(body, prompt, params.max_tokens, session, cache_salt)
+
+    async def _stream(self, body: dict, prompt: list[int], est_output: int, session: SessionHint | None,
+                      cache_salt: str) -> AsyncIterator[RequestOutput]:
+        request_id = body["request_id"]
+        failed: set[str] = set()
+        for _ in range(self.max_attempts):
+            route = self._route(request_id, prompt, est_output, session, failed, cache_salt)
+            self.core.dispatched(route)
+            self._remember(request_id, route.worker.worker_id)
+            produced = False
+            try:
+                async for out in self._send(route, body):
+                    produced = True
+                    yield out
+                return
+            except _CONNECTION_ERRORS as exc:
+                if produced:
+                    raise APIError(502, f"worker {route.worker.worker_id} failed mid-reply ({type(exc).__name__}); "
+                                        "retry the request", type="server_error") from None
+                failed.add(route.worker.worker_id)
+                self.failovers += 1
+                await self.core.mark_dead(route.worker.worker_id)
+            finally:
+                self.core.completed(route)
+        raise APIError(503, f"{len(failed)} workers failed for this request; giving up", type="server_error")
+
+    def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,
+               failed: set[str], cache_salt: str) -> Route:
+        try:
+            return self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed), cache_salt=cache_salt,
+                                    session_id=session.session_id if session else None,
+                                    last_worker=session.last_worker if session else None)
+        except NoWorkerAvailable as exc:
+            raise APIError(503, str(exc), type="server_error", code="no_worker_available") from None
+
+    async def _send(self, route: Route, body: dict) -> AsyncIterator[RequestOutput]:
+        url = route.worker.url + "/internal/generate"
+        async with self.http.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raise await _worker_error(resp, route.worker.worker_id)
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                try:
+                    out = output_from_wire(line, body["request_id"])
+                except ValueError as exc:
+                    raise APIError(502, f"worker {route.worker.worker_id}: {exc}", type="server_error") from None
+                yield out
+                if out.finished:
+                    return
+        raise httpx.RemoteProtocolError(f"worker {route.worker.worker_id} ended the stream before the reply finished")
+
+    def _remember(self, request_id: str, worker_id: str) -> None:
+        self._ran_on[request_id] = worker_id
+        self._ran_on.move_to_end(request_id)
+        while len(self._ran_on) > self._remembered:
+            self._ran_on.popitem(last=False)
+
+    # ------------------------------------------------------------ pins (fire and forget)
+
+    def pin(self, pin_id: str, token_ids: list[int], ttl_s: float, cache_salt: str = "") -> None:
+        self._to_worker_of(pin_id, "/internal/pin", {"pin_id": pin_id, "token_ids": list(token_ids), "ttl_s": ttl_s})
+
+    def unpin(self, pin_id: str) -> None:
+        """Release a pin on the worker that holds it; unknown here (another replica ran it): it expires."""
+        self._to_worker_of(pin_id, "/internal/unpin", {"pin_id": pin_id})
+
+    def _to_worker_of(self, pin_id: str, path: str, body: dict) -> None:
+        worker = self.core.workers.get(self.worker_of(pin_id) or "")
+        if worker is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._post_quietly(worker.url + path, body))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post_quietly(self, url: str, body: dict) -> None:
+        try:
+            await self.http.post(url, json=body, timeout=5.0)
+        except httpx.HTTPError as exc:  # a pin is a hint: losing one costs recomputation, never a failure
+            log.info("pin call %s failed: %s", url, exc)
+
+    # ------------------------------------------------------------ the rest of AsyncEngine's surface
+
+    def stats(self) -> EngineStats:
+        """The live workers' last load reports, summed (for /metrics)."""
+        loads = [self.core.loads[w] for w in self.core.workers if w in self.core.loads]
+        used = sum(l.pages_used for l in loads)
+        free = sum(l.pages_free for l in loads)
+        return EngineStats(running=sum(l.running for l in loads), waiting=sum(l.waiting for l in loads),
+                           pages_total=used + free, pages_used=used, pages_free=free, pages_cached=0,
+                           pages_pinned=0, num_pins=0, prompt_tokens_total=0, cached_tokens_total=0,
+                           generation_tokens_total=0, num_preemptions=0, page_size=self.core.config.block_size)
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        deadline = time.monotonic() + drain_timeout_s
+        while self.core.inflight._entries and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.http.aclose()
+
+
+async def _worker_error(resp: httpx.Response, worker_id: str) -> APIError:
+    """The worker's own error (400, 429, 503...) passed through with its message."""
+    await resp.aread()
+    try:
+        err = resp.json()["error"]
+        return APIError(resp.status_code, err["message"], type=err.get("type"), param=err.get("param"),
+                        code=err.get("code"), headers={k: v for k, v in resp.headers.items() if k == "retry-after"})
+    except (ValueError, KeyError, TypeError):
+        return APIError(502, f"worker {worker_id} answered {resp.status_code}: {resp.text[:200]}", type="server_error")
+
+
+class RouterGenerator(Generator):
+    """agentrt's Generator over a ``RemoteEngine``: routes by session, ships constraint options."""
+
+    def constraint(self, response_format: dict | None, tools: list[dict] | None, tool_choice: Any,
+                   parallel_tool_calls: bool | None = None) -> ConstraintSpec | None:
+        if response_format is None and not tools:
+            return None
+        return ConstraintSpec(response_format=response_format, tools=tools, tool_choice=tool_choice,
+                              parallel_tool_calls=parallel_tool_calls)
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, constraint: Any,
+                pin_ttl_s: float | None, session: SessionHint | None) -> Any:
+        return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
+                                  session=session)

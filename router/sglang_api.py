@@ -1,0 +1,115 @@
+"""The endpoints SGLang's router (``sglang-router`` on PyPI) expects of a worker.
+
+With these, ``sglang-router`` can front our workers as a peer in benchmarks
+(``benchmarks/routing.py --live``). It health-checks ``GET /health``, reads
+``/get_server_info`` (or ``/server_info``) and ``/get_model_info`` (or ``/model_info``) at
+start, polls ``/get_load`` for its ``power_of_two`` policy (a JSON array of
+``{"num_tokens": N}``), posts ``/flush_cache``, and forwards ``/generate`` (SGLang's native
+API), ``/v1/chat/completions`` and ``/v1/completions`` (served by agentrt's own routes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from agentrt.errors import bad_request
+
+sglang_routes = APIRouter()
+
+
+def _server_info(request: Request) -> dict[str, Any]:
+    state = request.app.state
+    llm, runtime = state.llm, state.worker
+    return {"model_path": llm.model_id, "served_model_name": llm.model_id, "tokenizer_path": None,
+            "worker_id": runtime.settings.worker_id, "max_model_len": llm.max_model_len,
+            "page_size": llm.config.page_size, "max_running_requests": llm.config.max_num_seqs,
+            "max_total_num_tokens": llm.config.num_pages * llm.config.page_size, "version": "agentrt"}
+
+
+@sglang_routes.get("/get_server_info")
+@sglang_routes.get("/server_info")
+async def server_info(request: Request) -> dict:
+    return _server_info(request)
+
+
+@sglang_routes.get("/get_model_info")
+@sglang_routes.get("/model_info")
+async def model_info(request: Request) -> dict:
+    llm = request.app.state.llm
+    return {"model_path": llm.model_id, "tokenizer_path": None, "is_generation": True}
+
+
+@sglang_routes.get("/get_load")
+async def get_load(request: Request) -> list[dict]:
+    """SGLang's shape (a list, one entry per data-parallel rank) plus our load fields."""
+    s = request.app.state.llm.stats()
+    return [{"num_tokens": s.pages_used * s.page_size, "num_reqs": s.running + s.waiting, "running": s.running,
+             "waiting": s.waiting, "pages_used": s.pages_used, "pages_free": s.pages_free,
+             "pages_total": s.pages_total, "prompt_tokens_total": s.prompt_tokens_total,
+             "cached_tokens_total": s.cached_tokens_total}]
+
+
+@sglang_routes.post("/flush_cache")
+@sglang_routes.get("/flush_cache")
+async def flush_cache(request: Request) -> JSONResponse:
+    """Drop every unpinned cached prefix; the evictions reach routers as ``removed`` events."""
+    request.app.state.llm.flush_cache()
+    return JSONResponse({"flushed": True})
+
+
+class NativeGenerateRequest(BaseModel):
+    """SGLang's ``/generate`` body (one prompt): ``text`` or ``input_ids``, ``sampling_params``, ``stream``."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    rid: str | None = None
+
+
+def _native_params(gen, sp: dict[str, Any], prompt_len: int):
+    fields = {"max_tokens": sp.get("max_new_tokens"), "temperature": sp.get("temperature"),
+              "top_p": sp.get("top_p"), "stop": sp.get("stop"), "seed": sp.get("sampling_seed")}
+    return gen.sampling_params(fields, prompt_len)
+
+
+def _meta(request_id: str, result) -> dict[str, Any]:
+    return {"id": request_id, "finish_reason": {"type": result.finish_reason},
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "cached_tokens": result.cached_tokens}
+
+
+@sglang_routes.post("/generate")
+async def native_generate(body: NativeGenerateRequest, request: Request) -> Any:
+    gen = request.app.state.generator
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", param="text")
+    ids = gen.tokenizer.encode(body.text) if body.text is not None else list(body.input_ids)
+    if not ids:
+        raise bad_request("the prompt is empty", param="text")
+    rid = body.rid or "gen-" + uuid.uuid4().hex
+    generation = gen.start(ids, _native_params(gen, body.sampling_params, len(ids)), request_id=rid,
+                           started_at=time.monotonic())
+    if not body.stream:
+        result = await generation.collect()
+        return {"text": result.text, "output_ids": result.token_ids, "meta_info": _meta(rid, result)}
+
+    async def events() -> AsyncIterator[str]:
+        text: list[str] = []
+        try:
+            async for d in generation.deltas():
+                text.append(d.content)
+                yield f"data: {json.dumps({'text': ''.join(text), 'meta_info': {'id': rid}})}\n\n"
+            yield f"data: {json.dumps({'text': ''.join(text), 'meta_info': _meta(rid, generation.result)})}\n\n"
+        finally:
+            await generation.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

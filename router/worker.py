@@ -1,0 +1,160 @@
+"""Worker mode: the engine behind agentrt's HTTP API, registered in Redis for routers.
+
+``create_worker_app`` builds the usual app (``agentrt.server.create_app``) around an engine
+whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
+
+* registration and a heartbeat with the worker's load (``WorkerRuntime``; contract 3). If
+  the registration record disappears (Redis restarted without persistence) the next
+  heartbeat registers again and re-announces the cache: ``cleared``, then ``stored`` with
+  every cached block, so routers rebuild this worker's index entries.
+* the internal endpoints a router uses (``router/worker_api.py``): generate from token ids,
+  pin/unpin, the cache snapshot;
+* the endpoints SGLang's router expects of a worker (``router/sglang_api.py``).
+
+On a clean shutdown the worker unregisters (routers stop routing to it at once); a killed
+worker simply stops heartbeating and expires after ``heartbeat_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from agentrt.config import ServerConfig
+from router.config import RouterConfig
+from router.events import KVEventPublisher
+from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+
+log = logging.getLogger("router.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """``worker_id`` and ``url`` as routers see them (defaults: host-port, and the listen address)."""
+
+    worker_id: str
+    url: str
+
+    @classmethod
+    def default(cls, config: ServerConfig, worker_id: str | None = None, url: str | None = None) -> "WorkerSettings":
+        host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        return cls(worker_id or f"{socket.gethostname()}-{config.port}".replace(":", "-"),
+                   url or f"http://{host}:{config.port}")
+
+
+def cache_snapshot(llm: Any, attempts: int = 20) -> list[int]:
+    """Every block hash in the engine's radix cache. The tree belongs to the engine thread, so a
+    read can race a mutation (``RuntimeError``); retry, the tree is small to walk."""
+    for _ in range(attempts):
+        try:
+            return list(llm.cache.all_hashes())
+        except RuntimeError:
+            continue
+    raise RuntimeError("the radix cache kept changing while it was read; try again")
+
+
+class WorkerRuntime:
+    """Registration, heartbeat and KV events of one worker process."""
+
+    def __init__(self, rconfig: RouterConfig, settings: WorkerSettings, llm: Any,
+                 publisher: KVEventPublisher) -> None:
+        self.config = rconfig
+        self.settings = settings
+        self.llm = llm
+        self.publisher = publisher
+        self._redis = aioredis.Redis.from_url(rconfig.redis_url)
+        self.registry = WorkerRegistry(self._redis, rconfig)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def info(self) -> WorkerInfo:
+        engine_cfg = self.llm.config
+        return WorkerInfo(worker_id=self.settings.worker_id, url=self.settings.url, model=self.llm.model_id,
+                          capacity=engine_cfg.max_num_seqs, kv_pages=engine_cfg.num_pages,
+                          block_size=engine_cfg.page_size)
+
+    def load(self) -> LoadReport:
+        s = self.llm.stats()
+        return LoadReport(running=s.running, waiting=s.waiting, pages_used=s.pages_used,
+                          pages_free=s.pages_free, ts_ms=int(time.time() * 1000))
+
+    async def start(self) -> None:
+        self.publisher.start()  # announces `cleared`: a returning worker's stale entries vanish
+        await self.registry.register(self.info)
+        await self.registry.heartbeat(self.settings.worker_id, self.load())
+        self._task = asyncio.create_task(self._beat_forever(), name="worker-heartbeat")
+        log.info("worker %s registered at %s", self.settings.worker_id, self.settings.url)
+
+    async def _beat_forever(self) -> None:
+        wid = self.settings.worker_id
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            try:
+                if not await self._redis.exists(self.config.worker_key(wid)):
+                    await self._reannounce()
+                await self.registry.heartbeat(wid, self.load())
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("heartbeat of %s failed (%s); retrying", wid, exc)
+
+    async def _reannounce(self) -> None:
+        """Redis lost our keys: register again and republish the whole cache."""
+        log.warning("registration of %s is gone from Redis; registering again", self.settings.worker_id)
+        await self.registry.register(self.info)
+        self.publisher.publish("cleared", [], None)
+        hashes = cache_snapshot(self.llm)
+        if hashes:
+            self.publisher.publish("stored", hashes, None)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            await self.registry.unregister(self.settings.worker_id)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not unregister %s: %s", self.settings.worker_id, exc)
+        await asyncio.to_thread(self.publisher.close)
+        await self._redis.aclose()
+
+
+def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: WorkerSettings) -> FastAPI:
+    """agentrt's app around an engine that publishes KV events, plus worker and SGLang endpoints."""
+    from engine import LLMEngine
+
+    from agentrt.server import create_app
+    from router.sglang_api import sglang_routes
+    from router.worker_api import worker_routes
+
+    publisher = KVEventPublisher(rconfig, settings.worker_id)
+    llm = LLMEngine(config.engine_config(), on_kv_event=publisher.publish)
+    if llm.config.page_size != rconfig.block_size:
+        raise ValueError(f"the engine's page size {llm.config.page_size} must equal the deployment's block "
+                         f"size {rconfig.block_size} (contract 1)")
+    app = create_app(config, engine=llm)
+    runtime = WorkerRuntime(rconfig, settings, llm, publisher)
+    app.state.llm = llm
+    app.state.worker = runtime
+    app.include_router(worker_routes)
+    app.include_router(sglang_routes)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with inner(app):
+            await runtime.start()
+            try:
+                yield
+            finally:
+                await runtime.stop()
+
+    app.router.lifespan_context = lifespan
+    return app

@@ -1,0 +1,163 @@
+"""The worker endpoints a router uses, and their wire format (both sides import this module).
+
+* ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
+  constraint *options* (the worker builds the grammar: a constraint object does not travel),
+  a pin TTL. Errors found before generation starts are ordinary JSON errors (400, 429,
+  503); otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
+  A client that disconnects aborts the request and frees its pages.
+* ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``).
+* ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
+
+Routes are open like ``/health``: workers sit on a private network behind routers, which
+hold the API keys (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+
+from agentrt.errors import APIError, bad_request, from_exception
+
+worker_routes = APIRouter()
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+class ConstraintSpec(BaseModel):
+    """The request options a grammar constraint is built from (``Generator.constraint``'s arguments)."""
+
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class GenerateBody(BaseModel):
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    constraint: ConstraintSpec | None = None
+    pin_ttl_s: float | None = Field(default=None, gt=0)
+    cache_salt: str = ""
+
+
+class PinBody(BaseModel):
+    pin_id: str = Field(min_length=1, max_length=256)
+    token_ids: list[int] = Field(default_factory=list)
+    ttl_s: float = Field(default=30.0, gt=0)
+
+
+# ------------------------------------------------------------ wire format
+
+
+def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return asdict(params)
+
+
+def sampling_from_wire(data: dict[str, Any]) -> SamplingParams:
+    unknown = set(data) - _SAMPLING_FIELDS
+    if unknown:
+        raise bad_request(f"unknown sampling fields {sorted(unknown)}", param="sampling")
+    try:
+        params = SamplingParams(**data)
+        params.validate()
+    except (TypeError, InvalidRequest) as exc:
+        raise bad_request(f"sampling: {exc}", param="sampling") from None
+    return params
+
+
+def output_to_wire(out: RequestOutput) -> bytes:
+    d = {"text": out.text, "token_ids": list(out.token_ids), "finished": out.finished,
+         "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+         "cached_tokens": out.cached_tokens, "completion_tokens": out.completion_tokens, "error": out.error,
+         "logprobs": None if out.logprobs is None else
+         [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs]}
+    return (json.dumps(d, ensure_ascii=False) + "\n").encode()
+
+
+def output_from_wire(line: str, request_id: str) -> RequestOutput:
+    """One NDJSON line back into a ``RequestOutput``; ``ValueError`` if it is not one."""
+    try:
+        d = json.loads(line)
+        logprobs = None if d["logprobs"] is None else [
+            TokenLogprob(int(t), float(lp), [(int(i), float(v)) for i, v in top]) for t, lp, top in d["logprobs"]]
+        return RequestOutput(request_id=request_id, text=str(d["text"]), token_ids=[int(t) for t in d["token_ids"]],
+                             finished=bool(d["finished"]), finish_reason=d["finish_reason"],
+                             prompt_tokens=int(d["prompt_tokens"]), cached_tokens=int(d["cached_tokens"]),
+                             completion_tokens=int(d["completion_tokens"]), logprobs=logprobs, error=d["error"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed generate line from worker: {exc}") from None
+
+
+# ------------------------------------------------------------ routes
+
+
+@worker_routes.post("/internal/generate")
+async def internal_generate(body: GenerateBody, request: Request) -> StreamingResponse:
+    state = request.app.state
+    gen = state.generator
+    params = sampling_from_wire(body.sampling)
+    vocab = gen.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in body.prompt_token_ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt_token_ids")
+    spec = body.constraint
+    constraint = None if spec is None else gen.constraint(spec.response_format, spec.tools, spec.tool_choice,
+                                                          spec.parallel_tool_calls)
+    if state.stopping:
+        raise APIError(503, "the worker is stopping", type="server_error")
+    if gen.in_flight >= gen.config.max_concurrent_requests:
+        raise from_exception(EngineOverloaded(f"the worker is at its limit of "
+                                              f"{gen.config.max_concurrent_requests} concurrent requests"),
+                             gen.config.retry_after_s)
+    try:
+        stream = state.engine.submit(body.prompt_token_ids, params, body.request_id, constraint=constraint,
+                                     cache_salt=body.cache_salt, pin_ttl_s=body.pin_ttl_s)
+    except (InvalidRequest, EngineOverloaded) as exc:
+        raise from_exception(exc, gen.config.retry_after_s) from None
+    except RuntimeError as exc:
+        raise APIError(503, f"the engine is not accepting requests: {exc}", type="server_error") from None
+    gen.in_flight += 1
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for out in stream:
+                yield output_to_wire(out)
+                if out.finished:
+                    return
+        finally:
+            await stream.aclose()
+            gen.release()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@worker_routes.post("/internal/pin")
+async def internal_pin(body: PinBody, request: Request) -> dict:
+    request.app.state.engine.pin(body.pin_id, body.token_ids, body.ttl_s)
+    return {"pin_id": body.pin_id, "pinned": True}
+
+
+@worker_routes.post("/internal/unpin")
+async def internal_unpin(body: PinBody, request: Request) -> dict:
+    request.app.state.engine.unpin(body.pin_id)
+    return {"pin_id": body.pin_id, "pinned": False}
+
+
+@worker_routes.get("/internal/kv_snapshot")
+async def kv_snapshot(request: Request) -> JSONResponse:
+    """Cached block hashes (contract 1). ``seq`` is the last event published before the read, so
+    events with a higher seq may or may not be reflected; a router applies them idempotently."""
+    from router.worker import cache_snapshot
+
+    runtime = request.app.state.worker
+    seq = runtime.publisher.last_seq
+    return JSONResponse({"worker": runtime.settings.worker_id, "seq": seq,
+                         "hashes": cache_snapshot(request.app.state.llm)})
