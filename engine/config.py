@@ -7,6 +7,7 @@ from dataclasses import dataclass
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "flashinfer")
+_EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,11 @@ class EngineConfig:
     ``kv_cache_tokens`` sizes the paged KV pool (``kv_cache_tokens // page_size``
     pages). ``max_batched_tokens`` is the per-step token budget that chunked
     prefill works within; decode tokens count against it too.
+
+    Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
+    being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
+    (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
+    expert slots, which ``ep_size`` must divide.
     """
 
     model: str | None = None
@@ -33,6 +39,10 @@ class EngineConfig:
     max_waiting: int = 1024
     enable_prefix_cache: bool = True
     seed: int = 0
+    ep_size: int = 1
+    ep_nodes: int = 1
+    ep_placement: str = "contiguous"
+    ep_redundant: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -53,6 +63,19 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        self._validate_expert_parallel()
+
+    def _validate_expert_parallel(self) -> None:
+        for name in ("ep_size", "ep_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.ep_size % self.ep_nodes:
+            raise ValueError(f"ep_size ({self.ep_size}) must be a multiple of ep_nodes ({self.ep_nodes})")
+        if self.ep_placement not in _EP_PLACEMENTS:
+            raise ValueError(f"ep_placement must be one of {_EP_PLACEMENTS}, got {self.ep_placement!r}")
+        if not isinstance(self.ep_redundant, int) or self.ep_redundant < 0:
+            raise ValueError(f"ep_redundant must be an integer >= 0, got {self.ep_redundant!r}")
 
     @property
     def num_pages(self) -> int:

@@ -44,7 +44,11 @@ class LLMEngine:
         self.model_id = config.served_model_name or model_id
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings)
-        self.model = build_model(mcfg, state, dtype, self.device)
+        self.ep = None                         # expert-parallel ranks (MoE, ep_size > 1)
+        if config.ep_size > 1:
+            self.model = self._build_expert_parallel(mcfg, state, dtype)
+        else:
+            self.model = build_model(mcfg, state, dtype, self.device)
         del state
         P = config.page_size
         self.pool = PagePool(config.num_pages)
@@ -63,6 +67,24 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seeds: dict[str, bytes] = {}
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+
+    def _build_expert_parallel(self, mcfg, state, dtype):
+        """This process is rank 0; the other ranks start here and stop in ``close``."""
+        from engine.models.moe_model import build_moe_model
+        from engine.moe.ep_group import ExpertParallelGroup
+
+        self.ep = ExpertParallelGroup.launch(self.config, mcfg, dtype, self.device)
+        try:
+            return build_moe_model(mcfg, state, dtype, self.device, ep=self.ep)
+        except BaseException:
+            self.ep.close()
+            raise
+
+    def close(self) -> None:
+        """Release what outlives the object: the expert-parallel worker processes, if any
+        (they also stop at interpreter exit)."""
+        if self.ep is not None:
+            self.ep.close()
 
     def _seed(self, salt: str) -> bytes:
         seed = self._seeds.get(salt)

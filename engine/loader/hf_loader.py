@@ -45,7 +45,8 @@ def config_from_hf(cfg: dict, source: str) -> ModelConfig:
                "top_k": int(cfg.get("num_experts_per_tok", 2)),
                "moe_intermediate_size": int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))),
                "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size", 0) or 0),
-               "norm_topk_prob": bool(cfg.get("norm_topk_prob", family == "mixtral"))}
+               "norm_topk_prob": bool(cfg.get("norm_topk_prob", family == "mixtral")),
+               "hf_config": cfg}  # engine.moe reads routing rules and MoE layer indices from it
     return ModelConfig(
         architecture=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -66,7 +67,12 @@ def config_from_hf(cfg: dict, source: str) -> ModelConfig:
 
 
 def load_hf_dir(path: str, dtype: torch.dtype = torch.float32):
-    """Returns ``(ModelConfig, state_dict, Tokenizer)`` for a Hugging Face model directory."""
+    """Returns ``(ModelConfig, state_dict, Tokenizer)`` for a Hugging Face model directory.
+
+    For MoE models the state is a lazy mapping (``engine.moe.checkpoint.SafetensorsDict``:
+    tensors are read on access, in the file's dtype; the model copies them into its own), so
+    an expert-parallel rank reads only its own expert slots.
+    """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
@@ -76,6 +82,9 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32):
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
+    if cfg.moe:
+        from engine.moe.checkpoint import SafetensorsDict
+        return cfg, SafetensorsDict(path), load_hf_tokenizer(path, raw)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update({k: v.to(dtype) for k, v in load_file(f).items()})

@@ -97,6 +97,18 @@ def write_tiny_checkpoint(directory: str | Path, family: str, seed: int = 0, tok
     return directory
 
 
+def save_tokenizer(tokenizer, directory: str | Path) -> None:
+    """Write an engine ``Tokenizer`` as ``tokenizer.json`` + ``tokenizer_config.json`` (chat
+    template, bos/eos tokens), so a tiny checkpoint serves chat like the model it came from."""
+    directory = Path(directory)
+    tokenizer.hf.save(str(directory / "tokenizer.json"))
+    name = lambda i: None if i is None else tokenizer.hf.id_to_token(i)  # noqa: E731
+    eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    config = {"chat_template": tokenizer.chat_template, "bos_token": name(tokenizer.bos_token_id),
+              "eos_token": name(eos), "add_bos_token": tokenizer.add_bos}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def read_hf_config(directory: str | Path) -> dict:
     return json.loads((Path(directory) / "config.json").read_text())
 

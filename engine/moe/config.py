@@ -89,7 +89,7 @@ class MoEConfig:
             top_k=int(hf["num_experts_per_tok"]),
             hidden=int(hf["hidden_size"]),
             intermediate=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", family == "qwen3_moe")),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # the transformers default for both
             shared_expert_intermediate=int(hf.get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0,
         )
 

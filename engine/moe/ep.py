@@ -108,9 +108,14 @@ class ExpertParallelMoE(nn.Module):
         """Load gate, shared expert and this rank's slots by HF name; with a lazy
         ``state_dict`` (``checkpoint.SafetensorsDict``) only those tensors are read."""
         ep = cls(cfg, layer, ctx, dtype)
-        ep.routing.load_hf(state_dict, layer_prefix)
-        ep.local.load_slots(load_expert_weights(cfg, state_dict, layer_prefix, layer.local_experts(ctx.rank)))
+        ep.load_hf(state_dict, layer_prefix)
         return ep
+
+    def load_hf(self, state_dict: Mapping[str, torch.Tensor], layer_prefix: str) -> None:
+        """Load gate, shared expert and this rank's slots into this (allocated) layer."""
+        self.routing.load_hf(state_dict, layer_prefix)
+        experts = self.layer.local_experts(self.ctx.rank)
+        self.local.load_slots(load_expert_weights(self.cfg, state_dict, layer_prefix, experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] this rank's tokens -> [T, H]. Collective."""
@@ -127,9 +132,11 @@ class ExpertParallelMoE(nn.Module):
     def _dispatch_compute_combine(self, x, ids, weights, token_index) -> torch.Tensor:
         r, s, me = self.layer.world_size, self.layer.slots_per_rank, self.ctx.rank
         t, k = ids.shape
-        phys = self.layer.choose_replica(ids, me, token_index)  # (T, k)
+        # the placement's maps live on the CPU; the dispatch runs on x's device (gloo: CPU, NCCL: GPU)
+        index = None if token_index is None else token_index.cpu()
+        phys = self.layer.choose_replica(ids.cpu(), me, index).to(x.device)  # (T, k)
         dest = (phys // s).reshape(-1)  # (T*k,) destination rank of every pair
-        tok = torch.arange(t).repeat_interleave(k)  # (T*k,)
+        tok = torch.arange(t, device=x.device).repeat_interleave(k)  # (T*k,)
         row_key, pair_row = torch.unique(dest * max(t, 1) + tok, return_inverse=True)  # rows sorted by (dest, token)
         row_dest, row_tok = row_key // max(t, 1), row_key % max(t, 1)  # (N_rows,)
         send_rows = torch.bincount(row_dest, minlength=r)  # (R,)
@@ -147,13 +154,13 @@ class ExpertParallelMoE(nn.Module):
         dist.all_to_all_single(recv_counts, counts, group=self.ctx.group)
         recv_rows, recv_pairs = recv_counts.reshape(r, 2).unbind(1)  # (R,), (R,)
 
-        x_in = _exchange(x[row_tok], send_rows, recv_rows, self.ctx.group)  # (sum recv_rows, H)
-        meta_in = _exchange(meta, send_pairs, recv_pairs, self.ctx.group)  # (sum recv_pairs, 3)
+        x_in = exchange(x[row_tok], send_rows, recv_rows, self.ctx.group)  # (sum recv_rows, H)
+        meta_in = exchange(meta, send_pairs, recv_pairs, self.ctx.group)  # (sum recv_pairs, 3)
         chunk_start = (torch.cumsum(recv_rows, 0) - recv_rows).repeat_interleave(recv_pairs)
         rows = meta_in[:, 0].long() + chunk_start  # (P_in,) row in x_in
         y_in = self.local.weighted_sum(x_in, rows, meta_in[:, 1].long(), meta_in[:, 2].view(torch.float32))
 
-        y_back = _exchange(y_in, recv_rows, send_rows, self.ctx.group)  # (N_rows, H) in send order
+        y_back = exchange(y_in, recv_rows, send_rows, self.ctx.group)  # (N_rows, H) in send order
         out = torch.zeros_like(x)  # (T, H)
         out.index_add_(0, row_tok, y_back)
         self._count(t, dest, send_rows, send_pairs, int(recv_pairs.sum()), x)
@@ -162,6 +169,7 @@ class ExpertParallelMoE(nn.Module):
     def _count(self, t: int, dest: torch.Tensor, send_rows: torch.Tensor, send_pairs: torch.Tensor,
                served: int, x: torch.Tensor) -> None:
         topo, me = self.ctx.topology, self.ctx.rank
+        send_rows, send_pairs = send_rows.cpu(), send_pairs.cpu()
         remote = torch.arange(topo.world_size) != me  # (R,)
         far = torch.tensor([topo.node_of(i) != topo.node_of(me) for i in range(topo.world_size)])
         row_bytes = 2 * x.shape[1] * x.element_size()  # hidden row out and partial sum back
@@ -193,7 +201,7 @@ class ExpertParallelMoE(nn.Module):
         send_sizes = torch.tensor([sum(1 for tr in mine if tr[1] == d) * numel for d in range(r)])
         recv_sizes = torch.tensor([sum(1 for tr in transfers if tr[0] == src and tr[1] == me) * numel for src in range(r)])
         sendbuf = torch.cat(send) if send else w.w_gate.new_zeros(0)
-        recvbuf = _exchange(sendbuf, send_sizes, recv_sizes, self.ctx.group)
+        recvbuf = exchange(sendbuf, send_sizes, recv_sizes, self.ctx.group)
         incoming = sorted((tr for tr in transfers if tr[1] == me), key=lambda tr: tr[0])  # chunks arrive by source rank
         fetched = {slot: recvbuf[i * numel:(i + 1) * numel] for i, (_, _, slot, _) in enumerate(incoming)}
         h, i_ = self.cfg.hidden, self.cfg.intermediate
@@ -221,8 +229,9 @@ def sync_plan(plan: PlacementPlan | None, like: PlacementPlan, ctx: EPContext, r
     return PlacementPlan([LayerPlacement(p, e, ctx.topology, policy) for p in phy])
 
 
-def _exchange(t: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, group) -> torch.Tensor:
-    """all_to_all_single of ``t`` (rows grouped by destination) with uneven splits."""
+def exchange(t: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, group=None) -> torch.Tensor:
+    """all_to_all_single of ``t`` (rows grouped by destination) with uneven splits: ``send[r]``
+    rows go to rank r, ``recv[r]`` rows arrive from rank r (in rank order). Collective."""
     out = t.new_empty((int(recv.sum()),) + tuple(t.shape[1:]))
     dist.all_to_all_single(out, t.contiguous(), output_split_sizes=recv.tolist(), input_split_sizes=send.tolist(), group=group)
     return out
