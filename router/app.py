@@ -15,6 +15,10 @@ import contextlib
 from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+
+from agentrt.errors import APIError
 
 from agentrt.config import ServerConfig
 from router.config import RouterConfig
@@ -26,6 +30,12 @@ router_routes = APIRouter()
 async def router_state(request: Request) -> dict:
     state = request.app.state
     return {**state.core.state(), "failovers": state.engine.failovers}
+
+
+async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    retry = request.app.state.config.retry_after_s
+    return APIError(503, f"the session store (Redis) is unavailable: {type(exc).__name__}: {exc}; retry later",
+                    type="server_error", code="store_unavailable", headers={"Retry-After": str(retry)}).response()
 
 
 def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
@@ -43,6 +53,7 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     app = assemble_app(config, remote, model, store, generator_cls=RouterGenerator, title="agentrt router")
     app.state.core = core
     app.include_router(router_routes)
+    app.add_exception_handler(RedisError, _redis_unavailable)
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager

@@ -21,6 +21,10 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.hashing import block_hashes, make_seed
 from router.config import RouterConfig
@@ -31,6 +35,14 @@ from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, Worker
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger("router.core")
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A client that survives a Redis restart: a command on a connection that broke is retried on a
+    fresh one (with a short backoff) instead of failing the request."""
+    return aioredis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=5,
+                                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 4),
+                                   retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,7 @@ class RouterCore:
         self.config = config
         self.model_id = model_id
         self.refresh_interval_s = refresh_interval_s
-        self.redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self.redis = redis_client(config.redis_url)
         self.registry = WorkerRegistry(self.redis, config)
         self.index = PrefixIndex()
         self.consumer = KVEventConsumer(self.redis, config, self.index)

@@ -30,6 +30,7 @@ from fastapi import FastAPI
 
 from agentrt.config import ServerConfig
 from router.config import RouterConfig
+from router.core import redis_client
 from router.events import KVEventPublisher
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 
@@ -70,7 +71,7 @@ class WorkerRuntime:
         self.settings = settings
         self.llm = llm
         self.publisher = publisher
-        self._redis = aioredis.Redis.from_url(rconfig.redis_url)
+        self._redis = redis_client(rconfig.redis_url)
         self.registry = WorkerRegistry(self._redis, rconfig)
         self._task: asyncio.Task | None = None
 

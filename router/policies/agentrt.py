@@ -21,7 +21,8 @@ Rules, in order:
    Overloaded workers are skipped unless every worker is overloaded.
 2. **Soft session affinity.** The session's last worker wins if it still holds at least
    ``affinity_min_fraction`` of the best cached prefix any worker has, and is not
-   overloaded.
+   overloaded. When no worker is known to hold any of the prompt (the index may lag the
+   last turn's KV events by a few ms), the last worker is still the best guess.
 3. **Short match fallback.** If no worker holds more than ``min_match_tokens`` of the
    prompt beyond what every worker holds (e.g. only a system prompt everyone has), the
    request goes to the least-loaded worker (equal loads: rotating); its prefix is recorded there through the
@@ -73,7 +74,7 @@ class AgentrtPolicy(RoutingPolicy):
         best = max(cached.values())
 
         last = next((w for w in ok if w.worker_id == request.last_worker), None)
-        if last is not None and best > 0 and cached[last.worker_id] >= self.affinity_min_fraction * best:
+        if last is not None and cached[last.worker_id] >= self.affinity_min_fraction * best:
             return RouteDecision(last.worker_id, last.cached_blocks, "affinity")
 
         common = min(cached.values())

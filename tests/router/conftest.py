@@ -30,12 +30,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not on PATH; the router tests need a real one")
         self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="agentrt-redis-"))
         self.proc: subprocess.Popen | None = None
+        self.appendonly = appendonly  # persist (AOF) so a restart keeps the data
 
     @property
     def url(self) -> str:
@@ -46,7 +47,7 @@ class RedisServer:
             return
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.dir), "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
              "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout

@@ -1,0 +1,210 @@
+"""Process-level tests: real ``agentrt worker`` and ``agentrt router`` processes over a real Redis.
+
+One cluster per module (two workers, two router replicas, one Redis with AOF so it can be
+restarted); the tests run in file order and the destructive ones (Redis restart, SIGKILL)
+come last. Each checks a promise of docs/routing.md: registration and heartbeat expiry,
+KV events reaching every replica's index, a session staying on its worker through either
+replica, idempotent turns across replicas, malformed events counted and skipped, serving
+through a Redis restart, and failover after a worker is killed mid-session.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgpack
+import pytest
+import redis
+
+from router.config import RouterConfig
+from router.session_store import decode_record
+from tests.router import cluster as c
+from tests.router.conftest import RedisServer
+
+CFG = RouterConfig()
+SYSTEM = "You are a careful build engineer. Answer in one short sentence. " * 12
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    server = RedisServer(appendonly=True)
+    server.start()
+    procs = {}
+    try:
+        procs["w0"] = c.worker(tmp, server.url, "w0")
+        procs["w1"] = c.worker(tmp, server.url, "w1")
+        c.wait_healthy(procs["w0"], procs["w1"])
+        procs["r0"] = c.router(tmp, server.url, "r0")
+        procs["r1"] = c.router(tmp, server.url, "r1")
+        c.wait_healthy(procs["r0"], procs["r1"])
+        yield Cluster(server, procs, tmp)
+    finally:
+        for p in procs.values():
+            p.stop()
+        server.cleanup()
+
+
+class Cluster:
+    def __init__(self, server: RedisServer, procs: dict[str, c.Proc], tmp) -> None:
+        self.server, self.procs, self.tmp = server, procs, tmp
+        self.http = httpx.Client(timeout=120.0)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.server.url)
+
+    def url(self, name: str) -> str:
+        return self.procs[name].url
+
+    def state(self, router: str) -> dict:
+        return self.http.get(self.url(router) + "/router/state").json()
+
+    def session(self, router: str = "r0") -> str:
+        resp = self.http.post(self.url(router) + "/v1/sessions", json={"system": SYSTEM})
+        assert resp.status_code == 201, resp.text
+        return resp.json()["id"]
+
+    def turn(self, router: str, sid: str, text: str, **extra) -> dict:
+        resp = self.http.post(self.url(router) + f"/v1/sessions/{sid}/turns",
+                              json={"messages": [{"role": "user", "content": text}], **extra})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def last_worker(self, sid: str) -> str:
+        return decode_record(self.redis().get(CFG.session_key(sid)), CFG.session_max_bytes).last_worker
+
+
+def test_workers_register_with_heartbeat(cl):
+    r = cl.redis()
+    assert {m.decode() for m in r.smembers(CFG.workers_set_key)} == {"w0", "w1"}
+    for wid in ("w0", "w1"):
+        record = {k.decode(): v.decode() for k, v in r.hgetall(CFG.worker_key(wid)).items()}
+        assert record["url"] == cl.url(wid)
+        assert record["model"] == "SmolLM2-135M-Instruct"
+        assert int(record["capacity"]) >= 1 and int(record["kv_pages"]) == 8192 // 16
+        assert 0 < r.pttl(CFG.heartbeat_key(wid)) <= 3000
+        load = msgpack.unpackb(r.get(CFG.load_key(wid)))
+        assert set(load) >= {"running", "waiting", "pages_used", "pages_free"}
+    for router in ("r0", "r1"):
+        assert [w["id"] for w in cl.state(router)["workers"]] == ["w0", "w1"]
+
+
+def test_kv_events_reach_every_router_index(cl):
+    resp = cl.http.post(cl.url("r0") + "/v1/chat/completions", json={
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which river is longest?"}]})
+    assert resp.status_code == 200, resp.text
+    snapshot = {wid: cl.redis().scard(CFG.snapshot_key(wid)) for wid in ("w0", "w1")}
+    holder = max(snapshot, key=snapshot.get)
+    assert snapshot[holder] >= resp.json()["usage"]["prompt_tokens"] // 16
+    for router in ("r0", "r1"):  # both replicas learn it from the stream, not from routing it
+        c.wait_for(lambda: {w["id"]: w["indexed_blocks"] for w in cl.state(router)["workers"]}[holder]
+                   == cl.redis().scard(CFG.snapshot_key(holder)), what=f"{router}'s index of {holder}")
+    # The worker serves the same snapshot over HTTP.
+    over_http = cl.http.get(cl.url(holder) + "/internal/kv_snapshot").json()
+    assert len(over_http["hashes"]) == cl.redis().scard(CFG.snapshot_key(holder))
+
+
+def test_multi_turn_session_stays_on_one_worker(cl):
+    sid = cl.session("r0")
+    workers, usage = [], []
+    for t in range(4):
+        turn = cl.turn("r0", sid, f"Step {t}: the build failed on file {t}.py; what next?")
+        workers.append(cl.last_worker(sid))
+        usage.append(turn["usage"])
+    assert len(set(workers)) == 1, workers
+    for before, now in zip(usage, usage[1:]):  # every later turn reuses the whole previous prompt's KV
+        assert now["cached_tokens"] >= before["prompt_tokens"] // 16 * 16, usage
+
+
+def test_two_router_replicas_route_a_session_to_the_same_worker(cl):
+    sid = cl.session("r1")
+    first = cl.turn("r0", sid, "Open the log of the failing job.", turn_id="t-0")
+    worker = cl.last_worker(sid)
+    previous = first["usage"]
+    for t in range(1, 5):
+        turn = cl.turn("r0" if t % 2 == 0 else "r1", sid, f"Now check step {t}.", turn_id=f"t-{t}")
+        assert cl.last_worker(sid) == worker
+        assert turn["usage"]["cached_tokens"] >= previous["prompt_tokens"] // 16 * 16
+        previous = turn["usage"]
+    # Contract 4 across replicas: replaying turn t-0 on the other replica appends nothing.
+    replay = cl.turn("r1", sid, "Open the log of the failing job.", turn_id="t-0")
+    assert replay["replayed"] is True and replay["message"] == first["message"]
+    session = cl.http.get(cl.url("r1") + f"/v1/sessions/{sid}").json()
+    assert session["turns"] == 5 and len(session["messages"]) == 10
+
+
+def test_malformed_events_are_counted_and_skipped(cl):
+    before = {r: cl.state(r)["events"]["malformed"] for r in ("r0", "r1")}
+    r = cl.redis()
+    r.xadd(CFG.events_stream_key, {"e": b"\xc1 not msgpack"})
+    r.xadd(CFG.events_stream_key, {"e": msgpack.packb({"worker": "w0", "seq": "one", "kind": "stored"})})
+    r.xadd(CFG.events_stream_key, {"x": b"no e field"})
+    for router in ("r0", "r1"):
+        c.wait_for(lambda: cl.state(router)["events"]["malformed"] == before[router] + 3,
+                   what=f"{router} to count 3 malformed events")
+    sid = cl.session("r0")  # and the routers still route and index
+    cl.turn("r0", sid, "Still there?")
+    cl.turn("r0", sid, "Good.")
+
+
+def test_routers_keep_serving_through_a_redis_restart(cl):
+    sid = cl.session("r0")
+    cl.turn("r0", sid, "Remember the number 7.")
+    cl.server.stop()
+    try:  # Redis is down: sessionless requests still route on the last known workers
+        resp = cl.http.post(cl.url("r1") + "/v1/chat/completions", json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+        assert resp.status_code == 200, resp.text
+    finally:
+        cl.server.start()
+    # Back: the session (persisted) continues, and new KV events reach the index again.
+    turn = cl.turn("r1", sid, "What was the number?")
+    assert turn["index"] == 3
+    c.wait_for(lambda: all(len(cl.state(r)["workers"]) == 2 for r in ("r0", "r1")), what="both workers live")
+    applied = cl.state("r0")["events"]["applied"]
+    cl.turn("r0", cl.session("r0"), "A new session after the restart.")
+    c.wait_for(lambda: cl.state("r0")["events"]["applied"] > applied, what="events after the restart")
+
+
+def test_sigkill_worker_mid_session_fails_over_without_losing_turns(cl):
+    sid = cl.session("r0")
+    for t in range(2):
+        cl.turn("r0", sid, f"Turn {t} before the crash.")
+    victim = cl.last_worker(sid)
+    survivor = ({"w0", "w1"} - {victim}).pop()
+    cl.procs[victim].kill()
+    # At once (the heartbeat has not expired yet): the router finds the connection dead and retries.
+    for t in range(2, 6):
+        turn = cl.turn("r0" if t % 2 == 0 else "r1", sid, f"Turn {t} after the crash.", turn_id=f"k-{t}")
+        assert turn["index"] == 2 * t + 1
+        assert cl.last_worker(sid) == survivor
+    session = cl.http.get(cl.url("r0") + f"/v1/sessions/{sid}").json()
+    assert session["turns"] == 6 and len(session["messages"]) == 12
+    assert [m["content"] for m in session["messages"][0::2]] == (
+        [f"Turn {t} before the crash." for t in range(2)] + [f"Turn {t} after the crash." for t in range(2, 6)])
+    assert cl.state("r0")["failovers"] + cl.state("r1")["failovers"] >= 1
+    for router in ("r0", "r1"):
+        assert [w["id"] for w in cl.state(router)["workers"]] == [survivor]
+
+
+def test_heartbeat_expiry_and_a_returning_worker_drops_stale_entries(cl):
+    alive = [w for w in ("w0", "w1") if cl.procs[w].alive()]
+    dead = ({"w0", "w1"} - set(alive)).pop()
+    # The dead worker's blocks are still in its Redis snapshot; when it comes back under the same id,
+    # its opening `cleared` event must drop them from every index.
+    back = cl.procs[dead] = c.worker(cl.tmp, cl.server.url, dead)
+    c.wait_healthy(back)
+    for router in ("r0", "r1"):
+        c.wait_for(lambda: {w["id"]: w["indexed_blocks"] for w in cl.state(router)["workers"]}.get(dead) == 0,
+                   what=f"{router} to see {dead} back with an empty cache")
+    # A worker killed with no request in flight is found dead by heartbeat expiry alone (TTL 3 s).
+    cl.procs[alive[0]].kill()
+    r = cl.redis()
+    c.wait_for(lambda: not r.exists(CFG.heartbeat_key(alive[0])), timeout_s=6, what="heartbeat expiry")
+    for router in ("r0", "r1"):
+        c.wait_for(lambda: [w["id"] for w in cl.state(router)["workers"]] == [dead], what=f"{router} to drop it")
+    sid = cl.session("r1")
+    cl.turn("r1", sid, "Anyone home?")
+    assert cl.last_worker(sid) == dead
