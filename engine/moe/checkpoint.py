@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.moe.config import FAMILIES, MoEConfig
+from engine.moe.config import FAMILIES, MoEConfig, moe_layer_indices
 from engine.moe.layers import expert_weight_names, moe_prefix
 
 _ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -26,10 +26,13 @@ _ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "q
 
 def tiny_hf_config(family: str, vocab_size: int = 256, hidden: int = 32, num_layers: int = 2, num_heads: int = 4,
                    num_kv_heads: int = 2, num_experts: int = 8, top_k: int = 2, moe_intermediate: int = 16,
-                   shared_expert_intermediate: int = 24) -> dict:
-    """A config.json dict for a tiny model of ``family`` with the real HF field names."""
+                   shared_expert_intermediate: int = 24, mlp_only_layers: tuple[int, ...] = ()) -> dict:
+    """A config.json dict for a tiny model of ``family`` with the real HF field names.
+    ``mlp_only_layers`` (Qwen families) keeps a dense MLP in those layers."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family == "mixtral" and mlp_only_layers:
+        raise ValueError("mixtral has an MoE block in every layer; mlp_only_layers must be empty")
     if hidden % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden must divide by num_heads and num_heads by num_kv_heads")
     common = {
@@ -45,7 +48,8 @@ def tiny_hf_config(family: str, vocab_size: int = 256, hidden: int = 32, num_lay
         return common | {"intermediate_size": moe_intermediate, "num_local_experts": num_experts,
                          "sliding_window": None, "router_jitter_noise": 0.0}
     qwen = common | {"num_experts": num_experts, "moe_intermediate_size": moe_intermediate,
-                     "intermediate_size": 2 * moe_intermediate, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                     "intermediate_size": 2 * moe_intermediate, "decoder_sparse_step": 1,
+                     "mlp_only_layers": sorted(mlp_only_layers),
                      "use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers}
     if family == "qwen2_moe":
         return qwen | {"shared_expert_intermediate_size": shared_expert_intermediate, "norm_topk_prob": False}
@@ -60,6 +64,7 @@ def tiny_state_dict(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     family, h, v = cfg.family, hf["hidden_size"], hf["vocab_size"]
     hd = hf.get("head_dim", h // hf["num_attention_heads"])
     q_out, kv_out = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    moe_layers = set(moe_layer_indices(hf))
     sd = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": 1 + rand(h), "lm_head.weight": rand(v, h)}
     for n in range(hf["num_hidden_layers"]):
         p = f"model.layers.{n}."
@@ -71,6 +76,11 @@ def tiny_state_dict(hf: dict, seed: int = 0) -> dict[str, torch.Tensor]:
                    p + "self_attn.v_proj.bias": rand(kv_out)}
         if family == "qwen3_moe":
             sd |= {p + "self_attn.q_norm.weight": 1 + rand(hd), p + "self_attn.k_norm.weight": 1 + rand(hd)}
+        if n not in moe_layers:
+            i = hf["intermediate_size"]
+            sd |= {p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+                   p + "mlp.down_proj.weight": rand(h, i)}
+            continue
         m = moe_prefix(cfg, p)
         sd[m + "gate.weight"] = rand(cfg.num_experts, h) * 10  # sharper routing than the experts' scale
         for e in range(cfg.num_experts):

@@ -73,7 +73,7 @@ class SourceSplitMoE(nn.Module):
 
 
 def fit_startup_layout(placement: str, cfg: MoEConfig, topology: Topology, num_redundant: int,
-                       tokens: int = 2048, seed: int = 0) -> LayerPlacement:
+                       tokens: int = 512, seed: int = 0) -> LayerPlacement:
     """Fit ``placement`` on a uniform prior: ``tokens`` synthetic tokens, each with top-k
     distinct experts drawn uniformly and a uniform source rank (seeded, so deterministic).
     Raises ValueError when the world size does not divide ``num_experts + num_redundant``."""
