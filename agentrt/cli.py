@@ -56,7 +56,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except ValueError as exc:  # a model the settings cannot serve (e.g. --ep with a dense model)
+        print(f"agentrt serve: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1)
     return 0

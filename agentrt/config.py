@@ -23,6 +23,8 @@ class ServerConfig:
     ``max_concurrent_requests`` is the HTTP admission limit (generations in flight); past it
     a request gets 429 with ``Retry-After``. ``default_max_tokens`` is used when a request
     gives no token limit (capped by what is left of the context window).
+    Expert parallelism (MoE checkpoints): ``ep`` ranks (this process is rank 0) as ``ep_nodes``
+    nodes, ``ep_placement`` of ``num_experts + ep_redundant`` expert slots (docs/moe.md).
     Sessions: ``session_idle_ttl_s`` deletes a session nobody used for that long;
     ``pin_ttl_s`` keeps a session's KV prefix pinned between turns, ``pin_ttl_tool_s`` when
     the last reply ended in a tool call (the agent comes straight back); ``max_pin_ttl_s``
@@ -39,6 +41,10 @@ class ServerConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_waiting: int | None = None
+    ep: int = 1
+    ep_nodes: int = 1
+    ep_placement: str = "contiguous"
+    ep_redundant: int = 0
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 << 20
     max_concurrent_requests: int = 64
@@ -81,7 +87,9 @@ class ServerConfig:
         """The ``engine.EngineConfig`` these settings describe (imports the engine lazily)."""
         from engine import EngineConfig
 
-        kwargs: dict[str, Any] = {"model": self.model, "device": self.device, "dtype": self.dtype}
+        kwargs: dict[str, Any] = {"model": self.model, "device": self.device, "dtype": self.dtype,
+                                  "ep_size": self.ep, "ep_nodes": self.ep_nodes,
+                                  "ep_placement": self.ep_placement, "ep_redundant": self.ep_redundant}
         for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
