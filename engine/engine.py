@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from engine.attention import create_backend
+from engine.attention import backend_class
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import make_seed
@@ -52,14 +52,15 @@ class LLMEngine:
         del state
         P = config.page_size
         self.pool = PagePool(config.num_pages)
+        self.backend_name = config.resolved_backend()
+        backend_cls = backend_class(self.backend_name)
         self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
-                          dtype, self.device)
+                          dtype, self.device, layout=backend_cls.kv_layout)
         self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
-        self.backend_name = config.resolved_backend()
-        attn = create_backend(self.backend_name, kv=self.kv, num_heads=mcfg.num_heads,
-                              num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim)
+        attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
+                           head_dim=mcfg.head_dim)
         self.runner = ModelRunner(self.model, attn, P, self.device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0                      # requests in the inbox, for admission control

@@ -1,12 +1,17 @@
 """The paged KV pool: a fixed number of pages of ``page_size`` token slots per layer.
 
-Layout per layer is FlashInfer's NHD: ``k[layer]`` and ``v[layer]`` are
-``[num_pages, page_size, num_kv_heads, head_dim]``. A token's slot is
-``page * page_size + offset``. Page 0 is never handed out: it is scratch space the
-backends may point padding at.
+A token's slot is ``page * page_size + offset``. Two layouts, chosen by the
+attention backend:
+- ``"NHD"`` (FlashInfer): ``k[layer]`` is ``[num_pages, page_size, Hkv, D]``;
+- ``"HSD"`` (torch): ``k[layer]`` is ``[Hkv, num_pages * page_size, D]``, so any run of
+  slots is a strided view per head that matmuls read without a copy.
+Page 0 is never handed out: it is scratch space the backends may point padding at.
+Pages are handed out lowest id first, which keeps live KV compact in memory.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import torch
 
@@ -22,7 +27,7 @@ class PagePool:
         if num_pages < 2:
             raise ValueError(f"a page pool needs at least 2 pages, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))  # page 0 reserved
+        self._free = list(range(1, num_pages))  # a min-heap; page 0 reserved
         self._is_free = [True] * num_pages
         self._is_free[0] = False
 
@@ -37,7 +42,7 @@ class PagePool:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        out = [heapq.heappop(self._free) for _ in range(n)]
         for p in out:
             self._is_free[p] = False
         return out
@@ -47,22 +52,38 @@ class PagePool:
             if self._is_free[p]:
                 raise RuntimeError(f"page {p} freed twice")
             self._is_free[p] = True
-            self._free.append(p)
+            heapq.heappush(self._free, p)
 
 
 class KVCache:
-    """The K and V tensors of every layer, shaped for paged attention."""
+    """The K and V tensors of every layer, in the layout the attention backend asked for."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str) -> None:
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: str, layout: str = "NHD") -> None:
+        if layout == "NHD":
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
+        elif layout == "HSD":
+            shape = (num_kv_heads, num_pages * page_size, head_dim)
+        else:
+            raise ValueError(f"unknown KV layout {layout!r} (NHD or HSD)")
+        self.layout = layout
         self.page_size = page_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slots`` [T] int64; ``k``, ``v`` [T, Hkv, D]."""
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])  # (pages*page_size, Hkv, D)
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
-        kf[slots] = k
-        vf[slots] = v
+        if self.layout == "HSD":
+            self.k[layer][:, slots] = k.transpose(0, 1)
+            self.v[layer][:, slots] = v.transpose(0, 1)
+        else:
+            self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k  # (pages*P, Hkv, D)
+            self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``slots`` [N] as ``[Hkv, N, D]`` (a copy)."""
+        if self.layout == "HSD":
+            return self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
+        kf = self.k[layer].flatten(0, 1)
+        vf = self.v[layer].flatten(0, 1)
+        return kf.index_select(0, slots).transpose(0, 1), vf.index_select(0, slots).transpose(0, 1)

@@ -19,11 +19,15 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_backend(name: str, **kwargs) -> AttentionBackend:
+def backend_class(name: str) -> type[AttentionBackend]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
     module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["AttentionBackend", "BatchLayout", "create_backend", "available_backends"]
+def create_backend(name: str, **kwargs) -> AttentionBackend:
+    return backend_class(name)(**kwargs)
+
+
+__all__ = ["AttentionBackend", "BatchLayout", "backend_class", "create_backend", "available_backends"]

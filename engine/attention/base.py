@@ -32,7 +32,12 @@ class BatchLayout:
 
 
 class AttentionBackend:
-    """Paged causal attention. Subclasses implement ``plan`` and ``forward``."""
+    """Paged causal attention. Subclasses implement ``plan`` and ``forward``.
+
+    ``kv_layout`` names the KV pool layout the backend reads (see engine/kv_pool.py).
+    """
+
+    kv_layout = "NHD"
 
     def __init__(self, kv: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.kv = kv

@@ -17,6 +17,8 @@ _WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferAttentionBackend(AttentionBackend):
+    kv_layout = "NHD"
+
     def __init__(self, kv, num_heads, num_kv_heads, head_dim) -> None:
         super().__init__(kv, num_heads, num_kv_heads, head_dim)
         try:
