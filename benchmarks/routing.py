@@ -3,6 +3,9 @@
     python benchmarks/routing.py --trace benchmarks/traces/conversation_trace.jsonl \
         --workers 8 --json out/routing.json
 
+Part (b), ``--live``: real workers behind our router and ``sglang-router``
+(``benchmarks/routing_live.py``).
+
 Each trace record is a request: ``timestamp`` (ms), ``input_length``, ``output_length``
 and ``hash_ids``, one id per 512-token block naming the block together with its prefix
 (exactly what a contract-1 chain hash names). The simulator works at that 512-token
@@ -268,7 +271,7 @@ def default_cache_tokens(records: list[dict], n_workers: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=None, help="default 8 simulated, 3 live")
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="per-worker cache in tokens (default: distinct blocks / 4 / workers)")
     p.add_argument("--policies", default=",".join(policy_names()))
@@ -279,10 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sessions", action="store_true",
                    help="replay without session ids (no last worker, no session_hash key)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    p.add_argument("--live", action="store_true", help="part (b): not available in this build")
+    live = p.add_argument_group("part (b), --live: real workers behind agentrt router and sglang-router")
+    live.add_argument("--live", action="store_true", help="run part (b) instead of the trace replay")
+    live.add_argument("--sessions", type=int, default=8)
+    live.add_argument("--turns", type=int, default=4)
+    live.add_argument("--system-tokens", type=int, default=1000)
+    live.add_argument("--tool-result-tokens", type=int, default=150)
+    live.add_argument("--reply-tokens", type=int, default=16)
+    live.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV pool per live worker")
+    live.add_argument("--live-fronts", default="agentrt,sglang", help="fronts to drive, in order")
     args = p.parse_args(argv)
     if args.live:
-        p.error("--live (replay against running workers) is not implemented yet")
+        return main_live(p, args)
+    args.workers = 8 if args.workers is None else args.workers
     if args.workers < 1:
         p.error("--workers must be >= 1")
     if not args.trace.is_file():
@@ -305,6 +317,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {f['hit_rate']:7.4f} {f['hit_rate'] / max(out['ideal_hit_rate'], 1e-9):7.3f}"
               f" {f['load_max_mean']:14.3f} {f['requests_max_mean']:14.3f}"
               f" {f['ttft_p50_s']:9.3f} {f['ttft_p99_s']:9.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def main_live(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from benchmarks.routing_live import LiveOptions, print_live, run_live
+
+    fronts = tuple(f for f in args.live_fronts.split(",") if f)
+    if not fronts or set(fronts) - {"agentrt", "sglang"}:
+        p.error("--live-fronts takes agentrt and/or sglang")
+    try:
+        opts = LiveOptions(workers=args.workers or 3, sessions=args.sessions, turns=args.turns,
+                           system_tokens=args.system_tokens, tool_result_tokens=args.tool_result_tokens,
+                           reply_tokens=args.reply_tokens, kv_cache_tokens=args.kv_cache_tokens, fronts=fronts)
+        if min(opts.workers, opts.sessions, opts.turns, opts.reply_tokens) < 1:
+            p.error("--workers, --sessions, --turns and --reply-tokens must be >= 1")
+        out = run_live(opts)
+    except RuntimeError as exc:
+        print(f"routing --live: {exc}", file=sys.stderr)
+        return 1
+    print_live(out)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -23,8 +23,9 @@ Rules, in order:
    ``affinity_min_fraction`` of the best cached prefix any worker has, and is not
    overloaded. When no worker is known to hold any of the prompt (the index may lag the
    last turn's KV events by a few ms), the last worker is still the best guess.
-3. **Short match fallback.** If no worker holds more than ``min_match_tokens`` of the
-   prompt beyond what every worker holds (e.g. only a system prompt everyone has), the
+3. **Short match fallback.** If no worker holds more than
+   ``min(min_match_tokens, min_match_fraction * prompt_tokens)`` of the prompt beyond what
+   every worker holds (e.g. only a system prompt everyone has), the
    request goes to the least-loaded worker (equal loads: rotating); its prefix is recorded there through the
    worker's KV events, so affinity builds up.
 4. Otherwise the cheapest worker by ``cost``.
@@ -44,7 +45,8 @@ class AgentrtPolicy(RoutingPolicy):
 
     def __init__(self, load_weight: float = 0.1, overload_rel: float = 1.5,
                  overload_abs_tokens: float = 131072.0, affinity_min_fraction: float = 0.9,
-                 min_match_tokens: int = 1024, tokens_per_queued_request: float = 4096.0) -> None:
+                 min_match_tokens: int = 1024, tokens_per_queued_request: float = 4096.0,
+                 min_match_fraction: float = 0.25) -> None:
         if load_weight < 0 or overload_abs_tokens < 0 or min_match_tokens < 0:
             raise ValueError("load_weight, overload_abs_tokens and min_match_tokens must be >= 0")
         if overload_rel < 1.0:
@@ -53,6 +55,9 @@ class AgentrtPolicy(RoutingPolicy):
             raise ValueError(f"affinity_min_fraction must be in [0, 1], got {affinity_min_fraction}")
         if tokens_per_queued_request < 0:
             raise ValueError("tokens_per_queued_request must be >= 0")
+        if not 0.0 <= min_match_fraction <= 1.0:
+            raise ValueError(f"min_match_fraction must be in [0, 1], got {min_match_fraction}")
+        self.min_match_fraction = min_match_fraction
         self.load_weight = load_weight
         self.overload_rel = overload_rel
         self.overload_abs_tokens = overload_abs_tokens
@@ -78,7 +83,8 @@ class AgentrtPolicy(RoutingPolicy):
             return RouteDecision(last.worker_id, last.cached_blocks, "affinity")
 
         common = min(cached.values())
-        if max(cached[w.worker_id] for w in ok) - common <= self.min_match_tokens:
+        short = min(self.min_match_tokens, self.min_match_fraction * request.num_tokens)
+        if max(cached[w.worker_id] for w in ok) - common <= short:
             return RouteDecision(*self._least_loaded(ok, load), "fallback")
 
         def cost(w: WorkerState) -> tuple[float, str]:

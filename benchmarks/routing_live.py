@@ -1,0 +1,229 @@
+"""Routing benchmark, part (b): real workers behind our router and behind ``sglang-router``.
+
+    python benchmarks/routing.py --live --workers 3 --json out/routing_live.json
+
+One run starts a private Redis, N real ``agentrt worker`` processes (the default model),
+``agentrt router`` and ``sglang-router`` (``--policy cache_aware``, launched as FACTS.md
+says) in front of the *same* workers, and drives the same agentic workload through each
+front in turn, flushing every worker's cache before each pass so both start cold.
+
+Workload: ``benchmarks/workload.py``'s sessions (a long system prompt with tool
+definitions, then turns that each append a ~200-token tool result and ask for a short
+reply at temperature 0), with four agent types whose system prompts differ (coding,
+research, support, data; session ``s`` is type ``s % 4``). Sessions run concurrently,
+turns within a session one after another. Because ``sglang-router`` only forwards the
+OpenAI API, the client keeps each conversation and sends it whole to
+``/v1/chat/completions`` (streaming, ``include_usage``) on both fronts.
+
+Figures per front: hit rate (sum of ``usage.prompt_tokens_details.cached_tokens`` over
+sum of prompt tokens), client-side TTFT p50/p99 (first content token), throughput
+(completion tokens/s and turns/s over the pass) and each worker's share of prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.workload import AgenticWorkload, system_prompt  # noqa: E402
+from router.local_cluster import free_port, start_redis, wait_healthy  # noqa: E402
+
+AGENTS = ("coding", "research", "support", "data")
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    workers: int = 3
+    sessions: int = 8
+    turns: int = 4
+    system_tokens: int = 1000
+    tool_result_tokens: int = 150
+    reply_tokens: int = 16
+    kv_cache_tokens: int = 8192
+    fronts: tuple[str, ...] = ("agentrt", "sglang")
+
+
+class Procs:
+    """Child processes with logs in one temp dir; all stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="agentrt-live-"))
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.procs.append(proc)
+        return proc
+
+    def log_tail(self, name: str) -> str:
+        return (self.dir / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
+    port = free_port()
+    procs.procs.append(start_redis(port, str(procs.dir)))
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    exe = [sys.executable, "-m", "agentrt.cli"]
+    workers = []
+    for i in range(opts.workers):
+        wport = free_port()
+        url = f"http://127.0.0.1:{wport}"
+        workers.append((url, procs.spawn(f"worker-{i}", exe + [
+            "worker", "--redis", redis_url, "--port", str(wport), "--worker-id", f"worker-{i}",
+            "--kv-cache-tokens", str(opts.kv_cache_tokens), "--log-level", "warning"])))
+    for url, proc in workers:
+        wait_healthy(url, proc)
+    fronts = {}
+    if "agentrt" in opts.fronts:
+        rport = free_port()
+        proc = procs.spawn("agentrt-router", exe + ["router", "--redis", redis_url, "--port", str(rport),
+                                                    "--log-level", "warning"])
+        wait_healthy(f"http://127.0.0.1:{rport}", proc)
+        fronts["agentrt"] = f"http://127.0.0.1:{rport}"
+    if "sglang" in opts.fronts:
+        sport = free_port()
+        proc = procs.spawn("sglang-router", [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sport),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--worker-urls", *[u for u, _ in workers], "--policy", "cache_aware"])
+        try:
+            wait_healthy(f"http://127.0.0.1:{sport}", proc, timeout_s=120)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{procs.log_tail('sglang-router')}") from None
+        fronts["sglang"] = f"http://127.0.0.1:{sport}"
+    return {"redis": redis_url, "workers": [u for u, _ in workers], "fronts": fronts}
+
+
+async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, content, usage = None, [], None
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: {resp.status_code} {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    content.append(text)
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise RuntimeError(f"{url}: the stream carried no usage")
+    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - start, "reply": "".join(content),
+            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
+
+
+async def _session(http, url, model, wl: AgenticWorkload, tokenizer, systems, s: int, out: list) -> None:
+    messages = [{"role": "system", "content": systems[s % len(systems)]}]
+    for t in range(wl.turns):
+        messages += wl.turn_messages(tokenizer, s, t)
+        r = await _turn(http, url, model, messages, wl.reply_tokens)
+        messages.append({"role": "assistant", "content": r["reply"]})
+        out.append({"session": s, "turn": t, **{k: v for k, v in r.items() if k != "reply"}})
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
+
+
+async def _worker_totals(http: httpx.AsyncClient, workers: list[str]) -> list[int]:
+    return [int((await http.get(w + "/get_load")).json()[0]["prompt_tokens_total"]) for w in workers]
+
+
+async def run_pass(front: str, url: str, workers: list[str], wl: AgenticWorkload, tokenizer, systems,
+                   model: str) -> dict:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=900.0)) as http:
+        for w in workers:  # start cold: both fronts see the same empty caches
+            (await http.post(w + "/flush_cache")).raise_for_status()
+        await asyncio.sleep(1.0)
+        before = await _worker_totals(http, workers)
+        turns: list[dict] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(_session(http, url, model, wl, tokenizer, systems, s, turns)
+                               for s in range(wl.sessions)))
+        wall = time.perf_counter() - start
+        after = await _worker_totals(http, workers)
+    prompt = sum(t["prompt_tokens"] for t in turns)
+    share = [a - b for a, b in zip(after, before)]
+    ttfts = [t["ttft_s"] for t in turns]
+    return {"front": front, "turns": len(turns), "wall_s": round(wall, 2),
+            "hit_rate": sum(t["cached_tokens"] for t in turns) / max(prompt, 1),
+            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
+            "ttft_later_turns_p50_s": _pct([t["ttft_s"] for t in turns if t["turn"] > 0], 0.5),
+            "throughput_tok_s": sum(t["completion_tokens"] for t in turns) / wall,
+            "turns_per_s": len(turns) / wall,
+            "worker_prompt_share": [round(x / max(sum(share), 1), 3) for x in share]}
+
+
+def run_live(opts: LiveOptions) -> dict:
+    from router.model_info import load_router_model
+
+    if "sglang" in opts.fronts and not _has_sglang_router():
+        raise RuntimeError("sglang-router is not installed: pip install sglang-router (or --live-fronts agentrt)")
+    model = load_router_model(None)
+    wl = AgenticWorkload(sessions=opts.sessions, turns=opts.turns, system_tokens=opts.system_tokens,
+                         tool_result_tokens=opts.tool_result_tokens, reply_tokens=opts.reply_tokens)
+    systems = [system_prompt(model.tokenizer, opts.system_tokens, seed=i, agent=a) for i, a in enumerate(AGENTS)]
+    procs = Procs()
+    try:
+        fleet = start_fleet(procs, opts)
+        passes = {}
+        for front, url in fleet["fronts"].items():
+            print(f"pass through {front} ({url}) ...", flush=True)
+            passes[front] = asyncio.run(run_pass(front, url, fleet["workers"], wl, model.tokenizer, systems,
+                                                 model.model_id))
+    finally:
+        procs.stop()
+    return {"options": opts.__dict__ | {"fronts": list(opts.fronts)}, "passes": passes}
+
+
+def _has_sglang_router() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def print_live(out: dict) -> None:
+    o = out["options"]
+    print(f"{o['workers']} workers, {o['sessions']} sessions x {o['turns']} turns, {len(AGENTS)} agent types, "
+          f"system {o['system_tokens']} tok, tool result {o['tool_result_tokens']} tok, reply {o['reply_tokens']} tok")
+    print(f"{'front':10s} {'hit':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'tok/s':>7s} {'turns/s':>8s}  worker share")
+    for name, f in out["passes"].items():
+        print(f"{name:10s} {f['hit_rate']:6.3f} {f['ttft_p50_s']:9.3f} {f['ttft_p99_s']:9.3f} "
+              f"{f['throughput_tok_s']:7.2f} {f['turns_per_s']:8.3f}  {f['worker_prompt_share']}")
