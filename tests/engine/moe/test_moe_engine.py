@@ -5,7 +5,10 @@ decodes the same tokens as in one process, for every placement; bad settings fai
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,21 +58,24 @@ def single_process_tokens(checkpoints, prompts):
     return out
 
 
-def _transformers_greedy(model_dir: str, prompt: list[int]) -> list[int]:
+def _transformers_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The oracle: transformers' model, full forward per token, argmax."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))  # (1, T, V) -> last row
+        out.append(ids[len(prompt):])
+    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_matches_transformers(family, checkpoints, prompts, single_process_tokens):
-    expected = [_transformers_greedy(checkpoints[family], p) for p in prompts]
-    assert single_process_tokens[family] == expected
+    assert single_process_tokens[family] == _transformers_greedy(checkpoints[family], prompts)
 
 
 def test_moe_layers_follow_the_checkpoint(checkpoints):
@@ -102,6 +108,28 @@ def test_expert_parallel_engine_equals_single_process(family, settings, checkpoi
         engine.close()
     assert _gone(pids)
     engine.close()  # idempotent
+
+
+def test_expert_parallel_rank_exits_when_the_engine_process_is_killed(checkpoints, tmp_path):
+    """SIGKILL leaves no chance to clean up: the worker sees EOF on its pipe and exits."""
+    script = tmp_path / "ep_engine.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine import EngineConfig, LLMEngine\n"
+        "if __name__ == '__main__':\n"
+        f"    e = LLMEngine(EngineConfig(model={checkpoints['mixtral']!r}, device='cpu', kv_cache_tokens=1024, "
+        "ep_size=2))\n"
+        "    print(e.ep.worker_pids[0], flush=True)\n"
+        "    time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[3])
+    try:
+        worker = int(proc.stdout.readline())
+        assert _alive(worker)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _gone([worker])
 
 
 def test_expert_parallel_rejects_bad_settings(checkpoints):
