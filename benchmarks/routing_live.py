@@ -97,14 +97,20 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
         url = f"http://127.0.0.1:{wport}"
         workers.append((url, procs.spawn(f"worker-{i}", exe + [
             "worker", "--redis", redis_url, "--port", str(wport), "--worker-id", f"worker-{i}",
-            "--kv-cache-tokens", str(opts.kv_cache_tokens), "--log-level", "warning"])))
+            "--kv-cache-tokens", str(opts.kv_cache_tokens), "--log-level", "warning",
+            "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5"])))
     for url, proc in workers:
         wait_healthy(url, proc)
     fronts = {}
     if "agentrt" in opts.fronts:
         rport = free_port()
-        proc = procs.spawn("agentrt-router", exe + ["router", "--redis", redis_url, "--port", str(rport),
-                                                    "--log-level", "warning"])
+        # A queued request is worth about one of this workload's prompts (the default, 4096, models
+        # the GPU trace of part a).
+        per_request = opts.system_tokens + opts.turns * (opts.tool_result_tokens + opts.reply_tokens) // 2
+        proc = procs.spawn("agentrt-router", exe + [
+            "router", "--redis", redis_url, "--port", str(rport), "--log-level", "warning",
+            "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5",
+            "--policy-option", f"tokens_per_queued_request={per_request}"])
         wait_healthy(f"http://127.0.0.1:{rport}", proc)
         fronts["agentrt"] = f"http://127.0.0.1:{rport}"
     if "sglang" in opts.fronts:

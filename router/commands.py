@@ -90,14 +90,35 @@ def configure_router(parser: argparse.ArgumentParser) -> None:
     configure_serve(parser)
     _add_redis_flags(parser)
     parser.add_argument("--policy", default="agentrt", help="routing policy (router/policy.py registry)")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="NAME=NUMBER",
+                        help="a keyword argument of the policy, e.g. tokens_per_queued_request=1024 (repeatable)")
+
+
+def _policy_options(items: list[str]) -> dict[str, float]:
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not name.isidentifier() or number is None:
+            raise ValueError(f"--policy-option takes NAME=NUMBER, got {item!r}")
+        options[name] = int(number) if number.is_integer() and "." not in value else number
+    return options
 
 
 def run_router(args: argparse.Namespace) -> int:
     from router.app import create_router_app
+    from router.policy import make_policy
 
     try:
         config = _server_config(args, "router")
-        rconfig = _router_config(args, policy=args.policy)
+        rconfig = _router_config(args, policy=args.policy, policy_options=_policy_options(args.policy_option))
+        try:
+            make_policy(rconfig.policy, **rconfig.policy_options)
+        except TypeError as exc:
+            raise ValueError(f"policy {rconfig.policy}: {exc}") from None
     except ValueError as exc:
         print(f"agentrt router: {exc}", file=sys.stderr)
         return 2
