@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.moe.config import MoEConfig, Topology
+from engine.moe.config import MoEConfig, Topology, moe_layer_indices
 from engine.moe.ep import EPContext, ExpertParallelMoE
 from engine.moe.launch import free_port
 from engine.moe.placement import LayerPlacement
-from engine.moe.serving import _COLLECTIVE_TIMEOUT, SourceSplitMoE, WorkerSpec, _worker_main, fit_startup_layout
+from engine.moe.serving import COLLECTIVE_TIMEOUT, SourceSplitMoE, WorkerSpec, fit_startup_layout, worker_main
 
 
 class ExpertParallelGroup:
@@ -51,23 +51,7 @@ class ExpertParallelGroup:
         ``ModelConfig``. Raises ValueError for a dense model, a world size that does not divide
         the slot count, or too few GPUs for NCCL."""
         r = config.ep_size
-        if not model_config.moe:
-            raise ValueError(f"ep_size={r} needs a Mixture-of-Experts model, but {config.model!r} is a dense "
-                             f"{model_config.architecture} model; use ep_size=1")
-        cfg = MoEConfig.from_hf_config(model_config.moe["hf_config"])
-        slots = cfg.num_experts + config.ep_redundant
-        if slots % r:
-            raise ValueError(f"ep_size={r} must divide the expert slot count: {cfg.num_experts} experts + "
-                             f"{config.ep_redundant} redundant = {slots} slots")
-        if dist.is_initialized():
-            raise ValueError("torch.distributed is already initialised in this process; expert-parallel "
-                             "serving needs to own the default process group")
-        backend, device_index = "gloo", 0
-        if device.startswith("cuda"):
-            backend = "nccl"
-            device_index = torch.device(device).index or 0
-            if torch.cuda.device_count() < r:
-                raise ValueError(f"ep_size={r} on CUDA needs one GPU per rank; {torch.cuda.device_count()} visible")
+        cfg, backend, device_index = _check_settings(config, model_config, device)
         topology = Topology(config.ep_nodes, r // config.ep_nodes)
         layout = fit_startup_layout(config.ep_placement, cfg, topology, config.ep_redundant)
         spec = WorkerSpec(str(config.model), dtype, topology,
@@ -83,7 +67,7 @@ class ExpertParallelGroup:
         atexit.register(self.close)
         for rank in range(1, self.spec.topology.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(rank, self.spec, child), daemon=True,
+            p = ctx.Process(target=worker_main, args=(rank, self.spec, child), daemon=True,
                             name=f"agentrt-ep-rank{rank}")
             p.start()
             child.close()  # the worker holds its end; EOF on ours means it died
@@ -118,8 +102,10 @@ class ExpertParallelGroup:
                 raise RuntimeError(f"expert-parallel rank {rank} exited while loading") from None
             if kind == "error":
                 raise RuntimeError(f"expert-parallel rank {rank} failed to load its experts:\n{detail}")
+        if self.spec.backend == "nccl":
+            torch.cuda.set_device(self.spec.device_index)
         dist.init_process_group(self.spec.backend, init_method=self.spec.init_method, rank=0,
-                                world_size=self.world_size, timeout=_COLLECTIVE_TIMEOUT)
+                                world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
         self._connected = True
 
     @contextlib.contextmanager
@@ -174,3 +160,27 @@ class ExpertParallelGroup:
         for conn in self._conns:
             conn.close()
         self._conns = []
+
+
+def _check_settings(config, model_config, device: str) -> tuple[MoEConfig, str, int]:
+    """(MoEConfig, process-group backend, rank 0's CUDA index), or ValueError naming the setting."""
+    r = config.ep_size
+    if not model_config.moe:
+        raise ValueError(f"ep_size={r} needs a Mixture-of-Experts model, but {config.model!r} is a dense "
+                         f"{model_config.architecture} model; use ep_size=1")
+    hf = model_config.moe["hf_config"]
+    cfg = MoEConfig.from_hf_config(hf)
+    if not moe_layer_indices(hf):
+        raise ValueError(f"ep_size={r}: {config.model!r} has no MoE layers (all are mlp_only_layers)")
+    slots = cfg.num_experts + config.ep_redundant
+    if slots % r:
+        raise ValueError(f"ep_size={r} must divide the expert slot count: {cfg.num_experts} experts + "
+                         f"{config.ep_redundant} redundant = {slots} slots")
+    if dist.is_initialized():
+        raise ValueError("torch.distributed is already initialised in this process; expert-parallel "
+                         "serving needs to own the default process group")
+    if not device.startswith("cuda"):
+        return cfg, "gloo", 0
+    if torch.cuda.device_count() < r:
+        raise ValueError(f"ep_size={r} on CUDA needs one GPU per rank; {torch.cuda.device_count()} visible")
+    return cfg, "nccl", torch.device(device).index or 0

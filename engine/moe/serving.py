@@ -35,7 +35,7 @@ from engine.moe.ep import EPContext, ExpertParallelMoE, exchange
 from engine.moe.placement import LayerPlacement, get_placement
 from engine.moe.stats import ExpertStats
 
-_COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # one collective inside a step, never an idle wait
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # one collective inside a step, never an idle wait
 
 
 def split_sizes(num_tokens: int, world_size: int) -> list[int]:
@@ -109,7 +109,7 @@ def load_rank_layers(spec: WorkerSpec, rank: int, device: str) -> list[ExpertPar
             for n in moe_layer_indices(hf)]
 
 
-def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
+def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     """A worker rank: load, report ready, join the group, then serve steps until told to stop."""
     torch.set_num_threads(spec.threads)
     try:
@@ -123,7 +123,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         return
     conn.send(("ready", ""))
     dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
-                            world_size=spec.topology.world_size, timeout=_COLLECTIVE_TIMEOUT)
+                            world_size=spec.topology.world_size, timeout=COLLECTIVE_TIMEOUT)
     hidden, dtype = layers[0].cfg.hidden, spec.dtype
     try:
         with torch.inference_mode():

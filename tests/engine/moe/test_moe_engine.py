@@ -18,6 +18,7 @@ from engine.loader.gguf_loader import default_model_path, load_gguf
 from engine.loader.model_config import ModelConfig
 from engine.moe.checkpoint import save_tokenizer, write_tiny_checkpoint
 from engine.moe.ep_group import ExpertParallelGroup
+from engine.moe.placement import placement_names
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
@@ -146,6 +147,8 @@ def test_expert_parallel_rejects_bad_settings(checkpoints):
                             (dict(ep_size=2, ep_redundant=-1), "ep_redundant must be")]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(**kwargs)
+    for name in placement_names():  # the config accepts every registered placement
+        assert EngineConfig(ep_size=2, ep_placement=name).ep_placement == name
 
 
 def _alive(pid: int) -> bool:
