@@ -7,6 +7,7 @@ the scheduler's state is only ever touched by the thread running ``step()``.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -68,6 +69,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seeds: dict[str, bytes] = {}
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+        self._snapshot()
 
     def _build_expert_parallel(self, mcfg, state, dtype):
         """This process is rank 0; the other ranks start here and stop in ``close``."""
@@ -165,6 +167,20 @@ class LLMEngine:
                 self.cache.reset()
 
     # -- the step (one thread) ------------------------------------------------
+    def _snapshot(self) -> None:
+        """Publish stats for other threads (they must not walk the scheduler's live state)."""
+        s = self.scheduler
+        self._stats = EngineStats(
+            running=len(s.running), waiting=len(s.waiting),
+            pages_total=self.pool.capacity, pages_used=self.pool.capacity - self.pool.num_free,
+            pages_free=self.pool.num_free, pages_cached=self.cache.cached_pages,
+            pages_pinned=len({p for pin in s.pins.values() for p in _path_pages(pin.node)}),
+            num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=s.num_preemptions, page_size=self.config.page_size)
+        self._pin_ids = frozenset(s.pins)
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty())
 
@@ -175,8 +191,13 @@ class LLMEngine:
         for req in self.scheduler.failed:
             outputs.append(self._emit(req))
         self.scheduler.failed.clear()
-        if not batch:
-            return outputs
+        if batch:
+            outputs.extend(self._run(batch))
+        self._snapshot()
+        return outputs
+
+    def _run(self, batch) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         logits, sample_idx = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
@@ -184,7 +205,8 @@ class LLMEngine:
                 self.scheduler.cache_request(req)   # share prefill progress with other requests
         if sample_idx:
             reqs = [batch.requests[i] for i in sample_idx]
-            tokens, lps = sample(logits, reqs)
+            with torch.inference_mode():  # constraints mask the (inference-mode) logits in place
+                tokens, lps = sample(logits, reqs)
             now = time.monotonic()
             for req, tok, lp in zip(reqs, tokens, lps):
                 if req.first_token_time is None:
@@ -289,16 +311,13 @@ class LLMEngine:
         return [acc[i] for i in ids]
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            running=len(s.running), waiting=len(s.waiting) + self._pending,
-            pages_total=self.pool.capacity, pages_used=self.pool.capacity - self.pool.num_free,
-            pages_free=self.pool.num_free, pages_cached=self.cache.cached_pages,
-            pages_pinned=sum(len(_path_pages(p.node)) for p in s.pins.values()),
-            num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
-            cached_tokens_total=self.cached_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            num_preemptions=s.num_preemptions, page_size=self.config.page_size)
+        """As of the end of the last step (safe to call from any thread)."""
+        st = self._stats
+        return dataclasses.replace(st, waiting=st.waiting + self._pending)
+
+    def pin_active(self, pin_id: str) -> bool:
+        """Whether a pin still holds (it may have expired or given way to memory pressure)."""
+        return pin_id in self._pin_ids
 
 
 def _path_pages(node) -> list[int]:

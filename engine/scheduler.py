@@ -130,7 +130,8 @@ class Scheduler:
         if req.tree_node is None:
             return
         node = self.cache_request(req)
-        if req.pin_ttl_s and req.finished and req.num_tree_pages:
+        if (req.pin_ttl_s and req.finished and req.finish_reason in ("stop", "length")
+                and req.num_tree_pages):
             self.cache.lock(node)
             self.unpin(req.request_id)
             self.pins[req.request_id] = Pin(node, time.monotonic() + req.pin_ttl_s)
