@@ -37,8 +37,19 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
             continue
         kind = int if f.name in ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting") else (
             type(f.default) if f.default is not None else str)
+        if kind is bool:  # argparse's type=bool would read "false" as True
+            kind = _bool_flag
         parser.add_argument(flag, dest=f.name, type=kind, default=None,
                             help=f"default {f.default!r}; env {env}")
+
+
+def _bool_flag(raw: str) -> bool:
+    from agentrt.config import parse_bool
+
+    try:
+        return parse_bool(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ class ServerConfig:
     gives no token limit (capped by what is left of the context window).
     Expert parallelism (MoE checkpoints): ``ep`` ranks (this process is rank 0) as ``ep_nodes``
     nodes, ``ep_placement`` of ``num_experts + ep_redundant`` expert slots (docs/moe.md).
+    ``enable_prefix_cache`` false turns the engine's radix prefix cache off (every prompt is
+    computed in full; for ablations).
     Sessions: ``session_idle_ttl_s`` deletes a session nobody used for that long;
     ``pin_ttl_s`` keeps a session's KV prefix pinned between turns, ``pin_ttl_tool_s`` when
     the last reply ended in a tool call (the agent comes straight back); ``max_pin_ttl_s``
@@ -41,6 +43,7 @@ class ServerConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_waiting: int | None = None
+    enable_prefix_cache: bool = True
     ep: int = 1
     ep_nodes: int = 1
     ep_placement: str = "contiguous"
@@ -89,7 +92,8 @@ class ServerConfig:
 
         kwargs: dict[str, Any] = {"model": self.model, "device": self.device, "dtype": self.dtype,
                                   "ep_size": self.ep, "ep_nodes": self.ep_nodes,
-                                  "ep_placement": self.ep_placement, "ep_redundant": self.ep_redundant}
+                                  "ep_placement": self.ep_placement, "ep_redundant": self.ep_redundant,
+                                  "enable_prefix_cache": self.enable_prefix_cache}
         for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -111,6 +115,16 @@ class ServerConfig:
         return cls(**values)
 
 
+def parse_bool(raw: str, what: str = "value") -> bool:
+    """``true/false``, ``1/0``, ``yes/no``, ``on/off`` (any case); anything else is a ValueError."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{what}={raw!r} is not a boolean (true/false)")
+
+
 def _parse(name: str, raw: str) -> Any:
     """One environment variable's text as the field's type."""
     default = getattr(ServerConfig, name, None)
@@ -120,6 +134,8 @@ def _parse(name: str, raw: str) -> Any:
     kind = int if name in optional_ints else type(default)
     if kind is str or kind is type(None):
         return raw
+    if kind is bool:
+        return parse_bool(raw, f"{ENV_PREFIX}{name.upper()}")
     try:
         return kind(raw)
     except ValueError:
