@@ -51,6 +51,10 @@ class InFlightTracker:
             del self._count[entry.worker_id]
             del self._tokens[entry.worker_id]
 
+    def __len__(self) -> int:
+        """Requests in flight on all workers."""
+        return len(self._entries)
+
     def count(self, worker_id: str) -> int:
         return self._count.get(worker_id, 0)
 

@@ -168,7 +168,7 @@ class RemoteEngine:
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         deadline = time.monotonic() + drain_timeout_s
-        while self.core.inflight._entries and time.monotonic() < deadline:
+        while len(self.core.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.http.aclose()
 

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
 
 from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
@@ -125,6 +126,14 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     except RuntimeError as exc:
         raise APIError(503, f"the engine is not accepting requests: {exc}", type="server_error") from None
     gen.in_flight += 1
+    released = False
+
+    async def release() -> None:  # idempotent: after the last line, or if the client left before the first
+        nonlocal released
+        if not released:
+            released = True
+            await stream.aclose()
+            gen.release()
 
     async def lines() -> AsyncIterator[bytes]:
         try:
@@ -133,10 +142,9 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
                 if out.finished:
                     return
         finally:
-            await stream.aclose()
-            gen.release()
+            await release()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(release))
 
 
 @worker_routes.post("/internal/pin")

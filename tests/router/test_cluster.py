@@ -135,6 +135,20 @@ def test_two_router_replicas_route_a_session_to_the_same_worker(cl):
     assert session["turns"] == 5 and len(session["messages"]) == 10
 
 
+def test_status_command_reads_the_cluster(cl):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "agentrt.cli", "status", "--redis", cl.server.url, "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=c.ROOT)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert [w["id"] for w in status["workers"]] == ["w0", "w1"] and all(w["alive"] for w in status["workers"])
+    assert status["sessions"] >= 2 and 0 < status["hit_rate"] < 1
+    assert sum(w["cached_blocks"] for w in status["workers"]) > 0
+
+
 def test_malformed_events_are_counted_and_skipped(cl):
     before = {r: cl.state(r)["events"]["malformed"] for r in ("r0", "r1")}
     r = cl.redis()
