@@ -17,7 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-from urllib.parse import urlparse
 
 import httpx
 import redis
@@ -105,7 +104,7 @@ class LocalCluster:
         url = self.args.redis_url or "redis://127.0.0.1:6379/0"
         if redis_answers(url):
             return url
-        port = free_port() if self.args.redis_url is None else (urlparse(url).port or 6379)
+        port = free_port()
         self.redis_dir = tempfile.mkdtemp(prefix="agentrt-up-redis-")
         proc = start_redis(port, self.redis_dir)
         threading.Thread(target=_pump, args=("redis", proc.stdout, self.lock), daemon=True).start()
@@ -149,7 +148,8 @@ class LocalCluster:
 
     def run(self) -> int:
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        for sig in (signal.SIGTERM, signal.SIGINT):  # set explicitly: a background job inherits SIGINT ignored
+            signal.signal(sig, lambda *_: stop.set())
         try:
             urls = self.start()
             with self.lock:
