@@ -146,6 +146,18 @@ def _chat_loop(session, args: argparse.Namespace) -> int:
             print(f"\nerror: {exc}", file=sys.stderr)
 
 
+def _bench_configure(parser: argparse.ArgumentParser) -> None:
+    from agentrt.bench.cli import configure
+
+    configure(parser)
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from agentrt.bench.cli import run
+
+    return run(args)
+
+
 def _cluster_subcommands() -> tuple[Subcommand, ...]:
     from router import commands as rc
 
@@ -164,6 +176,8 @@ def _cluster_subcommands() -> tuple[Subcommand, ...]:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("serve", "run the server: engine in-process, OpenAI and session APIs", configure_serve, run_serve),
     Subcommand("chat", "chat in the terminal with a running server", configure_chat, run_chat),
+    Subcommand("bench", "benchmark an OpenAI-compatible URL with the agentic workload, or --ablate locally",
+               _bench_configure, _bench_run),
     *_cluster_subcommands(),
 )
 

@@ -1,0 +1,147 @@
+"""One benchmark: build the workload, run it (at one or several arrival rates), summarise.
+
+    from agentrt.bench import BenchOptions, run_bench
+    result = run_bench(BenchOptions(target="http://127.0.0.1:8000", preset="tiny", sessions=2))
+
+``result`` is a JSON-ready dict: the options, the workload, one entry per arrival rate
+(its calls, sessions, summary and the server's ``/metrics`` deltas when it has them) and
+the highest rate that met the SLO.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import httpx
+
+from agentrt.bench import prom
+from agentrt.bench.runner import RunOptions, run_plans
+from agentrt.bench.summary import SLO, best_rate, summarize
+from agentrt.bench.trace import load_records, plan_trace
+from agentrt.bench.workload import preset as load_preset
+from agentrt.bench.workload import plan_sessions
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    target: str
+    preset: str = "swe"
+    sessions: int = 8
+    seed: int = 0
+    rates: tuple[float, ...] = ()          # session arrivals/s to sweep; () = the preset's rate
+    max_turns: int | None = None
+    max_reply_tokens: int | None = None
+    think_scale: float | None = None
+    trace: str | None = None               # a Mooncake-format file replaces the preset
+    trace_block_tokens: int = 512
+    trace_time_scale: float = 1.0
+    api: str = "chat"
+    model: str | None = None
+    api_key: str | None = None
+    tokenizer: str | None = None           # GGUF whose tokenizer sizes the text (default: the default model)
+    slo: SLO = field(default_factory=SLO)
+    workers: int = 1
+    price_per_worker_hour: float | None = None
+    metrics_urls: tuple[str, ...] | None = None  # None: the target itself; () = scrape nothing
+    flush_urls: tuple[str, ...] = ()       # POST /flush_cache here before each run (cold start)
+    session_pin_ttl_s: float | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1:
+            raise ValueError(f"--sessions must be >= 1, got {self.sessions}")
+        if any(r <= 0 for r in self.rates):
+            raise ValueError(f"--rates must be positive session arrivals per second, got {self.rates}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.price_per_worker_hour is not None and self.price_per_worker_hour < 0:
+            raise ValueError(f"--price-per-worker-hour must be >= 0, got {self.price_per_worker_hour}")
+
+
+def load_tokenizer(path: str | None):
+    from benchmarks.api_sessions import load_tokenizer as from_gguf
+
+    return from_gguf(path)
+
+
+def build_workload(opts: BenchOptions, tokenizer, rate: float | None):
+    """(spec, plans) for one arrival rate (``None``: the preset's own rate / the trace's timestamps)."""
+    spec = load_preset("tiny" if opts.trace else opts.preset).with_overrides(
+        max_turns=opts.max_turns, max_reply_tokens=opts.max_reply_tokens, think_scale=opts.think_scale,
+        session_rate=rate)
+    if opts.trace:
+        records = load_records(opts.trace, limit=opts.sessions)
+        scale = opts.trace_time_scale
+        if rate is not None:  # stretch the trace to this mean arrival rate
+            span = (records[-1]["timestamp"] - records[0]["timestamp"]) / 1000.0
+            scale = (len(records) - 1) / rate / span if span > 0 else 0.0
+        plans = plan_trace(records, tokenizer, opts.trace_block_tokens, scale, opts.max_reply_tokens, opts.seed)
+        return replace(spec, name="trace", compact_at_tokens=None), plans
+    return spec, plan_sessions(spec, opts.sessions, tokenizer, opts.seed)
+
+
+def flush(urls: tuple[str, ...]) -> None:
+    for url in urls:
+        resp = httpx.post(url.rstrip("/") + "/flush_cache", timeout=30.0)
+        if resp.status_code >= 300:
+            raise RuntimeError(f"{url}/flush_cache answered {resp.status_code}: cannot start the run cold")
+    if urls:
+        time.sleep(0.5)  # let the KV 'cleared' events reach the routers
+
+
+def run_once(opts: BenchOptions, tokenizer, rate: float | None, label: str = "bench") -> dict:
+    spec, plans = build_workload(opts, tokenizer, rate)
+    metrics_urls = (opts.target,) if opts.metrics_urls is None else opts.metrics_urls
+    route = "/v1/chat/completions" if opts.api == "chat" else "/v1/sessions/{session_id}/turns"
+    flush(opts.flush_urls)
+    before = {u: prom.scrape(u, route) for u in metrics_urls}
+    run = run_plans(plans, spec, RunOptions(opts.target, opts.api, opts.model, opts.api_key,
+                                            session_pin_ttl_s=opts.session_pin_ttl_s, progress=opts.progress),
+                    tokenizer, label)
+    time.sleep(0.2)  # engine counters are read at scrape time; the last stream may close just before
+    after = {u: prom.scrape(u, route) for u in metrics_urls}
+    server = {u: prom.delta(before[u], after[u]) for u in metrics_urls}
+    summary = summarize(run.calls, run.sessions, run.wall_s, opts.slo, opts.workers, opts.price_per_worker_hour)
+    return {"rate": rate if rate is not None else spec.session_rate, "model": run.model, "summary": summary,
+            "server_metrics": server, "calls": run.calls, "sessions": run.sessions,
+            "workload": {"preset": None if opts.trace else spec.name, "trace": opts.trace, "sessions": len(plans),
+                         "calls": sum(p.n_calls for p in plans), "spec": asdict(spec)}}
+
+
+def run_bench(opts: BenchOptions, tokenizer=None) -> dict:
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(opts.tokenizer)
+    runs = [run_once(opts, tokenizer, r, label=f"rate {r:g}/s") for r in opts.rates] or [run_once(opts, tokenizer, None)]
+    return {"options": _jsonable(asdict(opts)), "machine": machine(), "runs": runs,
+            "best_rate": best_rate(runs) if opts.rates else None,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def machine() -> dict:
+    import os
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "processor": _cpu_model()}
+    try:
+        import torch
+
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["cuda"] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "api_key"}
