@@ -54,6 +54,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self.error: BaseException | None = None
+        engine.on_command = self._wake.set
         self._thread = threading.Thread(target=self._loop, name="agentrt-engine", daemon=True)
         self._thread.start()
 
@@ -77,24 +78,24 @@ class AsyncEngine:
         except BaseException:
             self._forget(rid)
             raise
-        self._wake.set()
         return RequestStream(self, rid, q)
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id)
         self.engine.abort_request(request_id)
-        self._wake.set()
 
     def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
         self.engine.pin(pin_id, token_ids, ttl_s, cache_salt)
-        self._wake.set()
 
     def unpin(self, pin_id: str) -> None:
         self.engine.unpin(pin_id)
-        self._wake.set()
 
     def stats(self):
         return self.engine.stats()
+
+    async def cache_snapshot(self, extra=None):
+        """Every cached block hash (see ``LLMEngine.request_cache_snapshot``)."""
+        return await asyncio.wrap_future(self.engine.request_cache_snapshot(extra))
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ the scheduler's state is only ever touched by the thread running ``step()``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -64,6 +65,7 @@ class LLMEngine:
                            head_dim=mcfg.head_dim)
         self.runner = ModelRunner(self.model, attn, P, self.device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
         self._pending = 0                      # requests in the inbox, for admission control
         self._pending_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
@@ -126,20 +128,36 @@ class LLMEngine:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
                                       else int.from_bytes(uuid.uuid4().bytes[:8], "little"))
-        self._inbox.put(("add", req))
+        self._command("add", req)
         return rid
 
+    def _command(self, kind: str, arg) -> None:
+        self._inbox.put((kind, arg))
+        if self.on_command is not None:
+            self.on_command()
+
     def abort_request(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._command("abort", request_id)
 
     def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
-        self._inbox.put(("pin", (pin_id, list(token_ids), ttl_s, cache_salt)))
+        self._command("pin", (pin_id, list(token_ids), ttl_s, cache_salt))
 
     def unpin(self, pin_id: str) -> None:
-        self._inbox.put(("unpin", pin_id))
+        self._command("unpin", pin_id)
 
     def flush_cache(self) -> None:
-        self._inbox.put(("flush", None))
+        self._command("flush", None)
+
+    def request_cache_snapshot(self, extra=None) -> "concurrent.futures.Future":
+        """Every cached block hash, read by the engine thread at its next step.
+
+        The future resolves to ``(hashes, extra())`` when ``extra`` is given: a callable
+        run in the same thread at the same moment (e.g. the KV-event publisher's last
+        sequence number, so a snapshot and the event stream line up).
+        """
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command("snapshot", (fut, extra))
+        return fut
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -165,6 +183,10 @@ class LLMEngine:
                 self.scheduler.unpin(arg)
             elif kind == "flush":
                 self.cache.reset()
+            elif kind == "snapshot":
+                fut, extra = arg
+                hashes = self.cache.all_hashes()
+                fut.set_result((hashes, extra()) if extra else hashes)
 
     # -- the step (one thread) ------------------------------------------------
     def _snapshot(self) -> None:

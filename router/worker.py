@@ -51,15 +51,10 @@ class WorkerSettings:
                    url or f"http://{host}:{config.port}")
 
 
-def cache_snapshot(llm: Any, attempts: int = 20) -> list[int]:
-    """Every block hash in the engine's radix cache. The tree belongs to the engine thread, so a
-    read can race a mutation (``RuntimeError``); retry, the tree is small to walk."""
-    for _ in range(attempts):
-        try:
-            return list(llm.cache.all_hashes())
-        except RuntimeError:
-            continue
-    raise RuntimeError("the radix cache kept changing while it was read; try again")
+async def cache_snapshot(llm: Any, publisher: KVEventPublisher) -> tuple[list[int], int]:
+    """Every block hash in the engine's radix cache and the last KV-event seq, read together
+    by the engine thread between steps (events are published from that thread too)."""
+    return await asyncio.wrap_future(llm.request_cache_snapshot(lambda: publisher.last_seq))
 
 
 class WorkerRuntime:
@@ -110,7 +105,7 @@ class WorkerRuntime:
         log.warning("registration of %s is gone from Redis; registering again", self.settings.worker_id)
         await self.registry.register(self.info)
         self.publisher.publish("cleared", [], None)
-        hashes = cache_snapshot(self.llm)
+        hashes, _ = await cache_snapshot(self.llm, self.publisher)
         if hashes:
             self.publisher.publish("stored", hashes, None)
 

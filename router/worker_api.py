@@ -161,11 +161,10 @@ async def internal_unpin(body: PinBody, request: Request) -> dict:
 
 @worker_routes.get("/internal/kv_snapshot")
 async def kv_snapshot(request: Request) -> JSONResponse:
-    """Cached block hashes (contract 1). ``seq`` is the last event published before the read, so
-    events with a higher seq may or may not be reflected; a router applies them idempotently."""
+    """Cached block hashes (contract 1) and ``seq``, the last event published when they were read
+    (both read by the engine thread at one moment, so later events apply on top)."""
     from router.worker import cache_snapshot
 
     runtime = request.app.state.worker
-    seq = runtime.publisher.last_seq
-    return JSONResponse({"worker": runtime.settings.worker_id, "seq": seq,
-                         "hashes": cache_snapshot(request.app.state.llm)})
+    hashes, seq = await cache_snapshot(request.app.state.llm, runtime.publisher)
+    return JSONResponse({"worker": runtime.settings.worker_id, "seq": seq, "hashes": hashes})

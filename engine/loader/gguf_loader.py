@@ -63,6 +63,25 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
 
 
+def gguf_tokenizer(reader) -> Tokenizer:
+    """The tokenizer and chat template from a GGUF file's metadata (no tensors are read)."""
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    hf = tokenizer_from_gguf_fields(
+        tokens=list(_field(reader, "tokenizer.ggml.tokens")),
+        merges=list(_field(reader, "tokenizer.ggml.merges")),
+        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
+        pre=_field(reader, "tokenizer.ggml.pre", "default"))
+    return Tokenizer(hf=hf, chat_template=_field(reader, "tokenizer.chat_template"),
+                     bos_token_id=int(bos) if bos is not None else None, eos_token_ids=(eos,),
+                     add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
+
+
+def gguf_context_length(reader) -> int:
+    arch = _field(reader, "general.architecture")
+    return int(_field(reader, f"{arch}.context_length", 4096))
+
+
 def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``."""
     from gguf import GGUFReader
@@ -116,13 +135,5 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
             raise ValueError(f"{path}: unexpected tensor {name}")
         state[key] = torch.from_numpy(arr).to(dtype)
 
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    hf = tokenizer_from_gguf_fields(
-        tokens=list(tokens), merges=list(_field(reader, "tokenizer.ggml.merges")),
-        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
-        pre=_field(reader, "tokenizer.ggml.pre", "default"))
-    tok = Tokenizer(hf=hf, chat_template=_field(reader, "tokenizer.chat_template"),
-                    bos_token_id=int(bos) if bos is not None else None, eos_token_ids=(eos,),
-                    add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
+    tok = gguf_tokenizer(reader)
     return cfg, state, tok
