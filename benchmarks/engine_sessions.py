@@ -154,9 +154,14 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-baseline", action="store_true", help="engine only")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for both runs (default: torch's choice); 1 keeps "
+                         "figures meaningful on a machine shared with other jobs")
     args = ap.parse_args(argv)
     if args.quick:
         args.sessions, args.turns = 4, 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens)
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=131072, max_batched_tokens=512))
     system = system_prompt(engine.tokenizer, wl.system_tokens)
