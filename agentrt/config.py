@@ -21,7 +21,9 @@ class ServerConfig:
     keeps the engine's default (the KV pool is smaller than the engine's default: a laptop
     runs ``agentrt serve`` with its defaults). ``api_keys`` empty means no authentication.
     ``max_concurrent_requests`` is the HTTP admission limit (generations in flight); past it
-    a request gets 429 with ``Retry-After``. ``default_max_tokens`` is used when a request
+    a request gets 429 with ``Retry-After``.
+    ``tenants_file`` (JSON or TOML, ``agentrt/tenants.py``) maps hashed API keys to tenants with
+    their own limits and cache isolation; it replaces ``api_keys``. ``default_max_tokens`` is used when a request
     gives no token limit (capped by what is left of the context window).
     Expert parallelism (MoE checkpoints): ``ep`` ranks (this process is rank 0) as ``ep_nodes``
     nodes, ``ep_placement`` of ``num_experts + ep_redundant`` expert slots (docs/moe.md).
@@ -49,6 +51,7 @@ class ServerConfig:
     ep_placement: str = "contiguous"
     ep_redundant: int = 0
     api_keys: tuple[str, ...] = ()
+    tenants_file: str | None = None
     max_body_bytes: int = 4 << 20
     max_concurrent_requests: int = 64
     retry_after_s: int = 1
@@ -71,6 +74,8 @@ class ServerConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.api_keys, tuple) or any(not k for k in self.api_keys):
             raise ValueError("api_keys must be a tuple of non-empty strings")
+        if self.tenants_file is not None and self.api_keys:
+            raise ValueError("give either tenants_file or api_keys, not both")
         for name in ("max_body_bytes", "max_concurrent_requests", "default_max_tokens", "max_sessions",
                      "retry_after_s"):
             if getattr(self, name) < 1:

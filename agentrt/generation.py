@@ -20,6 +20,7 @@ from engine.types import EngineOverloaded, InvalidRequest, SamplingParams, Token
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
+from agentrt.tenants import Tenant, TenantLimits, retry_after
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,11 @@ class Generation:
     """One request running in the engine. Iterate :meth:`deltas` once, or call :meth:`collect`."""
 
     def __init__(self, generator: "Generator", stream: Any, request_id: str, *, parse_tools: bool,
-                 parallel_tool_calls: bool, want_logprobs: bool, started_at: float) -> None:
+                 parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
+                 tenant: Tenant | None = None, reservation: list | None = None) -> None:
         self.gen = generator
+        self.tenant = tenant
+        self._reservation = reservation
         self.request_id = request_id
         self._stream = stream
         self._parser = StreamingToolCallParser() if parse_tools else None
@@ -105,6 +109,9 @@ class Generation:
             return
         self._closed = True
         self.gen.release()
+        if self.tenant is not None and self._reservation is not None:
+            used = self.result.prompt_tokens + self.result.completion_tokens if self.result else len(self._token_ids)
+            self.gen.tenant_limits.release(self.tenant, self._reservation, used)
         if self.result is None:
             await self._stream.aclose()
 
@@ -175,6 +182,7 @@ class Generator:
         self.config = config
         self.metrics = metrics
         self.in_flight = 0
+        self.tenant_limits = TenantLimits()
         self._constraint_for_request = _grammar_constraint_fn()
 
     def check_model(self, model: str | None) -> str:
@@ -219,30 +227,59 @@ class Generator:
     def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
               parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
               request_id: str | None = None, started_at: float | None = None,
-              session: SessionHint | None = None) -> Generation:
-        """Admit and submit one request; raises 429 past the admission limit, 400 if the engine refuses."""
+              session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
+        """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
+        engine refuses. The tenant's cache salt keeps its prefix cache apart from other tenants'."""
         if self.in_flight >= self.config.max_concurrent_requests:
             raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
                              "concurrent requests; retry later", self.config.retry_after_s)
+        reservation = self._admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
         request_id = request_id or "req-" + uuid.uuid4().hex
         try:
-            stream = self._submit(prompt_ids, params, request_id, constraint, pin_ttl_s, session)
-        except RuntimeError as exc:
-            if isinstance(exc, EngineOverloaded):
-                raise from_exception(exc, self.config.retry_after_s) from None
-            raise APIError(503, f"the engine is not accepting requests: {exc}", type="server_error") from None
-        except InvalidRequest as exc:
-            raise bad_request(str(exc)) from None
+            stream = self._submit(prompt_ids, params, request_id, constraint, pin_ttl_s, session,
+                                  tenant.cache_salt if tenant is not None else "")
+        except BaseException as exc:
+            if reservation is not None:
+                self.tenant_limits.release(tenant, reservation, 0)
+            raise self._submit_error(exc) from None
         self.in_flight += 1
         self.metrics.set_in_flight(self.in_flight)
         return Generation(self, stream, request_id, parse_tools=parse_tools,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
-                          started_at=started_at if started_at is not None else time.monotonic())
+                          started_at=started_at if started_at is not None else time.monotonic(),
+                          tenant=tenant, reservation=reservation)
+
+    def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> list | None:
+        """Reserve the tenant's share (None: no tenant); 429 with Retry-After past its limits."""
+        if tenant is None:
+            return None
+        reservation, wait_s = self.tenant_limits.admit(tenant, tokens)
+        if reservation is None:
+            if tenant.max_concurrent_requests is not None and \
+                    self.tenant_limits.in_flight(tenant.name) >= tenant.max_concurrent_requests:
+                message = (f"tenant '{tenant.name}' is at its limit of {tenant.max_concurrent_requests} "
+                           "concurrent requests; retry later")
+            else:
+                message = (f"tenant '{tenant.name}' is over its limit of {tenant.tokens_per_minute} tokens per "
+                           f"minute (this request needs up to {tokens}); retry later")
+            raise APIError(429, message, code="tenant_rate_limited", headers={"Retry-After": retry_after(wait_s)})
+        return reservation
+
+    def _submit_error(self, exc: BaseException) -> BaseException:
+        """What the client sees when the engine refused a request at submission."""
+        if isinstance(exc, EngineOverloaded):
+            return from_exception(exc, self.config.retry_after_s)
+        if isinstance(exc, InvalidRequest):
+            return bad_request(str(exc))
+        if isinstance(exc, RuntimeError):
+            return APIError(503, f"the engine is not accepting requests: {exc}", type="server_error")
+        return exc
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, constraint: Any,
-                pin_ttl_s: float | None, session: SessionHint | None) -> Any:
+                pin_ttl_s: float | None, session: SessionHint | None, cache_salt: str = "") -> Any:
         """The engine's stream for one request (a router's generator overrides this to route by ``session``)."""
-        return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s)
+        return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
+                                  cache_salt=cache_salt)
 
     def release(self) -> None:
         self.in_flight -= 1

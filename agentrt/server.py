@@ -29,6 +29,7 @@ from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorRes
 from agentrt.service import OpenAIService
 from agentrt.sessions import SessionManager, TurnRun
 from agentrt.store import InMemorySessionStore, SessionStore
+from agentrt.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("agentrt.server")
 
@@ -96,15 +97,15 @@ def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
     return replay
 
 
-def _auth(request: Request) -> None:
-    keys = request.app.state.config.api_keys
-    if not keys:
-        return
+def _auth(request: Request) -> Tenant:
+    """The request's tenant, from its bearer key (``default`` on an open server); 401 otherwise."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or token.strip() not in keys:
+    tenant = request.app.state.tenants.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+    if tenant is None:
         raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return tenant
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -146,7 +147,7 @@ def _sse(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_afte
 
 # ------------------------------------------------------------ routes
 
-api = APIRouter(dependencies=[Depends(_auth)], responses=_ERRORS)
+api = APIRouter(responses=_ERRORS)
 open_routes = APIRouter()
 
 
@@ -163,24 +164,25 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@api.get("/v1/models", response_model=ModelList)
+@api.get("/v1/models", response_model=ModelList, dependencies=[Depends(_auth)])
 async def models(request: Request) -> dict:
     return request.app.state.openai.models()
 
 
 @api.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = svc.start_chat(body)
+    generation = svc.start_chat(body, tenant)
     if body.stream:
         return _sse(svc.chat_chunks(body, generation), generation.close, request.app.state.config.retry_after_s)
     return await _unless_disconnected(request, svc.chat(body, generation), generation.close)
 
 
 @api.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Any:
+async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = svc.start_completion(body)
+    generation = svc.start_completion(body, tenant)
     if body.stream:
         return _sse(svc.completion_chunks(body, generation), generation.close,
                     request.app.state.config.retry_after_s)
@@ -188,42 +190,44 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 
 @api.post("/v1/sessions", response_model=SessionResponse, status_code=201)
-async def create_session(body: SessionCreateRequest, request: Request) -> dict:
+async def create_session(body: SessionCreateRequest, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
     sessions: SessionManager = request.app.state.sessions
-    return sessions.view(await sessions.create(body))
+    return sessions.view(await sessions.create(body, tenant))
 
 
 @api.get("/v1/sessions", response_model=SessionList)
-async def list_sessions(request: Request) -> dict:
+async def list_sessions(request: Request, tenant: Tenant = Depends(_auth)) -> dict:
     sessions: SessionManager = request.app.state.sessions
     now = time.time()
-    records = [r for r in await sessions.store.list() if r.expires_at > now]
+    records = [r for r in await sessions.store.list() if r.expires_at > now and r.tenant == tenant.name]
     return {"object": "list", "data": [sessions.view(r) for r in records]}
 
 
 @api.get("/v1/sessions/{session_id}", response_model=SessionResponse)
-async def get_session(session_id: str, request: Request) -> dict:
+async def get_session(session_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
     sessions: SessionManager = request.app.state.sessions
-    return sessions.view(await sessions.get(session_id))
+    return sessions.view(await sessions.get(session_id, tenant))
 
 
 @api.delete("/v1/sessions/{session_id}", response_model=SessionDeleted)
-async def delete_session(session_id: str, request: Request) -> dict:
-    await request.app.state.sessions.delete(session_id)
+async def delete_session(session_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
+    await request.app.state.sessions.delete(session_id, tenant)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
 @api.post("/v1/sessions/{session_id}/fork", response_model=SessionResponse, status_code=201)
-async def fork_session(session_id: str, request: Request, body: ForkRequest | None = None) -> dict:
+async def fork_session(session_id: str, request: Request, body: ForkRequest | None = None,
+                       tenant: Tenant = Depends(_auth)) -> dict:
     sessions: SessionManager = request.app.state.sessions
-    return sessions.view(await sessions.fork(session_id, body or ForkRequest()))
+    return sessions.view(await sessions.fork(session_id, body or ForkRequest(), tenant))
 
 
 @api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
-async def session_turn(session_id: str, body: TurnRequest, request: Request) -> Any:
+async def session_turn(session_id: str, body: TurnRequest, request: Request,
+                       tenant: Tenant = Depends(_auth)) -> Any:
     """Append messages and generate the reply. Streaming sends ``turn.delta`` events, then ``turn.completed``."""
     sessions: SessionManager = request.app.state.sessions
-    started = await sessions.start_turn(session_id, body)
+    started = await sessions.start_turn(session_id, body, tenant)
     if not isinstance(started, TurnRun):  # a retried turn id: the recorded reply, nothing appended
         sessions.gen.metrics.turns.labels("replayed").inc()
         view = sessions.turn_view(session_id, started, replayed=True)
@@ -275,6 +279,7 @@ def assemble_app(config: ServerConfig, backend: Any, model: Any, store: SessionS
     """The app over ``backend``: an ``engine.AsyncEngine`` or anything with its methods (``submit``,
     ``pin``, ``unpin``, ``stats``, ``shutdown``), such as the router's remote engine. ``model`` gives
     ``tokenizer``, ``max_model_len`` and ``model_id``."""
+    tenants = TenantRegistry.from_config(config.tenants_file, config.api_keys)
     metrics = Metrics()
     metrics.attach_engine(backend.stats)
     generator = generator_cls(backend, model, config, metrics)
@@ -294,6 +299,7 @@ def assemble_app(config: ServerConfig, backend: Any, model: Any, store: SessionS
                   description="OpenAI-compatible chat API plus server-side sessions for LLM agents.")
     app.state.config = config
     app.state.stopping = False
+    app.state.tenants = tenants
     app.state.engine = backend
     app.state.metrics = metrics
     app.state.generator = generator

@@ -28,6 +28,7 @@ from agentrt.generation import Generation, Generator, SessionHint
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
 from agentrt.service import message_dicts, tool_call_dicts
 from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnRecord
+from agentrt.tenants import Tenant
 
 log = logging.getLogger("agentrt.sessions")
 
@@ -37,7 +38,7 @@ class TurnRun:
 
     def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str,
                  new_messages: list[dict[str, Any]], prompt_ids: list[int], generation: Generation,
-                 lock: asyncio.Lock, pin_ttl_s: float) -> None:
+                 lock: asyncio.Lock, pin_ttl_s: float, tenant: Tenant) -> None:
         self.manager = manager
         self.record = record
         self.turn_id = turn_id
@@ -45,6 +46,7 @@ class TurnRun:
         self.prompt_ids = prompt_ids
         self.generation = generation
         self.pin_ttl_s = pin_ttl_s
+        self.tenant = tenant
         self._lock = lock
         self.turn: TurnRecord | None = None
 
@@ -84,7 +86,7 @@ class SessionManager:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def create(self, req: SessionCreateRequest) -> SessionRecord:
+    async def create(self, req: SessionCreateRequest, tenant: Tenant) -> SessionRecord:
         model = self.gen.check_model(req.model)
         sampling = req.sampling.model_dump(exclude_none=True)
         self.gen.sampling_params(sampling, 0)  # validate the defaults now, not at the first turn
@@ -93,21 +95,25 @@ class SessionManager:
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             sampling=sampling, metadata=dict(req.metadata),
             idle_ttl_s=req.idle_ttl_s or self.config.session_idle_ttl_s,
-            pin_ttl_s=self._check_pin_ttl(req.pin_ttl_s))
-        return await self._create(record)
+            pin_ttl_s=self._check_pin_ttl(req.pin_ttl_s), tenant=tenant.name)
+        return await self._create(record, tenant)
 
-    async def fork(self, session_id: str, req: ForkRequest) -> SessionRecord:
+    async def fork(self, session_id: str, req: ForkRequest, tenant: Tenant) -> SessionRecord:
         """A new session with the parent's history and turn records (the engine shares the prefix)."""
-        parent = await self.get(session_id)
+        parent = await self.get(session_id, tenant)
         record = SessionRecord(
             id="sess_" + uuid.uuid4().hex, model=parent.model, system=parent.system, tools=parent.tools,
             sampling=dict(parent.sampling),
             metadata=dict(parent.metadata if req.metadata is None else req.metadata),
             idle_ttl_s=req.idle_ttl_s or parent.idle_ttl_s, pin_ttl_s=parent.pin_ttl_s, parent_id=parent.id,
-            messages=parent.messages, turns=parent.turns)
-        return await self._create(record)
+            messages=parent.messages, turns=parent.turns, tenant=tenant.name)
+        return await self._create(record, tenant)
 
-    async def _create(self, record: SessionRecord) -> SessionRecord:
+    async def _create(self, record: SessionRecord, tenant: Tenant) -> SessionRecord:
+        if tenant.max_sessions is not None and await self.store.count(tenant.name) >= tenant.max_sessions:
+            raise APIError(429, f"tenant '{tenant.name}' holds its maximum of {tenant.max_sessions} sessions; "
+                                "delete one or retry later", code="too_many_sessions",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
         try:
             record = await self.store.create(record)
         except SessionLimitReached as exc:
@@ -117,14 +123,17 @@ class SessionManager:
         self._expiry[record.id] = record.expires_at
         return record
 
-    async def get(self, session_id: str) -> SessionRecord:
+    async def get(self, session_id: str, tenant: Tenant) -> SessionRecord:
+        """The session, if it exists and belongs to ``tenant`` (another tenant's session is 404, not 403:
+        its existence is not revealed)."""
         record = await self.store.get(session_id)
-        if record is None or record.expires_at <= time.time():
+        if record is None or record.expires_at <= time.time() or record.tenant != tenant.name:
             raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
                             param="session_id", code="session_not_found")
         return record
 
-    async def delete(self, session_id: str) -> None:
+    async def delete(self, session_id: str, tenant: Tenant) -> None:
+        await self.get(session_id, tenant)
         record = await self.store.delete(session_id)
         if record is None:
             raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
@@ -178,15 +187,15 @@ class SessionManager:
 
     # ------------------------------------------------------------ turns
 
-    async def replay(self, session_id: str, turn_id: str | None) -> TurnRecord | None:
+    async def replay(self, session_id: str, turn_id: str | None, tenant: Tenant) -> TurnRecord | None:
         """The recorded turn with this id, if the session has one."""
         if turn_id is None:
             return None
-        return (await self.get(session_id)).find_turn(turn_id)
+        return (await self.get(session_id, tenant)).find_turn(turn_id)
 
-    async def start_turn(self, session_id: str, req: TurnRequest) -> TurnRun | TurnRecord:
+    async def start_turn(self, session_id: str, req: TurnRequest, tenant: Tenant) -> TurnRun | TurnRecord:
         """A recorded turn (replay of ``turn_id``) or a running one holding the session's lock."""
-        record = await self.get(session_id)
+        record = await self.get(session_id, tenant)
         new_messages = self._check_new_messages(req)
         if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
             return done
@@ -196,7 +205,7 @@ class SessionManager:
                            param="session_id", code="turn_in_progress")
         await lock.acquire()
         try:
-            run = self._submit(await self.get(session_id), req, new_messages, lock)
+            run = self._submit(await self.get(session_id, tenant), req, new_messages, lock, tenant)
         except BaseException:
             lock.release()
             raise
@@ -213,7 +222,7 @@ class SessionManager:
         return message_dicts(req.messages)
 
     def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
-                lock: asyncio.Lock) -> TurnRun:
+                lock: asyncio.Lock, tenant: Tenant) -> TurnRun:
         started = time.monotonic()
         prompt = self._encode(record, new_messages)
         fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop", "seed"},
@@ -226,9 +235,9 @@ class SessionManager:
                                     parse_tools=bool(record.tools) and req.tool_choice != "none",
                                     parallel_tool_calls=req.parallel_tool_calls is not False,
                                     pin_ttl_s=pin_ttl, started_at=started,
-                                    session=SessionHint(record.id, record.last_worker))
+                                    session=SessionHint(record.id, record.last_worker), tenant=tenant)
         return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, prompt,
-                       generation, lock, pin_ttl)
+                       generation, lock, pin_ttl, tenant)
 
     def _encode(self, record: SessionRecord, new_messages: list[dict[str, Any]]) -> list[int]:
         """The prompt: system, history (replies as the model wrote them, for exact cache reuse), new messages."""
@@ -248,7 +257,8 @@ class SessionManager:
         if result.tool_calls and run.record.pin_ttl_s is None:
             # The agent runs the tool and comes straight back: keep the prefix longer.
             pin_ttl = self.config.pin_ttl_tool_s
-            self.gen.engine.pin(run.generation.request_id, run.prompt_ids + result.token_ids, pin_ttl)
+            self.gen.engine.pin(run.generation.request_id, run.prompt_ids + result.token_ids, pin_ttl,
+                                run.tenant.cache_salt)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.tool_calls:

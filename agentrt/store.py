@@ -51,6 +51,7 @@ class SessionRecord:
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
     last_worker: str | None = None  # where the last turn ran (router mode; None in-process)
+    tenant: str = "default"  # the tenant that owns it: only that tenant's keys see the session
 
     @property
     def expires_at(self) -> float:
@@ -95,6 +96,7 @@ class SessionStore:
       :class:`SessionNotFound` if the session is gone.
     - ``delete(id)`` removes it and returns the removed record (None if absent).
     - ``list()`` returns all records.
+    - ``count(tenant)`` returns how many sessions ``tenant`` holds.
     """
 
     async def create(self, record: SessionRecord) -> SessionRecord:
@@ -112,6 +114,9 @@ class SessionStore:
 
     async def list(self) -> list[SessionRecord]:
         raise NotImplementedError
+
+    async def count(self, tenant: str) -> int:
+        return sum(1 for r in await self.list() if r.tenant == tenant)
 
 
 class InMemorySessionStore(SessionStore):

@@ -25,7 +25,8 @@ _TURN_FIELDS = {f.name for f in fields(TurnRecord)}
 def to_redis(record: SessionRecord) -> rs.SessionRecord:
     last = record.last_turn
     return rs.SessionRecord(
-        session_id=record.id, model=record.model, messages=list(record.messages), tools=list(record.tools or []),
+        session_id=record.id, tenant=record.tenant, model=record.model, messages=list(record.messages),
+        tools=list(record.tools or []),
         settings={"system": record.system, "tools_given": record.tools is not None, "sampling": record.sampling,
                   "metadata": record.metadata, "idle_ttl_s": record.idle_ttl_s, "pin_ttl_s": record.pin_ttl_s,
                   "parent_id": record.parent_id},
@@ -44,7 +45,7 @@ def from_redis(rec: rs.SessionRecord) -> SessionRecord:
             sampling=dict(s["sampling"]), metadata=dict(s["metadata"]), idle_ttl_s=float(s["idle_ttl_s"]),
             pin_ttl_s=s["pin_ttl_s"], parent_id=s["parent_id"], created_at=rec.created_ms / 1000,
             last_active_at=rec.updated_ms / 1000, messages=list(rec.messages), turns=turns,
-            last_worker=rec.last_worker)
+            last_worker=rec.last_worker, tenant=rec.tenant or "default")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise rs.SessionDecodeError(f"session {rec.session_id} is not an agentrt session: {exc}") from None
 

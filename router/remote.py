@@ -195,6 +195,6 @@ class RouterGenerator(Generator):
                               parallel_tool_calls=parallel_tool_calls)
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, constraint: Any,
-                pin_ttl_s: float | None, session: SessionHint | None) -> Any:
+                pin_ttl_s: float | None, session: SessionHint | None, cache_salt: str = "") -> Any:
         return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
-                                  session=session)
+                                  session=session, cache_salt=cache_salt)
