@@ -7,19 +7,27 @@ last turn's pin deadline in ``pinned_until_ms`` and the worker it ran on in
 ``last_worker``. ``append_turn_once`` is the Redis store's WATCH/MULTI transaction, so a
 turn id is appended once however many replicas replay it (contract 4).
 
+A record that cannot be decoded (corrupt, oversized, of an unknown shape) is never
+guessed at: it is counted in ``bad_records`` and logged; ``get`` answers 500 naming the
+session, ``list`` skips it.
+
 ``worker_of(pin_id)`` tells which worker ran a turn (its pin id is its request id); the
 router's ``RemoteEngine.worker_of`` provides it.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, fields
 from typing import Any, Callable
 
+from agentrt.errors import APIError
 from agentrt.store import SessionNotFound, SessionRecord, SessionStore, TurnRecord
 from router import session_store as rs
 
 _TURN_FIELDS = {f.name for f in fields(TurnRecord)}
+
+log = logging.getLogger("router.redis_store")
 
 
 def to_redis(record: SessionRecord) -> rs.SessionRecord:
@@ -35,9 +43,35 @@ def to_redis(record: SessionRecord) -> rs.SessionRecord:
         created_ms=int(record.created_at * 1000), updated_ms=int(record.last_active_at * 1000))
 
 
+_NUM = (int, float)
+_TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
+               "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": (str, type(None)),
+               "pin_expires_at": _NUM, "raw_text": (str, type(None))}
+_SETTING_TYPES = {"system": (str, type(None)), "tools_given": bool, "sampling": dict, "metadata": dict,
+                  "idle_ttl_s": _NUM, "pin_ttl_s": (*_NUM, type(None)), "parent_id": (str, type(None))}
+
+
+def _check_types(rec: rs.SessionRecord) -> None:
+    """Every field agentrt reads has the type it expects (a corrupt record fails here, not mid-turn)."""
+    def check(what: str, value: object, typ: type | tuple) -> None:
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
+            raise TypeError(f"{what} has type {type(value).__name__}")
+    for name, typ in _SETTING_TYPES.items():
+        check(f"settings.{name}", rec.settings.get(name), typ)
+    for i, m in enumerate(rec.messages):
+        check(f"messages[{i}]", m, dict)
+    for i, t in enumerate(rec.tools):
+        check(f"tools[{i}]", t, dict)
+    for turn_id, t in rec.turns.items():
+        check(f"turns[{turn_id!r}]", t, dict)
+        for name, typ in _TURN_TYPES.items():
+            check(f"turns[{turn_id!r}].{name}", t.get(name), typ)
+
+
 def from_redis(rec: rs.SessionRecord) -> SessionRecord:
     s = rec.settings
     try:
+        _check_types(rec)
         turns = sorted((TurnRecord(**{k: v for k, v in t.items() if k in _TURN_FIELDS}) for t in rec.turns.values()),
                        key=lambda t: t.index)
         return SessionRecord(
@@ -56,6 +90,7 @@ class RedisAgentrtStore(SessionStore):
         self.store = store
         self.worker_of = worker_of
         self.list_limit = list_limit
+        self.bad_records = 0
 
     async def create(self, record: SessionRecord) -> SessionRecord:
         try:
@@ -68,6 +103,14 @@ class RedisAgentrtStore(SessionStore):
             return from_redis(await self.store.get(session_id))
         except rs.SessionNotFound:
             return None
+        except rs.SessionDecodeError as exc:
+            raise self._bad(session_id, exc) from None
+
+    def _bad(self, session_id: str, exc: Exception) -> APIError:
+        self.bad_records += 1
+        log.error("undecodable session record %s: %s", session_id, exc)
+        return APIError(500, f"the record of session '{session_id}' is corrupt and cannot be used",
+                        type="server_error", code="session_record_corrupt")
 
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
                                reply: TurnRecord) -> tuple[SessionRecord, bool]:
@@ -88,7 +131,10 @@ class RedisAgentrtStore(SessionStore):
     async def list(self) -> list[SessionRecord]:
         out = []
         for sid in await self.store.list(limit=self.list_limit):
-            record = await self.get(sid)
+            try:
+                record = await self.get(sid)
+            except APIError:  # counted and logged by get
+                continue
             if record is not None:
                 out.append(record)
         return out

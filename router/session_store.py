@@ -139,7 +139,10 @@ def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
     for name, typ in _FIELD_TYPES.items():
         if not isinstance(obj[name], typ) or isinstance(obj[name], bool):
             raise SessionDecodeError(f"session field {name} has type {type(obj[name]).__name__}")
-    return SessionRecord(**obj)
+    try:
+        return SessionRecord(**obj)
+    except ValueError as e:  # a field of the right type with a value the record refuses
+        raise SessionDecodeError(f"session record is invalid: {e}") from None
 
 
 class RedisSessionStore(SessionStore):

@@ -1,0 +1,184 @@
+"""Hypothesis fuzz of the two decoders that read bytes from Redis: KV events (contract 2) and
+session records (contract 3). Whatever the bytes, only the decoder's own error escapes, and
+the consumers count what they reject."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentrt.store import SessionRecord as AgentrtRecord
+from agentrt.store import TurnRecord
+from router.config import RouterConfig
+from router.event_consumer import KVEventConsumer
+from router.events import EventDecodeError, KVEvent, decode_event, encode_event
+from router.index import PrefixIndex
+from router.redis_store import RedisAgentrtStore, from_redis, to_redis
+from router.session_store import RedisSessionStore, SessionDecodeError, decode_record, encode_record
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MAX_BYTES = 1 << 16
+
+# Any msgpack-representable value, nested (ext types excluded: msgpack cannot pack them from Python).
+scalars = st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats(allow_nan=True) \
+    | st.text(max_size=20) | st.binary(max_size=20)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5)
+                      | st.dictionaries(st.text(max_size=8) | st.integers(-9, 9), inner, max_size=5), max_leaves=30)
+
+
+def packed(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def good_event() -> dict:
+    return {"worker": "w1", "seq": 3, "kind": "stored", "hashes": [1, 2, (1 << 64) - 1], "parent": 7, "ts": 1}
+
+
+def good_record() -> dict:
+    turn = TurnRecord(turn_id="t1", index=1, message={"role": "assistant", "content": "hi"}, finish_reason="stop",
+                      prompt_tokens=5, completion_tokens=1, cached_tokens=0, created_at=1.0, pin_id="req-1",
+                      pin_expires_at=2.0, raw_text="hi")
+    record = AgentrtRecord(id="sess_1", model="m", system="s", messages=[{"role": "user", "content": "q"},
+                                                                         turn.message], turns=[turn])
+    return msgpack.unpackb(encode_record(to_redis(record)), raw=False)
+
+
+def decode_session(data: bytes) -> AgentrtRecord:
+    return from_redis(decode_record(data, MAX_BYTES))
+
+
+# ------------------------------------------------------------ KV events
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_event_decoder_on_arbitrary_bytes(data):
+    try:
+        event = decode_event(data)
+    except EventDecodeError:
+        return
+    assert isinstance(event, KVEvent) and encode_event(event)  # anything accepted is a valid event
+
+
+@FUZZ
+@given(values)
+def test_event_decoder_on_arbitrary_msgpack(value):
+    try:
+        decode_event(packed(value))
+    except EventDecodeError:
+        pass
+
+
+@FUZZ
+@given(st.sampled_from(sorted(good_event())), values)
+def test_event_decoder_on_one_bad_field(name, value):
+    obj = {**good_event(), name: value}
+    try:
+        event = decode_event(packed(obj))
+    except EventDecodeError:
+        return
+    assert getattr(event, name) == (tuple(value) if name == "hashes" else value)
+
+
+def test_event_decoder_limits():
+    assert decode_event(packed(good_event())) == KVEvent("w1", 3, "stored", (1, 2, (1 << 64) - 1), 7, 1)
+    with pytest.raises(EventDecodeError, match="exceeds"):
+        decode_event(packed({**good_event(), "hashes": list(range(1000))}), max_bytes=100)
+    with pytest.raises(EventDecodeError, match="not a msgpack event"):
+        decode_event(packed({**good_event(), "hashes": list(range(100))}), max_hashes=10)
+    with pytest.raises(EventDecodeError):
+        decode_event(msgpack.packb(msgpack.ExtType(1, b"x")))
+    with pytest.raises(EventDecodeError):
+        decode_event(b"\x80\x04\x95" + b"pickle")  # a pickle header is just bad msgpack here
+
+
+def test_consumer_counts_undecodable_events():
+    consumer = KVEventConsumer(None, RouterConfig(), PrefixIndex())  # _handle never reaches Redis for bad events
+    bad = [None, b"", b"\xc1", packed([1, 2]), packed({**good_event(), "kind": "bogus"}),
+           packed({**good_event(), "hashes": [-1]})]
+
+    async def run():
+        for payload in bad:
+            await consumer._handle(payload)
+
+    asyncio.run(run())
+    assert consumer.stats.malformed == len(bad)
+
+
+# ------------------------------------------------------------ session records
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_session_decoder_on_arbitrary_bytes(data):
+    try:
+        decode_session(data)
+    except SessionDecodeError:
+        pass
+
+
+@FUZZ
+@given(values)
+def test_session_decoder_on_arbitrary_msgpack(value):
+    try:
+        decode_session(packed(value))
+    except SessionDecodeError:
+        pass
+
+
+@FUZZ
+@given(st.data())
+def test_session_decoder_on_one_bad_field(data):
+    obj = good_record()
+    path = data.draw(st.sampled_from(
+        [(k,) for k in obj] + [("settings", k) for k in obj["settings"]] + [("turns", "t1", k) for k in obj["turns"]["t1"]]
+        + [("messages", 0), ("turns", "t1")]))
+    target = obj
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(values)
+    try:
+        record = decode_session(packed(obj))
+    except SessionDecodeError:
+        return
+    assert record.id and isinstance(record.messages, list) and all(isinstance(m, dict) for m in record.messages)
+    assert all(isinstance(t.index, int) and isinstance(t.turn_id, str) for t in record.turns)
+
+
+def test_session_record_round_trip_and_limits():
+    record = decode_session(packed(good_record()))
+    assert record.id == "sess_1" and record.turns[0].turn_id == "t1" and record.tenant == "default"
+    assert asdict(record.turns[0])["raw_text"] == "hi"
+    with pytest.raises(SessionDecodeError, match="exceeds"):
+        decode_record(packed(good_record()), 10)
+    with pytest.raises(SessionDecodeError):
+        decode_session(packed({**good_record(), "session_id": ""}))
+    with pytest.raises(SessionDecodeError):
+        decode_session(packed({**good_record(), "messages": [b"raw bytes"]}))
+
+
+def test_corrupt_records_are_counted_not_served(redis_url):
+    async def body():
+        client = aioredis.Redis.from_url(redis_url)
+        config = RouterConfig(redis_url=redis_url)
+        store = RedisAgentrtStore(RedisSessionStore(client, config), lambda _: None)
+        good = await store.create(AgentrtRecord(id="sess_ok", model="m"))
+        for sid, raw in (("sess_bad1", b"\xc1garbage"), ("sess_bad2", packed({**good_record(), "turns": {"t": 1}}))):
+            await client.set(config.session_key(sid), raw)
+            await client.zadd(config.sessions_set_key, {sid: 1})
+        listed = [r.id for r in await store.list()]
+        assert listed == [good.id] and store.bad_records == 2
+        from agentrt.errors import APIError
+        with pytest.raises(APIError) as err:
+            await store.get("sess_bad1")
+        assert err.value.status == 500 and err.value.code == "session_record_corrupt"
+        assert store.bad_records == 3
+        await client.aclose()
+
+    asyncio.run(body())
