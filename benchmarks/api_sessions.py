@@ -27,18 +27,10 @@ from benchmarks.workload import AgenticWorkload, system_prompt  # noqa: E402
 
 
 def load_tokenizer(path: str | None):
-    """The model's tokenizer from its GGUF metadata (no weights), to size the workload's text."""
-    from gguf import GGUFReader
+    """The model's tokenizer (no weights), to size the workload's text."""
+    from engine.loader import load_tokenizer as load
 
-    from engine.loader.gguf_loader import _field, default_model_path
-    from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
-
-    reader = GGUFReader(path or default_model_path())
-    hf = tokenizer_from_gguf_fields(
-        tokens=list(_field(reader, "tokenizer.ggml.tokens")), merges=list(_field(reader, "tokenizer.ggml.merges")),
-        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
-        pre=_field(reader, "tokenizer.ggml.pre", "default"))
-    return Tokenizer(hf=hf, chat_template=None, bos_token_id=None, eos_token_ids=())
+    return load(path)[0]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -51,7 +43,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def run_session(client: agentrt.AsyncClient, wl: AgenticWorkload, tokenizer, system: str, s: int,
                       records: list[dict]) -> None:
-    session = await client.sessions.create(system=system, sampling={"temperature": 0, "max_tokens": wl.reply_tokens},
+    session = await client.sessions.create(system=system, sampling={"temperature": 0, "max_tokens": wl.reply_tokens,
+                                                                     "ignore_eos": True},
                                            metadata={"benchmark": "api_sessions"})
     try:
         for t in range(wl.turns):
