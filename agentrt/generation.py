@@ -206,7 +206,8 @@ class Generator:
         top_p = fields.get("top_p")
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
                                 top_p=1.0 if top_p is None else top_p, seed=fields.get("seed"), stop=stop,
-                                logprobs=logprobs)
+                                logprobs=logprobs, top_k=fields.get("top_k") or 0,
+                                ignore_eos=bool(fields.get("ignore_eos")))
         try:
             params.validate()
         except ValueError as exc:

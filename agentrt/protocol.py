@@ -64,6 +64,9 @@ class SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # extensions vLLM also accepts
+    top_k: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -135,6 +138,8 @@ class SessionSampling(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     stop: list[str] | None = None
     seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
 
 
 class SessionCreateRequest(_Request):
