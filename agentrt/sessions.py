@@ -4,17 +4,20 @@ A turn renders the session's whole history plus the new messages, so the engine'
 cache serves everything the previous turn already computed. After a turn the engine pins
 the turn's sequence (prompt + reply) under the turn's request id for a time-to-live
 (longer when the reply ended in a tool call); the next turn unpins it once its own
-request is admitted, and delete or idle expiry unpin it too. The engine may drop a pin
+request is admitted, and delete or idle expiry unpin it too. Which pin to release comes from
+the session record (its last turn's pin id, on the record's last worker), so behind several
+router replicas any of them releases a pin another made. The engine may drop a pin
 early under memory pressure: a pin is a hint, never a reason to fail.
 
 Turns are atomic: the new messages and the reply are appended together, once, after the
 reply is complete (``SessionStore.append_turn_once``). An error or a client that goes
-away leaves the session as it was. One turn runs at a time per session (409 otherwise).
+away leaves the session as it was. One turn runs at a time per session (409 otherwise): the
+lock is the store's (``SessionStore.lock_turn``), so with the router's Redis store it holds
+across replicas.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -27,7 +30,7 @@ from agentrt.errors import APIError, bad_request, not_found
 from agentrt.generation import Generation, Generator, SessionHint
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
 from agentrt.service import message_dicts, tool_call_dicts
-from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnRecord
+from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnLock, TurnRecord
 from agentrt.tenants import Tenant
 
 log = logging.getLogger("agentrt.sessions")
@@ -38,7 +41,7 @@ class TurnRun:
 
     def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str,
                  new_messages: list[dict[str, Any]], prompt_ids: list[int], generation: Generation,
-                 lock: asyncio.Lock, pin_ttl_s: float, tenant: Tenant) -> None:
+                 lock: TurnLock, pin_ttl_s: float, tenant: Tenant) -> None:
         self.manager = manager
         self.record = record
         self.turn_id = turn_id
@@ -71,8 +74,7 @@ class TurnRun:
         await self.generation.close()
         if self.turn is None:  # the engine pins a request when it ends, even aborted: undo that
             self.manager.unpin(self.generation.request_id)
-        if self._lock.locked():
-            self._lock.release()
+        await self._lock.release()
 
 
 class SessionManager:
@@ -80,7 +82,6 @@ class SessionManager:
         self.store = store
         self.gen = generator
         self.config = config
-        self._locks: dict[str, asyncio.Lock] = {}
         self._pins: dict[str, tuple[str, float]] = {}  # session id -> (pin id, expires at)
         self._expiry: dict[str, float] = {}  # session id -> idle expiry, for the sessions made here
 
@@ -138,15 +139,21 @@ class SessionManager:
         if record is None:
             raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
                             param="session_id", code="session_not_found")
-        self._forget(session_id)
+        self._forget(session_id, record)
 
-    def _forget(self, session_id: str) -> None:
+    def _forget(self, session_id: str, record: SessionRecord | None) -> None:
+        """The session is gone (``record``: as deleted here; None if it was deleted elsewhere)."""
         self.gen.metrics.sessions.dec()
         self._expiry.pop(session_id, None)
-        self._locks.pop(session_id, None)
-        pin = self._pins.pop(session_id, None)
-        if pin is not None:
-            self.unpin(pin[0])
+        self._pins.pop(session_id, None)
+        if record is not None:
+            self._release_last_pin(record)
+
+    def _release_last_pin(self, record: SessionRecord) -> None:
+        """Unpin the session's last turn while its pin may hold (whichever router made it)."""
+        turn = record.last_turn
+        if turn is not None and turn.pin_id is not None and turn.pin_expires_at > time.time():
+            self.unpin(turn.pin_id, record.last_worker)
 
     async def sweep(self) -> int:
         """Delete sessions idle past their TTL and forget expired pins; returns sessions deleted."""
@@ -156,15 +163,13 @@ class SessionManager:
                 del self._pins[sid]
         deleted = 0
         for sid, expires in list(self._expiry.items()):
-            lock = self._locks.get(sid)
-            if expires > now or (lock is not None and lock.locked()):
+            if expires > now or await self.store.turn_locked(sid):
                 continue
             record = await self.store.get(sid)
             if record is not None and record.expires_at > now:  # used since: keep it
                 self._expiry[sid] = record.expires_at
                 continue
-            await self.store.delete(sid)
-            self._forget(sid)
+            self._forget(sid, await self.store.delete(sid))
             deleted += 1
         return deleted
 
@@ -175,9 +180,14 @@ class SessionManager:
         active = self._pins.get(record.id, (None, 0.0))[0] == turn.pin_id and turn.pin_expires_at > time.time()
         return {"id": turn.pin_id, "expires_at": turn.pin_expires_at, "active": active}
 
-    def unpin(self, pin_id: str) -> None:
-        """Release a pin; a no-op when the engine already released it (expiry, memory pressure)."""
-        self.gen.engine.unpin(pin_id)
+    def unpin(self, pin_id: str, worker: str | None = None) -> None:
+        """Release a pin; a no-op when the engine already released it (expiry, memory pressure).
+        ``worker``: where the pin lives (router mode: the session record's last worker, where the
+        router's engine sends the release); None in-process."""
+        if worker is None:
+            self.gen.engine.unpin(pin_id)
+        else:
+            self.gen.engine.unpin(pin_id, worker=worker)
 
     def _check_pin_ttl(self, ttl: float | None) -> float | None:
         if ttl is not None and ttl > self.config.max_pin_ttl_s:
@@ -199,19 +209,22 @@ class SessionManager:
         new_messages = self._check_new_messages(req)
         if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
             return done
-        lock = self._locks.setdefault(session_id, asyncio.Lock())
-        if lock.locked():
+        lock = await self.store.lock_turn(session_id)
+        if lock is None:
             raise APIError(409, f"session '{session_id}' already has a turn in progress; wait for it to finish",
                            param="session_id", code="turn_in_progress")
-        await lock.acquire()
         try:
-            run = self._submit(await self.get(session_id, tenant), req, new_messages, lock, tenant)
+            record = await self.get(session_id, tenant)
+            if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
+                await lock.release()  # recorded by the turn that held the lock a moment ago
+                return done
+            run = self._submit(record, req, new_messages, lock, tenant)
         except BaseException:
-            lock.release()
+            await lock.release()
             raise
-        previous = self._pins.pop(session_id, None)
-        if previous is not None:  # the new request now holds the prefix; the old pin has done its job
-            self.unpin(previous[0])
+        # The new request now holds the prefix; the last turn's pin (whichever router made it) has done its job.
+        self._pins.pop(session_id, None)
+        self._release_last_pin(record)
         return run
 
     def _check_new_messages(self, req: TurnRequest) -> list[dict[str, Any]]:
@@ -222,7 +235,7 @@ class SessionManager:
         return message_dicts(req.messages)
 
     def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
-                lock: asyncio.Lock, tenant: Tenant) -> TurnRun:
+                lock: TurnLock, tenant: Tenant) -> TurnRun:
         started = time.monotonic()
         prompt = self._encode(record, new_messages)
         fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop", "seed"},

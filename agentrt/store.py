@@ -83,6 +83,21 @@ class SessionLimitReached(RuntimeError):
     """The store holds as many sessions as it may."""
 
 
+class TurnLock:
+    """A session's turn lock, held by the one turn running on it. ``release`` is idempotent."""
+
+    async def release(self) -> None:
+        raise NotImplementedError
+
+
+class _LocalTurnLock(TurnLock):
+    def __init__(self, held: set[str], session_id: str) -> None:
+        self._held, self._session_id = held, session_id
+
+    async def release(self) -> None:
+        self._held.discard(self._session_id)
+
+
 class SessionStore:
     """Contract every store implements (in-process here; Redis with the router).
 
@@ -97,6 +112,9 @@ class SessionStore:
     - ``delete(id)`` removes it and returns the removed record (None if absent).
     - ``list()`` returns all records.
     - ``count(tenant)`` returns how many sessions ``tenant`` holds.
+    - ``lock_turn(id)`` takes the session's turn lock and returns it, or None when a turn
+      holds it already (wherever the store is shared: the router's Redis store locks across
+      replicas); ``turn_locked(id)`` says whether one is held.
     """
 
     async def create(self, record: SessionRecord) -> SessionRecord:
@@ -115,6 +133,12 @@ class SessionStore:
     async def list(self) -> list[SessionRecord]:
         raise NotImplementedError
 
+    async def lock_turn(self, session_id: str) -> TurnLock | None:
+        raise NotImplementedError
+
+    async def turn_locked(self, session_id: str) -> bool:
+        raise NotImplementedError
+
     async def count(self, tenant: str) -> int:
         return sum(1 for r in await self.list() if r.tenant == tenant)
 
@@ -126,6 +150,16 @@ class InMemorySessionStore(SessionStore):
         self.max_sessions = max_sessions
         self._records: dict[str, SessionRecord] = {}
         self._lock = asyncio.Lock()
+        self._turns: set[str] = set()  # sessions with a turn running
+
+    async def lock_turn(self, session_id: str) -> TurnLock | None:
+        if session_id in self._turns:
+            return None
+        self._turns.add(session_id)
+        return _LocalTurnLock(self._turns, session_id)
+
+    async def turn_locked(self, session_id: str) -> bool:
+        return session_id in self._turns
 
     async def create(self, record: SessionRecord) -> SessionRecord:
         async with self._lock:

@@ -92,6 +92,11 @@ def configure_router(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="agentrt", help="routing policy (router/policy.py registry)")
     parser.add_argument("--policy-option", action="append", default=[], metavar="NAME=NUMBER",
                         help="a keyword argument of the policy, e.g. tokens_per_queued_request=1024 (repeatable)")
+    parser.add_argument("--tentative-ttl-s", type=float, default=60.0,
+                        help="how long a dispatched prompt counts as held by its worker before the worker's KV "
+                             "events confirm it (0: off)")
+    parser.add_argument("--turn-lock-ttl-s", type=float, default=60.0,
+                        help="TTL of a session's turn lock in Redis (renewed while the turn runs)")
 
 
 def _policy_options(items: list[str]) -> dict[str, float]:
@@ -114,7 +119,8 @@ def run_router(args: argparse.Namespace) -> int:
 
     try:
         config = _server_config(args, "router")
-        rconfig = _router_config(args, policy=args.policy, policy_options=_policy_options(args.policy_option))
+        rconfig = _router_config(args, policy=args.policy, policy_options=_policy_options(args.policy_option),
+                                 tentative_ttl_s=args.tentative_ttl_s, turn_lock_ttl_s=args.turn_lock_ttl_s)
         try:
             make_policy(rconfig.policy, **rconfig.policy_options)
         except TypeError as exc:

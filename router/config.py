@@ -15,7 +15,11 @@ class RouterConfig:
     workers' (contract 1). A worker whose heartbeat key is older than ``heartbeat_ttl_s``
     is dead for routing; workers refresh it every ``heartbeat_interval_s``.
     ``policy`` names a registered routing policy; ``policy_options`` are its keyword
-    arguments (validated by the policy itself).
+    arguments (validated by the policy itself). ``tentative_ttl_s``: how long a dispatched
+    prompt's blocks count as held by the chosen worker before its KV events confirm them
+    (``router/tentative.py``; 0 disables), ``tentative_grace_s``: how long after the request
+    completed. ``turn_lock_ttl_s``: the session turn lock's TTL, renewed every third of it
+    while the turn runs (so it only bounds how long a crashed router blocks a session).
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -28,6 +32,9 @@ class RouterConfig:
     event_max_bytes: int = 1 << 20
     event_max_hashes: int = 65_536
     session_max_bytes: int = 16 << 20
+    tentative_ttl_s: float = 60.0
+    tentative_grace_s: float = 2.0
+    turn_lock_ttl_s: float = 60.0
     policy: str = "agentrt"
     policy_options: dict = field(default_factory=dict, hash=False, compare=True)
 
@@ -49,6 +56,10 @@ class RouterConfig:
         for name in ("events_maxlen", "event_max_bytes", "event_max_hashes", "session_max_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tentative_ttl_s < 0 or self.tentative_grace_s < 0:
+            raise ValueError("tentative_ttl_s and tentative_grace_s must be >= 0 (0 disables tentative entries)")
+        if self.turn_lock_ttl_s <= 0:
+            raise ValueError(f"turn_lock_ttl_s must be positive, got {self.turn_lock_ttl_s}")
         if not isinstance(self.policy_options, dict):
             raise ValueError("policy_options must be a dict of keyword arguments")
 
@@ -78,6 +89,12 @@ class RouterConfig:
 
     def session_key(self, session_id: str) -> str:
         return f"{self.key_prefix}session:{session_id}"
+
+    def turn_lock_key(self, session_id: str) -> str:
+        return f"{self.key_prefix}session:{session_id}:turn"
+
+    def tentative_key(self, block_hash: int) -> str:
+        return f"{self.key_prefix}tentative:{self.deployment}:{block_hash:016x}"
 
     @property
     def sessions_set_key(self) -> str:

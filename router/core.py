@@ -4,7 +4,10 @@
 reports (refreshed every ``refresh_interval_s``), and the global ``PrefixIndex`` fed by the
 ``KVEventConsumer``. Its own in-flight counts are transient and per replica (the workers'
 load reports cover the other replicas' traffic). ``choose`` hashes the prompt (contract 1,
-``engine.hashing``), matches it against the index and asks the routing policy.
+``engine.hashing``), matches it against the index plus the tentative entries of prompts any
+replica dispatched and no worker has reported yet (``TentativeIndex``, short-TTL Redis keys),
+and asks the routing policy. ``dispatched`` records the new tentative entries; ``completed``
+shortens them (the worker's ``stored`` events are due) or, for a failed request, drops them.
 
 A dead worker (heartbeat expired, or a failed connection reported through ``mark_dead``)
 leaves the live set at once; its index entries are dropped. When it comes back it
@@ -33,6 +36,7 @@ from router.index import PrefixIndex
 from router.inflight import InFlightTracker
 from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, WorkerState, make_policy
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+from router.tentative import TentativeIndex
 
 log = logging.getLogger("router.core")
 
@@ -52,6 +56,12 @@ class Route:
     worker: WorkerInfo
     request: RouteRequest
     decision: RouteDecision
+    known_blocks: int = 0  # prompt blocks the real index (not tentative entries) says the worker holds
+
+    @property
+    def tentative_hashes(self) -> tuple[int, ...]:
+        """The prompt blocks this dispatch makes the worker hold that no KV event reported yet."""
+        return self.request.hashes[self.known_blocks:]
 
     @property
     def uncached_tokens(self) -> int:
@@ -67,14 +77,17 @@ class RouterCore:
         self.redis = redis_client(config.redis_url)
         self.registry = WorkerRegistry(self.redis, config)
         self.index = PrefixIndex()
-        self.consumer = KVEventConsumer(self.redis, config, self.index)
+        self.tentative = TentativeIndex(self.redis, config)
+        self.consumer = KVEventConsumer(self.redis, config, self.index, on_blocks=self.tentative.confirmed)
         self.policy = make_policy(config.policy, **config.policy_options)
         self.inflight = InFlightTracker(decode_token_weight)
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
+        self.tentative_routes = 0  # decisions where tentative entries lengthened the chosen worker's match
         self._seeds: dict[str, bytes] = {}
         self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -94,6 +107,8 @@ class RouterCore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.consumer.stop()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self.redis.aclose()
 
     async def _refresh_forever(self) -> None:
@@ -118,6 +133,7 @@ class RouterCore:
 
     def _forget(self, worker_id: str) -> None:
         self.consumer.forget_worker(worker_id)
+        self.tentative.forget_worker(worker_id)
         self.policy.on_worker_removed(worker_id)
         self.workers.pop(worker_id, None)
         self.loads.pop(worker_id, None)
@@ -139,17 +155,25 @@ class RouterCore:
             seed = self._seeds[cache_salt] = make_seed(self.model_id, cache_salt)
         return block_hashes(prompt_ids, self.config.block_size, seed)
 
-    def choose(self, request_id: str, prompt_ids: list[int], est_output_tokens: int, *,
-               session_id: str | None = None, last_worker: str | None = None,
-               exclude: frozenset[str] = frozenset(), cache_salt: str = "") -> Route:
-        """The policy's pick among live workers not in ``exclude``; ``NoWorkerAvailable`` if none."""
+    async def choose(self, request_id: str, prompt_ids: list[int], est_output_tokens: int, *,
+                     session_id: str | None = None, last_worker: str | None = None,
+                     exclude: frozenset[str] = frozenset(), cache_salt: str = "") -> Route:
+        """The policy's pick among live workers not in ``exclude``; ``NoWorkerAvailable`` if none.
+
+        A worker's cached prefix counts the blocks its KV events reported and the blocks
+        tentatively sent to it (dispatched by any replica, not yet reported)."""
         candidates = [w for wid, w in self.workers.items() if wid not in exclude]
         if not candidates:
             raise NoWorkerAvailable("no live worker to route to" + (
                 f" ({len(exclude)} failed for this request)" if exclude else ""))
         req = RouteRequest(request_id, tuple(self.hashes(prompt_ids, cache_salt)), len(prompt_ids),
                            self.config.block_size, session_id, last_worker, est_output_tokens)
-        matched = self.index.match(req.hashes)
+        known = self.index.match(req.hashes)
+        tentative = await self.tentative.lookup(req.hashes)
+        matched = self.index.match(req.hashes, extra=tentative) if tentative else known
+        candidates = [w for w in candidates if w.worker_id in self.workers]  # one may have died meanwhile
+        if not candidates:
+            raise NoWorkerAvailable("no live worker to route to")
         states = []
         for w in candidates:
             load = self.loads.get(w.worker_id, LoadReport())
@@ -157,17 +181,27 @@ class RouterCore:
                                       load.pages_used, load.pages_free, self.inflight.count(w.worker_id),
                                       self.inflight.tokens(w.worker_id)))
         decision = self.policy.select(req, states)
-        return Route(self.workers[decision.worker_id], req, decision)
+        wid = decision.worker_id
+        if matched.get(wid, 0) > known.get(wid, 0):
+            self.tentative_routes += 1
+        return Route(self.workers[wid], req, decision, known.get(wid, 0))
 
-    def dispatched(self, route: Route) -> None:
+    async def dispatched(self, route: Route) -> None:
+        """The request goes to ``route.worker`` now: count it in flight, record its prompt as tentative."""
+        await self.tentative.record(route.worker.worker_id, route.tentative_hashes)
         self.policy.on_dispatch(route.request, route.decision)
         self.inflight.dispatched(route.request.request_id, route.worker.worker_id, route.uncached_tokens,
                                  route.request.est_output_tokens)
         self.decisions[route.decision.reason] = self.decisions.get(route.decision.reason, 0) + 1
 
-    def completed(self, route: Route) -> None:
+    def completed(self, route: Route, ok: bool = True) -> None:
+        """The request ended: finished (``ok``: its KV events are due) or failed (drop its tentative entries)."""
         self.inflight.completed(route.request.request_id)
         self.policy.on_complete(route.request, route.worker.worker_id)
+        end = self.tentative.completed if ok else self.tentative.failed
+        task = asyncio.get_running_loop().create_task(end(route.worker.worker_id, route.tentative_hashes))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def state(self) -> dict:
         """This replica's view, for ``GET /router/state`` and ``agentrt status``."""
@@ -176,6 +210,9 @@ class RouterCore:
         return {
             "model": self.model_id, "policy": self.policy.name, "decisions": dict(self.decisions),
             "index_blocks": len(self.index),
+            "tentative": {"local_blocks": len(self.tentative), "routes": self.tentative_routes,
+                          "recorded": self.tentative.stats.recorded, "confirmed": self.tentative.stats.confirmed,
+                          "failed": self.tentative.stats.failed, "redis_errors": self.tentative.stats.redis_errors},
             "events": {"applied": stats.applied, "malformed": stats.malformed, "skipped": stats.skipped,
                        "gaps": stats.gaps, "resyncs": stats.resyncs, "per_kind": dict(stats.per_kind)},
             "workers": [{"id": wid, "url": w.url, "indexed_blocks": self.index.blocks_of(wid),

@@ -66,8 +66,10 @@ class ConsumerStats:
 
 class KVEventConsumer:
     def __init__(self, client: aioredis.Redis, config: RouterConfig, index: PrefixIndex,
-                 snapshot_source: SnapshotSource | None = None) -> None:
+                 snapshot_source: SnapshotSource | None = None,
+                 on_blocks: Callable[[str, tuple[int, ...]], None] | None = None) -> None:
         self._redis = client
+        self.on_blocks = on_blocks  # called with (worker, hashes) of each stored/removed event and snapshot applied
         self.config = config
         self.index = index
         self.snapshot_source = snapshot_source or RedisSnapshotSource(client, config)
@@ -90,6 +92,8 @@ class KVEventConsumer:
         ``max(snapshot.seq + 1, min_next_seq)`` are skipped from now on."""
         snap = await self.snapshot_source(worker_id)
         self.index.replace_worker(worker_id, snap.hashes)
+        if self.on_blocks is not None:
+            self.on_blocks(worker_id, snap.hashes)
         self._next_seq[worker_id] = max(snap.seq + 1, min_next_seq)
         self.stats.resyncs += 1
         log.info("resynced %s from snapshot at seq %d (%d blocks)", worker_id, snap.seq,
@@ -147,6 +151,8 @@ class KVEventConsumer:
             self.index.stored(event.worker, event.hashes)
         else:
             self.index.removed(event.worker, event.hashes)
+        if self.on_blocks is not None:
+            self.on_blocks(event.worker, tuple(event.hashes))
         self._next_seq[event.worker] = event.seq + 1
         self._count(event)
 

@@ -9,7 +9,7 @@ consumer applies events from one task and ``match`` runs on the same event loop)
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 
 class PrefixIndex:
@@ -66,13 +66,16 @@ class PrefixIndex:
         self.clear_worker(worker)
         self.stored(worker, hashes)
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, hashes: Sequence[int], extra: Mapping[int, set[str]] | None = None) -> dict[str, int]:
         """Longest cached prefix per worker: ``{worker: k}`` where the worker holds
-        ``hashes[0..k-1]`` (contiguous from block 0). Workers with ``k == 0`` are absent."""
+        ``hashes[0..k-1]`` (contiguous from block 0). Workers with ``k == 0`` are absent.
+        ``extra`` adds holders per block (tentative entries, ``router/tentative.py``)."""
         result: dict[str, int] = {}
         alive: set[str] | None = None
         for i, h in enumerate(hashes):
             holders = self._holders.get(h)
+            if extra is not None and h in extra:
+                holders = extra[h] | holders if holders else extra[h]
             if not holders:
                 break
             alive = set(holders) if alive is None else alive & holders

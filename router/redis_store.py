@@ -13,21 +13,65 @@ session, ``list`` skips it.
 
 ``worker_of(pin_id)`` tells which worker ran a turn (its pin id is its request id); the
 router's ``RemoteEngine.worker_of`` provides it.
+
+``lock_turn`` is the session's turn lock in Redis (``RedisSessionStore.lock_turn``), so a
+second turn on a session gets 409 from any replica. The lock's TTL
+(``RouterConfig.turn_lock_ttl_s``) is renewed every third of it while the turn runs; it only
+bounds how long a router that died mid-turn keeps the session locked.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import secrets
 from dataclasses import asdict, fields
 from typing import Any, Callable
 
+import redis.asyncio as aioredis
+
 from agentrt.errors import APIError
-from agentrt.store import SessionNotFound, SessionRecord, SessionStore, TurnRecord
+from agentrt.store import SessionNotFound, SessionRecord, SessionStore, TurnLock, TurnRecord
 from router import session_store as rs
 
 _TURN_FIELDS = {f.name for f in fields(TurnRecord)}
 
 log = logging.getLogger("router.redis_store")
+
+
+class RedisTurnLock(TurnLock):
+    """A held turn lock: renewed in the background until ``release``."""
+
+    def __init__(self, store: rs.RedisSessionStore, session_id: str, token: str, ttl_ms: int) -> None:
+        self.store, self.session_id, self.token, self.ttl_ms = store, session_id, token, ttl_ms
+        self._released = False
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_forever(),
+                                                               name=f"turn-lock-{session_id}")
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            try:
+                if not await self.store.renew_turn_lock(self.session_id, self.token, self.ttl_ms):
+                    log.warning("turn lock of session %s was lost (expired while Redis was unreachable?)",
+                                self.session_id)
+                    return
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("cannot renew the turn lock of session %s: %s; retrying", self.session_id, exc)
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._renewer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._renewer
+        try:
+            await self.store.unlock_turn(self.session_id, self.token)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("cannot release the turn lock of session %s (%s); it expires in %d ms", self.session_id,
+                        exc, self.ttl_ms)
 
 
 def to_redis(record: SessionRecord) -> rs.SessionRecord:
@@ -88,6 +132,7 @@ class RedisAgentrtStore(SessionStore):
     def __init__(self, store: rs.RedisSessionStore, worker_of: Callable[[str], str | None],
                  list_limit: int = 1000) -> None:
         self.store = store
+        self.lock_ttl_ms = max(1, int(store.config.turn_lock_ttl_s * 1000))
         self.worker_of = worker_of
         self.list_limit = list_limit
         self.bad_records = 0
@@ -121,6 +166,15 @@ class RedisAgentrtStore(SessionStore):
         except rs.SessionNotFound:
             raise SessionNotFound(session_id) from None
         return from_redis(rec), was_new
+
+    async def lock_turn(self, session_id: str) -> TurnLock | None:
+        token = secrets.token_hex(16)
+        if not await self.store.lock_turn(session_id, token, self.lock_ttl_ms):
+            return None
+        return RedisTurnLock(self.store, session_id, token, self.lock_ttl_ms)
+
+    async def turn_locked(self, session_id: str) -> bool:
+        return await self.store.turn_locked(session_id)
 
     async def delete(self, session_id: str) -> SessionRecord | None:
         record = await self.get(session_id)

@@ -79,13 +79,14 @@ class RemoteEngine:
         request_id = body["request_id"]
         failed: set[str] = set()
         for _ in range(self.max_attempts):
-            route = self._route(request_id, prompt, est_output, session, failed, cache_salt)
-            self.core.dispatched(route)
+            route = await self._route(request_id, prompt, est_output, session, failed, cache_salt)
+            await self.core.dispatched(route)
             self._remember(request_id, route.worker.worker_id)
-            produced = False
+            produced = finished = False
             try:
                 async for out in self._send(route, body):
                     produced = True
+                    finished = out.finished and out.error is None
                     yield out
                 return
             except _CONNECTION_ERRORS as exc:
@@ -96,13 +97,13 @@ class RemoteEngine:
                 self.failovers += 1
                 await self.core.mark_dead(route.worker.worker_id)
             finally:
-                self.core.completed(route)
+                self.core.completed(route, ok=finished)
         raise APIError(503, f"{len(failed)} workers failed for this request; giving up", type="server_error")
 
-    def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,
-               failed: set[str], cache_salt: str) -> Route:
+    async def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,
+                     failed: set[str], cache_salt: str) -> Route:
         try:
-            return self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed), cache_salt=cache_salt,
+            return await self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed), cache_salt=cache_salt,
                                     session_id=session.session_id if session else None,
                                     last_worker=session.last_worker if session else None)
         except NoWorkerAvailable as exc:
@@ -136,13 +137,19 @@ class RemoteEngine:
     def pin(self, pin_id: str, token_ids: list[int], ttl_s: float, cache_salt: str = "") -> None:
         self._to_worker_of(pin_id, "/internal/pin", {"pin_id": pin_id, "token_ids": list(token_ids), "ttl_s": ttl_s})
 
-    def unpin(self, pin_id: str) -> None:
-        """Release a pin on the worker that holds it; unknown here (another replica ran it): it expires."""
-        self._to_worker_of(pin_id, "/internal/unpin", {"pin_id": pin_id})
+    def unpin(self, pin_id: str, worker: str | None = None) -> None:
+        """Release a pin on the worker that holds it: ``worker`` (the session record's last worker, so
+        any replica can release a pin another one made), else the worker this replica sent the request
+        to. Workers hold pins by id, so the release is exact; a pin whose worker is unknown or gone
+        simply expires."""
+        self._to_worker_of(pin_id, "/internal/unpin", {"pin_id": pin_id}, worker)
 
-    def _to_worker_of(self, pin_id: str, path: str, body: dict) -> None:
-        worker = self.core.workers.get(self.worker_of(pin_id) or "")
+    def _to_worker_of(self, pin_id: str, path: str, body: dict, worker_id: str | None = None) -> None:
+        wid = worker_id or self.worker_of(pin_id)
+        worker = self.core.workers.get(wid or "")
         if worker is None:
+            if wid is not None:
+                log.info("%s %s: worker %s is not live; the pin expires there", path, pin_id, wid)
             return
         task = asyncio.get_running_loop().create_task(self._post_quietly(worker.url + path, body))
         self._background.add(task)

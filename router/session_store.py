@@ -6,7 +6,8 @@ turn's messages and reply only if its ``turn_id`` was never recorded, atomically
 routers replaying the same turn never append twice; the loser gets the recorded reply.
 
 Redis layout: ``session:<id>`` holds the msgpack record; ``sessions`` is a sorted set of
-ids scored by last update (ms). Every recorded turn id is kept for the session's life
+ids scored by last update (ms); ``session:<id>:turn`` is the turn lock while a turn runs
+(``lock_turn``: a random token, SET NX PX; renewed and released only by its holder). Every recorded turn id is kept for the session's life
 (the record's size limit bounds it). Decoding is bounded (``session_max_bytes``) and
 type-checked; a record that fails is reported as ``SessionDecodeError``, never guessed at.
 """
@@ -23,6 +24,13 @@ from redis.exceptions import WatchError
 from router.config import RouterConfig
 
 RECORD_VERSION = 1
+
+# KEYS[1]: lock key; ARGV[1]: holder token; ARGV[2]: new TTL in ms, or "0" to release.
+_LOCK_RENEW_OR_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then return redis.call('DEL', KEYS[1]) end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
 
 
 class SessionNotFound(KeyError):
@@ -152,6 +160,28 @@ class RedisSessionStore(SessionStore):
         self._redis = client
         self.config = config
         self.max_retries = max_retries
+        self._lock_script = client.register_script(_LOCK_RENEW_OR_RELEASE)
+
+    # ------------------------------------------------------------ turn lock (one turn at a time, any replica)
+
+    async def lock_turn(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        """Take the session's turn lock for ``token``; False if someone holds it."""
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+        return bool(await self._redis.set(self.config.turn_lock_key(session_id), token, nx=True, px=ttl_ms))
+
+    async def renew_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        """Extend the lock if ``token`` still holds it; False if it was lost (expired, taken)."""
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+        return bool(await self._lock_script(keys=[self.config.turn_lock_key(session_id)], args=[token, str(ttl_ms)]))
+
+    async def unlock_turn(self, session_id: str, token: str) -> bool:
+        """Release the lock if ``token`` holds it (compare-and-delete); False otherwise."""
+        return bool(await self._lock_script(keys=[self.config.turn_lock_key(session_id)], args=[token, "0"]))
+
+    async def turn_locked(self, session_id: str) -> bool:
+        return bool(await self._redis.exists(self.config.turn_lock_key(session_id)))
 
     async def get(self, session_id: str) -> SessionRecord:
         raw = await self._redis.get(self.config.session_key(session_id))

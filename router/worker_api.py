@@ -5,7 +5,9 @@
   a pin TTL. Errors found before generation starts are ordinary JSON errors (400, 429,
   503); otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
-* ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``).
+* ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
+  pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
+  it holds.
 * ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
 
 Routes are open like ``/health``: workers sit on a private network behind routers, which
@@ -157,6 +159,12 @@ async def internal_pin(body: PinBody, request: Request) -> dict:
 async def internal_unpin(body: PinBody, request: Request) -> dict:
     request.app.state.engine.unpin(body.pin_id)
     return {"pin_id": body.pin_id, "pinned": False}
+
+
+@worker_routes.get("/internal/pin/{pin_id}")
+async def internal_pin_state(pin_id: str, request: Request) -> dict:
+    """Whether the pin holds on this worker (it may have expired, been released or given way to memory)."""
+    return {"pin_id": pin_id, "pinned": request.app.state.llm.pin_active(pin_id)}
 
 
 @worker_routes.get("/internal/kv_snapshot")

@@ -135,6 +135,70 @@ def test_two_router_replicas_route_a_session_to_the_same_worker(cl):
     assert session["turns"] == 5 and len(session["messages"]) == 10
 
 
+def test_a_turn_on_a_session_is_exclusive_across_replicas(cl):
+    sid = cl.session("r0")
+    r = cl.redis()
+    # Another replica's turn holds the session's lock: neither replica starts a second turn.
+    assert r.set(CFG.turn_lock_key(sid), "a-turn-elsewhere", nx=True, px=30_000)
+    for router in ("r0", "r1"):
+        resp = cl.http.post(cl.url(router) + f"/v1/sessions/{sid}/turns",
+                            json={"messages": [{"role": "user", "content": "Busy?"}]})
+        assert resp.status_code == 409 and resp.json()["error"]["code"] == "turn_in_progress", resp.text
+    r.delete(CFG.turn_lock_key(sid))
+    assert cl.turn("r1", sid, "Free now?")["index"] == 1
+    assert not r.exists(CFG.turn_lock_key(sid))  # released when the turn ended
+
+
+def test_any_replica_releases_a_pin_another_made(cl):
+    resp = cl.http.post(cl.url("r0") + "/v1/sessions", json={"system": SYSTEM, "pin_ttl_s": 300})
+    sid = resp.json()["id"]
+    cl.turn("r0", sid, "Pin this prefix.")
+    first = cl.http.get(cl.url("r0") + f"/v1/sessions/{sid}").json()["pin"]["id"]
+    worker = cl.url(cl.last_worker(sid))
+
+    def pinned(pin_id: str) -> bool:
+        return cl.http.get(worker + f"/internal/pin/{pin_id}").json()["pinned"]
+
+    c.wait_for(lambda: pinned(first), what="the first turn's pin")
+    # The next turn runs through the other replica, which never saw the first pin: it releases it
+    # on the session's worker by pin id.
+    cl.turn("r1", sid, "Next step.")
+    second = cl.http.get(cl.url("r1") + f"/v1/sessions/{sid}").json()["pin"]["id"]
+    c.wait_for(lambda: not pinned(first), what="r1 to release r0's pin")
+    c.wait_for(lambda: pinned(second), what="the second turn's pin")
+    # Deleting the session through r0 releases r1's pin.
+    assert cl.http.delete(cl.url("r0") + f"/v1/sessions/{sid}").status_code in (200, 204)
+    c.wait_for(lambda: not pinned(second), what="r0 to release r1's pin on delete")
+
+
+def test_concurrent_sessions_sharing_a_prompt_meet_on_one_worker(cl):
+    """Two sessions with one new agent prompt start at once on different replicas: the second is
+    routed while the first is still in flight (tentative entries in Redis), onto the same worker."""
+    import threading
+
+    system = "You triage flaky integration tests for a payments service. " * 30
+    sids = []
+    for router in ("r0", "r1"):
+        resp = cl.http.post(cl.url(router) + "/v1/sessions", json={"system": system})
+        sids.append(resp.json()["id"])
+    before = {r: cl.state(r)["tentative"]["routes"] for r in ("r0", "r1")}
+    recorded = cl.state("r0")["tentative"]["recorded"]
+    results = {}
+
+    def run(i: int, router: str) -> None:
+        results[i] = cl.turn(router, sids[i], "The checkout test failed again; what first?", max_tokens=48)
+
+    t = threading.Thread(target=run, args=(0, "r0"))
+    t.start()
+    c.wait_for(lambda: cl.state("r0")["tentative"]["recorded"] > recorded, interval_s=0.005,
+               what="r0 to dispatch the first session's turn")
+    run(1, "r1")
+    t.join()
+    assert cl.last_worker(sids[0]) == cl.last_worker(sids[1])
+    after = {rt: cl.state(rt)["tentative"]["routes"] for rt in ("r0", "r1")}
+    assert after["r1"] > before["r1"] or results[1]["usage"]["cached_tokens"] > 0, (before, after, results)
+
+
 def test_status_command_reads_the_cluster(cl):
     import json
     import subprocess

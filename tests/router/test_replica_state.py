@@ -1,0 +1,143 @@
+"""State router replicas share through Redis: tentative prefix entries and the session turn lock.
+
+Real ``RouterCore`` replicas and real stores over a real ``redis-server``; the workers are
+registered records (routing decisions need no worker process), KV events come from a real
+``KVEventPublisher``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+import redis.asyncio as aioredis
+
+from router.config import RouterConfig
+from router.core import RouterCore
+from router.events import KVEventPublisher
+from router.redis_store import RedisAgentrtStore
+from router.registry import WorkerInfo, WorkerRegistry
+from router.session_store import RedisSessionStore
+
+SYSTEM = list(range(1000, 1000 + 64 * 16))  # a 64-block agent prompt shared by two sessions
+
+
+async def _replicas(cfg: RouterConfig, n: int = 2) -> list[RouterCore]:
+    client = aioredis.Redis.from_url(cfg.redis_url)
+    registry = WorkerRegistry(client, cfg)
+    for wid in ("w0", "w1", "w2"):
+        await registry.register(WorkerInfo(wid, f"http://127.0.0.1:9/{wid}", "m", 4, 512, cfg.block_size))
+    await client.aclose()
+    cores = [RouterCore(cfg, "m") for _ in range(n)]
+    for core in cores:
+        await core.start()
+    return cores
+
+
+async def _settle(*cores: RouterCore) -> None:
+    for core in cores:
+        await asyncio.gather(*list(core._background))
+
+
+def test_a_dispatched_prefix_steers_other_replicas_until_it_fails(redis_url):
+    cfg = RouterConfig(redis_url=redis_url)
+
+    async def body():
+        a, b = await _replicas(cfg)
+        try:
+            first = await a.choose("req-1", SYSTEM + [1, 2, 3] * 20, 16)
+            assert first.decision.reason == "fallback" and first.known_blocks == 0
+            await a.dispatched(first)
+            holder = first.worker.worker_id
+            # Replica b never routed req-1 and no worker reported its prompt: the Redis entries place
+            # a second session with the same agent prompt on the same worker.
+            second = await b.choose("req-2", SYSTEM + [4, 5, 6] * 20, 16)
+            assert second.worker.worker_id == holder and second.decision.cached_blocks == 64
+            assert second.decision.reason != "fallback" and b.tentative_routes == 1
+            # req-1 fails: its entries are dropped (compare-and-delete), so nothing steers to the holder.
+            a.completed(first, ok=False)
+            await _settle(a)
+            r = redis.Redis.from_url(redis_url)
+            assert not r.exists(cfg.tentative_key(first.request.hashes[0]))
+            r.close()
+            third = await b.choose("req-3", SYSTEM + [7, 8, 9] * 20, 16)
+            assert third.decision.reason == "fallback" and third.decision.cached_blocks == 0
+            assert a.tentative.stats.failed == 1 and len(a.tentative) == 0
+        finally:
+            for core in (a, b):
+                await core.stop()
+
+    asyncio.run(body())
+
+
+def test_stored_events_confirm_entries_and_completion_shortens_them(redis_url):
+    cfg = RouterConfig(redis_url=redis_url, tentative_grace_s=0.3)
+
+    async def body():
+        (a,) = await _replicas(cfg, 1)
+        pub = None
+        try:
+            route = await a.choose("req-1", SYSTEM + [1] * 40, 16)
+            await a.dispatched(route)
+            wid = route.worker.worker_id
+            assert len(a.tentative) == len(route.tentative_hashes) == 66
+            # The worker reports the first 64 blocks: they move from tentative to the real index.
+            pub = KVEventPublisher(cfg, wid, redis.Redis.from_url(redis_url))
+            pub.start()
+            pub.publish("stored", list(route.request.hashes[:64]), None)
+            pub.flush()
+            for _ in range(100):
+                if a.index.blocks_of(wid) == 64 and len(a.tentative) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert a.index.blocks_of(wid) == 64 and len(a.tentative) == 2
+            assert a.tentative.stats.confirmed == 64
+            # The request completes: its remaining keys live only for the grace period.
+            a.completed(route, ok=True)
+            await _settle(a)
+            r = redis.Redis.from_url(redis_url)
+            key = cfg.tentative_key(route.request.hashes[-1])
+            assert 0 < r.pttl(key) <= 300
+            await asyncio.sleep(0.4)
+            assert not r.exists(key)
+            r.close()
+            again = await a.choose("req-2", SYSTEM + [1] * 40, 16)
+            assert again.worker.worker_id == wid and again.known_blocks == 64 and again.decision.cached_blocks == 64
+        finally:
+            if pub is not None:
+                pub.close()
+            await a.stop()
+
+    asyncio.run(body())
+
+
+def test_turn_lock_is_exclusive_across_stores_renewed_and_released(redis_url):
+    cfg = RouterConfig(redis_url=redis_url, turn_lock_ttl_s=0.3)
+
+    async def body():
+        c1, c2 = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+        s1 = RedisAgentrtStore(RedisSessionStore(c1, cfg), lambda _pin: None)
+        s2 = RedisAgentrtStore(RedisSessionStore(c2, cfg), lambda _pin: None)
+        try:
+            lock = await s1.lock_turn("sess_a")
+            assert lock is not None and await s2.lock_turn("sess_a") is None
+            assert await s2.lock_turn("sess_b") is not None  # per session
+            await asyncio.sleep(0.8)  # well past the TTL: renewal keeps it held
+            assert await s2.turn_locked("sess_a") and await s2.lock_turn("sess_a") is None
+            await lock.release()
+            await lock.release()  # idempotent
+            assert not await s2.turn_locked("sess_a")
+            other = await s2.lock_turn("sess_a")
+            assert other is not None
+            # A stale holder cannot release someone else's lock (compare-and-delete on the token).
+            assert not await s1.store.unlock_turn("sess_a", lock.token)
+            assert await s1.turn_locked("sess_a")
+            # A holder that dies (no renewal, no release) frees the session after the TTL.
+            other._renewer.cancel()
+            await asyncio.sleep(0.45)
+            assert not await s1.turn_locked("sess_a")
+        finally:
+            await c1.aclose()
+            await c2.aclose()
+
+    asyncio.run(body())
