@@ -27,6 +27,9 @@ H100-class GPU):
   ``stored``/``removed`` events to the router's ``PrefixIndex`` (the real one) at that
   moment, as a live worker would. A request queued behind others also hits the blocks
   they will have inserted by the time it starts.
+* the router also counts blocks of requests it dispatched whose prefill has not ended
+  as held by their worker (the live router's tentative entries, ``router/tentative.py``);
+  ``--no-tentative`` routes on the event-fed index alone.
 
 The router side is the real code: ``router.policy`` policies, ``PrefixIndex``,
 ``InFlightTracker``. A "session" is approximated by the record's second block id (the
@@ -154,7 +157,7 @@ class SimWorker:
 
 
 def simulate(records: list[dict], policy_name: str, n_workers: int, cache_blocks: int,
-             model: LatencyModel, sessions: bool = True) -> dict:
+             model: LatencyModel, sessions: bool = True, tentative: bool = True) -> dict:
     """Replay ``records`` under one policy; returns its figures."""
     policy = make_policy(policy_name)
     index = PrefixIndex()
@@ -187,7 +190,11 @@ def simulate(records: list[dict], policy_name: str, n_workers: int, cache_blocks
                            session_id=None if session is None else str(session),
                            last_worker=last_worker.get(session),
                            est_output_tokens=r["output_length"])
-        matches = index.match(hashes)
+        extra = None
+        if tentative:  # dispatched, prefill not ended: the live router's tentative entries
+            extra = {h: holders for h in hashes
+                     if (holders := {w.worker_id for w in workers if h in w.pending})}
+        matches = index.match(hashes, extra=extra or None)
         states = [WorkerState(w.worker_id, cached_blocks=matches.get(w.worker_id, 0),
                               running=min(w.queued, 1), waiting=max(w.queued - 1, 0),
                               in_flight=tracker.count(w.worker_id),
@@ -250,15 +257,15 @@ def _figures(hit: int, total: int, workers: list[SimWorker], ttfts: list[float])
 
 
 def run(records: list[dict], n_workers: int, cache_tokens: int, policies: list[str],
-        model: LatencyModel, sessions: bool = True) -> dict:
+        model: LatencyModel, sessions: bool = True, tentative: bool = True) -> dict:
     cache_blocks = max(1, cache_tokens // TRACE_BLOCK)
     out = {"ideal_hit_rate": ideal_hit_rate(records), "records": len(records),
            "workers": n_workers, "cache_tokens_per_worker": cache_blocks * TRACE_BLOCK,
            "latency_model": {"prefill_tok_s": model.prefill_tok_s,
                              "decode_s_per_tok": model.decode_s_per_tok},
-           "sessions": sessions, "policies": {}}
+           "sessions": sessions, "tentative": tentative, "policies": {}}
     for name in policies:
-        out["policies"][name] = simulate(records, name, n_workers, cache_blocks, model, sessions)
+        out["policies"][name] = simulate(records, name, n_workers, cache_blocks, model, sessions, tentative)
     return out
 
 
@@ -281,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="replay only the first N records (default 2000)")
     p.add_argument("--no-sessions", action="store_true",
                    help="replay without session ids (no last worker, no session_hash key)")
+    p.add_argument("--no-tentative", action="store_true",
+                   help="route on KV events alone (no entries for dispatched, not yet prefilled requests)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     live = p.add_argument_group("part (b), --live: real workers behind agentrt router and sglang-router")
     live.add_argument("--live", action="store_true", help="run part (b) instead of the trace replay")
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_tokens = args.cache_tokens or default_cache_tokens(records, args.workers)
     model = LatencyModel(args.prefill_tok_s, args.decode_s_per_tok)
     t0 = time.perf_counter()
-    out = run(records, args.workers, cache_tokens, policies, model, not args.no_sessions)
+    out = run(records, args.workers, cache_tokens, policies, model, not args.no_sessions, not args.no_tentative)
     out["elapsed_s"] = round(time.perf_counter() - t0, 2)
     print(f"{len(records)} records, {args.workers} workers, {out['cache_tokens_per_worker']} "
           f"cache tokens/worker; ideal hit rate {out['ideal_hit_rate']:.4f}")
