@@ -89,14 +89,14 @@ def plot(result: dict, stem: Path) -> dict[str, str]:
         for r in result["runs"]:
             xs = sorted(c[key] for c in r["calls"] if c["ok"] and c.get(key) is not None)
             if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{fmt(r['rate'])}/s")
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=_label(r))
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of calls")
         ax.grid(alpha=0.3)
-    axes[0].legend(title="session rate", fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     out["latency CDFs"] = _save(fig, stem, "latency")
-    if len(result["runs"]) > 1:
+    if len(result["runs"]) > 1 and not any("label" in r for r in result["runs"]):
         fig, ax = plt.subplots(figsize=(6, 3.6))
         rates = [r["rate"] for r in result["runs"]]
         ax.plot(rates, [r["summary"]["output_tok_s"] for r in result["runs"]], "o-", label="output tok/s")
@@ -113,7 +113,7 @@ def plot(result: dict, stem: Path) -> dict[str, str]:
     for r in result["runs"]:
         pts = [(b["t_s"], b["hit_rate"]) for b in r["summary"]["hit_rate_over_time"] if b["hit_rate"] is not None]
         if pts:
-            ax.plot(*zip(*pts), "o-", label=f"{fmt(r['rate'])}/s")
+            ax.plot(*zip(*pts), "o-", label=_label(r))
     ax.set_xlabel("time s")
     ax.set_ylabel("prefix-cache hit rate")
     ax.set_ylim(0, 1)
@@ -122,6 +122,10 @@ def plot(result: dict, stem: Path) -> dict[str, str]:
     fig.tight_layout()
     out["hit rate over time"] = _save(fig, stem, "hits")
     return out
+
+
+def _label(run: dict) -> str:
+    return run.get("label") or f"{fmt(run['rate'])} sessions/s"
 
 
 def _save(fig, stem: Path, kind: str) -> str:
