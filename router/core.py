@@ -168,12 +168,15 @@ class RouterCore:
                 f" ({len(exclude)} failed for this request)" if exclude else ""))
         req = RouteRequest(request_id, tuple(self.hashes(prompt_ids, cache_salt)), len(prompt_ids),
                            self.config.block_size, session_id, last_worker, est_output_tokens)
-        known = self.index.match(req.hashes)
-        tentative = await self.tentative.lookup(req.hashes)
-        matched = self.index.match(req.hashes, extra=tentative) if tentative else known
+        shared = await self.tentative.lookup_shared(req.hashes)
+        # From here to the end of ``dispatched`` nothing awaits: concurrent requests see each other's
+        # decisions (in-flight work, tentative entries, the policy's own state) in order.
         candidates = [w for w in candidates if w.worker_id in self.workers]  # one may have died meanwhile
         if not candidates:
             raise NoWorkerAvailable("no live worker to route to")
+        known = self.index.match(req.hashes)
+        tentative = self.tentative.holders(req.hashes, shared)
+        matched = self.index.match(req.hashes, extra=tentative) if tentative else known
         states = []
         for w in candidates:
             load = self.loads.get(w.worker_id, LoadReport())
@@ -187,12 +190,15 @@ class RouterCore:
         return Route(self.workers[wid], req, decision, known.get(wid, 0))
 
     async def dispatched(self, route: Route) -> None:
-        """The request goes to ``route.worker`` now: count it in flight, record its prompt as tentative."""
-        await self.tentative.record(route.worker.worker_id, route.tentative_hashes)
+        """The request goes to ``route.worker`` now: count it in flight and record its prompt as tentative
+        (here at once, before any await, so the next decision sees it; then in Redis for other replicas).
+        Call it right after ``choose``, with no await in between."""
+        self.tentative.record_local(route.worker.worker_id, route.tentative_hashes)
         self.policy.on_dispatch(route.request, route.decision)
         self.inflight.dispatched(route.request.request_id, route.worker.worker_id, route.uncached_tokens,
                                  route.request.est_output_tokens)
         self.decisions[route.decision.reason] = self.decisions.get(route.decision.reason, 0) + 1
+        await self.tentative.publish(route.worker.worker_id, route.tentative_hashes)
 
     def completed(self, route: Route, ok: bool = True) -> None:
         """The request ended: finished (``ok``: its KV events are due) or failed (drop its tentative entries)."""

@@ -12,8 +12,11 @@ blocks the chosen worker is not yet known to hold as *tentatively* held there:
 * in this process as well, so this replica's own dispatches count even while Redis is
   unreachable.
 
-``lookup(hashes)`` returns, per block, the workers that tentatively hold it; the router
-matches the prompt against the real index and these entries together. An entry goes away
+``lookup_shared(hashes)`` reads the Redis entries (the one await of a routing decision);
+``holders(hashes, shared)`` adds this replica's entries, read after that await, so that a
+decision and its ``record_local`` run with no other decision in between (concurrent
+requests then see each other). The router matches the prompt against the real index and
+these entries together. An entry goes away
 when the worker's ``stored``/``removed`` event for the block arrives (``confirmed``,
 locally; the Redis key is then redundant and left to its TTL), shortly after the request
 completes (``completed``: its stored events are due; the key is shortened to
@@ -86,10 +89,20 @@ class TentativeIndex:
 
     # ------------------------------------------------------------ reads
 
-    async def lookup(self, hashes: Sequence[int]) -> dict[int, set[str]]:
-        """Block hash -> workers tentatively holding it (this replica's and, from Redis, every replica's)."""
-        if not hashes:
+    async def lookup_shared(self, hashes: Sequence[int]) -> dict[int, str]:
+        """Block hash -> worker, from the Redis entries every replica writes ({} if Redis is unreachable)."""
+        if not hashes or self.ttl_s <= 0 or not self._redis_usable():
             return {}
+        try:
+            values = await self._redis.mget([self.config.tentative_key(h) for h in hashes])
+        except (aioredis.RedisError, OSError) as exc:
+            self._redis_failed("lookup", exc)
+            return {}
+        return {h: v.decode() for h, v in zip(hashes, values) if v is not None}
+
+    def holders(self, hashes: Sequence[int], shared: dict[int, str] | None = None) -> dict[int, set[str]]:
+        """Block hash -> workers tentatively holding it: this replica's entries (read now, so they
+        include every dispatch up to this moment) plus ``shared`` (from ``lookup_shared``)."""
         now = time.monotonic()
         out: dict[int, set[str]] = {}
         for h in hashes:
@@ -98,21 +111,15 @@ class TentativeIndex:
                 live = {w for w, exp in entry.items() if exp > now}
                 if live:
                     out[h] = live
-        if self.config.tentative_ttl_s > 0 and self._redis_usable():
-            try:
-                values = await self._redis.mget([self.config.tentative_key(h) for h in hashes])
-            except (aioredis.RedisError, OSError) as exc:
-                self._redis_failed("lookup", exc)
-                return out
-            for h, v in zip(hashes, values):
-                if v is not None:
-                    out.setdefault(h, set()).add(v.decode())
+        for h, w in (shared or {}).items():
+            out.setdefault(h, set()).add(w)
         return out
 
     # ------------------------------------------------------------ writes
 
-    async def record(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """``worker_id`` was sent a prompt with these blocks (those it is not yet known to hold)."""
+    def record_local(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """``worker_id`` was sent a prompt with these blocks (those it is not yet known to hold).
+        Synchronous, so the routing decision and its record happen with no other decision between."""
         if not hashes or self.ttl_s <= 0:
             return
         expiry = time.monotonic() + self.ttl_s
@@ -120,7 +127,10 @@ class TentativeIndex:
             self._local.setdefault(h, {})[worker_id] = expiry
         self.stats.recorded += len(hashes)
         self._prune()
-        if not self._redis_usable():
+
+    async def publish(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Write the entries ``record_local`` made to Redis, for the other replicas."""
+        if not hashes or self.ttl_s <= 0 or not self._redis_usable():
             return
         try:
             pipe = self._redis.pipeline(transaction=False)

@@ -70,6 +70,33 @@ def test_a_dispatched_prefix_steers_other_replicas_until_it_fails(redis_url):
     asyncio.run(body())
 
 
+def test_concurrent_decisions_see_each_other(redis_url):
+    """Eight requests routed at once (4 agent prompts x 2) on one replica: each decision sees the
+    ones before it, so sessions of one agent meet on one worker and new agents spread over all."""
+    cfg = RouterConfig(redis_url=redis_url)
+
+    async def body():
+        (a,) = await _replicas(cfg, 1)
+        try:
+            async def route(i: int):
+                agent = i % 4
+                prompt = [5000 * (agent + 1) + t for t in range(64 * 16)] + [i] * 40
+                r = await a.choose(f"req-{i}", prompt, 16)
+                await a.dispatched(r)
+                return agent, r.worker.worker_id
+            placed = await asyncio.gather(*(route(i) for i in range(8)))
+        finally:
+            await a.stop()
+        by_agent: dict[int, set[str]] = {}
+        for agent, wid in placed:
+            by_agent.setdefault(agent, set()).add(wid)
+        assert all(len(w) == 1 for w in by_agent.values()), placed
+        assert {wid for _, wid in placed} == {"w0", "w1", "w2"}, placed
+        assert a.decisions.get("fallback") == 4 and a.tentative_routes == 4, a.decisions
+
+    asyncio.run(body())
+
+
 def test_stored_events_confirm_entries_and_completion_shortens_them(redis_url):
     cfg = RouterConfig(redis_url=redis_url, tentative_grace_s=0.3)
 
