@@ -67,7 +67,7 @@ def configure_worker(parser: argparse.ArgumentParser) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from router.worker import WorkerSettings, create_worker_app
+    from router.worker import WorkerSettings, create_worker_app, serve_worker
 
     try:
         config = _server_config(args, "worker")
@@ -77,7 +77,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"agentrt worker: {exc}", file=sys.stderr)
         return 2
     _logging(config)
-    _serve(create_worker_app(config, rconfig, settings), config)
+    serve_worker(create_worker_app(config, rconfig, settings), config)
     return 0
 
 

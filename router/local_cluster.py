@@ -3,7 +3,9 @@
 Each child's output is printed with a prefix (``[worker-0] ...``). Ctrl-C (or SIGTERM) stops
 the router first, then the workers (each unregisters), then the Redis it started. A Redis
 started here runs from PATH on a free port with its data (``appendonly yes``) in a
-temporary directory that is removed afterwards.
+temporary directory that is removed afterwards. A worker that exits (killed, drained) is
+reported and the cluster goes on while one is left (the router fails over); the cluster
+stops when the router, its Redis or the last worker exits.
 """
 
 from __future__ import annotations
@@ -158,11 +160,16 @@ class LocalCluster:
                     print(f"  {name:10s} {url}")
                 print(f"  API:       {urls['router']}/v1  (agentrt status --redis {urls['redis']})\n"
                       "Ctrl-C stops everything.\n", flush=True)
+            reported: set[str] = set()
             while not stop.is_set():
-                if any(proc.poll() is not None for _, proc in self.procs):
-                    dead = [name for name, proc in self.procs if proc.poll() is not None]
+                dead = [name for name, proc in self.procs if proc.poll() is not None]
+                workers_left = sum(1 for name, proc in self.procs if name.startswith("worker-") and proc.poll() is None)
+                if any(not name.startswith("worker-") for name in dead) or not workers_left:
                     print(f"agentrt up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
                     return 1
+                for name in set(dead) - reported:  # the router fails over; the cluster goes on
+                    print(f"agentrt up: {name} exited; {workers_left} workers left", file=sys.stderr, flush=True)
+                    reported.add(name)
                 stop.wait(0.5)
             return 0
         except KeyboardInterrupt:

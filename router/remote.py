@@ -6,8 +6,9 @@ session services unchanged: the router applies the chat template and tokenizes, 
 request goes to one worker's ``/internal/generate`` as token ids (``router/worker_api.py``).
 Worker output streams through line by line, never buffered.
 
-Failover: if the connection to the chosen worker fails before the worker produced any
-output, the worker is marked dead (``RouterCore.mark_dead``) and the request is sent at
+Failover: if the connection to the chosen worker fails, the worker sends no response
+headers within ``header_timeout_s`` (hung), or it answers 503 ``worker_draining``, before the
+worker produced any output, the worker is marked dead (``RouterCore.mark_dead``) and the request is sent at
 once to the next-best live worker, never again to the failed one. A worker that dies after
 output was streamed fails that request (the client sees an error; a session turn is then
 not recorded, so retrying its ``turn_id`` runs it again, once).
@@ -19,6 +20,7 @@ hint on to routing, and it sends constraint *options* (the worker compiles the g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -36,15 +38,24 @@ from router.worker_api import ConstraintSpec, output_from_wire, sampling_to_wire
 
 log = logging.getLogger("router.remote")
 
-# A refused or reset connection is a dead worker; a timeout or an HTTP error status is not.
+class WorkerUnavailable(httpx.TransportError):
+    """The worker cannot take this request: it is draining (503 ``worker_draining``), or it sent no
+    response headers within ``header_timeout_s`` (hung: a worker answers with headers at once and
+    streams the tokens after, however long the prompt)."""
+
+
+# A refused or reset connection, a hung or a draining worker: route around it. A read timeout
+# mid-stream or another HTTP error status is not.
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
-                      httpx.ConnectTimeout)
+                      httpx.ConnectTimeout, WorkerUnavailable)
 
 
 class RemoteEngine:
     def __init__(self, core: RouterCore, max_model_len: int, max_attempts: int = 3,
-                 read_timeout_s: float = 600.0, remembered_requests: int = 65_536) -> None:
+                 read_timeout_s: float = 600.0, remembered_requests: int = 65_536,
+                 header_timeout_s: float = 10.0) -> None:
         self.core = core
+        self.header_timeout_s = header_timeout_s
         self.max_model_len = max_model_len
         self.max_attempts = max_attempts
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s),
@@ -111,9 +122,18 @@ class RemoteEngine:
 
     async def _send(self, route: Route, body: dict) -> AsyncIterator[RequestOutput]:
         url = route.worker.url + "/internal/generate"
-        async with self.http.stream("POST", url, json=body) as resp:
+        wid = route.worker.worker_id
+        try:
+            resp = await asyncio.wait_for(self.http.send(self.http.build_request("POST", url, json=body), stream=True),
+                                          self.header_timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
+        async with contextlib.aclosing(resp):
             if resp.status_code != 200:
-                raise await _worker_error(resp, route.worker.worker_id)
+                error = await _worker_error(resp, wid)
+                if error.code == "worker_draining":
+                    raise WorkerUnavailable(f"worker {wid} is draining")
+                raise error
             async for line in resp.aiter_lines():
                 if not line:
                     continue

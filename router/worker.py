@@ -11,8 +11,11 @@ whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
   pin/unpin, the cache snapshot;
 * the endpoints SGLang's router expects of a worker (``router/sglang_api.py``).
 
-On a clean shutdown the worker unregisters (routers stop routing to it at once); a killed
-worker simply stops heartbeating and expires after ``heartbeat_ttl_s``.
+Draining (SIGTERM, ``serve_worker``): the worker stops heartbeating and unregisters at once
+(routers drop it at their next refresh), answers new generate requests with 503
+``worker_draining`` (a router sends such a request to another worker), lets the requests in
+flight finish (up to ``shutdown_timeout_s``), then shuts down. A second SIGTERM, or SIGINT,
+stops at once. A killed worker simply stops heartbeating and expires after ``heartbeat_ttl_s``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -109,6 +113,34 @@ class WorkerRuntime:
         if hashes:
             self.publisher.publish("stored", hashes, None)
 
+    async def drain(self, app: FastAPI, timeout_s: float) -> int:
+        """Accept nothing new, leave the routing table, wait for requests in flight; returns those
+        still running when ``timeout_s`` ran out (they are aborted by the shutdown that follows)."""
+        app.state.stopping = True  # /health 503, /internal/generate 503 worker_draining
+        log.warning("worker %s draining: %d requests in flight", self.settings.worker_id,
+                    app.state.generator.in_flight)
+        await self._stop_heartbeat()
+        await self._unregister()
+        deadline = time.monotonic() + timeout_s
+        while app.state.generator.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = app.state.generator.in_flight
+        log.warning("worker %s drained (%d requests still running)", self.settings.worker_id, left)
+        return left
+
+    async def _stop_heartbeat(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _unregister(self) -> None:
+        try:
+            await self.registry.unregister(self.settings.worker_id)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not unregister %s: %s", self.settings.worker_id, exc)
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -146,6 +178,7 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with inner(app):
+            app.state.loop = asyncio.get_running_loop()
             await runtime.start()
             try:
                 yield
@@ -154,3 +187,28 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
 
     app.router.lifespan_context = lifespan
     return app
+
+
+def serve_worker(app: FastAPI, config: ServerConfig) -> None:
+    """Run the worker under uvicorn; the first SIGTERM drains it before the usual shutdown."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            loop = getattr(app.state, "loop", None)
+            if sig != signal.SIGTERM or self.draining or loop is None:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain_then_exit(sig)))
+
+        async def _drain_then_exit(self, sig: int) -> None:
+            try:
+                await app.state.worker.drain(app, config.shutdown_timeout_s)
+            finally:
+                super().handle_exit(sig, None)
+
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1))
+    server.run()

@@ -1,0 +1,273 @@
+"""Soak: N agent sessions against a local cluster for M minutes; errors by kind, p99 TTFT over
+time, and each process's RSS over time.
+
+    python benchmarks/soak.py --sessions 200 --minutes 5 --json out/soak.json
+
+Without ``--url`` it starts ``agentrt up`` (its own Redis, ``--workers`` workers, a router)
+and stops it at the end; with ``--url`` it drives that server and samples no RSS unless
+``--pids`` names the processes. Each session runs turns back to back (a short user message,
+``--max-tokens`` of reply, streamed), starting a new session every ``--turns-per-session``
+turns so histories stay bounded; a 429 waits its ``Retry-After`` and counts as ``429``.
+
+Reported: requests and errors by kind (HTTP status, or the exception's name), p50/p99 TTFT
+per ``--window-s`` window, RSS per process per window, and RSS growth from the end of the
+warm-up (the first ``--warmup-frac`` of the run) to the end (target: under 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def children(pid: int) -> dict[int, str]:
+    """Descendants of ``pid`` that run agentrt (pid -> role: worker id, router, redis)."""
+    parents: dict[int, list[int]] = defaultdict(list)
+    cmdlines: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdlines[int(entry)] = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except (OSError, IndexError, ValueError):
+            continue
+        parents[ppid].append(int(entry))
+    out, stack = {}, [pid]
+    while stack:
+        for child in parents.get(stack.pop(), []):
+            args = cmdlines.get(child, [])
+            if "--worker-id" in args:
+                out[child] = args[args.index("--worker-id") + 1]
+            elif "router" in args:
+                out[child] = "router"
+            elif args and args[0].endswith("redis-server"):
+                out[child] = "redis"
+            stack.append(child)
+    return out
+
+
+class Stats:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.started = time.monotonic()
+        self.kinds: Counter = Counter()
+        self.ttft: dict[int, list[float]] = defaultdict(list)
+        self.rss: dict[int, dict[str, float]] = defaultdict(dict)
+
+    def window(self) -> int:
+        return int((time.monotonic() - self.started) // self.window_s)
+
+
+async def one_turn(http: httpx.AsyncClient, url: str, sid: str, text: str, stats: Stats) -> bool:
+    """One streamed turn; True if it completed."""
+    sent = time.monotonic()
+    first = None
+    body = {"messages": [{"role": "user", "content": text}], "stream": True}
+    try:
+        async with http.stream("POST", f"{url}/v1/sessions/{sid}/turns", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                stats.kinds[str(resp.status_code)] += 1
+                if resp.status_code == 429:
+                    await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
+                return False
+            completed = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    stats.kinds["stream_error"] += 1
+                    return False
+                if first is None and event.get("type") in ("turn.delta", "turn.completed"):
+                    first = time.monotonic()
+                if event.get("type") == "turn.completed":
+                    completed = True
+            if not completed:
+                stats.kinds["incomplete_stream"] += 1
+                return False
+    except httpx.HTTPError as exc:
+        stats.kinds[type(exc).__name__] += 1
+        return False
+    stats.kinds["ok"] += 1
+    stats.ttft[stats.window()].append(first - sent)
+    return True
+
+
+async def session_loop(i: int, http: httpx.AsyncClient, url: str, args: argparse.Namespace, stats: Stats,
+                       deadline: float) -> None:
+    await asyncio.sleep(i * args.ramp_s / max(1, args.sessions))  # ramp up
+    while time.monotonic() < deadline:
+        try:
+            r = await http.post(f"{url}/v1/sessions", json={
+                "system": f"You are build agent {i}. Answer in a few words.",
+                "sampling": {"temperature": 0, "max_tokens": args.max_tokens}})
+        except httpx.HTTPError as exc:
+            stats.kinds["create:" + type(exc).__name__] += 1
+            await asyncio.sleep(1)
+            continue
+        if r.status_code != 201:
+            stats.kinds[f"create:{r.status_code}"] += 1
+            await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+            continue
+        sid = r.json()["id"]
+        turns = 0
+        while turns < args.turns_per_session and time.monotonic() < deadline:
+            if await one_turn(http, url, sid, f"Step {turns} of job {i}: status?", stats):
+                turns += 1
+        try:
+            await http.delete(f"{url}/v1/sessions/{sid}")
+        except httpx.HTTPError:
+            pass
+
+
+async def sample_rss(pids: dict[int, str], stats: Stats, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        w = stats.window()
+        for pid, role in pids.items():
+            mb = rss_mb(pid)
+            if mb is not None:
+                stats.rss[w][role] = max(stats.rss[w].get(role, 0.0), mb)
+        await asyncio.sleep(2.0)
+
+
+async def drive(url: str, args: argparse.Namespace, pids: dict[int, str]) -> Stats:
+    stats = Stats(args.window_s)
+    deadline = time.monotonic() + args.minutes * 60
+    limits = httpx.Limits(max_connections=args.sessions + 16, max_keepalive_connections=args.sessions + 16)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
+        tasks = [asyncio.create_task(session_loop(i, http, url, args, stats, deadline))
+                 for i in range(args.sessions)]
+        sampler = asyncio.create_task(sample_rss(pids, stats, deadline))
+        await asyncio.gather(*tasks)
+        await sampler
+    return stats
+
+
+def report(stats: Stats, args: argparse.Namespace) -> dict:
+    windows = sorted(set(stats.ttft) | set(stats.rss))
+    timeline = [{"t_s": w * args.window_s, "turns": len(stats.ttft.get(w, [])),
+                 "ttft_p50_s": percentile(stats.ttft.get(w, []), 50),
+                 "ttft_p99_s": percentile(stats.ttft.get(w, []), 99), "rss_mb": stats.rss.get(w, {})}
+                for w in windows]
+    warm = max(0, int(len(windows) * args.warmup_frac) - 1)
+    growth = {}
+    if windows:
+        start, end = stats.rss.get(windows[warm], {}), stats.rss.get(windows[-1], {})
+        growth = {role: round(100 * (end[role] - start[role]) / start[role], 1)
+                  for role in start if role in end and start[role]}
+    errors = {k: v for k, v in stats.kinds.items() if k != "ok"}
+    return {"sessions": args.sessions, "minutes": args.minutes, "max_tokens": args.max_tokens,
+            "completed_turns": stats.kinds["ok"], "errors": errors,
+            "errors_other_than_429": sum(v for k, v in errors.items() if not k.endswith("429")),
+            "ttft_p99_s_overall": percentile([t for v in stats.ttft.values() for t in v], 99),
+            "rss_growth_pct_after_warmup": growth, "timeline": timeline}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(args.log, "wb")
+    cmd = [sys.executable, "-m", "agentrt.cli", "up", "--workers", str(args.workers), "--port", str(port),
+           "--redis", f"redis://127.0.0.1:{free_port()}/0", "--kv-cache-tokens", str(args.kv_cache_tokens),
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"agentrt up exited with {proc.returncode}; see {args.log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"agentrt up did not become healthy; see {args.log}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=200)
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--url", default=None, help="drive this server instead of starting agentrt up")
+    p.add_argument("--pids", default="", help="with --url: pid=role,... to sample RSS of")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--kv-cache-tokens", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--turns-per-session", type=int, default=8)
+    p.add_argument("--ramp-s", type=float, default=10.0)
+    p.add_argument("--window-s", type=float, default=30.0)
+    p.add_argument("--warmup-frac", type=float, default=0.2)
+    p.add_argument("--log", default="soak-cluster.log", help="agentrt up's output (when started here)")
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    if args.sessions < 1 or args.minutes <= 0:
+        p.error("--sessions must be >= 1 and --minutes > 0")
+    proc = None
+    if args.url:
+        url = args.url.rstrip("/")
+        pids = {int(k): v for k, v in (item.split("=") for item in args.pids.split(",") if item)}
+    else:
+        proc, url = start_cluster(args)
+        pids = children(proc.pid)
+    try:
+        stats = asyncio.run(drive(url, args, pids))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    result = report(stats, args)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    print(text)
+    return 0 if result["errors_other_than_429"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
