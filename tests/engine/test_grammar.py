@@ -12,6 +12,7 @@ from engine.chat import format_tool_call, parse_tool_calls
 from engine.constraints import TokenConstraint
 from engine.grammar import (TOOL_CALL_SUFFIX, GrammarCompilerCache, XGrammarConstraint, apply_constraints,
                             compiler_cache_for, constraint_for_request, tool_call_prefix)
+from engine.loader import load_tokenizer
 from engine.types import InvalidRequest
 
 WEATHER = {"type": "function", "function": {
@@ -87,6 +88,12 @@ def _brute_force_mask(constraint: XGrammarConstraint, vocab_size: int, special: 
         if t not in special:
             out[t] = constraint._matcher.fork().accept_token(t)
     return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer alone (no weights): these tests never run the model."""
+    return load_tokenizer(None)[0]
 
 
 @pytest.fixture(scope="module")
