@@ -184,10 +184,11 @@ def report(stats: Stats, args: argparse.Namespace) -> dict:
                  "ttft_p50_s": percentile(stats.ttft.get(w, []), 50),
                  "ttft_p99_s": percentile(stats.ttft.get(w, []), 99), "rss_mb": stats.rss.get(w, {})}
                 for w in windows]
-    warm = max(0, int(len(windows) * args.warmup_frac) - 1)
+    sampled = [w for w in windows if stats.rss.get(w)]
+    warm = max(0, int(len(sampled) * args.warmup_frac) - 1)
     growth = {}
-    if windows:
-        start, end = stats.rss.get(windows[warm], {}), stats.rss.get(windows[-1], {})
+    if sampled:
+        start, end = stats.rss[sampled[warm]], stats.rss[sampled[-1]]
         growth = {role: round(100 * (end[role] - start[role]) / start[role], 1)
                   for role in start if role in end and start[role]}
     errors = {k: v for k, v in stats.kinds.items() if k != "ok"}

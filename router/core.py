@@ -44,9 +44,16 @@ log = logging.getLogger("router.core")
 def redis_client(url: str) -> aioredis.Redis:
     """A client that survives a Redis restart: a command on a connection that broke is retried on a
     fresh one (with a short backoff) instead of failing the request."""
-    return aioredis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=5,
-                                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 4),
-                                   retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    # A blocking pool: past max_connections a command waits up to 10 s for a free connection instead of
+    # failing with "Too many connections" (redis-py's default pool holds 100, which 200 concurrent
+    # sessions exhaust: 503s and turn locks left to expire).
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=1024, timeout=10, socket_timeout=5.0, socket_connect_timeout=2.0,
+        health_check_interval=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 4),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    client = aioredis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # aclose() closes the pool too, as with from_url
+    return client
 
 
 @dataclass(frozen=True)

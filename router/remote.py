@@ -155,7 +155,8 @@ class RemoteEngine:
     # ------------------------------------------------------------ pins (fire and forget)
 
     def pin(self, pin_id: str, token_ids: list[int], ttl_s: float, cache_salt: str = "") -> None:
-        self._to_worker_of(pin_id, "/internal/pin", {"pin_id": pin_id, "token_ids": list(token_ids), "ttl_s": ttl_s})
+        self._to_worker_of(pin_id, "/internal/pin", {"pin_id": pin_id, "token_ids": list(token_ids), "ttl_s": ttl_s,
+                                                     "cache_salt": cache_salt})
 
     def unpin(self, pin_id: str, worker: str | None = None) -> None:
         """Release a pin on the worker that holds it: ``worker`` (the session record's last worker, so

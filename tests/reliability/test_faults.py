@@ -2,7 +2,8 @@
 ``redis-server`` with AOF persistence, plus a second router replica this module can kill.
 
 In file order (the destructive ones last): a router restart (sessions continue on the same
-workers, affinity rebuilt from Redis), a Redis restart (sessions and histories survive,
+workers, affinity rebuilt from Redis), tenants through a router (404 across tenants, the cache
+salt reaching workers and routing), a Redis restart (sessions and histories survive,
 routers reconnect by themselves), a hung worker (SIGSTOP: the request times out and moves,
 the worker is marked unhealthy), a draining worker (SIGTERM: in-flight requests finish,
 it leaves the routing table at once, new work gets 503), and SIGKILL of one of two workers
@@ -11,6 +12,7 @@ while 20 sessions are mid-turn (every turn lands exactly once, every next turn s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ import httpx
 import pytest
 import redis
 
+from agentrt.tenants import hash_key
 from router.config import RouterConfig
 from router.session_store import decode_record
 from tests.router import cluster as c
@@ -147,6 +150,43 @@ def test_router_restart_keeps_sessions_on_their_workers(cl):
         assert record.turn == 2 and [m["role"] for m in record.messages] == ["user", "assistant"] * 2
         assert record.messages[1]["content"] == first[sid] and record.messages[3]["content"] == reply["message"]["content"]
         assert reply["usage"]["cached_tokens"] > 0  # the same worker still held the prefix
+
+
+def test_tenants_through_a_router_replica(cl):
+    """A router with a tenants file: sessions 404 across tenants, and the tenant's cache salt reaches
+    the worker (isolated cache) and the router's own block hashing (a repeat lands on the cached worker)."""
+    keys = {"acme": "acme-key", "globex": "globex-key"}
+    spec = {"tenants": {name: {"key_sha256": [hash_key(key)]} for name, key in keys.items()}}
+    path = cl.tmp / "tenants.json"
+    path.write_text(json.dumps(spec))
+    rt = c.router(cl.tmp, cl.server.url, "r-tenants", "--tenants-file", str(path))
+    try:
+        c.wait_healthy(rt)
+        c.wait_for(lambda: len(cl.state(rt.url)["workers"]) >= 2, 30, what="r-tenants to see both workers")
+        acme, globex = ({"Authorization": f"Bearer {keys[n]}"} for n in ("acme", "globex"))
+        sid = cl.http.post(rt.url + "/v1/sessions", json={"sampling": {"max_tokens": 4}}, headers=acme).json()["id"]
+        assert cl.record(sid).tenant == "acme"
+        assert cl.http.get(rt.url + f"/v1/sessions/{sid}", headers=globex).status_code == 404
+        assert cl.http.post(rt.url + f"/v1/sessions/{sid}/turns", headers=globex,
+                            json={"messages": [{"role": "user", "content": "x"}]}).status_code == 404
+        assert cl.http.get(rt.url + f"/v1/sessions/{sid}", headers=acme).status_code == 200
+        model = cl.http.get(rt.url + "/v1/models", headers=acme).json()["data"][0]["id"]
+        prompt = "Inventory: " + " ".join(f"crate {i} holds {i * 7} bolts;" for i in range(40))
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+
+        def cached(headers: dict) -> tuple[int, int]:
+            r = cl.http.post(rt.url + "/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            u = r.json()["usage"]
+            return u["prompt_tokens_details"]["cached_tokens"], u["prompt_tokens"]
+
+        cached(acme)
+        time.sleep(1.0)  # the worker's KV events reach the router's index
+        hit, total = cached(acme)
+        assert hit >= total - 16, (hit, total)  # routed back to the worker holding acme's salted blocks
+        assert cached(globex)[0] == 0  # the same prompt, another tenant: nothing shared
+    finally:
+        rt.stop()
 
 
 def test_redis_restart_with_persistence_keeps_sessions(cl):
