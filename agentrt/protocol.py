@@ -140,6 +140,10 @@ class SessionSampling(_Request):
     seed: int | None = None
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    # structured-output defaults for every turn; a turn's own value wins
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class SessionCreateRequest(_Request):

@@ -91,6 +91,9 @@ class SessionManager:
         model = self.gen.check_model(req.model)
         sampling = req.sampling.model_dump(exclude_none=True)
         self.gen.sampling_params(sampling, 0)  # validate the defaults now, not at the first turn
+        self.gen.constraint(sampling.get("response_format"),
+                            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                            sampling.get("tool_choice"), sampling.get("parallel_tool_calls"))
         record = SessionRecord(
             id="sess_" + uuid.uuid4().hex, model=model, system=req.system,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
@@ -241,12 +244,13 @@ class SessionManager:
         fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop", "seed"},
                                                       exclude_none=True)}
         params = self.gen.sampling_params(fields, len(prompt))
-        constraint = self.gen.constraint(req.response_format, record.tools, req.tool_choice,
-                                         req.parallel_tool_calls)
+        structured = _structured_options(record.sampling, req)
+        constraint = self.gen.constraint(structured["response_format"], record.tools,
+                                         structured["tool_choice"], structured["parallel_tool_calls"])
         pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
         generation = self.gen.start(prompt, params, constraint=constraint,
-                                    parse_tools=bool(record.tools) and req.tool_choice != "none",
-                                    parallel_tool_calls=req.parallel_tool_calls is not False,
+                                    parse_tools=bool(record.tools) and structured["tool_choice"] != "none",
+                                    parallel_tool_calls=structured["parallel_tool_calls"] is not False,
                                     pin_ttl_s=pin_ttl, started_at=started,
                                     session=SessionHint(record.id, record.last_worker), tenant=tenant)
         return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, prompt,
@@ -313,3 +317,11 @@ class SessionManager:
                 "message": turn.message, "finish_reason": turn.finish_reason, "usage": usage,
                 "replayed": replayed, "created_at": turn.created_at}
 
+
+_STRUCTURED = ("response_format", "tool_choice", "parallel_tool_calls")
+
+
+def _structured_options(defaults: dict[str, Any], req: TurnRequest) -> dict[str, Any]:
+    """The turn's structured-output options, falling back to the session's defaults."""
+    return {name: getattr(req, name) if getattr(req, name) is not None else defaults.get(name)
+            for name in _STRUCTURED}

@@ -138,3 +138,21 @@ def test_pydantic_ai_agent_calls_a_function_tool_then_answers(agentrt_server, na
         Report.model_validate_json("".join(p.content for p in responses[1].parts if isinstance(p, TextPart)))
     else:       # the answer is a forced call of the output tool
         assert [p.tool_name for p in responses[1].parts] == ["final_result"]
+
+
+def test_session_defaults_constrain_every_turn(agentrt_server):
+    """response_format set once on the session applies to each turn; a turn may override it."""
+    import agentrt
+
+    client = agentrt.Client(agentrt_server.url)
+    session = client.sessions.create(system="You report the weather.", sampling={
+        "temperature": 0, "max_tokens": 96, "response_format": CITY_FORMAT})
+    for ask in ASKS[:2]:
+        reply = session.send(ask)
+        jsonschema.validate(json.loads(reply.content), CITY)
+    free = session.send("Say hello.", response_format={"type": "text"}, max_tokens=8)
+    assert free.content is not None
+    with pytest.raises(agentrt.BadRequestError) as err:   # a bad default is refused at creation
+        client.sessions.create(sampling={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}})
+    assert err.value.status_code == 400 and "not" in err.value.message
