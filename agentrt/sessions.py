@@ -18,6 +18,7 @@ across replicas.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -110,7 +111,9 @@ class SessionManager:
             sampling=dict(parent.sampling),
             metadata=dict(parent.metadata if req.metadata is None else req.metadata),
             idle_ttl_s=req.idle_ttl_s or parent.idle_ttl_s, pin_ttl_s=parent.pin_ttl_s, parent_id=parent.id,
-            messages=parent.messages, turns=parent.turns, tenant=tenant.name)
+            messages=parent.messages, tenant=tenant.name,
+            # the parent keeps its pins: a fork's first turn must not release them
+            turns=[dataclasses.replace(t, pin_id=None, pin_expires_at=0.0) for t in parent.turns])
         return await self._create(record, tenant)
 
     async def _create(self, record: SessionRecord, tenant: Tenant) -> SessionRecord:
