@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import httpx
+from router.local_cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,11 +198,6 @@ def report(stats: Stats, args: argparse.Namespace) -> dict:
             "ttft_p99_s_overall": percentile([t for v in stats.ttft.values() for t in v], 99),
             "rss_growth_pct_after_warmup": growth, "timeline": timeline}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

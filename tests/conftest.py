@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from router.local_cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0  # model load is ~10 s alone, several times that on a busy 2-core machine
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

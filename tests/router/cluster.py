@@ -16,18 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from router.local_cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
 HEARTBEAT = ("--heartbeat-ttl-s", "3", "--heartbeat-interval-s", "0.5")
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

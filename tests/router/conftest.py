@@ -13,7 +13,6 @@ Fixtures:
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,12 +20,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from router.local_cluster import free_port  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
