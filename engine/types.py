@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
+
+
 class InvalidRequest(ValueError):
     """A request the engine cannot serve; the message says what was wrong and what is allowed."""
 
@@ -46,7 +49,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, logits / temperature overflows to inf (NaN probabilities); it is argmax anyway
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 @dataclass
