@@ -20,6 +20,13 @@ class EngineConfig:
     pages). ``max_batched_tokens`` is the per-step token budget that chunked
     prefill works within; decode tokens count against it too.
 
+    Admission (``EngineOverloaded``, HTTP 429): ``max_waiting`` bounds the requests
+    queued for admission; ``max_waiting_tokens`` bounds the KV they will need: the
+    tokens of every queued request (prompt, plus output so far for a preempted one).
+    ``None`` is twice the pool's token capacity. A request is always admitted when
+    nothing is queued, whatever its size (a prompt the pool cannot hold is refused
+    with ``InvalidRequest`` instead).
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -37,6 +44,7 @@ class EngineConfig:
     max_batched_tokens: int = 512
     max_model_len: int | None = None
     max_waiting: int = 1024
+    max_waiting_tokens: int | None = None
     enable_prefix_cache: bool = True
     seed: int = 0
     ep_size: int = 1
@@ -63,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_waiting_tokens is not None and self.max_waiting_tokens < 1:
+            raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
         self._validate_expert_parallel()
 
     def _validate_expert_parallel(self) -> None:
@@ -80,6 +90,16 @@ class EngineConfig:
     @property
     def num_pages(self) -> int:
         return self.kv_cache_tokens // self.page_size
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the KV pool holds (page 0 is reserved scratch space)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def waiting_tokens_limit(self) -> int:
+        """``max_waiting_tokens``, or its default: twice the pool's token capacity."""
+        return self.max_waiting_tokens if self.max_waiting_tokens is not None else 2 * self.pool_tokens
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -67,7 +67,8 @@ class LLMEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
         self._pending = 0                      # requests in the inbox, for admission control
-        self._pending_lock = threading.Lock()
+        self._pending_tokens = 0               # and their prompt tokens
+        self._pending_lock = threading.Lock()  # held while a request moves from the inbox to the scheduler
         self._requests: dict[str, Request] = {}
         self._seeds: dict[str, bytes] = {}
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
@@ -116,11 +117,11 @@ class LLMEngine:
             raise InvalidRequest(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt)} "
                                  f"tokens) exceeds the context window of {self.max_model_len} tokens; "
                                  f"use max_tokens <= {self.max_model_len - len(prompt)}")
-        with self._pending_lock:
-            queued = self._pending + len(self.scheduler.waiting)
-            if queued >= self.config.max_waiting:
-                raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
-            self._pending += 1
+        pool_tokens = self.pool.capacity * self.config.page_size
+        if len(prompt) > pool_tokens:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the KV cache holds only "
+                                 f"{pool_tokens} tokens; send a shorter prompt")
+        self._admit(len(prompt))
         rid = request_id or uuid.uuid4().hex
         req = Request(rid, prompt, params, IncrementalDetokenizer(self.tokenizer), constraint,
                       cache_salt, pin_ttl_s)
@@ -130,6 +131,23 @@ class LLMEngine:
                                       else int.from_bytes(uuid.uuid4().bytes[:8], "little"))
         self._command("add", req)
         return rid
+
+    def _admit(self, tokens: int) -> None:
+        """Count a new request into the queue, or raise ``EngineOverloaded`` (429) if the queue is
+        full: ``max_waiting`` requests, or ``max_waiting_tokens`` of KV demand. When nothing is
+        queued any request is admitted (the prompt check above guarantees the pool can hold it)."""
+        with self._pending_lock:
+            queued = self._pending + len(self.scheduler.waiting)
+            if queued >= self.config.max_waiting:
+                raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
+            queued_tokens = self._pending_tokens + self.scheduler.waiting_tokens
+            limit = self.config.waiting_tokens_limit
+            if queued and queued_tokens + tokens > limit:
+                raise EngineOverloaded(f"{queued_tokens} tokens of queued requests are waiting for KV cache "
+                                       f"and this request's prompt adds {tokens}, over the limit of "
+                                       f"{limit} waiting tokens")
+            self._pending += 1
+            self._pending_tokens += tokens
 
     def _command(self, kind: str, arg) -> None:
         self._inbox.put((kind, arg))
@@ -167,10 +185,11 @@ class LLMEngine:
             except queue.Empty:
                 return outputs
             if kind == "add":
-                with self._pending_lock:
-                    self._pending -= 1
                 self._requests[arg.request_id] = arg
-                self.scheduler.waiting.append(arg)
+                with self._pending_lock:  # the move is atomic to _admit: its count stays exact
+                    self._pending -= 1
+                    self._pending_tokens -= len(arg.prompt_ids)
+                    self.scheduler.enqueue(arg)
             elif kind == "abort":
                 req = self._requests.get(arg)
                 if req is not None and not req.finished:
@@ -200,7 +219,8 @@ class LLMEngine:
             num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            num_preemptions=s.num_preemptions, page_size=self.config.page_size)
+            num_preemptions=s.num_preemptions, page_size=self.config.page_size,
+            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
@@ -306,18 +326,16 @@ class LLMEngine:
     # -- conveniences ---------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  constraints: list[TokenConstraint | None] | None = None) -> list[GenerationResult]:
-        """Run ``prompts`` together to completion (tests, benchmarks, offline use)."""
+        """Run ``prompts`` together to completion (tests, benchmarks, offline use). When the
+        waiting queue is full (``EngineOverloaded``) it runs steps until the next prompt is admitted."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids, acc = [], {}
         start = time.monotonic()
-        for i, prompt in enumerate(prompts):
-            rid = self.add_request(prompt, plist[i], constraint=constraints[i] if constraints else None)
-            ids.append(rid)
-            acc[rid] = GenerationResult(rid, [], "", None, len(prompt), 0,
-                                        [] if plist[i].logprobs is not None else None)
         done = 0
-        while done < len(ids):
-            for out in self.step():
+
+        def absorb(outputs: list[RequestOutput]) -> int:
+            finished = 0
+            for out in outputs:
                 r = acc.get(out.request_id)
                 if r is None:
                     continue
@@ -329,13 +347,29 @@ class LLMEngine:
                     r.logprobs.extend(out.logprobs)
                 if out.finished:
                     r.finish_reason, r.cached_tokens, r.error = out.finish_reason, out.cached_tokens, out.error
-                    done += 1
+                    finished += 1
+            return finished
+
+        for i, prompt in enumerate(prompts):
+            while True:
+                try:
+                    rid = self.add_request(prompt, plist[i], constraint=constraints[i] if constraints else None)
+                    break
+                except EngineOverloaded:  # something is queued, so a step makes room
+                    done += absorb(self.step())
+            ids.append(rid)
+            acc[rid] = GenerationResult(rid, [], "", None, len(prompt), 0,
+                                        [] if plist[i].logprobs is not None else None)
+        while done < len(ids):
+            done += absorb(self.step())
         return [acc[i] for i in ids]
 
     def stats(self) -> EngineStats:
         """As of the end of the last step (safe to call from any thread)."""
         st = self._stats
-        return dataclasses.replace(st, waiting=st.waiting + self._pending)
+        with self._pending_lock:  # waiting tokens as of now: inbox plus the scheduler's queue
+            pending, tokens = self._pending, self._pending_tokens + self.scheduler.waiting_tokens
+        return dataclasses.replace(st, waiting=st.waiting + pending, waiting_tokens=tokens)
 
     def pin_active(self, pin_id: str) -> bool:
         """Whether a pin still holds (it may have expired or given way to memory pressure)."""

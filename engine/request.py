@@ -40,6 +40,7 @@ class Request:
     num_computed: int = 0          # tokens whose K/V are in ``pages``
     cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     num_preemptions: int = 0
+    queued_tokens: int = 0         # what it adds to the scheduler's ``waiting_tokens`` while waiting
     generator: torch.Generator | None = None
 
     # output text: ``text`` is all decoded text, ``sent`` how much was streamed

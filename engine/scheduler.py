@@ -11,6 +11,11 @@ youngest running request: its computed pages go into the cache (so resuming is
 cheap if they survive) and it returns to the front of the waiting queue. A
 request that cannot fit even alone is finished with an error. So every request
 finishes: nothing waits on memory that no one will free.
+
+``waiting_tokens`` is the KV demand of the waiting queue: each request counts its
+tokens as of entering it (the prompt when new; prompt and output so far when
+preempted) until it leaves it (admitted, failed or finished). The engine's
+admission control reads it; only the thread that schedules changes it.
 """
 
 from __future__ import annotations
@@ -48,11 +53,34 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.enable_prefix_cache = enable_prefix_cache
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()   # change it only through enqueue/_requeue/_unqueue
+        self.waiting_tokens = 0
         self.running: list[Request] = []
         self.pins: dict[str, Pin] = {}
         self.num_preemptions = 0
         self.failed: list[Request] = []   # finished by the scheduler; the engine reports them
+
+    # -- the waiting queue ----------------------------------------------------
+    def enqueue(self, req: Request) -> None:
+        """A new request joins the back of the waiting queue."""
+        req.queued_tokens = req.num_tokens
+        self.waiting_tokens += req.queued_tokens
+        self.waiting.append(req)
+
+    def _requeue(self, req: Request) -> None:
+        """A preempted request goes back to the front, counting what it must recompute."""
+        req.queued_tokens = req.num_tokens
+        self.waiting_tokens += req.queued_tokens
+        self.waiting.appendleft(req)
+
+    def _unqueue(self, req: Request) -> None:
+        """Remove ``req`` from the waiting queue (the front one is O(1))."""
+        if self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        self.waiting_tokens -= req.queued_tokens
+        req.queued_tokens = 0
 
     # -- pages ----------------------------------------------------------------
     def _pages_for(self, req: Request, num_tokens: int) -> int:
@@ -146,7 +174,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._requeue(req)
 
     # -- the step -------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -182,11 +210,11 @@ class Scheduler:
             if not self._grow(req, req.num_computed + n):
                 self.release(req)
                 if not self.running and not batch.requests:
-                    self.waiting.popleft()
+                    self._unqueue(req)
                     self._fail(req, "the request does not fit in the KV cache")
                     continue
                 break
-            self.waiting.popleft()
+            self._unqueue(req)
             if req.cached_tokens is None:
                 req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
             req.status = Status.RUNNING
@@ -219,6 +247,6 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._unqueue(req)
         req.status = Status.FINISHED
         self.release(req)

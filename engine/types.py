@@ -120,3 +120,5 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     page_size: int
+    waiting_tokens: int = 0        # KV demand queued for admission (see EngineConfig.max_waiting_tokens)
+    waiting_tokens_limit: int = 0

@@ -53,11 +53,14 @@ def test_page_pressure_every_request_finishes(small_engine, tokenizer):
     assert st.pages_used == st.pages_cached  # everything left is evictable cache
 
 
-def test_request_larger_than_pool_fails_cleanly(small_engine, tokenizer):
+def test_request_larger_than_pool_is_refused_at_once(small_engine, tokenizer):
     too_long = chat(tokenizer, "word " * 600)
-    res = small_engine.generate([too_long, chat(tokenizer, "hi")], SamplingParams(max_tokens=4, temperature=0))
-    assert res[0].finish_reason == "error" and "KV cache" in res[0].error
-    assert res[1].finish_reason in ("stop", "length")
+    with pytest.raises(InvalidRequest, match=f"the prompt has {len(too_long)} tokens but the KV cache holds "
+                                             "only 384 tokens"):
+        small_engine.add_request(too_long, SamplingParams(max_tokens=4, temperature=0))
+    assert not small_engine.has_unfinished()
+    res = small_engine.generate([chat(tokenizer, "hi")], SamplingParams(max_tokens=4, temperature=0))
+    assert res[0].finish_reason in ("stop", "length")
 
 
 def test_pin_survives_pressure_until_released(small_engine, tokenizer):
