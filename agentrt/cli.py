@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from agentrt.config import ENV_PREFIX, ServerConfig
+from agentrt.config import ENV_PREFIX, OPTIONAL_INTS, ServerConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--api-key", dest="api_keys", action="append", default=None,
                                 help=f"accept this API key (repeatable; env {env}, comma-separated)")
             continue
-        kind = int if f.name in ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting") else (
+        kind = int if f.name in OPTIONAL_INTS else (
             type(f.default) if f.default is not None else str)
         if kind is bool:  # argparse's type=bool would read "false" as True
             kind = _bool_flag

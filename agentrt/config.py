@@ -11,15 +11,20 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 ENV_PREFIX = "AGENTRT_"
+# Fields whose default is None but whose values are integers (flags and env parse them as int).
+OPTIONAL_INTS = ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting", "max_waiting_tokens")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """How ``agentrt serve`` runs: the model, the listener, and the limits it enforces.
 
-    Engine settings (``model`` ... ``max_waiting``) go to ``engine.EngineConfig``; ``None``
+    Engine settings (``model`` ... ``max_waiting_tokens``) go to ``engine.EngineConfig``; ``None``
     keeps the engine's default (the KV pool is smaller than the engine's default: a laptop
-    runs ``agentrt serve`` with its defaults). ``api_keys`` empty means no authentication.
+    runs ``agentrt serve`` with its defaults). ``max_waiting`` (requests) and
+    ``max_waiting_tokens`` (their tokens; default twice the KV pool) bound the engine's
+    waiting queue: past either, a request gets 429 with ``Retry-After``. ``api_keys`` empty
+    means no authentication.
     ``max_concurrent_requests`` is the HTTP admission limit (generations in flight); past it
     a request gets 429 with ``Retry-After``.
     ``tenants_file`` (JSON or TOML, ``agentrt/tenants.py``) maps hashed API keys to tenants with
@@ -45,6 +50,7 @@ class ServerConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_waiting: int | None = None
+    max_waiting_tokens: int | None = None
     enable_prefix_cache: bool = True
     ep: int = 1
     ep_nodes: int = 1
@@ -99,7 +105,8 @@ class ServerConfig:
                                   "ep_size": self.ep, "ep_nodes": self.ep_nodes,
                                   "ep_placement": self.ep_placement, "ep_redundant": self.ep_redundant,
                                   "enable_prefix_cache": self.enable_prefix_cache}
-        for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting"):
+        for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting",
+                     "max_waiting_tokens"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         return EngineConfig(**kwargs)
@@ -135,8 +142,7 @@ def _parse(name: str, raw: str) -> Any:
     default = getattr(ServerConfig, name, None)
     if name == "api_keys":
         return tuple(k.strip() for k in raw.split(",") if k.strip())
-    optional_ints = ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting")
-    kind = int if name in optional_ints else type(default)
+    kind = int if name in OPTIONAL_INTS else type(default)
     if kind is str or kind is type(None):
         return raw
     if kind is bool:

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, in its own registry (no module-level globals).
 
 Request counts and latency histograms are recorded as requests run; engine gauges
-(running, waiting, KV pages, pinned pages, prefix-cache hit tokens) are read from
+(running, waiting requests and tokens, KV pages, pinned pages, prefix-cache hit tokens) are read from
 ``engine.stats()`` at scrape time, so they are never stale.
 """
 
@@ -39,6 +39,11 @@ class _EngineCollector:
         for name, doc, value in (
                 ("agentrt_engine_running", "Requests in the engine's running batch", s.running),
                 ("agentrt_engine_waiting", "Requests waiting for admission in the engine", s.waiting),
+                ("agentrt_engine_waiting_tokens",
+                 "Tokens of the requests waiting for admission (the KV demand admission control bounds)",
+                 s.waiting_tokens),
+                ("agentrt_engine_waiting_tokens_limit",
+                 "Waiting tokens past which new requests get 429 (max_waiting_tokens)", s.waiting_tokens_limit),
                 ("agentrt_kv_pages_total", "KV cache pages in the pool", s.pages_total),
                 ("agentrt_kv_pages_used", "KV cache pages in use (running requests and cached prefixes)",
                  s.pages_used),

@@ -231,7 +231,8 @@ class RouterCore:
             "workers": [{"id": wid, "url": w.url, "indexed_blocks": self.index.blocks_of(wid),
                          "in_flight": self.inflight.count(wid),
                          "load": None if (l := self.loads.get(wid)) is None else
-                         {"running": l.running, "waiting": l.waiting, "pages_used": l.pages_used,
+                         {"running": l.running, "waiting": l.waiting, "waiting_tokens": l.waiting_tokens,
+                          "pages_used": l.pages_used,
                           "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None}}
                         for wid, w in sorted(self.workers.items())],
         }

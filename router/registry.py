@@ -53,16 +53,18 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """A worker's load: requests running and waiting, KV pages used and free."""
+    """A worker's load: requests running and waiting, KV pages used and free, and the tokens of
+    the waiting requests (the KV demand its admission control bounds)."""
 
     running: int = 0
     waiting: int = 0
     pages_used: int = 0
     pages_free: int = 0
     ts_ms: int = 0
+    waiting_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("running", "waiting", "pages_used", "pages_free", "ts_ms"):
+        for name in ("running", "waiting", "pages_used", "pages_free", "ts_ms", "waiting_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

@@ -192,7 +192,8 @@ class RemoteEngine:
         return EngineStats(running=sum(l.running for l in loads), waiting=sum(l.waiting for l in loads),
                            pages_total=used + free, pages_used=used, pages_free=free, pages_cached=0,
                            pages_pinned=0, num_pins=0, prompt_tokens_total=0, cached_tokens_total=0,
-                           generation_tokens_total=0, num_preemptions=0, page_size=self.core.config.block_size)
+                           generation_tokens_total=0, num_preemptions=0, page_size=self.core.config.block_size,
+                           waiting_tokens=sum(l.waiting_tokens for l in loads))
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         deadline = time.monotonic() + drain_timeout_s

@@ -53,3 +53,14 @@ def test_config_from_env_then_flags():
 def test_serve_flags_cover_every_config_field():
     args = build_parser().parse_args(["serve", "--port", "0", "--api-key", "k", "--pin-ttl-s", "2.5"])
     assert (args.port, args.api_keys, args.pin_ttl_s, args.host) == (0, ["k"], 2.5, None)
+
+
+def test_max_waiting_tokens_from_env_and_flag_reaches_the_engine():
+    cfg = ServerConfig.from_sources(environ={"AGENTRT_MAX_WAITING_TOKENS": "5000"})
+    assert cfg.max_waiting_tokens == 5000 and cfg.engine_config().waiting_tokens_limit == 5000
+    # unset: the engine's default, twice the KV pool (32768 tokens, one 16-token page reserved)
+    assert ServerConfig().engine_config().waiting_tokens_limit == 2 * (32768 - 16)
+    args = build_parser().parse_args(["serve", "--max-waiting-tokens", "77"])
+    assert args.max_waiting_tokens == 77
+    with pytest.raises(ValueError, match="max_waiting_tokens must be >= 1"):
+        ServerConfig(max_waiting_tokens=0).engine_config()

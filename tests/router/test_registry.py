@@ -74,14 +74,14 @@ def test_loads_and_mark_dead(redis_url):
     async def body(reg, client):
         await reg.register(info("w1"))
         await reg.register(info("w2"))
-        await reg.heartbeat("w1", LoadReport(running=3, waiting=1, pages_used=10, pages_free=90))
+        await reg.heartbeat("w1", LoadReport(running=3, waiting=1, pages_used=10, pages_free=90, waiting_tokens=40))
         await client.set(reg.config.load_key("w2"), b"\xc1garbage")
         loads = await reg.loads(["w1", "w2", "w3"])
         await reg.mark_dead("w1")
         return loads, [w.worker_id for w in await reg.live_workers()]
     loads, live = run(_with_registry(redis_url, body))
     assert loads == {"w1": LoadReport(running=3, waiting=1, pages_used=10, pages_free=90,
-                                      ts_ms=0)}
+                                      ts_ms=0, waiting_tokens=40)}
     assert live == ["w2"]
 
 
