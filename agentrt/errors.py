@@ -57,6 +57,13 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
     return APIError(429, message, code="server_overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+def draining(retry_after_s: int) -> APIError:
+    """503 ``worker_draining``: this worker is shutting down; a router (or the client, after
+    ``Retry-After``) sends the request elsewhere."""
+    return APIError(503, "the worker is draining (shutting down); send this request to another worker",
+                    type="server_error", code="worker_draining", headers={"Retry-After": str(retry_after_s)})
+
+
 def from_exception(exc: BaseException, retry_after_s: int = 1) -> APIError:
     """Map any exception from the engine or the service to an :class:`APIError`."""
     if isinstance(exc, APIError):

@@ -18,7 +18,7 @@ from engine.chat import StreamingToolCallParser, ToolCall
 from engine.types import EngineOverloaded, InvalidRequest, SamplingParams, TokenLogprob
 
 from agentrt.config import ServerConfig
-from agentrt.errors import APIError, bad_request, from_exception, not_found, overloaded
+from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
 from agentrt.tenants import Tenant, TenantLimits, retry_after
 
@@ -182,6 +182,7 @@ class Generator:
         self.config = config
         self.metrics = metrics
         self.in_flight = 0
+        self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
         self.tenant_limits = TenantLimits()
         self._constraint_for_request = _grammar_constraint_fn()
 
@@ -230,7 +231,10 @@ class Generator:
               request_id: str | None = None, started_at: float | None = None,
               session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
-        engine refuses. The tenant's cache salt keeps its prefix cache apart from other tenants'."""
+        engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
+        prefix cache apart from other tenants'."""
+        if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
+            raise draining(self.config.retry_after_s)
         if self.in_flight >= self.config.max_concurrent_requests:
             raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
                              "concurrent requests; retry later", self.config.retry_after_s)

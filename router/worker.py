@@ -13,9 +13,11 @@ whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
 
 Draining (SIGTERM, ``serve_worker``): the worker stops heartbeating and unregisters at once
 (routers drop it at their next refresh), answers new generate requests with 503
-``worker_draining`` (a router sends such a request to another worker), lets the requests in
-flight finish (up to ``shutdown_timeout_s``), then shuts down. A second SIGTERM, or SIGINT,
-stops at once. A killed worker simply stops heartbeating and expires after ``heartbeat_ttl_s``.
+``worker_draining`` (a router sends such a request to another worker; the public endpoints,
+``/v1/chat/completions``, ``/v1/completions``, session turns and ``/generate``, answer the same,
+with ``Retry-After``), lets the requests in flight finish (up to ``shutdown_timeout_s``), then
+shuts down. A second SIGTERM, or SIGINT, stops at once. A killed worker simply stops
+heartbeating and expires after ``heartbeat_ttl_s``.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class WorkerRuntime:
     def load(self) -> LoadReport:
         s = self.llm.stats()
         return LoadReport(running=s.running, waiting=s.waiting, pages_used=s.pages_used,
-                          pages_free=s.pages_free, ts_ms=int(time.time() * 1000))
+                          pages_free=s.pages_free, waiting_tokens=s.waiting_tokens, ts_ms=int(time.time() * 1000))
 
     async def start(self) -> None:
         self.publisher.start()  # announces `cleared`: a returning worker's stale entries vanish
@@ -117,6 +119,7 @@ class WorkerRuntime:
         """Accept nothing new, leave the routing table, wait for requests in flight; returns those
         still running when ``timeout_s`` ran out (they are aborted by the shutdown that follows)."""
         app.state.stopping = True  # /health 503, /internal/generate 503 worker_draining
+        app.state.generator.draining = True  # and every public endpoint that generates
         log.warning("worker %s draining: %d requests in flight", self.settings.worker_id,
                     app.state.generator.in_flight)
         await self._stop_heartbeat()

@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 
 from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
-from agentrt.errors import APIError, bad_request, from_exception
+from agentrt.errors import APIError, bad_request, draining, from_exception
 
 worker_routes = APIRouter()
 
@@ -116,9 +116,7 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     constraint = None if spec is None else gen.constraint(spec.response_format, spec.tools, spec.tool_choice,
                                                           spec.parallel_tool_calls)
     if state.stopping:  # draining or shutting down: the router sends this request elsewhere
-        raise APIError(503, "the worker is draining (shutting down); send this request to another worker",
-                       type="server_error", code="worker_draining",
-                       headers={"Retry-After": str(gen.config.retry_after_s)})
+        raise draining(gen.config.retry_after_s)
     if gen.in_flight >= gen.config.max_concurrent_requests:
         raise from_exception(EngineOverloaded(f"the worker is at its limit of "
                                               f"{gen.config.max_concurrent_requests} concurrent requests"),
