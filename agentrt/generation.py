@@ -20,7 +20,7 @@ from engine.types import EngineOverloaded, InvalidRequest, SamplingParams, Token
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
-from agentrt.tenants import Tenant, TenantLimits, retry_after
+from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Generation:
 
     def __init__(self, generator: "Generator", stream: Any, request_id: str, *, parse_tools: bool,
                  parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
-                 tenant: Tenant | None = None, reservation: list | None = None) -> None:
+                 tenant: Tenant | None = None, reservation: Any = None) -> None:
         self.gen = generator
         self.tenant = tenant
         self._reservation = reservation
@@ -109,11 +109,14 @@ class Generation:
             return
         self._closed = True
         self.gen.release()
-        if self.tenant is not None and self._reservation is not None:
-            used = self.result.prompt_tokens + self.result.completion_tokens if self.result else len(self._token_ids)
-            self.gen.tenant_limits.release(self.tenant, self._reservation, used)
-        if self.result is None:
-            await self._stream.aclose()
+        try:
+            if self.result is None:
+                await self._stream.aclose()
+        finally:  # the tenant's share is freed however the abort went (the release may await Redis)
+            if self.tenant is not None and self._reservation is not None:
+                used = self.result.prompt_tokens + self.result.completion_tokens if self.result else \
+                    len(self._token_ids)
+                await self.gen.tenant_limits.release(self.tenant, self._reservation, used)
 
     def _absorb(self, out: Any) -> Delta:
         if out.token_ids and self._first_token_at is None:
@@ -172,9 +175,12 @@ def _grammar_constraint_fn():
 
 
 class Generator:
-    """Submits requests to the in-process engine under the server's admission limit."""
+    """Submits requests to the in-process engine under the server's admission limit and the tenants'
+    (``tenant_limits``: this process's :class:`TenantLimits` unless another :class:`TenantLimiter` is
+    given, such as the router's Redis one, shared by its replicas)."""
 
-    def __init__(self, async_engine: Any, llm: Any, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, async_engine: Any, llm: Any, config: ServerConfig, metrics: Metrics,
+                 tenant_limits: TenantLimiter | None = None) -> None:
         self.engine = async_engine
         self.tokenizer = llm.tokenizer
         self.max_model_len = int(llm.max_model_len)
@@ -183,7 +189,7 @@ class Generator:
         self.metrics = metrics
         self.in_flight = 0
         self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
-        self.tenant_limits = TenantLimits()
+        self.tenant_limits = tenant_limits if tenant_limits is not None else TenantLimits()
         self._constraint_for_request = _grammar_constraint_fn()
 
     def check_model(self, model: str | None) -> str:
@@ -226,10 +232,10 @@ class Generator:
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
-              parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
-              request_id: str | None = None, started_at: float | None = None,
-              session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
+    async def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
+                    parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
+                    request_id: str | None = None, started_at: float | None = None,
+                    session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
         prefix cache apart from other tenants'."""
@@ -238,30 +244,37 @@ class Generator:
         if self.in_flight >= self.config.max_concurrent_requests:
             raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
                              "concurrent requests; retry later", self.config.retry_after_s)
-        reservation = self._admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
+        # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
+        # admitted meanwhile cannot push the server past its limit.
+        self.in_flight += 1
+        self.metrics.set_in_flight(self.in_flight)
+        try:
+            reservation = await self._admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
+        except BaseException:
+            self.release()
+            raise
         request_id = request_id or "req-" + uuid.uuid4().hex
         try:
             stream = self._submit(prompt_ids, params, request_id, constraint, pin_ttl_s, session,
                                   tenant.cache_salt if tenant is not None else "")
         except BaseException as exc:
+            self.release()
             if reservation is not None:
-                self.tenant_limits.release(tenant, reservation, 0)
+                await self.tenant_limits.release(tenant, reservation, 0)
             raise self._submit_error(exc) from None
-        self.in_flight += 1
-        self.metrics.set_in_flight(self.in_flight)
         return Generation(self, stream, request_id, parse_tools=parse_tools,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic(),
                           tenant=tenant, reservation=reservation)
 
-    def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> list | None:
+    async def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> Any:
         """Reserve the tenant's share (None: no tenant); 429 with Retry-After past its limits."""
         if tenant is None:
             return None
-        reservation, wait_s = self.tenant_limits.admit(tenant, tokens)
+        reservation, wait_s = await self.tenant_limits.admit(tenant, tokens)
         if reservation is None:
             if tenant.max_concurrent_requests is not None and \
-                    self.tenant_limits.in_flight(tenant.name) >= tenant.max_concurrent_requests:
+                    await self.tenant_limits.in_flight(tenant.name) >= tenant.max_concurrent_requests:
                 message = (f"tenant '{tenant.name}' is at its limit of {tenant.max_concurrent_requests} "
                            "concurrent requests; retry later")
             else:

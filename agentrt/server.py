@@ -29,7 +29,7 @@ from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorRes
 from agentrt.service import OpenAIService
 from agentrt.sessions import SessionManager, TurnRun
 from agentrt.store import InMemorySessionStore, SessionStore
-from agentrt.tenants import Tenant, TenantRegistry
+from agentrt.tenants import Tenant, TenantLimiter, TenantRegistry
 
 log = logging.getLogger("agentrt.server")
 
@@ -173,7 +173,7 @@ async def models(request: Request) -> dict:
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = svc.start_chat(body, tenant)
+    generation = await svc.start_chat(body, tenant)
     if body.stream:
         return _sse(svc.chat_chunks(body, generation), generation.close, request.app.state.config.retry_after_s)
     return await _unless_disconnected(request, svc.chat(body, generation), generation.close)
@@ -182,7 +182,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 @api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = svc.start_completion(body, tenant)
+    generation = await svc.start_completion(body, tenant)
     if body.stream:
         return _sse(svc.completion_chunks(body, generation), generation.close,
                     request.app.state.config.retry_after_s)
@@ -275,14 +275,16 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
 
 
 def assemble_app(config: ServerConfig, backend: Any, model: Any, store: SessionStore | None = None,
-                 generator_cls: type[Generator] = Generator, title: str = "agentrt") -> FastAPI:
+                 generator_cls: type[Generator] = Generator, title: str = "agentrt",
+                 tenant_limits: TenantLimiter | None = None) -> FastAPI:
     """The app over ``backend``: an ``engine.AsyncEngine`` or anything with its methods (``submit``,
     ``pin``, ``unpin``, ``stats``, ``shutdown``), such as the router's remote engine. ``model`` gives
-    ``tokenizer``, ``max_model_len`` and ``model_id``."""
+    ``tokenizer``, ``max_model_len`` and ``model_id``. ``tenant_limits``: where tenants' concurrency and
+    tokens per minute are counted (None: in this process)."""
     tenants = TenantRegistry.from_config(config.tenants_file, config.api_keys)
     metrics = Metrics()
     metrics.attach_engine(backend.stats)
-    generator = generator_cls(backend, model, config, metrics)
+    generator = generator_cls(backend, model, config, metrics, tenant_limits)
     sessions = SessionManager(store or InMemorySessionStore(config.max_sessions), generator, config)
 
     @contextlib.asynccontextmanager

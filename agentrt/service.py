@@ -60,7 +60,7 @@ class OpenAIService:
 
     # ------------------------------------------------------------ chat
 
-    def start_chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Generation:
+    async def start_chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Generation:
         """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed."""
         started = time.monotonic()
         self.gen.check_model(req.model)
@@ -78,10 +78,10 @@ class OpenAIService:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=top)
         constraint = self.gen.constraint(req.response_format, tools, tool_choice, req.parallel_tool_calls)
-        return self.gen.start(prompt, params, constraint=constraint,
-                              parse_tools=bool(tools) and tool_choice != "none",
-                              parallel_tool_calls=req.parallel_tool_calls is not False, started_at=started,
-                              tenant=tenant)
+        return await self.gen.start(prompt, params, constraint=constraint,
+                                    parse_tools=bool(tools) and tool_choice != "none",
+                                    parallel_tool_calls=req.parallel_tool_calls is not False, started_at=started,
+                                    tenant=tenant)
 
     async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
         result = await generation.collect()
@@ -138,7 +138,7 @@ class OpenAIService:
 
     # ------------------------------------------------------------ completions
 
-    def start_completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Generation:
+    async def start_completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Generation:
         started = time.monotonic()
         self.gen.check_model(req.model)
         if req.n != 1:
@@ -147,7 +147,7 @@ class OpenAIService:
             raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
         prompt = self._prompt_ids(req.prompt)
         params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=req.logprobs)
-        return self.gen.start(prompt, params, started_at=started, tenant=tenant)
+        return await self.gen.start(prompt, params, started_at=started, tenant=tenant)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -224,7 +224,7 @@ class SessionManager:
             if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
                 await lock.release()  # recorded by the turn that held the lock a moment ago
                 return done
-            run = self._submit(record, req, new_messages, lock, tenant)
+            run = await self._submit(record, req, new_messages, lock, tenant)
         except BaseException:
             await lock.release()
             raise
@@ -240,7 +240,7 @@ class SessionManager:
                                   f"'{m.role}' messages", param=f"messages.{i}.role")
         return message_dicts(req.messages)
 
-    def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
+    async def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
                 lock: TurnLock, tenant: Tenant) -> TurnRun:
         started = time.monotonic()
         prompt = self._encode(record, new_messages)
@@ -251,11 +251,11 @@ class SessionManager:
         constraint = self.gen.constraint(structured["response_format"], record.tools,
                                          structured["tool_choice"], structured["parallel_tool_calls"])
         pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
-        generation = self.gen.start(prompt, params, constraint=constraint,
-                                    parse_tools=bool(record.tools) and structured["tool_choice"] != "none",
-                                    parallel_tool_calls=structured["parallel_tool_calls"] is not False,
-                                    pin_ttl_s=pin_ttl, started_at=started,
-                                    session=SessionHint(record.id, record.last_worker), tenant=tenant)
+        generation = await self.gen.start(prompt, params, constraint=constraint,
+                                          parse_tools=bool(record.tools) and structured["tool_choice"] != "none",
+                                          parallel_tool_calls=structured["parallel_tool_calls"] is not False,
+                                          pin_ttl_s=pin_ttl, started_at=started,
+                                          session=SessionHint(record.id, record.last_worker), tenant=tenant)
         return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, prompt,
                        generation, lock, pin_ttl, tenant)
 

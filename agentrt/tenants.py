@@ -13,6 +13,11 @@ contract 1): a tenant's salt is ``tenant:<name>`` unless it sets ``share_cache``
 which case it uses the shared salt ``""`` and shares cached prefixes with every other
 tenant that opted in (and with no one else).
 
+Concurrency and tokens per minute are admitted through a :class:`TenantLimiter`: this
+process's :class:`TenantLimits` for ``agentrt serve``, ``router.tenant_limits.RedisTenantLimits``
+(shared by every replica) for ``agentrt router``. The session limit is checked by the session
+store when it creates a session.
+
 Keys given with ``--api-key`` (no tenants file) all belong to the tenant ``default``,
 which shares the cache; with neither, the server is open and every request is
 ``default``'s.
@@ -29,9 +34,10 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_TENANT = "default"
-_WINDOW_S = 60.0
+WINDOW_S = 60.0  # the tokens-per-minute window
 _HEX = set("0123456789abcdef")
 
 
@@ -146,30 +152,57 @@ class TenantRegistry:
         return self.tenants.get(name) or Tenant(name)
 
 
+class TenantLimiter:
+    """Per-tenant concurrent requests and tokens per minute: the interface ``Generator`` admits through.
+
+    Implementations: :class:`TenantLimits` (this process: ``agentrt serve``) and
+    ``router.tenant_limits.RedisTenantLimits`` (shared by every router replica on one Redis,
+    so a tenant's limits hold cluster-wide).
+
+    ``admit(tenant, tokens)`` reserves one concurrent request and ``tokens`` (prompt +
+    ``max_tokens``) in the tenant's sliding 60 s window, both or neither, and returns
+    ``(reservation, 0.0)``; over a limit it reserves nothing and returns ``(None, seconds
+    until a retry can succeed)``. ``release(tenant, reservation, used_tokens)`` frees the
+    concurrent slot and sets the reservation's tokens to ``used_tokens`` (``None``: keep
+    what was reserved); call it once per reservation. ``in_flight(name)`` counts the
+    tenant's admitted, unreleased requests.
+    """
+
+    async def admit(self, tenant: Tenant, tokens: int) -> tuple[Any | None, float]:
+        raise NotImplementedError
+
+    async def release(self, tenant: Tenant, reservation: Any, used_tokens: int | None) -> None:
+        raise NotImplementedError
+
+    async def in_flight(self, tenant_name: str) -> int:
+        raise NotImplementedError
+
+
 @dataclass
 class _Usage:
     in_flight: int = 0
     window: collections.deque = field(default_factory=collections.deque)  # [monotonic time, tokens]
 
 
-class TenantLimits:
-    """Per-tenant concurrent requests and tokens per minute (a sliding 60 s window).
+class TenantLimits(TenantLimiter):
+    """The in-process limiter: per-tenant counts in this process (one event loop, so no awaits, no races).
 
     ``admit`` reserves ``prompt + max_tokens`` tokens; ``release`` sets the reservation to
-    the tokens really used. Refusals carry the seconds until a retry can succeed.
+    the tokens really used. Refusals carry the seconds until a retry can succeed. ``now``
+    (seconds, monotonic) is for tests.
     """
 
     def __init__(self) -> None:
         self._usage: dict[str, _Usage] = {}
 
-    def admit(self, tenant: Tenant, tokens: int, now: float | None = None) -> tuple[list | None, float]:
+    async def admit(self, tenant: Tenant, tokens: int, now: float | None = None) -> tuple[list | None, float]:
         """``(reservation, 0)`` when admitted, ``(None, retry_after_s)`` when over a limit."""
         now = time.monotonic() if now is None else now
         usage = self._usage.setdefault(tenant.name, _Usage())
         if tenant.max_concurrent_requests is not None and usage.in_flight >= tenant.max_concurrent_requests:
             return None, 1.0
         if tenant.tokens_per_minute is not None:
-            while usage.window and usage.window[0][0] <= now - _WINDOW_S:
+            while usage.window and usage.window[0][0] <= now - WINDOW_S:
                 usage.window.popleft()
             used = sum(n for _, n in usage.window)
             if used and used + tokens > tenant.tokens_per_minute:
@@ -186,16 +219,16 @@ class TenantLimits:
         for at, n in usage.window:
             freed += n
             if freed >= excess:
-                return max(1.0, at + _WINDOW_S - now)
-        return _WINDOW_S
+                return max(1.0, at + WINDOW_S - now)
+        return WINDOW_S
 
-    def release(self, tenant: Tenant, entry: list, used_tokens: int | None) -> None:
+    async def release(self, tenant: Tenant, entry: list, used_tokens: int | None) -> None:
         usage = self._usage[tenant.name]
         usage.in_flight -= 1
         if used_tokens is not None:
             entry[1] = used_tokens
 
-    def in_flight(self, tenant_name: str) -> int:
+    async def in_flight(self, tenant_name: str) -> int:
         usage = self._usage.get(tenant_name)
         return usage.in_flight if usage else 0
 

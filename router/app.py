@@ -3,10 +3,12 @@
 ``create_router_app`` assembles agentrt's app (``agentrt.server.assemble_app``) with:
 the model's tokenizer only (``router.model_info``), a ``RemoteEngine`` that routes every
 request through ``RouterCore`` and streams it from a worker, and sessions in Redis
-(``RedisAgentrtStore``). Everything it routes on comes from Redis, so any number of
-replicas run side by side and agree (contract 3). ``GET /router/state`` shows this
-replica's view: live workers, their load and indexed blocks, KV event counters, and how
-many decisions each policy rule made.
+(``RedisAgentrtStore``), and tenants' concurrency and tokens per minute counted in Redis
+(``RedisTenantLimits``), so they hold across replicas. Everything it routes on comes from
+Redis, so any number of replicas run side by side and agree (contract 3).
+``GET /router/state`` shows this replica's view: live workers, their load and indexed
+blocks, KV event counters, how many decisions each policy rule made, and the tenant leases
+it holds.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ router_routes = APIRouter()
 @router_routes.get("/router/state")
 async def router_state(request: Request) -> dict:
     state = request.app.state
-    return {**state.core.state(), "failovers": state.engine.failovers}
+    limits = state.generator.tenant_limits
+    return {**state.core.state(), "failovers": state.engine.failovers,
+            "tenant_limits": {"leases_held": limits.held, "lost_leases": limits.lost_leases,
+                              "release_errors": limits.release_errors}}
 
 
 async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -45,12 +50,15 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     from router.redis_store import RedisAgentrtStore
     from router.remote import RemoteEngine, RouterGenerator
     from router.session_store import RedisSessionStore
+    from router.tenant_limits import RedisTenantLimits
 
     model = load_router_model(config.model, config.served_model_name, config.max_model_len)
     core = RouterCore(rconfig, model.model_id)
     remote = RemoteEngine(core, model.max_model_len)
     store = RedisAgentrtStore(RedisSessionStore(core.redis, rconfig), remote.worker_of)
-    app = assemble_app(config, remote, model, store, generator_cls=RouterGenerator, title="agentrt router")
+    limits = RedisTenantLimits(core.redis, rconfig, retry_after_s=config.retry_after_s)
+    app = assemble_app(config, remote, model, store, generator_cls=RouterGenerator, title="agentrt router",
+                       tenant_limits=limits)
     app.state.core = core
     app.include_router(router_routes)
     app.add_exception_handler(RedisError, _redis_unavailable)
@@ -63,6 +71,7 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
             async with inner(app):
                 yield
         finally:
+            await limits.aclose()
             await core.stop()
 
     app.router.lifespan_context = lifespan

@@ -99,3 +99,13 @@ class RouterConfig:
     @property
     def sessions_set_key(self) -> str:
         return f"{self.key_prefix}sessions"
+
+    # Per tenant (the name as given: distinct fixed suffixes keep two tenants' keys apart).
+    def tenant_leases_key(self, tenant: str) -> str:
+        return f"{self.key_prefix}tenant:{tenant}:leases"
+
+    def tenant_tokens_key(self, tenant: str) -> str:
+        return f"{self.key_prefix}tenant:{tenant}:tokens"
+
+    def tenant_reserved_key(self, tenant: str) -> str:
+        return f"{self.key_prefix}tenant:{tenant}:reserved"

@@ -95,8 +95,8 @@ async def native_generate(body: NativeGenerateRequest, request: Request) -> Any:
     if not ids:
         raise bad_request("the prompt is empty", param="text")
     rid = body.rid or "gen-" + uuid.uuid4().hex
-    generation = gen.start(ids, _native_params(gen, body.sampling_params, len(ids)), request_id=rid,
-                           started_at=time.monotonic())
+    generation = await gen.start(ids, _native_params(gen, body.sampling_params, len(ids)), request_id=rid,
+                                 started_at=time.monotonic())
     if not body.stream:
         result = await generation.collect()
         return {"text": result.text, "output_ids": result.token_ids, "meta_info": _meta(rid, result)}

@@ -3,6 +3,7 @@ prefix caches isolated unless both tenants opted in, per-tenant session and toke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -155,21 +156,24 @@ def test_tokens_per_minute_per_tenant(http):
 
 
 def test_tenant_limits_concurrency_and_window():
-    limits = TenantLimits()
-    t = Tenant("t", max_concurrent_requests=2, tokens_per_minute=100)
-    a, _ = limits.admit(t, 30, now=0.0)
-    b, _ = limits.admit(t, 30, now=1.0)
-    refused, wait = limits.admit(t, 1, now=2.0)
-    assert a is not None and b is not None and refused is None and wait == 1.0  # concurrency
-    limits.release(t, a, 10)  # used 10 of its 30
-    c, _ = limits.admit(t, 50, now=3.0)  # 10 + 30 + 50 = 90 <= 100
-    assert c is not None
-    limits.release(t, b, 30)
-    limits.release(t, c, 50)
-    refused, wait = limits.admit(t, 20, now=4.0)  # 90 + 20 > 100: wait until a's 10 tokens leave at t=60
-    assert refused is None and wait == pytest.approx(56.0)
-    later, _ = limits.admit(t, 20, now=60.5)
-    assert later is not None and limits.in_flight("t") == 1
+    async def main():
+        limits = TenantLimits()
+        t = Tenant("t", max_concurrent_requests=2, tokens_per_minute=100)
+        a, _ = await limits.admit(t, 30, now=0.0)
+        b, _ = await limits.admit(t, 30, now=1.0)
+        refused, wait = await limits.admit(t, 1, now=2.0)
+        assert a is not None and b is not None and refused is None and wait == 1.0  # concurrency
+        await limits.release(t, a, 10)  # used 10 of its 30
+        c, _ = await limits.admit(t, 50, now=3.0)  # 10 + 30 + 50 = 90 <= 100
+        assert c is not None
+        await limits.release(t, b, 30)
+        await limits.release(t, c, 50)
+        refused, wait = await limits.admit(t, 20, now=4.0)  # 90 + 20 > 100: wait until a's 10 tokens leave at t=60
+        assert refused is None and wait == pytest.approx(56.0)
+        later, _ = await limits.admit(t, 20, now=60.5)
+        assert later is not None and await limits.in_flight("t") == 1
+
+    asyncio.run(main())
 
 
 def test_registry_and_file_errors(tmp_path):
@@ -196,3 +200,4 @@ def test_registry_and_file_errors(tmp_path):
                                            "b": {"key_sha256": [hash_key("k")]}}}))
     with pytest.raises(ValueError, match="both"):
         TenantRegistry(load_tenants(dup))
+

@@ -1,0 +1,266 @@
+"""Tenant limits shared by router replicas: concurrent requests and tokens per minute, in Redis.
+
+``RedisTenantLimits`` is agentrt's ``TenantLimiter`` (``agentrt/tenants.py``) for
+``agentrt router``: every replica on one Redis admits against the same counts, so a
+tenant gets its limits once, not once per replica. Per tenant, under the router's key
+prefix (``RouterConfig.tenant_*_key``):
+
+* ``tenant:<name>:leases``: sorted set, reservation id -> lease deadline (ms). One entry
+  per request in flight; entries past their deadline are dropped by the next admission, so
+  the slots of a router that died come back within a lease (``lease_s``). The replica that
+  holds a reservation renews its lease every third of ``lease_s`` while the request runs.
+* ``tenant:<name>:tokens``: sorted set, reservation id -> admission time (ms), and
+  ``tenant:<name>:reserved``: hash, reservation id -> tokens. Together the sliding 60 s
+  window: admission reserves ``prompt + max_tokens``, release sets the entry to the tokens
+  really used (if it is still in the window), entries older than 60 s are dropped.
+
+Admission is one Lua script that drops expired entries, checks both limits and reserves
+both (or neither), on Redis's clock (``TIME``), so replicas with skewed clocks agree and two
+replicas cannot both take a tenant's last slot. It follows ``TenantLimits`` exactly: a
+request is refused for tokens only when the window already holds some and the request
+would take it past the limit, and ``Retry-After`` is the time until enough of the window's
+tokens leave it. Tenants with neither limit never touch Redis.
+
+Redis unreachable at admission: 503 ``store_unavailable`` with ``Retry-After`` (fail
+closed). At release: logged; the lease expires by itself and the window keeps the tokens
+reserved (never more than was admitted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from agentrt.errors import APIError
+from agentrt.tenants import WINDOW_S, Tenant, TenantLimiter
+from router.config import RouterConfig
+
+log = logging.getLogger("router.tenant_limits")
+
+LEASE_S = 60.0
+
+# Every script takes "now" in ms as its last ARGV; "" means Redis's own clock (tests pass a time).
+_NOW = """
+local now = tonumber(ARGV[#ARGV])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS[1]: leases, KEYS[2]: tokens, KEYS[3]: reserved.
+# ARGV: reservation id, tokens, max concurrent (0: none), tokens per minute (0: none), lease ms, window ms, now.
+# Returns {1, 0} (reserved) or {0, ms until a retry can succeed}.
+_ADMIT = _NOW + """
+local id, tokens = ARGV[1], tonumber(ARGV[2])
+local max_concurrent, per_minute = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease, window = tonumber(ARGV[5]), tonumber(ARGV[6])
+if max_concurrent > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  if redis.call('ZCARD', KEYS[1]) >= max_concurrent then return {0, 1000} end
+end
+if per_minute > 0 then
+  local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - window)
+  for i = 1, #old do redis.call('HDEL', KEYS[3], old[i]) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
+  local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+  local used, counts = 0, {}
+  for i = 1, #entries, 2 do
+    local n = tonumber(redis.call('HGET', KEYS[3], entries[i]) or '0')
+    counts[#counts + 1] = n
+    used = used + n
+  end
+  if used > 0 and used + tokens > per_minute then
+    local excess, freed = used + tokens - per_minute, 0
+    for i = 1, #counts do
+      freed = freed + counts[i]
+      if freed >= excess then return {0, math.max(1000, tonumber(entries[2 * i]) + window - now)} end
+    end
+    return {0, window}
+  end
+end
+if max_concurrent > 0 then
+  redis.call('ZADD', KEYS[1], now + lease, id)
+  redis.call('PEXPIRE', KEYS[1], lease)
+end
+if per_minute > 0 then
+  redis.call('ZADD', KEYS[2], now, id)
+  redis.call('HSET', KEYS[3], id, tokens)
+  redis.call('PEXPIRE', KEYS[2], window)
+  redis.call('PEXPIRE', KEYS[3], window)
+end
+return {1, 0}
+"""
+
+# KEYS[1]: leases, KEYS[2]: reserved. ARGV: reservation id, used tokens ("": keep the reservation).
+_RELEASE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+end
+return 1
+"""
+
+# KEYS: the leases key of each reservation. ARGV: lease ms, then one reservation id per key, then now.
+# Extends the leases that still exist; returns the (1-based) positions of those that do not.
+_RENEW = _NOW + """
+local lease, lost = tonumber(ARGV[1]), {}
+for i = 1, #KEYS do
+  if redis.call('ZSCORE', KEYS[i], ARGV[i + 1]) then
+    redis.call('ZADD', KEYS[i], 'XX', now + lease, ARGV[i + 1])
+    redis.call('PEXPIRE', KEYS[i], lease)
+  else
+    lost[#lost + 1] = i
+  end
+end
+return lost
+"""
+
+# KEYS[1]: leases. ARGV: now. The tenant's unexpired leases.
+_IN_FLIGHT = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """One admitted request: ``leased`` holds a concurrent-request lease (the tenant has
+    ``max_concurrent_requests``), ``metered`` holds tokens in the window (``tokens_per_minute``)."""
+
+    tenant: str
+    id: str
+    leased: bool
+    metered: bool
+
+
+def _ms(now: float | None) -> str:
+    return "" if now is None else str(int(now * 1000))
+
+
+class RedisTenantLimits(TenantLimiter):
+    """``TenantLimiter`` over the router's Redis client; ``now`` (seconds) is for tests, else Redis's clock."""
+
+    def __init__(self, client: aioredis.Redis, config: RouterConfig, *, lease_s: float = LEASE_S,
+                 retry_after_s: int = 1) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self._redis = client
+        self.config = config
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self.window_ms = int(WINDOW_S * 1000)
+        self.retry_after_s = retry_after_s
+        self._admit = client.register_script(_ADMIT)
+        self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
+        self._in_flight = client.register_script(_IN_FLIGHT)
+        self._held: dict[str, Reservation] = {}  # this replica's leased reservations, renewed while held
+        self._renewer: asyncio.Task | None = None
+        self._releases: set[asyncio.Task] = set()
+        self.lost_leases = 0  # leases that expired while held (Redis unreachable for longer than a lease)
+        self.release_errors = 0
+
+    def _keys(self, tenant: str) -> tuple[str, str, str]:
+        c = self.config
+        return c.tenant_leases_key(tenant), c.tenant_tokens_key(tenant), c.tenant_reserved_key(tenant)
+
+    def _unavailable(self, exc: BaseException) -> APIError:
+        return APIError(503, f"the tenant limits store (Redis) is unavailable: {type(exc).__name__}: {exc}; "
+                             "retry later", type="server_error", code="store_unavailable",
+                        headers={"Retry-After": str(self.retry_after_s)})
+
+    async def admit(self, tenant: Tenant, tokens: int, now: float | None = None) -> tuple[Reservation | None, float]:
+        """``(reservation, 0)`` when admitted, ``(None, retry_after_s)`` over a limit; 503 if Redis is down."""
+        reservation = Reservation(tenant.name, uuid.uuid4().hex, leased=tenant.max_concurrent_requests is not None,
+                                  metered=tenant.tokens_per_minute is not None)
+        if not reservation.leased and not reservation.metered:
+            return reservation, 0.0
+        args = [reservation.id, int(tokens), tenant.max_concurrent_requests or 0, tenant.tokens_per_minute or 0,
+                self.lease_ms, self.window_ms, _ms(now)]
+        try:
+            admitted, wait_ms = await self._admit(keys=list(self._keys(tenant.name)), args=args)
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+        if not admitted:
+            return None, max(1.0, int(wait_ms) / 1000)
+        if reservation.leased:
+            self._held[reservation.id] = reservation
+            self._ensure_renewer()
+        return reservation, 0.0
+
+    async def release(self, tenant: Tenant, reservation: Reservation, used_tokens: int | None) -> None:
+        """Free the lease and charge ``used_tokens``; completes even if the caller is cancelled meanwhile."""
+        self._held.pop(reservation.id, None)
+        if not reservation.leased and not reservation.metered:
+            return
+        task = asyncio.get_running_loop().create_task(self._release_now(reservation, used_tokens))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        await asyncio.shield(task)
+
+    async def _release_now(self, reservation: Reservation, used_tokens: int | None) -> None:
+        leases, _, reserved = self._keys(reservation.tenant)
+        try:
+            await self._release(keys=[leases, reserved],
+                                args=[reservation.id, "" if used_tokens is None else int(used_tokens)])
+        except (RedisError, OSError) as exc:
+            self.release_errors += 1
+            log.warning("cannot release tenant %r's reservation %s (%s); its lease expires within %d ms",
+                        reservation.tenant, reservation.id, exc, self.lease_ms)
+
+    async def in_flight(self, tenant_name: str, now: float | None = None) -> int:
+        """The tenant's requests in flight on every replica (unexpired leases)."""
+        try:
+            return int(await self._in_flight(keys=[self.config.tenant_leases_key(tenant_name)], args=[_ms(now)]))
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+
+    @property
+    def held(self) -> int:
+        """Leases this replica holds (and renews)."""
+        return len(self._held)
+
+    # ------------------------------------------------------------ lease renewal
+
+    def _ensure_renewer(self) -> None:
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_forever(), name="tenant-leases")
+
+    async def _renew_forever(self) -> None:
+        while self._held:
+            await asyncio.sleep(self.lease_ms / 3000)
+            await self.renew()
+
+    async def renew(self) -> None:
+        """Extend every lease this replica holds by a full lease (the renewer calls it every third of one)."""
+        held = list(self._held.values())
+        if not held:
+            return
+        try:
+            lost = await self._renew(keys=[self.config.tenant_leases_key(r.tenant) for r in held],
+                                     args=[self.lease_ms, *(r.id for r in held), ""])
+        except (RedisError, OSError) as exc:
+            log.warning("cannot renew %d tenant leases (%s); retrying", len(held), exc)
+            return
+        for position in lost:
+            r = held[int(position) - 1]
+            if self._held.pop(r.id, None) is not None:  # not released meanwhile: it really expired
+                self.lost_leases += 1
+                log.warning("tenant %r's lease %s expired while its request ran (Redis unreachable for longer "
+                            "than %d ms?); the request no longer counts against the tenant's concurrency",
+                            r.tenant, r.id, self.lease_ms)
+
+    async def aclose(self) -> None:
+        """Stop renewing and finish the releases under way (call before closing the Redis client)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
