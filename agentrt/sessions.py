@@ -117,12 +117,8 @@ class SessionManager:
         return await self._create(record, tenant)
 
     async def _create(self, record: SessionRecord, tenant: Tenant) -> SessionRecord:
-        if tenant.max_sessions is not None and await self.store.count(tenant.name) >= tenant.max_sessions:
-            raise APIError(429, f"tenant '{tenant.name}' holds its maximum of {tenant.max_sessions} sessions; "
-                                "delete one or retry later", code="too_many_sessions",
-                           headers={"Retry-After": str(self.config.retry_after_s)})
-        try:
-            record = await self.store.create(record)
+        try:  # the store checks the tenant's session limit and creates in one step (cluster-wide with Redis)
+            record = await self.store.create(record, max_tenant_sessions=tenant.max_sessions)
         except SessionLimitReached as exc:
             raise APIError(429, str(exc), code="too_many_sessions",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None

@@ -83,6 +83,14 @@ class SessionLimitReached(RuntimeError):
     """The store holds as many sessions as it may."""
 
 
+class TenantSessionLimitReached(SessionLimitReached):
+    """The session's tenant holds as many sessions as it may (``create``'s ``max_tenant_sessions``)."""
+
+    def __init__(self, tenant: str, limit: int) -> None:
+        super().__init__(f"tenant '{tenant}' holds its maximum of {limit} sessions; delete one or retry later")
+        self.tenant, self.limit = tenant, limit
+
+
 class TurnLock:
     """A session's turn lock, held by the one turn running on it. ``release`` is idempotent."""
 
@@ -102,7 +110,10 @@ class SessionStore:
     """Contract every store implements (in-process here; Redis with the router).
 
     Records returned are copies: changing one changes nothing stored.
-    - ``create(record)`` stores a new record; raises :class:`SessionLimitReached` when full.
+    - ``create(record, max_tenant_sessions)`` stores a new record; raises
+      :class:`SessionLimitReached` when full, and :class:`TenantSessionLimitReached` when
+      ``record.tenant`` already holds ``max_tenant_sessions`` sessions (None: no limit). The
+      check and the insert are one atomic step (across router replicas with the Redis store).
     - ``get(id)`` returns the record or None.
     - ``append_turn_once(id, turn_id, new_messages, reply)`` atomically: if a turn with
       ``turn_id`` is recorded, returns ``(record, False)`` and changes nothing; otherwise
@@ -117,7 +128,7 @@ class SessionStore:
       replicas); ``turn_locked(id)`` says whether one is held.
     """
 
-    async def create(self, record: SessionRecord) -> SessionRecord:
+    async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
         raise NotImplementedError
 
     async def get(self, session_id: str) -> SessionRecord | None:
@@ -161,12 +172,15 @@ class InMemorySessionStore(SessionStore):
     async def turn_locked(self, session_id: str) -> bool:
         return session_id in self._turns
 
-    async def create(self, record: SessionRecord) -> SessionRecord:
+    async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
         async with self._lock:
             if record.id in self._records:
                 raise ValueError(f"session {record.id} already exists")
             if len(self._records) >= self.max_sessions:
                 raise SessionLimitReached(f"the server holds its maximum of {self.max_sessions} sessions")
+            if max_tenant_sessions is not None and \
+                    sum(1 for r in self._records.values() if r.tenant == record.tenant) >= max_tenant_sessions:
+                raise TenantSessionLimitReached(record.tenant, max_tenant_sessions)
             self._records[record.id] = copy.deepcopy(record)
             return copy.deepcopy(record)
 

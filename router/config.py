@@ -101,6 +101,9 @@ class RouterConfig:
         return f"{self.key_prefix}sessions"
 
     # Per tenant (the name as given: distinct fixed suffixes keep two tenants' keys apart).
+    def tenant_sessions_key(self, tenant: str) -> str:
+        return f"{self.key_prefix}tenant:{tenant}:sessions"
+
     def tenant_leases_key(self, tenant: str) -> str:
         return f"{self.key_prefix}tenant:{tenant}:leases"
 

@@ -11,6 +11,10 @@ A record that cannot be decoded (corrupt, oversized, of an unknown shape) is nev
 guessed at: it is counted in ``bad_records`` and logged; ``get`` answers 500 naming the
 session, ``list`` skips it.
 
+A tenant's session limit is checked in the same script that creates the record
+(``RedisSessionStore.create(max_per_tenant=…)``, over the tenant's set of session ids), so
+it counts every replica's sessions and two replicas cannot both take the last one.
+
 ``worker_of(pin_id)`` tells which worker ran a turn (its pin id is its request id); the
 router's ``RemoteEngine.worker_of`` provides it.
 
@@ -32,7 +36,8 @@ from typing import Any, Callable
 import redis.asyncio as aioredis
 
 from agentrt.errors import APIError
-from agentrt.store import SessionNotFound, SessionRecord, SessionStore, TurnLock, TurnRecord
+from agentrt.store import (SessionNotFound, SessionRecord, SessionStore, TenantSessionLimitReached, TurnLock,
+                           TurnRecord)
 from router import session_store as rs
 
 _TURN_FIELDS = {f.name for f in fields(TurnRecord)}
@@ -137,11 +142,16 @@ class RedisAgentrtStore(SessionStore):
         self.list_limit = list_limit
         self.bad_records = 0
 
-    async def create(self, record: SessionRecord) -> SessionRecord:
+    async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
         try:
-            return from_redis(await self.store.create(to_redis(record)))
+            return from_redis(await self.store.create(to_redis(record), max_per_tenant=max_tenant_sessions))
         except rs.SessionExists:
             raise ValueError(f"session {record.id} already exists") from None
+        except rs.TooManySessions as exc:
+            raise TenantSessionLimitReached(record.tenant, exc.limit) from None
+
+    async def count(self, tenant: str) -> int:
+        return await self.store.count(tenant)
 
     async def get(self, session_id: str) -> SessionRecord | None:
         try:
@@ -178,7 +188,7 @@ class RedisAgentrtStore(SessionStore):
 
     async def delete(self, session_id: str) -> SessionRecord | None:
         record = await self.get(session_id)
-        if record is None or not await self.store.delete(session_id):
+        if record is None or not await self.store.delete(session_id, tenant=record.tenant):
             return None
         return record
 

@@ -6,7 +6,10 @@ turn's messages and reply only if its ``turn_id`` was never recorded, atomically
 routers replaying the same turn never append twice; the loser gets the recorded reply.
 
 Redis layout: ``session:<id>`` holds the msgpack record; ``sessions`` is a sorted set of
-ids scored by last update (ms); ``session:<id>:turn`` is the turn lock while a turn runs
+ids scored by last update (ms); ``tenant:<name>:sessions`` is the sorted set of the tenant's
+session ids (scored by creation, ms), which ``create`` checks against the tenant's session limit
+and inserts into in one script, so replicas racing for a tenant's last session cannot both get
+it; ``session:<id>:turn`` is the turn lock while a turn runs
 (``lock_turn``: a random token, SET NX PX; renewed and released only by its holder). Every recorded turn id is kept for the session's life
 (the record's size limit bounds it). Decoding is bounded (``session_max_bytes``) and
 type-checked; a record that fails is reported as ``SessionDecodeError``, never guessed at.
@@ -24,6 +27,18 @@ from redis.exceptions import WatchError
 from router.config import RouterConfig
 
 RECORD_VERSION = 1
+
+# KEYS[1]: session key, KEYS[2]: the sessions set, KEYS[3]: the tenant's sessions set.
+# ARGV[1]: the encoded record, ARGV[2]: now (ms), ARGV[3]: session id, ARGV[4]: the tenant's limit (0: none).
+# Returns 1 (created), 0 (the id exists), -1 (the tenant is at its limit).
+_CREATE = """
+local limit = tonumber(ARGV[4])
+if limit > 0 and redis.call('ZCARD', KEYS[3]) >= limit then return -1 end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
+return 1
+"""
 
 # KEYS[1]: lock key; ARGV[1]: holder token; ARGV[2]: new TTL in ms, or "0" to release.
 _LOCK_RENEW_OR_RELEASE = """
@@ -43,6 +58,14 @@ class SessionExists(ValueError):
 
 class SessionDecodeError(ValueError):
     """A stored session record is corrupt, too large, or of an unknown version."""
+
+
+class TooManySessions(RuntimeError):
+    """``create`` for a tenant that already holds its limit of sessions."""
+
+    def __init__(self, tenant: str, limit: int) -> None:
+        super().__init__(f"tenant {tenant!r} holds its maximum of {limit} sessions")
+        self.tenant, self.limit = tenant, limit
 
 
 def _now_ms() -> int:
@@ -78,7 +101,9 @@ class SessionStore:
     router replicas) and the in-process store of the embedded server (agentrt/).
 
     Contracts: ``get`` raises ``SessionNotFound``; ``create`` raises ``SessionExists`` and
-    fills ``created_ms``/``updated_ms``; ``append_turn_once`` raises ``SessionNotFound``,
+    fills ``created_ms``/``updated_ms``, and with ``max_per_tenant`` raises ``TooManySessions``
+    (checked and created atomically) when ``record.tenant`` holds that many sessions;
+    ``count(tenant)`` is how many it holds; ``append_turn_once`` raises ``SessionNotFound``,
     and is atomic: if ``turn_id`` is recorded it changes nothing and returns
     ``(record, False)``, else it appends ``messages`` then ``reply``, records
     ``turns[turn_id] = reply``, increments ``turn``, sets ``last_worker`` when given, and
@@ -90,7 +115,7 @@ class SessionStore:
     async def get(self, session_id: str) -> SessionRecord:
         raise NotImplementedError
 
-    async def create(self, record: SessionRecord) -> SessionRecord:
+    async def create(self, record: SessionRecord, max_per_tenant: int | None = None) -> SessionRecord:
         raise NotImplementedError
 
     async def append_turn_once(self, session_id: str, turn_id: str, messages: list[dict],
@@ -98,8 +123,12 @@ class SessionStore:
                                turn_record: dict | None = None) -> tuple[SessionRecord, bool]:
         raise NotImplementedError
 
-    async def delete(self, session_id: str) -> bool:
-        """Remove the session; False if it did not exist."""
+    async def delete(self, session_id: str, tenant: str | None = None) -> bool:
+        """Remove the session (``tenant``: its owner, if the caller knows it); False if it did not exist."""
+        raise NotImplementedError
+
+    async def count(self, tenant: str) -> int:
+        """How many sessions ``tenant`` holds."""
         raise NotImplementedError
 
     async def list(self, tenant: str | None = None, limit: int = 100) -> list[str]:
@@ -161,6 +190,7 @@ class RedisSessionStore(SessionStore):
         self.config = config
         self.max_retries = max_retries
         self._lock_script = client.register_script(_LOCK_RENEW_OR_RELEASE)
+        self._create_script = client.register_script(_CREATE)
 
     # ------------------------------------------------------------ turn lock (one turn at a time, any replica)
 
@@ -189,17 +219,41 @@ class RedisSessionStore(SessionStore):
             raise SessionNotFound(session_id)
         return decode_record(raw, self.config.session_max_bytes)
 
-    async def create(self, record: SessionRecord) -> SessionRecord:
+    async def create(self, record: SessionRecord, max_per_tenant: int | None = None) -> SessionRecord:
+        if max_per_tenant is not None and max_per_tenant < 1:
+            raise ValueError(f"max_per_tenant must be >= 1, got {max_per_tenant}")
         now = _now_ms()
         record = replace(record, created_ms=record.created_ms or now, updated_ms=now)
-        data = self._encode(record)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self.config.session_key(record.session_id), data, nx=True)
-        pipe.zadd(self.config.sessions_set_key, {record.session_id: now})
-        created, _ = await pipe.execute()
+        keys = [self.config.session_key(record.session_id), self.config.sessions_set_key,
+                self.config.tenant_sessions_key(record.tenant)]
+        args = [self._encode(record), now, record.session_id, max_per_tenant or 0]
+        created = await self._create_script(keys=keys, args=args)
+        if created == -1 and await self._prune_tenant(record.tenant):
+            created = await self._create_script(keys=keys, args=args)  # ids of deleted sessions were dropped
+        if created == -1:
+            raise TooManySessions(record.tenant, max_per_tenant)
         if not created:
             raise SessionExists(record.session_id)
         return record
+
+    async def _prune_tenant(self, tenant: str) -> int:
+        """Drop ids from the tenant's set whose record is gone (deleted without the tenant known, or
+        by a router older than the set); returns how many."""
+        key = self.config.tenant_sessions_key(tenant)
+        ids = [m.decode() for m in await self._redis.zrange(key, 0, -1)]
+        if not ids:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for sid in ids:
+            pipe.exists(self.config.session_key(sid))
+        gone = [sid for sid, exists in zip(ids, await pipe.execute()) if not exists]
+        if gone:
+            await self._redis.zrem(key, *gone)
+        return len(gone)
+
+    async def count(self, tenant: str) -> int:
+        await self._prune_tenant(tenant)
+        return await self._redis.zcard(self.config.tenant_sessions_key(tenant))
 
     async def append_turn_once(self, session_id: str, turn_id: str, messages: list[dict],
                                reply: dict, *, last_worker: str | None = None,
@@ -228,11 +282,18 @@ class RedisSessionStore(SessionStore):
                     await pipe.reset()
         raise RuntimeError(f"session {session_id}: {self.max_retries} concurrent updates in a row")
 
-    async def delete(self, session_id: str) -> bool:
+    async def delete(self, session_id: str, tenant: str | None = None) -> bool:
+        if tenant is None:  # read the owner from the record; an undecodable one is pruned from its set later
+            try:
+                tenant = (await self.get(session_id)).tenant
+            except (SessionNotFound, SessionDecodeError):
+                pass
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(self.config.session_key(session_id))
         pipe.zrem(self.config.sessions_set_key, session_id)
-        deleted, _ = await pipe.execute()
+        if tenant is not None:
+            pipe.zrem(self.config.tenant_sessions_key(tenant), session_id)
+        deleted = (await pipe.execute())[0]
         return bool(deleted)
 
     async def list(self, tenant: str | None = None, limit: int = 100) -> list[str]:

@@ -201,3 +201,19 @@ def test_registry_and_file_errors(tmp_path):
     with pytest.raises(ValueError, match="both"):
         TenantRegistry(load_tenants(dup))
 
+
+def test_in_memory_store_checks_the_tenant_limit_when_it_creates():
+    from agentrt.store import InMemorySessionStore, SessionRecord, TenantSessionLimitReached
+
+    async def main():
+        store = InMemorySessionStore()
+        await store.create(SessionRecord(id="a1", model="m", tenant="a"), max_tenant_sessions=1)
+        await store.create(SessionRecord(id="b1", model="m", tenant="b"), max_tenant_sessions=1)
+        with pytest.raises(TenantSessionLimitReached, match="tenant 'a' holds its maximum of 1 sessions"):
+            await store.create(SessionRecord(id="a2", model="m", tenant="a"), max_tenant_sessions=1)
+        await store.create(SessionRecord(id="a3", model="m", tenant="a"))  # no limit given: none applies
+        await store.delete("a1")
+        await store.delete("a3")
+        await store.create(SessionRecord(id="a2", model="m", tenant="a"), max_tenant_sessions=1)
+
+    asyncio.run(main())

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from router.config import RouterConfig
 from router.session_store import (RedisSessionStore, SessionDecodeError, SessionExists,
-                                  SessionNotFound, SessionRecord)
+                                  SessionNotFound, SessionRecord, TooManySessions)
 
 
 async def _stores(url, n=2, **cfg):
@@ -98,3 +98,36 @@ def test_missing_corrupt_and_oversized(redis_url):
             await store.append_turn_once("s1", "", [], {})
         await _close(clients)
     asyncio.run(body())
+
+
+def test_tenant_session_limit_holds_across_replicas(redis_url):
+    """Two replicas racing for a tenant's last sessions: check and create are one step, so exactly the
+    limit is created; deleting one (whichever replica) frees its place."""
+    config = RouterConfig(redis_url=redis_url)
+
+    async def body():
+        clients, (a, b) = await _stores(redis_url)
+        results = await asyncio.gather(*[(a if i % 2 else b).create(SessionRecord(f"s{i}", tenant="acme"),
+                                                                    max_per_tenant=3)
+                                         for i in range(10)], return_exceptions=True)
+        created = [r.session_id for r in results if isinstance(r, SessionRecord)]
+        refused = [r for r in results if isinstance(r, TooManySessions)]
+        counts = (await a.count("acme"), await b.count("acme"))
+        await a.create(SessionRecord("other-1", tenant="other"), max_per_tenant=3)  # its own count
+        with pytest.raises(TooManySessions):
+            await a.create(SessionRecord("late", tenant="acme"), max_per_tenant=3)
+        await b.create(SessionRecord("unlimited", tenant="acme"))  # no limit given: none applies
+        await b.delete("unlimited")
+        assert await b.delete(created[0])  # the owner is read from the record
+        await a.create(SessionRecord("after-delete", tenant="acme"), max_per_tenant=3)
+        # A record removed behind the store's back (an older router, a manual DEL) is pruned at the limit.
+        await clients[0].delete(config.session_key(created[1]))
+        await b.create(SessionRecord("after-prune", tenant="acme"), max_per_tenant=3)
+        final = (await a.count("acme"), await a.count("other"))
+        await _close(clients)
+        return created, refused, counts, final
+
+    created, refused, counts, final = asyncio.run(body())
+    assert len(created) == 3 and len(refused) == 7 and counts == (3, 3)
+    assert refused[0].limit == 3 and "acme" in str(refused[0])
+    assert final == (3, 1)
