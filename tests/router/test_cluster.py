@@ -4,7 +4,8 @@ One cluster per module (two workers, two router replicas, one Redis with AOF so 
 restarted); the tests run in file order and the destructive ones (Redis restart, SIGKILL)
 come last. Each checks a promise of docs/routing.md: registration and heartbeat expiry,
 KV events reaching every replica's index, a session staying on its worker through either
-replica, idempotent turns across replicas, malformed events counted and skipped, serving
+replica, idempotent turns across replicas, tenant limits shared by replicas (two more routers
+with a tenants file, started by that test), malformed events counted and skipped, serving
 through a Redis restart, and failover after a worker is killed mid-session.
 """
 
@@ -227,6 +228,76 @@ def test_malformed_events_are_counted_and_skipped(cl):
     sid = cl.session("r0")  # and the routers still route and index
     cl.turn("r0", sid, "Still there?")
     cl.turn("r0", sid, "Good.")
+
+
+def test_tenant_limits_hold_across_router_replicas(cl):
+    """Two more replicas with a tenants file, on the same Redis and workers: a tenant's token budget,
+    concurrent request and session spent through one replica are spent for the other."""
+    import json
+
+    from agentrt.tenants import hash_key
+
+    spec = {"tenants": {
+        "metered": {"key_sha256": [hash_key("key-metered")], "tokens_per_minute": 60},
+        "single": {"key_sha256": [hash_key("key-single")], "max_concurrent_requests": 1, "max_sessions": 1}}}
+    path = cl.tmp / "tenants.json"
+    path.write_text(json.dumps(spec))
+    ra = c.router(cl.tmp, cl.server.url, "r2", "--tenants-file", str(path))
+    rb = c.router(cl.tmp, cl.server.url, "r3", "--tenants-file", str(path))
+    metered, single = {"Authorization": "Bearer key-metered"}, {"Authorization": "Bearer key-single"}
+
+    def chat(router: c.Proc, headers: dict, **extra) -> httpx.Response:
+        return cl.http.post(router.url + "/v1/chat/completions", headers=headers, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 8, **extra,
+            "messages": [{"role": "user", "content": "List three colours of the rainbow, one per line."}]})
+
+    try:
+        c.wait_healthy(ra, rb)
+        c.wait_for(lambda: all(len(cl.http.get(r.url + "/router/state").json()["workers"]) == 2 for r in (ra, rb)),
+                   what="r2 and r3 to see both workers")
+        # Tokens per minute: the first request (an empty window admits it) spends the budget for both.
+        first = chat(ra, metered)
+        assert first.status_code == 200, first.text
+        assert first.json()["usage"]["prompt_tokens"] > 30  # so used + the next reservation > 60
+        second = chat(rb, metered)
+        assert second.status_code == 429 and second.json()["error"]["code"] == "tenant_rate_limited", second.text
+        assert "tokens per minute" in second.json()["error"]["message"]
+        assert 1 <= int(second.headers["retry-after"]) <= 60
+
+        # Concurrency 1: a stream held open through r2 takes the tenant's one slot (admitted before the
+        # response headers), so r3 refuses the next request until it ends.
+        with cl.http.stream("POST", ra.url + "/v1/chat/completions", headers=single, json={
+                "model": "SmolLM2-135M-Instruct", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": "Count slowly."}]}) as held:
+            assert held.status_code == 200
+            busy = chat(rb, single)
+            assert busy.status_code == 429 and "concurrent requests" in busy.json()["error"]["message"], busy.text
+            assert busy.headers["retry-after"] == "1"
+            assert cl.http.get(ra.url + "/router/state").json()["tenant_limits"]["leases_held"] == 1
+        c.wait_for(lambda: chat(rb, single).status_code == 200, timeout_s=60, interval_s=0.5,
+                   what="the slot to come back once the stream ended")
+
+        # Sessions: the tenant's one session, created through r2, counts on r3 too.
+        sid = cl.http.post(ra.url + "/v1/sessions", headers=single, json={}).json()["id"]
+        again = cl.http.post(rb.url + "/v1/sessions", headers=single, json={})
+        assert again.status_code == 429 and again.json()["error"]["code"] == "too_many_sessions", again.text
+        assert cl.http.delete(rb.url + f"/v1/sessions/{sid}", headers=single).status_code == 200
+        sid = cl.http.post(rb.url + "/v1/sessions", headers=single, json={}).json()["id"]
+        assert cl.http.delete(ra.url + f"/v1/sessions/{sid}", headers=single).status_code == 200
+
+        # Redis down: a limited tenant's request fails closed with 503 and Retry-After, the router lives on.
+        cl.server.stop()
+        try:
+            down = chat(rb, single)
+            assert down.status_code == 503 and down.json()["error"]["code"] == "store_unavailable", down.text
+            assert "tenant limits" in down.json()["error"]["message"] and int(down.headers["retry-after"]) >= 1
+        finally:
+            cl.server.start()
+        c.wait_for(lambda: chat(rb, single).status_code == 200, timeout_s=30, interval_s=0.5,
+                   what="r3 to admit again after Redis came back")
+    finally:
+        ra.stop()
+        rb.stop()
 
 
 def test_routers_keep_serving_through_a_redis_restart(cl):
