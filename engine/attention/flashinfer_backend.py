@@ -4,10 +4,16 @@ Per step: build the CSR page table (``kv_indptr``, ``kv_indices``,
 ``kv_last_page_len``; ``qo_indptr`` for prefill) and ``plan`` a decode wrapper
 when every sequence has one query, else a prefill wrapper (bottom-right causal,
 which is right for extends over a cached prefix). Per layer: write K/V into the
-pages, then ``run``. Checked against the torch backend by scripts/gpu_check.py.
+pages, then ``run``. Checked against the plain reference and the torch backend by
+scripts/gpu_check.py.
+
+FlashInfer compiles its kernels on first use. ``AGENTRT_FLASHINFER_PREFILL_BACKEND`` picks the
+prefill kernel family: ``auto`` (FlashInfer's choice: FA3 on Hopper), ``fa2`` or ``fa3``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -30,7 +36,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         if device.type != "cuda":
             raise RuntimeError("the flashinfer attention backend runs on CUDA only; use 'torch' on CPU")
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        prefill_backend = os.environ.get("AGENTRT_FLASHINFER_PREFILL_BACKEND", "auto")
+        if prefill_backend not in ("auto", "fa2", "fa3"):
+            raise ValueError(f"AGENTRT_FLASHINFER_PREFILL_BACKEND={prefill_backend!r}: "
+                             "use 'auto', 'fa2' or 'fa3'")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                                       backend=prefill_backend)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = None
 
