@@ -33,7 +33,9 @@ class ServerConfig:
     Expert parallelism (MoE checkpoints): ``ep`` ranks (this process is rank 0) as ``ep_nodes``
     nodes, ``ep_placement`` of ``num_experts + ep_redundant`` expert slots (docs/moe.md).
     ``enable_prefix_cache`` false turns the engine's radix prefix cache off (every prompt is
-    computed in full; for ablations).
+    computed in full; for ablations). ``turn_coalesce_max_s`` caps how long the engine holds
+    its next step after a session turn ends, for the agent's next turn to join it (a tenth of
+    the recent prefill step time at most; 0 turns it off; engine/coalesce.py).
     Sessions: ``session_idle_ttl_s`` deletes a session nobody used for that long;
     ``pin_ttl_s`` keeps a session's KV prefix pinned between turns, ``pin_ttl_tool_s`` when
     the last reply ended in a tool call (the agent comes straight back); ``max_pin_ttl_s``
@@ -52,6 +54,7 @@ class ServerConfig:
     max_waiting: int | None = None
     max_waiting_tokens: int | None = None
     enable_prefix_cache: bool = True
+    turn_coalesce_max_s: float = 0.2
     ep: int = 1
     ep_nodes: int = 1
     ep_placement: str = "contiguous"
@@ -90,6 +93,9 @@ class ServerConfig:
                      "sweep_interval_s", "shutdown_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.turn_coalesce_max_s < 0:
+            raise ValueError(f"turn_coalesce_max_s must be >= 0 (0 turns coalescing off), "
+                             f"got {self.turn_coalesce_max_s}")
         if max(self.pin_ttl_s, self.pin_ttl_tool_s) > self.max_pin_ttl_s:
             raise ValueError(f"pin_ttl_s ({self.pin_ttl_s}) and pin_ttl_tool_s ({self.pin_ttl_tool_s}) "
                              f"must not exceed max_pin_ttl_s ({self.max_pin_ttl_s})")
@@ -104,7 +110,8 @@ class ServerConfig:
         kwargs: dict[str, Any] = {"model": self.model, "device": self.device, "dtype": self.dtype,
                                   "ep_size": self.ep, "ep_nodes": self.ep_nodes,
                                   "ep_placement": self.ep_placement, "ep_redundant": self.ep_redundant,
-                                  "enable_prefix_cache": self.enable_prefix_cache}
+                                  "enable_prefix_cache": self.enable_prefix_cache,
+                                  "turn_coalesce_max_s": self.turn_coalesce_max_s}
         for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting",
                      "max_waiting_tokens"):
             if getattr(self, name) is not None:

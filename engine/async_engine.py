@@ -2,13 +2,16 @@
 
 Each request gets an asyncio queue on the submitting loop; the engine thread
 hands outputs over with ``call_soon_threadsafe``. Closing a stream (or cancelling
-its consumer) aborts the request, which frees its pages at the next step.
+its consumer) aborts the request, which frees its pages at the next step. After a
+session turn ends the loop may hold its next step briefly for the agent's next turn
+(``engine.coalesce``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from typing import Sequence
 
@@ -109,6 +112,13 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self.engine.step()   # applies pin/unpin commands and expires pins
                     continue
+            hold = self.engine.coalescer.delay()
+            if hold > 0:  # a session turn just ended: give its agent a moment to come back
+                t = time.monotonic()
+                self._wake.wait(timeout=hold)
+                self._wake.clear()
+                self.engine.coalescer.note_wait(time.monotonic() - t)
+                continue
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # keep serving: fail what was running, log, go on

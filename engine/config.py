@@ -27,6 +27,11 @@ class EngineConfig:
     nothing is queued, whatever its size (a prompt the pool cannot hold is refused
     with ``InvalidRequest`` instead).
 
+    Turn coalescing (engine/coalesce.py; serving loops only, ``AsyncEngine``): after a session
+    turn ends, the next step may wait up to ``turn_coalesce_fraction`` of the recent prefill
+    step time, at most ``turn_coalesce_max_s``, for the agent's next turn to arrive and join it.
+    ``turn_coalesce_max_s=0`` turns it off.
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -45,6 +50,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_waiting: int = 1024
     max_waiting_tokens: int | None = None
+    turn_coalesce_max_s: float = 0.2
+    turn_coalesce_fraction: float = 0.1
     enable_prefix_cache: bool = True
     seed: int = 0
     ep_size: int = 1
@@ -71,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.turn_coalesce_max_s < 0 or not 0 <= self.turn_coalesce_fraction <= 1:
+            raise ValueError(f"turn_coalesce_max_s must be >= 0 and turn_coalesce_fraction in [0, 1], "
+                             f"got {self.turn_coalesce_max_s} and {self.turn_coalesce_fraction}")
         if self.max_waiting_tokens is not None and self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
         self._validate_expert_parallel()

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from engine.attention import backend_class
+from engine.coalesce import TurnCoalescer
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import make_seed
@@ -71,6 +72,8 @@ class LLMEngine:
         self._pending_lock = threading.Lock()  # held while a request moves from the inbox to the scheduler
         self._requests: dict[str, Request] = {}
         self._seeds: dict[str, bytes] = {}
+        # how long a serving loop holds its next step for agents coming back (engine/coalesce.py)
+        self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self._snapshot()
 
@@ -148,6 +151,7 @@ class LLMEngine:
                                        f"{limit} waiting tokens")
             self._pending += 1
             self._pending_tokens += tokens
+        self.coalescer.on_arrival()
 
     def _command(self, kind: str, arg) -> None:
         self._inbox.put((kind, arg))
@@ -240,11 +244,15 @@ class LLMEngine:
 
     def _run(self, batch) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        started = time.monotonic()
+        prefill_tokens = sum(n for req, n in zip(batch.requests, batch.num_new)
+                             if req.num_computed < len(req.prompt_ids))
         logits, sample_idx = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
             if req.num_computed < req.num_tokens and req.num_computed // self.config.page_size > req.num_tree_pages:
                 self.scheduler.cache_request(req)   # share prefill progress with other requests
+        returning = 0
         if sample_idx:
             reqs = [batch.requests[i] for i in sample_idx]
             with torch.inference_mode():  # constraints mask the (inference-mode) logits in place
@@ -258,7 +266,12 @@ class LLMEngine:
                 self._append_token(req, tok, lp)
                 if req.finished:
                     self.scheduler.finish(req)
+                    if req.pin_ttl_s and req.finish_reason in ("stop", "length"):
+                        returning += 1   # a session turn: its agent is likely coming straight back
                 outputs.append(self._emit(req))
+        self.coalescer.on_step(time.monotonic() - started, prefill_tokens)
+        if returning:
+            self.coalescer.on_finish(returning)
         return outputs
 
     def _append_token(self, req: Request, tok: int, lp) -> None:

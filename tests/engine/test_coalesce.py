@@ -1,0 +1,115 @@
+"""Turn coalescing: the serving loop holds its next step briefly for an agent's next turn."""
+
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.coalesce import TurnCoalescer
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_no_hold_before_a_prefill_step_was_measured():
+    c = TurnCoalescer(0.2, 0.1, clock=FakeClock())
+    c.on_finish(3)
+    assert c.window_s == 0.0
+    assert c.delay() == 0.0
+
+
+def test_hold_until_every_finished_turn_came_back():
+    clock = FakeClock()
+    c = TurnCoalescer(0.2, 0.1, clock=clock)
+    c.on_step(1.0, prefill_tokens=0)          # decode-only steps do not size the window
+    assert c.window_s == 0.0
+    c.on_step(3.0, prefill_tokens=400)
+    assert c.window_s == pytest.approx(0.2)   # 10% of 3 s, capped at 0.2 s
+    c.on_finish(2)
+    assert c.delay() == pytest.approx(0.2)
+    clock.t += 0.05
+    assert c.delay() == pytest.approx(0.15)
+    c.on_arrival()
+    assert c.delay() == pytest.approx(0.15)   # one of the two is still owed
+    c.on_arrival()
+    assert c.delay() == 0.0
+    c.on_arrival()                             # an unrelated arrival owes nothing
+    assert c.delay() == 0.0
+
+
+def test_a_turn_that_does_not_come_back_holds_only_for_the_window():
+    clock = FakeClock()
+    c = TurnCoalescer(0.2, 0.1, clock=clock)
+    c.on_step(3.0, prefill_tokens=400)
+    c.on_finish(1)
+    clock.t += 0.25
+    assert c.delay() == 0.0
+    c.on_finish(1)                              # a later finish starts its own window
+    assert c.delay() == pytest.approx(0.2)
+
+
+def test_fast_steps_make_a_short_window_and_zero_turns_it_off():
+    clock = FakeClock()
+    fast = TurnCoalescer(0.2, 0.1, clock=clock)
+    fast.on_step(0.02, prefill_tokens=300)      # a GPU-speed prefill step
+    assert fast.window_s == pytest.approx(0.002)
+    off = TurnCoalescer(0.0, 0.1, clock=clock)
+    off.on_step(3.0, prefill_tokens=300)
+    off.on_finish(1)
+    assert off.delay() == 0.0
+
+
+def test_config_rejects_bad_coalescing_settings():
+    with pytest.raises(ValueError, match="turn_coalesce"):
+        EngineConfig(turn_coalesce_max_s=-1)
+    with pytest.raises(ValueError, match="turn_coalesce"):
+        EngineConfig(turn_coalesce_fraction=2)
+
+
+def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
+    """A's reply ends (a session turn: it carries a pin TTL) while B is still decoding. C, the
+    agent's next turn, is submitted as soon as A's end reaches the client: the loop holds B's
+    next decode step for it, so C is in the step right after A's last one."""
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256,
+                                    turn_coalesce_max_s=5.0, turn_coalesce_fraction=1.0))
+    steps: list[set[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        if batch:
+            steps.append({r.request_id for r in batch.requests})
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    prompt_a = tokenizer.encode("You are a careful agent. " * 12)
+    prompt_b = tokenizer.encode("Count slowly from one to one hundred.")
+
+    async def run() -> None:
+        ae = AsyncEngine(engine)
+        try:
+            a = ae.submit(prompt_a, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "A",
+                          pin_ttl_s=30.0)
+            b = ae.submit(prompt_b, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "B")
+            async for out in a:
+                assert out.finish_reason in (None, "length")
+            c = ae.submit(prompt_a + tokenizer.encode(" Next turn."),
+                          SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "C")
+            async for _ in c:
+                pass
+            async for _ in b:
+                pass
+        finally:
+            await ae.shutdown()
+
+    asyncio.run(run())
+    last_a = max(i for i, ids in enumerate(steps) if "A" in ids)
+    assert "B" in steps[last_a + 1], steps        # B was still decoding
+    assert "C" in steps[last_a + 1], steps        # and C did not miss that step
+    assert engine.coalescer.waits >= 1
