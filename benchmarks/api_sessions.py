@@ -1,6 +1,7 @@
 """S concurrent agent sessions through the HTTP session API: TTFT per turn and cache reuse.
 
     python benchmarks/api_sessions.py --url http://127.0.0.1:8000 --json out/api_sessions.json
+    python benchmarks/api_sessions.py --against-engine --json out/api_vs_engine.json
 
 The workload is the engine benchmark's (``benchmarks/workload.py``): S sessions share a
 ~1,500-token system prompt with tool definitions; every turn appends a ~200-token tool
@@ -8,6 +9,12 @@ result and asks for a 32-token reply at temperature 0. Sessions run concurrently
 within a session one after another. TTFT is measured at the client, from sending the turn
 to the first streamed content event, so it includes the whole HTTP layer; compare it with
 ``benchmarks/engine_sessions.py`` on the same workload to see that layer's overhead.
+
+``--against-engine`` does that comparison in one run: first the workload on the engine in
+this process (``engine_sessions.run_engine``: each turn submitted the moment the previous
+reply ends, TTFT from submission to the first token), then ``agentrt serve`` with the same
+engine settings in a subprocess and the workload through its session API, and reports the
+ratio of TTFT p50 on turns 2+ (HTTP over in-process; the target is at most 1.15).
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,6 +113,54 @@ async def main_async(args: argparse.Namespace) -> dict:
     return summarize(records, wl, wall)
 
 
+ENGINE_KV_TOKENS, ENGINE_BATCHED_TOKENS = 131072, 512   # benchmarks/engine_sessions.py's engine
+
+
+def run_in_process(wl: AgenticWorkload) -> dict:
+    """The same workload on the engine in this process; the engine is freed afterwards."""
+    import gc
+
+    from benchmarks.engine_sessions import run_engine
+    from engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=ENGINE_KV_TOKENS, max_batched_tokens=ENGINE_BATCHED_TOKENS))
+    system = system_prompt(engine.tokenizer, wl.system_tokens, seed=wl.seed)
+    result = run_engine(engine, wl, system)
+    result.pop("_replies")
+    del engine
+    gc.collect()
+    return result
+
+
+def run_against_engine(args: argparse.Namespace) -> dict:
+    from router.local_cluster import free_port, wait_healthy
+
+    wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                         tool_result_tokens=args.tool_result_tokens, reply_tokens=args.reply_tokens)
+    print("in-process engine ...", flush=True)
+    engine = run_in_process(wl)
+    print(f"  TTFT p50 turns 2+ {engine['ttft_p50_s_turns2plus']:.3f} s, wall {engine['wall_s']:.1f} s", flush=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--kv-cache-tokens", str(ENGINE_KV_TOKENS), *args.serve_flag]
+    print("HTTP session API: " + " ".join(cmd[2:]), flush=True)
+    server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    try:
+        args.url = f"http://127.0.0.1:{port}"
+        wait_healthy(args.url, server, 300.0)
+        http = asyncio.run(main_async(args))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    ratio = http["ttft_p50_turns_2_plus_s"] / engine["ttft_p50_s_turns2plus"]
+    return {"http": http, "engine": engine, "server_flags": cmd[3:],
+            "ttft_p50_turns_2_plus_ratio": ratio, "target_ratio": 1.15, "target_met": ratio <= 1.15,
+            "wall_ratio": http["wall_s"] / engine["wall_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -116,16 +173,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--model-path", default=None, help="GGUF whose tokenizer sizes the text (default model)")
     parser.add_argument("--quick", action="store_true", help="4 sessions x 4 turns")
+    parser.add_argument("--against-engine", action="store_true",
+                        help="run the workload in-process first, then through a server this starts")
+    parser.add_argument("--serve-flag", action="append", default=[],
+                        help="extra flag for the server --against-engine starts (repeatable, e.g. "
+                             "--serve-flag=--turn-coalesce-max-s=0)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions, args.turns = 4, 4
-    result = asyncio.run(main_async(args))
+    if args.against_engine:
+        both = run_against_engine(args)
+        result = both["http"]
+    else:
+        result = asyncio.run(main_async(args))
     print(f"{args.sessions} sessions x {args.turns} turns in {result['wall_s']:.1f} s; "
           f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms, p99 {result['ttft_p99_s'] * 1000:.0f} ms; "
           f"cached fraction {result['cached_fraction']:.2f} ({result['cached_fraction_turns_2_plus']:.2f} on turns 2+)")
     for row in result["per_turn"]:
         print(f"  turn {row['turn']}: TTFT p50 {row['ttft_p50_s'] * 1000:7.0f} ms  p99 {row['ttft_p99_s'] * 1000:7.0f} ms"
               f"  cached {row['cached_fraction']:.2f}")
+    if args.against_engine:
+        eng = both["engine"]
+        print(f"in-process engine: TTFT p50 turns 2+ {eng['ttft_p50_s_turns2plus'] * 1000:.0f} ms, "
+              f"wall {eng['wall_s']:.1f} s; HTTP/in-process TTFT p50 ratio "
+              f"{both['ttft_p50_turns_2_plus_ratio']:.3f} (target <= 1.15), wall ratio {both['wall_ratio']:.3f}")
+        result = both
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
