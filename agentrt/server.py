@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from agentrt.config import ServerConfig
+from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
 from agentrt.generation import Generator
 from agentrt.metrics import CONTENT_TYPE, Metrics
@@ -289,6 +290,7 @@ def assemble_app(config: ServerConfig, backend: Any, model: Any, store: SessionS
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        install_task_dump()
         sweeper = asyncio.create_task(_sweep_forever(sessions, config.sweep_interval_s))
         try:
             yield

@@ -55,23 +55,34 @@ class RedisTurnLock(TurnLock):
                                                                name=f"turn-lock-{session_id}")
 
     async def _renew_forever(self) -> None:
-        while True:
+        while not self._released:
             await asyncio.sleep(self.ttl_ms / 3000)
+            if self._released:
+                return
             try:
-                if not await self.store.renew_turn_lock(self.session_id, self.token, self.ttl_ms):
+                held = await self.store.renew_turn_lock(self.session_id, self.token, self.ttl_ms)
+            except (aioredis.RedisError, OSError) as exc:
+                if not self._released:
+                    log.warning("cannot renew the turn lock of session %s: %s; retrying", self.session_id, exc)
+                continue
+            if not held:
+                if not self._released:
                     log.warning("turn lock of session %s was lost (expired while Redis was unreachable?)",
                                 self.session_id)
-                    return
-            except (aioredis.RedisError, OSError) as exc:
-                log.warning("cannot renew the turn lock of session %s: %s; retrying", self.session_id, exc)
+                return
 
     async def release(self) -> None:
         if self._released:
             return
         self._released = True
         self._renewer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._renewer
+        # Never wait on the renewer for long: a cancellation that lands as a Redis command completes
+        # can be lost inside the client (asyncio.wait_for on Python 3.11 drops it), and awaiting the
+        # renewer then held the turn, and its client's stream, forever. The renewer stops by itself
+        # at its next look at _released.
+        await asyncio.wait({self._renewer}, timeout=1.0)
+        if self._renewer.done() and not self._renewer.cancelled() and self._renewer.exception() is not None:
+            log.warning("turn lock renewer of session %s failed: %r", self.session_id, self._renewer.exception())
         try:
             await self.store.unlock_turn(self.session_id, self.token)
         except (aioredis.RedisError, OSError) as exc:
