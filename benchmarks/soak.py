@@ -87,6 +87,14 @@ class Stats:
         self.kinds: Counter = Counter()
         self.ttft: dict[int, list[float]] = defaultdict(list)
         self.rss: dict[int, dict[str, float]] = defaultdict(dict)
+        self.error_events: list[dict] = []   # every error but 429: when, what, how long it took
+
+    def error(self, kind: str, sent: float, detail: str = "") -> None:
+        self.kinds[kind] += 1
+        if not kind.endswith("429"):
+            now = time.monotonic()
+            self.error_events.append({"t_s": round(now - self.started, 1), "kind": kind,
+                                      "after_s": round(now - sent, 1), "detail": detail[:300]})
 
     def window(self) -> int:
         return int((time.monotonic() - self.started) // self.window_s)
@@ -96,32 +104,34 @@ async def one_turn(http: httpx.AsyncClient, url: str, sid: str, text: str, stats
     """One streamed turn; True if it completed."""
     sent = time.monotonic()
     first = None
+    headers = False
     body = {"messages": [{"role": "user", "content": text}], "stream": True}
     try:
         async with http.stream("POST", f"{url}/v1/sessions/{sid}/turns", json=body) as resp:
             if resp.status_code != 200:
-                await resp.aread()
-                stats.kinds[str(resp.status_code)] += 1
+                body = await resp.aread()
+                stats.error(str(resp.status_code), sent, body.decode(errors="replace"))
                 if resp.status_code == 429:
                     await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
                 return False
+            headers = True
             completed = False
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    stats.kinds["stream_error"] += 1
+                    stats.error("stream_error", sent, json.dumps(event["error"]))
                     return False
                 if first is None and event.get("type") in ("turn.delta", "turn.completed"):
                     first = time.monotonic()
                 if event.get("type") == "turn.completed":
                     completed = True
             if not completed:
-                stats.kinds["incomplete_stream"] += 1
+                stats.error("incomplete_stream", sent, f"session {sid}")
                 return False
     except httpx.HTTPError as exc:
-        stats.kinds[type(exc).__name__] += 1
+        stats.error(type(exc).__name__, sent, f"session {sid}, headers {headers}, first token {first is not None}: {exc!r}")
         return False
     stats.kinds["ok"] += 1
     stats.ttft[stats.window()].append(first - sent)
@@ -137,7 +147,7 @@ async def session_loop(i: int, http: httpx.AsyncClient, url: str, args: argparse
                 "system": f"You are build agent {i}. Answer in a few words.",
                 "sampling": {"temperature": 0, "max_tokens": args.max_tokens}})
         except httpx.HTTPError as exc:
-            stats.kinds["create:" + type(exc).__name__] += 1
+            stats.error("create:" + type(exc).__name__, time.monotonic(), str(exc))
             await asyncio.sleep(1)
             continue
         if r.status_code != 201:
@@ -196,7 +206,7 @@ def report(stats: Stats, args: argparse.Namespace) -> dict:
             "completed_turns": stats.kinds["ok"], "errors": errors,
             "errors_other_than_429": sum(v for k, v in errors.items() if not k.endswith("429")),
             "ttft_p99_s_overall": percentile([t for v in stats.ttft.values() for t in v], 99),
-            "rss_growth_pct_after_warmup": growth, "timeline": timeline}
+            "rss_growth_pct_after_warmup": growth, "error_events": stats.error_events, "timeline": timeline}
 
 
 
