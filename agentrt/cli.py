@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from agentrt.config import ENV_PREFIX, OPTIONAL_INTS, ServerConfig
+from agentrt.config import ENV_PREFIX, KEEP_ALIVE_S, OPTIONAL_INTS, ServerConfig
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"agentrt serve: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1)
+                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1, timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

@@ -12,6 +12,12 @@ from typing import Any, Mapping
 
 ENV_PREFIX = "AGENTRT_"
 # Fields whose default is None but whose values are integers (flags and env parse them as int).
+# How long an idle HTTP connection stays open. Longer than clients keep idle connections (httpx,
+# so the official openai client: 5 s), so a client never sends a request on a connection the
+# server is closing at that moment (uvicorn's own default is also 5 s: under load those requests
+# failed with a reset connection).
+KEEP_ALIVE_S = 75
+
 OPTIONAL_INTS = ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting", "max_waiting_tokens")
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 
-from agentrt.config import ServerConfig
+from agentrt.config import KEEP_ALIVE_S, ServerConfig
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -43,7 +43,7 @@ def _serve(app, config: ServerConfig) -> None:
     import uvicorn
 
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1)
+                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def _logging(config: ServerConfig) -> None:

@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from agentrt.config import ServerConfig
+from agentrt.config import KEEP_ALIVE_S, ServerConfig
 from router.config import RouterConfig
 from router.core import redis_client
 from router.events import KVEventPublisher
@@ -213,5 +213,6 @@ def serve_worker(app: FastAPI, config: ServerConfig) -> None:
                 super().handle_exit(sig, None)
 
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1))
+                                           timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1,
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     server.run()
