@@ -51,10 +51,13 @@ class TurnCoalescer:
 
     def on_finish(self, count: int = 1) -> None:
         """``count`` requests ended naturally: their clients may come straight back."""
-        if self.window_s <= 0:
+        window = self.window_s
+        if window <= 0:
             return
         now = self.clock()
         with self._lock:
+            while self._finished and self._finished[0] + window <= now:
+                self._finished.popleft()   # bounded even where nobody asks for delay()
             self._finished.extend([now] * count)
 
     def on_arrival(self) -> None:

@@ -113,3 +113,14 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
     assert "B" in steps[last_a + 1], steps        # B was still decoding
     assert "C" in steps[last_a + 1], steps        # and C did not miss that step
     assert engine.coalescer.waits >= 1
+
+
+def test_owed_finishes_stay_bounded_without_a_serving_loop():
+    """LLMEngine.step() users never call delay(): expired finishes are dropped on the next finish."""
+    clock = FakeClock()
+    c = TurnCoalescer(0.2, 0.1, clock=clock)
+    c.on_step(3.0, prefill_tokens=400)
+    for _ in range(1000):
+        c.on_finish(1)
+        clock.t += 1.0
+    assert len(c._finished) == 1
