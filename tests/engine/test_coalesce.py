@@ -74,9 +74,10 @@ def test_config_rejects_bad_coalescing_settings():
 
 def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
     """A's reply ends (a session turn: it carries a pin TTL) while B is still decoding. C, the
-    agent's next turn, is submitted as soon as A's end reaches the client: the loop holds B's
-    next decode step for it, so C is in the step right after A's last one."""
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256,
+    agent's next turn, comes 50 ms after A's end reached the client (a quick tool call): the
+    loop holds B's next decode step for it, so C is in the step right after A's last one.
+    The window is the prefill step's own length here (fraction 1), far over 50 ms on a CPU."""
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=512,
                                     turn_coalesce_max_s=5.0, turn_coalesce_fraction=1.0))
     steps: list[set[str]] = []
     schedule = engine.scheduler.schedule
@@ -88,7 +89,7 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
         return batch
 
     engine.scheduler.schedule = recording_schedule
-    prompt_a = tokenizer.encode("You are a careful agent. " * 12)
+    prompt_a = tokenizer.encode("You are a careful agent. " * 40)
     prompt_b = tokenizer.encode("Count slowly from one to one hundred.")
 
     async def run() -> None:
@@ -99,6 +100,7 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
             b = ae.submit(prompt_b, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "B")
             async for out in a:
                 assert out.finish_reason in (None, "length")
+            await asyncio.sleep(0.05)
             c = ae.submit(prompt_a + tokenizer.encode(" Next turn."),
                           SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "C")
             async for _ in c:
@@ -112,7 +114,7 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
     last_a = max(i for i, ids in enumerate(steps) if "A" in ids)
     assert "B" in steps[last_a + 1], steps        # B was still decoding
     assert "C" in steps[last_a + 1], steps        # and C did not miss that step
-    assert engine.coalescer.waits >= 1
+    assert engine.coalescer.waits >= 1            # C came after the loop had begun to hold
 
 
 def test_owed_finishes_stay_bounded_without_a_serving_loop():
