@@ -227,7 +227,8 @@ class RouterCore:
                           "recorded": self.tentative.stats.recorded, "confirmed": self.tentative.stats.confirmed,
                           "failed": self.tentative.stats.failed, "redis_errors": self.tentative.stats.redis_errors},
             "events": {"applied": stats.applied, "malformed": stats.malformed, "skipped": stats.skipped,
-                       "gaps": stats.gaps, "resyncs": stats.resyncs, "per_kind": dict(stats.per_kind)},
+                       "gaps": stats.gaps, "resyncs": stats.resyncs, "per_kind": dict(stats.per_kind),
+                       "last_id": stats.last_id},
             "workers": [{"id": wid, "url": w.url, "indexed_blocks": self.index.blocks_of(wid),
                          "in_flight": self.inflight.count(wid),
                          "load": None if (l := self.loads.get(wid)) is None else

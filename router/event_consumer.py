@@ -62,6 +62,7 @@ class ConsumerStats:
     gaps: int = 0
     resyncs: int = 0
     per_kind: dict = field(default_factory=dict)
+    last_id: str = "0-0"   # the stream entry read last
 
 
 class KVEventConsumer:
@@ -111,7 +112,7 @@ class KVEventConsumer:
         n = 0
         for _stream, entries in reply or ():
             for entry_id, fields in entries:
-                self._last_id = entry_id.decode()
+                self._last_id = self.stats.last_id = entry_id.decode()
                 n += 1
                 await self._handle(fields.get(b"e"))
         return n

@@ -315,8 +315,14 @@ def test_routers_keep_serving_through_a_redis_restart(cl):
     assert turn["index"] == 3
     c.wait_for(lambda: all(len(cl.state(r)["workers"]) == 2 for r in ("r0", "r1")), what="both workers live")
     applied = cl.state("r0")["events"]["applied"]
-    cl.turn("r0", cl.session("r0"), "A new session after the restart.")
-    c.wait_for(lambda: cl.state("r0")["events"]["applied"] > applied, what="events after the restart")
+    # long and unlike anything before, so its prompt fills new cache blocks whatever is cached
+    cl.turn("r0", cl.session("r0"), "A new session after the restart: " + " ".join(
+        f"item-{i} zebra quartz {i * 7}" for i in range(12)))
+    try:
+        c.wait_for(lambda: cl.state("r0")["events"]["applied"] > applied, what="events after the restart")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; r0 events {cl.state('r0')['events']}, r0 workers "
+                             f"{[(w['id'], w['indexed_blocks']) for w in cl.state('r0')['workers']]}") from None
 
 
 def test_sigkill_worker_mid_session_fails_over_without_losing_turns(cl):
