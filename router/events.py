@@ -118,10 +118,19 @@ class KVEventPublisher:
     batches: per event one ``XADD`` (``MAXLEN ~ config.events_maxlen``) plus the matching
     snapshot update, in one ``MULTI`` transaction. ``start`` publishes a ``cleared``
     event first, so a worker that comes back wipes its stale entries in every router.
+
+    While Redis is unreachable the writer keeps the unwritten events, in order, and retries
+    them with backoff (0.05 s doubling to 2 s), so a Redis restart costs the routers no
+    event and no resync: seqs stay contiguous and the snapshot set stays exact. A batch
+    may be written twice (the reply of a committed ``EXEC`` lost); routers skip the
+    repeated seqs and the set updates are idempotent. If more than ``max_backlog`` events
+    pile up, the backlog is dropped and ``lost`` is set: the snapshot is then stale, and the
+    owner must republish the whole cache (``cleared`` then ``stored``) and call
+    ``clear_lost`` (``router.worker.WorkerRuntime`` does, on its next good heartbeat).
     """
 
     def __init__(self, config: RouterConfig, worker_id: str,
-                 client: redis.Redis | None = None) -> None:
+                 client: redis.Redis | None = None, max_backlog: int = 200_000) -> None:
         if not worker_id or len(worker_id) > _MAX_WORKER_ID:
             raise ValueError(f"worker_id must be 1..{_MAX_WORKER_ID} characters")
         self.config = config
@@ -132,6 +141,12 @@ class KVEventPublisher:
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._started = False
+        self.max_backlog = max_backlog
+        self.written = 0        # events written to Redis
+        self.retries = 0        # failed writes retried
+        self.dropped = 0        # events dropped on backlog overflow
+        self._lost = threading.Event()
+        self._closing = threading.Event()
 
     def start(self) -> None:
         if self._started:
@@ -167,32 +182,96 @@ class KVEventPublisher:
                 raise TimeoutError(f"{self._queue.unfinished_tasks} KV events not yet written")
             time.sleep(0.002)
 
+    @property
+    def lost(self) -> bool:
+        """Events were dropped (backlog overflow): the snapshot in Redis is stale."""
+        return self._lost.is_set()
+
+    def clear_lost(self) -> None:
+        self._lost.clear()
+
     def close(self) -> None:
         if self._thread is not None:
+            self._closing.set()  # a retry loop gives up at once instead of waiting for Redis
             self._queue.put(None)
             self._thread.join(timeout=10)
             self._thread = None
 
-    def _run(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < 512:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            events = [e for e in batch if e is not None]
+    def _take(self, batch: list[KVEvent], block: bool) -> bool:
+        """Move queued events into ``batch`` (up to 512), waiting for the first one if ``block``;
+        False once the close sentinel has been taken."""
+        while len(batch) < 512:
             try:
-                if events:
-                    self._write(events)
-            except redis.RedisError:
-                log.exception("KV events %d..%d of %s lost; routers will resync on the gap",
-                              events[0].seq, events[-1].seq, self.worker_id)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if len(events) < len(batch):
-                return
+                item = self._queue.get() if block else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                self._queue.task_done()
+                return False
+            batch.append(item)
+        return True
+
+    def _run(self) -> None:
+        pending: list[KVEvent] = []   # taken from the queue, not yet written (in seq order)
+        backoff, failures = 0.05, 0   # failures: consecutive failed writes
+        open_ = True
+        while True:
+            if not pending:
+                if not open_:
+                    return
+                open_ = self._take(pending, block=True)
+                if not pending:
+                    continue
+            try:
+                self._write(pending)
+            except redis.RedisError as exc:
+                if self._closing.is_set():
+                    log.warning("closing with %d KV events of %s unwritten", len(pending), self.worker_id)
+                    self._done(pending)
+                    return
+                self.retries += 1
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("writing KV events %d..%d of %s failed (%s); retrying",
+                                pending[0].seq, pending[-1].seq, self.worker_id, exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                if open_ and self._queue.qsize() + len(pending) > self.max_backlog:
+                    self._drop(pending)
+                continue
+            if failures:
+                log.warning("KV events of %s written again after %d failed tries", self.worker_id, failures)
+            backoff, failures = 0.05, 0
+            self.written += len(pending)
+            self._done(pending)
+            if open_:  # whatever queued meanwhile goes out next, without waiting
+                open_ = self._take(pending, block=False)
+
+    def _done(self, events: list[KVEvent]) -> None:
+        for _ in events:
+            self._queue.task_done()
+        events.clear()
+
+    def _drop(self, pending: list[KVEvent]) -> None:
+        """Backlog overflow: drop every unwritten event and flag the snapshot as stale."""
+        dropped = len(pending)
+        self._done(pending)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:  # keep the close request
+                self._queue.task_done()
+                self._queue.put(None)
+                break
+            dropped += 1
+            self._queue.task_done()
+        self.dropped += dropped
+        self._lost.set()
+        log.error("dropped %d unwritten KV events of %s (backlog over %d); the whole cache will be "
+                  "republished when Redis is back", dropped, self.worker_id, self.max_backlog)
 
     def _write(self, events: list[KVEvent]) -> None:
         cfg, snap = self.config, self.config.snapshot_key(self.worker_id)

@@ -96,24 +96,36 @@ class WorkerRuntime:
         log.info("worker %s registered at %s", self.settings.worker_id, self.settings.url)
 
     async def _beat_forever(self) -> None:
-        wid = self.settings.worker_id
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             try:
-                if not await self._redis.exists(self.config.worker_key(wid)):
-                    await self._reannounce()
-                await self.registry.heartbeat(wid, self.load())
+                await self.beat()
             except (aioredis.RedisError, OSError) as exc:
-                log.warning("heartbeat of %s failed (%s); retrying", wid, exc)
+                log.warning("heartbeat of %s failed (%s); retrying", self.settings.worker_id, exc)
+
+    async def beat(self) -> None:
+        """One heartbeat; first repairs what an outage broke (our keys gone, KV events dropped)."""
+        wid = self.settings.worker_id
+        if not await self._redis.exists(self.config.worker_key(wid)):
+            await self._reannounce()
+        elif self.publisher.lost:  # KV events were dropped in an outage: the snapshot is stale
+            await self._republish_cache()
+        await self.registry.heartbeat(wid, self.load())
 
     async def _reannounce(self) -> None:
         """Redis lost our keys: register again and republish the whole cache."""
         log.warning("registration of %s is gone from Redis; registering again", self.settings.worker_id)
         await self.registry.register(self.info)
+        await self._republish_cache()
+
+    async def _republish_cache(self) -> None:
+        """``cleared`` then one ``stored`` with every cached block: every router resyncs to the truth."""
+        self.publisher.clear_lost()
         self.publisher.publish("cleared", [], None)
         hashes, _ = await cache_snapshot(self.llm, self.publisher)
         if hashes:
             self.publisher.publish("stored", hashes, None)
+        log.warning("republished the KV cache of %s (%d blocks)", self.settings.worker_id, len(hashes))
 
     async def drain(self, app: FastAPI, timeout_s: float) -> int:
         """Accept nothing new, leave the routing table, wait for requests in flight; returns those

@@ -109,8 +109,8 @@ def redis_url(redis_server):
 def redis_server_factory():
     servers: list[RedisServer] = []
 
-    def factory() -> RedisServer:
-        server = RedisServer()
+    def factory(appendonly: bool = False) -> RedisServer:
+        server = RedisServer(appendonly=appendonly)
         server.start()
         servers.append(server)
         return server

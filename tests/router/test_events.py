@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import time
 
 import msgpack
 import pytest
@@ -243,3 +244,75 @@ def test_consumer_task_runs_until_stopped(redis_url):
     index = asyncio.run(body())
     pub.close()
     assert index.holders(42) == {"w1"}
+
+
+def _stream_events(url, cfg):
+    client = redis.Redis.from_url(url)
+    try:
+        return [decode_event(f[b"e"]) for _id, f in client.xrange(cfg.events_stream_key)]
+    finally:
+        client.close()
+
+
+def test_publisher_keeps_events_through_a_redis_restart(redis_server_factory):
+    """Events published while Redis is down are written, in order, once it is back: the
+    stream's seqs stay contiguous (no router resyncs) and the snapshot set is exact."""
+    server = redis_server_factory(appendonly=True)
+    cfg = _cfg(server.url)
+    pub = KVEventPublisher(cfg, "w1", redis.Redis.from_url(server.url, socket_connect_timeout=0.5))
+    pub.start()
+    pub.publish("stored", [1, 2], None)
+    pub.flush()
+    server.stop()
+    pub.publish("stored", [3, 4], 2)
+    pub.publish("removed", [1], None)
+    deadline = time.monotonic() + 10
+    while pub.retries == 0 and time.monotonic() < deadline:  # the writer has met the outage
+        time.sleep(0.02)
+    assert pub.retries >= 1
+    pub.publish("stored", [5], 4)
+    server.start()
+    pub.flush(timeout=15)
+    pub.close()
+    events = _stream_events(server.url, cfg)
+    assert [(e.seq, e.kind, e.hashes) for e in events] == [
+        (0, "cleared", ()), (1, "stored", (1, 2)), (2, "stored", (3, 4)), (3, "removed", (1,)), (4, "stored", (5,))]
+    client = redis.Redis.from_url(server.url)
+    assert {int.from_bytes(m, "little") for m in client.smembers(cfg.snapshot_key("w1"))} == {2, 3, 4, 5}
+    assert int(client.get(cfg.snapshot_seq_key("w1"))) == 4
+    client.close()
+    assert pub.dropped == 0 and not pub.lost and pub.written == 5
+
+    async def body():  # a consumer that started before the outage sees no gap
+        aclient = aioredis.Redis.from_url(server.url)
+        index = PrefixIndex()
+        consumer = KVEventConsumer(aclient, cfg, index)
+        await _drain(consumer)
+        await aclient.aclose()
+        return index, consumer.stats
+    index, stats = asyncio.run(body())
+    assert stats.gaps == 0 and index.match([2, 3, 4, 5]) == {"w1": 4}
+
+
+def test_publisher_backlog_overflow_drops_and_flags_lost(redis_server_factory):
+    server = redis_server_factory()
+    cfg = _cfg(server.url)
+    pub = KVEventPublisher(cfg, "w1", redis.Redis.from_url(server.url, socket_connect_timeout=0.5), max_backlog=5)
+    pub.start()
+    pub.flush()
+    server.kill()
+    for i in range(20):
+        pub.publish("stored", [100 + i], None)
+    deadline = time.monotonic() + 10
+    while not pub.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pub.lost and pub.dropped == 20
+    server.start()
+    pub.publish("stored", [7], None)
+    pub.flush(timeout=15)
+    events = _stream_events(server.url, cfg)
+    assert [(e.seq, e.hashes) for e in events] == [(21, (7,))]  # seqs 1..20 are gone: routers see a gap
+    assert pub.lost  # until the owner republishes the cache and clears it
+    pub.clear_lost()
+    assert not pub.lost
+    pub.close()
