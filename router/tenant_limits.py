@@ -183,16 +183,29 @@ class RedisTenantLimits(TenantLimiter):
             return reservation, 0.0
         args = [reservation.id, int(tokens), tenant.max_concurrent_requests or 0, tenant.tokens_per_minute or 0,
                 self.lease_ms, self.window_ms, _ms(now)]
+        call = asyncio.ensure_future(self._admit(keys=list(self._keys(tenant.name)), args=args))
         try:
-            admitted, wait_ms = await self._admit(keys=list(self._keys(tenant.name)), args=args)
+            admitted, wait_ms = await asyncio.shield(call)
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
+        except asyncio.CancelledError:
+            # The caller went away (client disconnect, shutdown) while the script may already have
+            # reserved: give the slot back as soon as the script's answer is known, not after a lease.
+            call.add_done_callback(lambda done: self._undo_admission(done, reservation))
+            raise
         if not admitted:
             return None, max(1.0, int(wait_ms) / 1000)
         if reservation.leased:
             self._held[reservation.id] = reservation
             self._ensure_renewer()
         return reservation, 0.0
+
+    def _undo_admission(self, call: asyncio.Future, reservation: Reservation) -> None:
+        if call.cancelled() or call.exception() is not None or not call.result()[0]:
+            return
+        task = asyncio.get_running_loop().create_task(self._release_now(reservation, 0))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def release(self, tenant: Tenant, reservation: Reservation, used_tokens: int | None) -> None:
         """Free the lease and charge ``used_tokens``; completes even if the caller is cancelled meanwhile."""

@@ -178,3 +178,26 @@ def test_redis_down_is_503_with_retry_after_and_release_does_not_raise(redis_ser
         assert a.release_errors == 1 and a.held == 0
 
     replicas(server.url, scenario, n=1, retry_after_s=3)
+
+
+def test_a_request_cancelled_during_admission_gives_its_slot_back(redis_url):
+    """A client that disconnects while its admission script runs holds no slot afterwards (not a
+    lease-long 60 s), and is charged no tokens."""
+    acme = Tenant("acme", max_concurrent_requests=1, tokens_per_minute=1000)
+
+    async def scenario(a):
+        for _ in range(5):  # the cancellation lands while the script is on its way or running
+            task = asyncio.ensure_future(a.admit(acme, 400))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 5
+            while await a.in_flight("acme") and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert await a.in_flight("acme") == 0
+        # Nothing was charged: a request for 900 of the 1000 tokens a minute is admitted at once.
+        held, wait = await a.admit(acme, 900)
+        assert held is not None, wait
+        await a.release(acme, held, 900)
+    replicas(redis_url, scenario, n=1)
