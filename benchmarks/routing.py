@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     live.add_argument("--reply-tokens", type=int, default=16)
     live.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV pool per live worker")
     live.add_argument("--live-fronts", default="agentrt,sglang", help="fronts to drive, in order")
+    live.add_argument("--repeats", type=int, default=1,
+                      help="passes per front, in ABBA order (A B B A ...); figures pool every pass's turns")
     args = p.parse_args(argv)
     if args.live:
         return main_live(p, args)
@@ -341,9 +343,10 @@ def main_live(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         opts = LiveOptions(workers=args.workers or 3, sessions=args.sessions, turns=args.turns,
                            system_tokens=args.system_tokens, tool_result_tokens=args.tool_result_tokens,
-                           reply_tokens=args.reply_tokens, kv_cache_tokens=args.kv_cache_tokens, fronts=fronts)
-        if min(opts.workers, opts.sessions, opts.turns, opts.reply_tokens) < 1:
-            p.error("--workers, --sessions, --turns and --reply-tokens must be >= 1")
+                           reply_tokens=args.reply_tokens, kv_cache_tokens=args.kv_cache_tokens, fronts=fronts,
+                           repeats=args.repeats)
+        if min(opts.workers, opts.sessions, opts.turns, opts.reply_tokens, opts.repeats) < 1:
+            p.error("--workers, --sessions, --turns, --reply-tokens and --repeats must be >= 1")
         out = run_live(opts)
     except RuntimeError as exc:
         print(f"routing --live: {exc}", file=sys.stderr)

@@ -55,6 +55,7 @@ class LiveOptions:
     reply_tokens: int = 16
     kv_cache_tokens: int = 8192
     fronts: tuple[str, ...] = ("agentrt", "sglang")
+    repeats: int = 1   # passes per front, in ABBA order
 
 
 class Procs:
@@ -172,10 +173,20 @@ async def _worker_totals(http: httpx.AsyncClient, workers: list[str]) -> list[in
     return [int((await http.get(w + "/get_load")).json()[0]["prompt_tokens_total"]) for w in workers]
 
 
+async def _warm_up(workers: list[str], model: str, wl: AgenticWorkload, tokenizer, systems) -> None:
+    """One first turn on every worker directly, so no measured pass pays the workers' first-use costs
+    (allocator growth, first kernels); caches are flushed before each pass anyway."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=900.0)) as http:
+        await asyncio.gather(*(_turn(http, w, model, [{"role": "system", "content": systems[i % len(systems)]},
+                                                       *wl.turn_messages(tokenizer, i, 0)], wl.reply_tokens)
+                               for i, w in enumerate(workers)))
+
+
 async def run_pass(front: str, url: str, workers: list[str], wl: AgenticWorkload, tokenizer, systems,
                    model: str) -> dict:
+    """One pass of the whole workload through ``url`` on cold caches: its turns and worker totals."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=900.0)) as http:
-        for w in workers:  # start cold: both fronts see the same empty caches
+        for w in workers:  # start cold: every pass sees the same empty caches
             (await http.post(w + "/flush_cache")).raise_for_status()
         await asyncio.sleep(1.0)
         before = await _worker_totals(http, workers)
@@ -185,16 +196,34 @@ async def run_pass(front: str, url: str, workers: list[str], wl: AgenticWorkload
                                for s in range(wl.sessions)))
         wall = time.perf_counter() - start
         after = await _worker_totals(http, workers)
-    prompt = sum(t["prompt_tokens"] for t in turns)
-    share = [a - b for a, b in zip(after, before)]
-    ttfts = [t["ttft_s"] for t in turns]
-    return {"front": front, "turns": len(turns), "wall_s": round(wall, 2),
-            "hit_rate": sum(t["cached_tokens"] for t in turns) / max(prompt, 1),
-            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
-            "ttft_later_turns_p50_s": _pct([t["ttft_s"] for t in turns if t["turn"] > 0], 0.5),
-            "throughput_tok_s": sum(t["completion_tokens"] for t in turns) / wall,
-            "turns_per_s": len(turns) / wall,
-            "worker_prompt_share": [round(x / max(sum(share), 1), 3) for x in share]}
+    return {"turns": turns, "wall_s": wall, "share": [a - b for a, b in zip(after, before)]}
+
+
+def summarize(front: str, passes: list[dict]) -> dict:
+    """Figures over every turn of ``passes`` (one front's repeats pooled), plus each pass's own."""
+    turns = [t for p in passes for t in p["turns"]]
+    wall = sum(p["wall_s"] for p in passes)
+    share = [sum(col) for col in zip(*(p["share"] for p in passes))]
+
+    def figures(ts: list[dict], wall_s: float) -> dict:
+        ttfts = [t["ttft_s"] for t in ts]
+        return {"hit_rate": sum(t["cached_tokens"] for t in ts) / max(sum(t["prompt_tokens"] for t in ts), 1),
+                "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
+                "ttft_later_turns_p50_s": _pct([t["ttft_s"] for t in ts if t["turn"] > 0], 0.5),
+                "throughput_tok_s": sum(t["completion_tokens"] for t in ts) / wall_s,
+                "turns_per_s": len(ts) / wall_s}
+    return {"front": front, "turns": len(turns), "wall_s": round(wall, 2), **figures(turns, wall),
+            "worker_prompt_share": [round(x / max(sum(share), 1), 3) for x in share],
+            "runs": [{"position": p["position"], "wall_s": round(p["wall_s"], 2), **figures(p["turns"], p["wall_s"])}
+                     for p in passes],
+            "per_turn": sorted(({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()} | {"run": i}
+                                for i, p in enumerate(passes) for t in p["turns"]),
+                               key=lambda t: (t["run"], t["session"], t["turn"]))}
+
+
+def pass_order(fronts: tuple[str, ...], repeats: int) -> list[str]:
+    """Fronts in ABBA order (A B, B A, A B, ...): drift and the position in the run weigh on both alike."""
+    return [f for r in range(repeats) for f in (fronts if r % 2 == 0 else fronts[::-1])]
 
 
 def run_live(opts: LiveOptions) -> dict:
@@ -209,14 +238,18 @@ def run_live(opts: LiveOptions) -> dict:
     procs = Procs()
     try:
         fleet = start_fleet(procs, opts)
-        passes = {}
-        for front, url in fleet["fronts"].items():
-            print(f"pass through {front} ({url}) ...", flush=True)
-            passes[front] = asyncio.run(run_pass(front, url, fleet["workers"], wl, model.tokenizer, systems,
-                                                 model.model_id))
+        asyncio.run(_warm_up(fleet["workers"], model.model_id, wl, model.tokenizer, systems))
+        raw: dict[str, list[dict]] = {f: [] for f in opts.fronts}
+        for position, front in enumerate(pass_order(opts.fronts, opts.repeats)):
+            url = fleet["fronts"][front]
+            print(f"pass {position + 1}: {front} ({url}) ...", flush=True)
+            result = asyncio.run(run_pass(front, url, fleet["workers"], wl, model.tokenizer, systems,
+                                          model.model_id))
+            raw[front].append(result | {"position": position})
     finally:
         procs.stop()
-    return {"options": opts.__dict__ | {"fronts": list(opts.fronts)}, "passes": passes}
+    return {"options": opts.__dict__ | {"fronts": list(opts.fronts)},
+            "passes": {f: summarize(f, raw[f]) for f in opts.fronts}}
 
 
 def _has_sglang_router() -> bool:
@@ -233,3 +266,7 @@ def print_live(out: dict) -> None:
     for name, f in out["passes"].items():
         print(f"{name:10s} {f['hit_rate']:6.3f} {f['ttft_p50_s']:9.3f} {f['ttft_p99_s']:9.3f} "
               f"{f['throughput_tok_s']:7.2f} {f['turns_per_s']:8.3f}  {f['worker_prompt_share']}")
+        if len(f["runs"]) > 1:
+            for r in f["runs"]:
+                print(f"  pass {r['position'] + 1:2d}  {r['hit_rate']:6.3f} {r['ttft_p50_s']:9.3f} "
+                      f"{r['ttft_p99_s']:9.3f} {r['throughput_tok_s']:7.2f} {r['turns_per_s']:8.3f}")

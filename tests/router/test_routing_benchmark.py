@@ -52,3 +52,25 @@ def test_cache_events_keep_index_exact():
     for w in workers:
         assert index.blocks_of(w.worker_id) == len(w.blocks) <= 200
         assert all(w.worker_id in index.holders(h) for h in w.blocks)
+
+
+def test_live_pass_order_and_pooled_figures():
+    from benchmarks.routing_live import pass_order, summarize
+
+    assert pass_order(("agentrt", "sglang"), 3) == ["agentrt", "sglang", "sglang", "agentrt", "agentrt", "sglang"]
+    assert pass_order(("sglang",), 2) == ["sglang", "sglang"]
+
+    def turn(s, t, prompt, cached, ttft):
+        return {"session": s, "turn": t, "prompt_tokens": prompt, "cached_tokens": cached, "ttft_s": ttft,
+                "completion_tokens": 4}
+    first = {"position": 0, "wall_s": 2.0, "share": [300, 100],
+             "turns": [turn(0, 0, 100, 0, 1.0), turn(0, 1, 200, 96, 0.5)]}
+    second = {"position": 3, "wall_s": 2.0, "share": [100, 100],
+              "turns": [turn(0, 0, 100, 0, 3.0), turn(0, 1, 200, 192, 0.25)]}
+    f = summarize("agentrt", [first, second])
+    assert f["turns"] == 4 and f["hit_rate"] == (96 + 192) / 600
+    assert f["worker_prompt_share"] == [0.667, 0.333]
+    assert f["ttft_p99_s"] == 3.0 and f["throughput_tok_s"] == 16 / 4.0
+    assert [r["hit_rate"] for r in f["runs"]] == [96 / 300, 192 / 300]
+    assert [r["position"] for r in f["runs"]] == [0, 3]
+    assert [(t["run"], t["turn"]) for t in f["per_turn"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
