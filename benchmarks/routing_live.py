@@ -5,7 +5,11 @@
 One run starts a private Redis, N real ``agentrt worker`` processes (the default model),
 ``agentrt router`` and ``sglang-router`` (``--policy cache_aware``, launched as FACTS.md
 says) in front of the *same* workers, and drives the same agentic workload through each
-front in turn, flushing every worker's cache before each pass so both start cold.
+front in turn, flushing every worker's cache before each pass so both start cold. Before
+the first pass every worker serves one warm-up turn (the first pass on fresh processes
+otherwise pays first-use costs the later ones do not); with ``--repeats N`` each front runs N
+passes in ABBA order (A B B A ...) and its figures pool all its passes' turns, each pass's own
+figures listed under ``runs``.
 
 Workload: ``benchmarks/workload.py``'s sessions (a long system prompt with tool
 definitions, then turns that each append a ~200-token tool result and ask for a short
