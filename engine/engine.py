@@ -250,8 +250,11 @@ class LLMEngine:
         logits, sample_idx = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
-            if req.num_computed < req.num_tokens and req.num_computed // self.config.page_size > req.num_tree_pages:
-                self.scheduler.cache_request(req)   # share prefill progress with other requests
+            # share prefill progress with other requests, the chunk that completes the prompt included
+            # (a decode step, one token completing the sequence, waits for the request's end)
+            if (n > 1 or req.num_computed < req.num_tokens) and \
+                    req.num_computed // self.config.page_size > req.num_tree_pages:
+                self.scheduler.cache_request(req)
         returning = 0
         if sample_idx:
             reqs = [batch.requests[i] for i in sample_idx]

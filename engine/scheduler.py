@@ -4,7 +4,9 @@ Each step, under a token budget (``max_batched_tokens``):
 1. every running request that is decoding gets one token;
 2. running requests still prefilling get their next chunk;
 3. waiting requests are admitted, oldest first: the longest cached prefix is
-   matched (and locked) in the radix cache, and the next chunk is scheduled.
+   matched (and locked) in the radix cache, and the next chunk is scheduled. A request
+   whose next pages a running request is still prefilling (same prompt prefix) waits
+   for them to reach the cache instead of computing them a second time.
 Pages come from the free pool; when it runs dry the scheduler evicts unlocked
 cache, then releases session pins (earliest expiry first), then preempts the
 youngest running request: its computed pages go into the cache (so resuming is
@@ -45,6 +47,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    SHARED_PREFILL_PAGES = 2  # a waiting request defers to a running prefill sharing this many next pages
     def __init__(self, pool: PagePool, cache: RadixCache, page_size: int, max_num_seqs: int,
                  max_batched_tokens: int, enable_prefix_cache: bool = True) -> None:
         self.pool = pool
@@ -202,10 +205,14 @@ class Scheduler:
                 self._fail(req, "the request does not fit in the KV cache")
             else:
                 self.preempt(req)
-        # admit waiting requests
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        # admit waiting requests, oldest first
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             self._match(req)
+            if self._shares_a_running_prefill(req):
+                self.release(req)  # wait a step or two: that prefill will hand its pages over
+                continue
             n = min(req.remaining_prefill, budget)
             if not self._grow(req, req.num_computed + n):
                 self.release(req)
@@ -223,6 +230,23 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         return batch
+
+    def _shares_a_running_prefill(self, req: Request) -> bool:
+        """True when a running request is still prefilling the next pages ``req`` would compute
+        (two agent sessions on one system prompt, arriving together). Admitting ``req`` now would
+        compute those pages twice; a step or two later they are in the cache (each prefill chunk
+        is handed over), as SGLang's in-batch prefix check does."""
+        if not self.enable_prefix_cache:
+            return False
+        end = req.num_computed + self.SHARED_PREFILL_PAGES * self.P
+        if req.num_tokens <= end:
+            return False
+        head = req.all_ids[:end]
+        for other in self.running:
+            if (other.status is Status.RUNNING and other.num_computed < end <= len(other.prompt_ids)
+                    and other.cache_salt == req.cache_salt and other.prompt_ids[:end] == head):
+                return True
+        return False
 
     def _youngest_unscheduled(self, batch: ScheduledBatch, exclude: Request) -> Request | None:
         scheduled = set(map(id, batch.requests))

@@ -39,6 +39,23 @@ def test_shared_system_prompt_served_from_cache_while_batched(default_engine, to
     assert alone == [r.token_ids for r in res[:2]]
 
 
+def test_concurrent_prompts_compute_a_shared_prefix_once(default_engine, tokenizer):
+    """Four agent sessions on one system prompt, submitted together: the first computes the prompt,
+    the others wait for its pages instead of prefilling them alongside (so each hits every full
+    shared page), and the output is what each gives alone."""
+    default_engine.flush_cache()
+    system = "You are an agent with tools: search, read_file, run_tests, open_issue. " * 25
+    prompts = [chat(tokenizer, f"Session {i}: the build of module {i} failed; what next?", system) for i in range(4)]
+    shared = next(i for i, toks in enumerate(zip(*prompts)) if len(set(toks)) > 1) // 16 * 16
+    assert shared >= 20 * 16
+    res = default_engine.generate(prompts, GREEDY)
+    assert res[0].cached_tokens == 0
+    # every full shared page but at most the last (a request defers while 2 or more are pending)
+    assert all(shared - 16 <= r.cached_tokens <= shared for r in res[1:]), ([r.cached_tokens for r in res], shared)
+    default_engine.flush_cache()
+    assert [default_engine.generate([p], GREEDY)[0].token_ids for p in prompts[1:3]] == [r.token_ids for r in res[1:3]]
+
+
 def test_page_pressure_every_request_finishes(small_engine, tokenizer):
     prompts = [chat(tokenizer, f"Tell me a fact about the number {i}.") for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
