@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     live.add_argument("--live-fronts", default="agentrt,sglang", help="fronts to drive, in order")
     live.add_argument("--repeats", type=int, default=1,
                       help="passes per front, in ABBA order (A B B A ...); figures pool every pass's turns")
+    live.add_argument("--live-policy-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra option for agentrt router's policy (repeatable)")
     args = p.parse_args(argv)
     if args.live:
         return main_live(p, args)
@@ -344,7 +346,7 @@ def main_live(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         opts = LiveOptions(workers=args.workers or 3, sessions=args.sessions, turns=args.turns,
                            system_tokens=args.system_tokens, tool_result_tokens=args.tool_result_tokens,
                            reply_tokens=args.reply_tokens, kv_cache_tokens=args.kv_cache_tokens, fronts=fronts,
-                           repeats=args.repeats)
+                           repeats=args.repeats, policy_options=tuple(args.live_policy_option))
         if min(opts.workers, opts.sessions, opts.turns, opts.reply_tokens, opts.repeats) < 1:
             p.error("--workers, --sessions, --turns, --reply-tokens and --repeats must be >= 1")
         out = run_live(opts)
