@@ -60,6 +60,7 @@ class LiveOptions:
     kv_cache_tokens: int = 8192
     fronts: tuple[str, ...] = ("agentrt", "sglang")
     repeats: int = 1   # passes per front, in ABBA order
+    policy_options: tuple[str, ...] = ()  # extra KEY=VALUE options for agentrt router's policy
 
 
 class Procs:
@@ -115,7 +116,8 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
         proc = procs.spawn("agentrt-router", exe + [
             "router", "--redis", redis_url, "--port", str(rport), "--log-level", "warning",
             "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5",
-            "--policy-option", f"tokens_per_queued_request={per_request}"])
+            "--policy-option", f"tokens_per_queued_request={per_request}",
+            *[a for opt in opts.policy_options for a in ("--policy-option", opt)]])
         wait_healthy(f"http://127.0.0.1:{rport}", proc)
         fronts["agentrt"] = f"http://127.0.0.1:{rport}"
     if "sglang" in opts.fronts:
