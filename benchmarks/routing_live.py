@@ -21,7 +21,9 @@ OpenAI API, the client keeps each conversation and sends it whole to
 
 Figures per front: hit rate (sum of ``usage.prompt_tokens_details.cached_tokens`` over
 sum of prompt tokens), client-side TTFT p50/p99 (first content token), throughput
-(completion tokens/s and turns/s over the pass) and each worker's share of prompt tokens.
+(completion tokens/s and turns/s over the pass), each worker's share of prompt tokens, and
+per pass the CPU seconds the front process itself used (on a small machine the router
+competes with the workers for the same cores).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
             "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5"])))
     for url, proc in workers:
         wait_healthy(url, proc)
-    fronts = {}
+    fronts, pids = {}, {}
     if "agentrt" in opts.fronts:
         rport = free_port()
         # A queued request is worth about one of this workload's prompts (the default, 4096, models
@@ -120,6 +122,7 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
             *[a for opt in opts.policy_options for a in ("--policy-option", opt)]])
         wait_healthy(f"http://127.0.0.1:{rport}", proc)
         fronts["agentrt"] = f"http://127.0.0.1:{rport}"
+        pids["agentrt"] = proc.pid
     if "sglang" in opts.fronts:
         sport = free_port()
         proc = procs.spawn("sglang-router", [
@@ -131,7 +134,18 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\n{procs.log_tail('sglang-router')}") from None
         fronts["sglang"] = f"http://127.0.0.1:{sport}"
-    return {"redis": redis_url, "workers": [u for u, _ in workers], "fronts": fronts}
+        pids["sglang"] = proc.pid
+    return {"redis": redis_url, "workers": [u for u, _ in workers], "fronts": fronts, "pids": pids}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its reaped children (Linux ``/proc``); NaN elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    # after the command name: state is field 3, utime/stime/cutime/cstime are fields 14-17
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -220,8 +234,9 @@ def summarize(front: str, passes: list[dict]) -> dict:
                 "turns_per_s": len(ts) / wall_s}
     return {"front": front, "turns": len(turns), "wall_s": round(wall, 2), **figures(turns, wall),
             "worker_prompt_share": [round(x / max(sum(share), 1), 3) for x in share],
-            "runs": [{"position": p["position"], "wall_s": round(p["wall_s"], 2), **figures(p["turns"], p["wall_s"])}
-                     for p in passes],
+            "front_cpu_s": round(sum(p.get("front_cpu_s", float("nan")) for p in passes), 2),
+            "runs": [{"position": p["position"], "wall_s": round(p["wall_s"], 2), **figures(p["turns"], p["wall_s"]),
+                      "front_cpu_s": round(p.get("front_cpu_s", float("nan")), 2)} for p in passes],
             "per_turn": sorted(({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()} | {"run": i}
                                 for i, p in enumerate(passes) for t in p["turns"]),
                                key=lambda t: (t["run"], t["session"], t["turn"]))}
@@ -249,9 +264,10 @@ def run_live(opts: LiveOptions) -> dict:
         for position, front in enumerate(pass_order(opts.fronts, opts.repeats)):
             url = fleet["fronts"][front]
             print(f"pass {position + 1}: {front} ({url}) ...", flush=True)
+            cpu = cpu_seconds(fleet["pids"][front])
             result = asyncio.run(run_pass(front, url, fleet["workers"], wl, model.tokenizer, systems,
                                           model.model_id))
-            raw[front].append(result | {"position": position})
+            raw[front].append(result | {"position": position, "front_cpu_s": cpu_seconds(fleet["pids"][front]) - cpu})
     finally:
         procs.stop()
     return {"options": opts.__dict__ | {"fronts": list(opts.fronts)},
@@ -275,4 +291,5 @@ def print_live(out: dict) -> None:
         if len(f["runs"]) > 1:
             for r in f["runs"]:
                 print(f"  pass {r['position'] + 1:2d}  {r['hit_rate']:6.3f} {r['ttft_p50_s']:9.3f} "
-                      f"{r['ttft_p99_s']:9.3f} {r['throughput_tok_s']:7.2f} {r['turns_per_s']:8.3f}")
+                      f"{r['ttft_p99_s']:9.3f} {r['throughput_tok_s']:7.2f} {r['turns_per_s']:8.3f}  "
+                      f"front CPU {r['front_cpu_s']:.1f} s")
