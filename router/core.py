@@ -101,7 +101,7 @@ class RouterCore:
     async def start(self) -> None:
         """Read the live workers and their snapshots, then follow events and registrations."""
         try:
-            await self.refresh()
+            await self.refresh(resync_joined=False)  # bootstrap loads every snapshot
             await self.consumer.bootstrap(list(self.workers))
         except (aioredis.RedisError, OSError) as exc:
             log.warning("Redis unreachable at start (%s); the router retries in the background", exc)
@@ -126,7 +126,12 @@ class RouterCore:
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("cannot read workers from Redis (%s); routing on the last known list", exc)
 
-    async def refresh(self) -> None:
+    async def refresh(self, resync_joined: bool = True) -> None:
+        """Re-read the live workers and their loads. A worker that (re)joined and whose events this
+        router does not follow is loaded from its snapshot at once: one that was only unreachable
+        for a while (hung, partitioned) comes back with its cache, and may publish no event for a
+        long time (its sessions' prefixes are already cached), so waiting for one would leave its
+        index empty and steer its sessions elsewhere."""
         live = {w.worker_id: w for w in await self.registry.live_workers()}
         for wid in set(self.workers) - set(live):
             log.info("worker %s left (heartbeat expired or unregistered)", wid)
@@ -135,8 +140,12 @@ class RouterCore:
         for wid in wrong:
             log.warning("worker %s serves %r, this router %r: not routing to it", wid, live.pop(wid).model,
                         self.model_id)
+        joined = [wid for wid in live if wid not in self.workers and not self.consumer.has_baseline(wid)]
         self.workers = live
         self.loads = await self.registry.loads(list(live))
+        if resync_joined:
+            for wid in joined:
+                await self.consumer.resync(wid)
 
     def _forget(self, worker_id: str) -> None:
         self.consumer.forget_worker(worker_id)

@@ -100,6 +100,10 @@ class KVEventConsumer:
         log.info("resynced %s from snapshot at seq %d (%d blocks)", worker_id, snap.seq,
                  len(snap.hashes))
 
+    def has_baseline(self, worker_id: str) -> bool:
+        """Whether this consumer follows ``worker_id``'s events (False after ``forget_worker``)."""
+        return worker_id in self._next_seq
+
     def forget_worker(self, worker_id: str) -> None:
         """The worker is dead: drop its entries; its next event triggers a resync."""
         self.index.clear_worker(worker_id)

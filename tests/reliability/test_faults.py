@@ -35,6 +35,7 @@ from tests.router.conftest import RedisServer
 CFG = RouterConfig()
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You are a terse assistant for a build farm. Answer in a few words. " * 6
+BUILD_2 = "Build 2 is red too. Log: " + " ".join(f"step {i} compiled module_{i}.o in {i % 7}.{i % 10} s;" for i in range(12))
 HEADER_TIMEOUT_S = 10.0  # router.remote.RemoteEngine's default
 
 
@@ -288,7 +289,9 @@ def test_sigkill_of_one_worker_with_20_sessions_mid_turn(cl):
         workers = [cl.record(s).last_worker for s in sessions]
         victim = max(set(workers), key=workers.count)
         pid = cl.worker_pid(victim)
-        second = [pool.submit(turn_until_done, s, "Build 2 is red too.", "t2") for s in sessions]
+        # The second turn carries a build log (~215 tokens a session, a second or more of prefill on the victim),
+        # so the kill surely lands while its turns run: short turns can finish between two polls.
+        second = [pool.submit(turn_until_done, s, BUILD_2, "t2") for s in sessions]
         c.wait_for(lambda: any(w["id"] == victim and w["in_flight"] > 0 for w in cl.state()["workers"]), 20, 0.02,
                    what=f"turns in flight on {victim}")
         os.kill(pid, signal.SIGKILL)  # mid-turn
@@ -301,7 +304,7 @@ def test_sigkill_of_one_worker_with_20_sessions_mid_turn(cl):
         received[(sid, "t3")] = r.json()["message"]["content"]
         record = cl.record(sid)
         assert record.turn == 3 and sorted(record.turns) == ["t1", "t2", "t3"]
-        assert [m["content"] for m in record.messages[0::2]] == ["Build 1 is red.", "Build 2 is red too.", "And build 3?"]
+        assert [m["content"] for m in record.messages[0::2]] == ["Build 1 is red.", BUILD_2, "And build 3?"]
         # No turn lost or recorded twice: the history holds exactly what the client received.
         assert [m["content"] for m in record.messages[1::2]] == [received[(sid, t)] for t in ("t1", "t2", "t3")]
         assert record.last_worker != victim

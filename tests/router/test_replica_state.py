@@ -168,3 +168,38 @@ def test_turn_lock_is_exclusive_across_stores_renewed_and_released(redis_url):
             await c2.aclose()
 
     asyncio.run(body())
+
+
+def test_a_worker_back_from_a_hang_is_loaded_from_its_snapshot_at_once(redis_url):
+    """A worker the router dropped (heartbeat expired while it hung) comes back with its cache
+    intact and may publish no event for a long time: the router reloads its entries from the
+    snapshot as soon as it is live again, so its sessions keep routing to it."""
+    cfg = RouterConfig(redis_url=redis_url)
+
+    async def body():
+        (a,) = await _replicas(cfg, 1)
+        pub = KVEventPublisher(cfg, "w1", redis.Redis.from_url(redis_url))
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            pub.start()
+            pub.publish("stored", a.hashes(SYSTEM), None)
+            await asyncio.to_thread(pub.flush)
+            for _ in range(200):
+                if a.index.blocks_of("w1") == 64:
+                    break
+                await asyncio.sleep(0.01)
+            assert a.index.blocks_of("w1") == 64
+            await client.delete(cfg.heartbeat_key("w1"))  # the hang: its heartbeat expires
+            await a.refresh()
+            assert "w1" not in a.workers and a.index.blocks_of("w1") == 0
+            await WorkerRegistry(client, cfg).heartbeat("w1")  # it resumes; no new KV event
+            await a.refresh()
+            assert "w1" in a.workers and a.index.blocks_of("w1") == 64
+            route = await a.choose("req-back", SYSTEM + [1, 2, 3] * 20, 16)
+            assert route.worker.worker_id == "w1" and route.decision.cached_blocks == 64
+        finally:
+            pub.close()
+            await client.aclose()
+            await a.stop()
+
+    asyncio.run(body())
