@@ -140,7 +140,7 @@ class RouterCore:
         for wid in wrong:
             log.warning("worker %s serves %r, this router %r: not routing to it", wid, live.pop(wid).model,
                         self.model_id)
-        joined = [wid for wid in live if wid not in self.workers and not self.consumer.has_baseline(wid)]
+        joined = [wid for wid in live if not self.consumer.has_baseline(wid)]  # retried until a resync lands
         self.workers = live
         self.loads = await self.registry.loads(list(live))
         if resync_joined:
