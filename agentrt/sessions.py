@@ -71,11 +71,14 @@ class TurnRun:
         return self.turn
 
     async def close(self) -> None:
-        """Abort the generation if unfinished, drop its pin if not recorded, release the lock (idempotent)."""
-        await self.generation.close()
-        if self.turn is None:  # the engine pins a request when it ends, even aborted: undo that
-            self.manager.unpin(self.generation.request_id)
-        await self._lock.release()
+        """Abort the generation if unfinished, drop its pin if not recorded, release the lock (idempotent;
+        the lock is released even when the caller is cancelled while the generation closes)."""
+        try:
+            await self.generation.close()
+            if self.turn is None:  # the engine pins a request when it ends, even aborted: undo that
+                self.manager.unpin(self.generation.request_id)
+        finally:
+            await self._lock.release()
 
 
 class SessionManager:

@@ -93,6 +93,9 @@ class RouterConfig:
     def turn_lock_key(self, session_id: str) -> str:
         return f"{self.key_prefix}session:{session_id}:turn"
 
+    def turn_lock_withdrawn_key(self, token: str) -> str:
+        return f"{self.key_prefix}turn-withdrawn:{token}"
+
     def tentative_key(self, block_hash: int) -> str:
         return f"{self.key_prefix}tentative:{self.deployment}:{block_hash:016x}"
 
@@ -112,3 +115,6 @@ class RouterConfig:
 
     def tenant_reserved_key(self, tenant: str) -> str:
         return f"{self.key_prefix}tenant:{tenant}:reserved"
+
+    def tenant_withdrawn_key(self, tenant: str) -> str:
+        return f"{self.key_prefix}tenant:{tenant}:withdrawn"

@@ -72,10 +72,16 @@ class RedisTurnLock(TurnLock):
                 return
 
     async def release(self) -> None:
+        """Stop renewing and delete the lock; the deletion completes even if the caller is cancelled
+        meanwhile (a client that disconnects as its turn ends must not leave the session locked)."""
         if self._released:
             return
         self._released = True
         self._renewer.cancel()
+        self._unlocking = asyncio.get_running_loop().create_task(self._unlock())
+        await asyncio.shield(self._unlocking)
+
+    async def _unlock(self) -> None:
         # Never wait on the renewer for long: a cancellation that lands as a Redis command completes
         # can be lost inside the client (asyncio.wait_for on Python 3.11 drops it), and awaiting the
         # renewer then held the turn, and its client's stream, forever. The renewer stops by itself
@@ -152,6 +158,7 @@ class RedisAgentrtStore(SessionStore):
         self.worker_of = worker_of
         self.list_limit = list_limit
         self.bad_records = 0
+        self._withdrawals: set[asyncio.Task] = set()  # turn locks being withdrawn (kept until done)
 
     async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
         try:
@@ -190,9 +197,26 @@ class RedisAgentrtStore(SessionStore):
 
     async def lock_turn(self, session_id: str) -> TurnLock | None:
         token = secrets.token_hex(16)
-        if not await self.store.lock_turn(session_id, token, self.lock_ttl_ms):
+        # As with tenant admission: the command runs in a task of its own, and a caller that never
+        # reads its answer (cancelled, or the reply lost) withdraws it, whatever Redis did with it.
+        call = asyncio.ensure_future(self.store.lock_turn(session_id, token, self.lock_ttl_ms))
+        try:
+            locked = await asyncio.shield(call)
+        except BaseException:
+            task = asyncio.get_running_loop().create_task(self._withdraw_lock(session_id, token))
+            self._withdrawals.add(task)
+            task.add_done_callback(self._withdrawals.discard)
+            raise
+        if not locked:
             return None
         return RedisTurnLock(self.store, session_id, token, self.lock_ttl_ms)
+
+    async def _withdraw_lock(self, session_id: str, token: str) -> None:
+        try:
+            await self.store.withdraw_turn_lock(session_id, token, self.lock_ttl_ms)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("cannot withdraw an unanswered turn lock of session %s (%s); if it was taken, it "
+                        "expires in %d ms", session_id, exc, self.lock_ttl_ms)
 
     async def turn_locked(self, session_id: str) -> bool:
         return await self.store.turn_locked(session_id)

@@ -40,6 +40,23 @@ redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
 return 1
 """
 
+# KEYS[1]: lock key, KEYS[2]: the token's withdrawn marker; ARGV[1]: holder token; ARGV[2]: TTL in ms.
+# Idempotent for one token (a retry after a lost reply finds the lock its own), and never takes the
+# lock for a token that was withdrawn (an acquisition that reaches Redis after its withdrawal).
+_LOCK_ACQUIRE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# KEYS[1]: lock key, KEYS[2]: the token's withdrawn marker; ARGV[1]: token; ARGV[2]: TTL in ms.
+_LOCK_WITHDRAW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 1
+"""
+
 # KEYS[1]: lock key; ARGV[1]: holder token; ARGV[2]: new TTL in ms, or "0" to release.
 _LOCK_RENEW_OR_RELEASE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -191,14 +208,24 @@ class RedisSessionStore(SessionStore):
         self.max_retries = max_retries
         self._lock_script = client.register_script(_LOCK_RENEW_OR_RELEASE)
         self._create_script = client.register_script(_CREATE)
+        self._acquire_script = client.register_script(_LOCK_ACQUIRE)
+        self._withdraw_script = client.register_script(_LOCK_WITHDRAW)
 
     # ------------------------------------------------------------ turn lock (one turn at a time, any replica)
 
     async def lock_turn(self, session_id: str, token: str, ttl_ms: int) -> bool:
-        """Take the session's turn lock for ``token``; False if someone holds it."""
+        """Take the session's turn lock for ``token``; False if someone else holds it, or ``token`` was
+        withdrawn. Running it again for the same token (a retry) is harmless."""
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
-        return bool(await self._redis.set(self.config.turn_lock_key(session_id), token, nx=True, px=ttl_ms))
+        keys = [self.config.turn_lock_key(session_id), self.config.turn_lock_withdrawn_key(token)]
+        return bool(await self._acquire_script(keys=keys, args=[token, str(ttl_ms)]))
+
+    async def withdraw_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> None:
+        """For a ``lock_turn`` whose answer was never read: release the lock if ``token`` got it, and
+        keep that ``lock_turn`` from taking it if it has not reached Redis yet (for ``ttl_ms``)."""
+        keys = [self.config.turn_lock_key(session_id), self.config.turn_lock_withdrawn_key(token)]
+        await self._withdraw_script(keys=keys, args=[token, str(ttl_ms)])
 
     async def renew_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> bool:
         """Extend the lock if ``token`` still holds it; False if it was lost (expired, taken)."""

@@ -24,6 +24,18 @@ tokens leave it. Tenants with neither limit never touch Redis.
 Redis unreachable at admission: 503 ``store_unavailable`` with ``Retry-After`` (fail
 closed). At release: logged; the lease expires by itself and the window keeps the tokens
 reserved (never more than was admitted).
+
+An admission whose outcome the caller never learns (cancelled by a client that went away, or
+its reply lost with the connection) may still have reserved on the server, or may still be on
+its way there. It is withdrawn at once, whatever the order things reach Redis in:
+
+* admission is idempotent per reservation id: a script that runs again for an id that already
+  holds a reservation (redis-py retrying after a lost reply) answers "admitted" and reserves
+  nothing more, where a second run used to find the tenant full, refuse, and leave the first
+  run's lease behind for a whole ``lease_s``;
+* ``tenant:<name>:withdrawn`` is a sorted set, reservation id -> deadline (ms, a lease ahead).
+  Withdrawing removes whatever the id reserved and records the id there; an admission script
+  for a withdrawn id, even one that reaches Redis after the withdrawal, reserves nothing.
 """
 
 from __future__ import annotations
@@ -54,13 +66,17 @@ if not now then
 end
 """
 
-# KEYS[1]: leases, KEYS[2]: tokens, KEYS[3]: reserved.
+# KEYS[1]: leases, KEYS[2]: tokens, KEYS[3]: reserved, KEYS[4]: withdrawn.
 # ARGV: reservation id, tokens, max concurrent (0: none), tokens per minute (0: none), lease ms, window ms, now.
-# Returns {1, 0} (reserved) or {0, ms until a retry can succeed}.
+# Returns {1, 0} (reserved, now or by an earlier run for this id), {0, ms until a retry can succeed},
+# or {0, -1} (the id was withdrawn: reserve nothing).
 _ADMIT = _NOW + """
 local id, tokens = ARGV[1], tonumber(ARGV[2])
 local max_concurrent, per_minute = tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease, window = tonumber(ARGV[5]), tonumber(ARGV[6])
+local withdrawn = tonumber(redis.call('ZSCORE', KEYS[4], id))
+if withdrawn and withdrawn > now then return {0, -1} end
+if redis.call('ZSCORE', KEYS[1], id) or redis.call('HEXISTS', KEYS[3], id) == 1 then return {1, 0} end
 if max_concurrent > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
   if redis.call('ZCARD', KEYS[1]) >= max_concurrent then return {0, 1000} end
@@ -104,6 +120,19 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 if ARGV[2] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 end
+return 1
+"""
+
+# KEYS[1]: leases, KEYS[2]: tokens, KEYS[3]: reserved, KEYS[4]: withdrawn. ARGV: reservation id, lease ms, now.
+# Frees whatever the id reserved (charging nothing) and keeps any later admission of it from reserving.
+_WITHDRAW = _NOW + """
+local id, lease = ARGV[1], tonumber(ARGV[2])
+redis.call('ZREM', KEYS[1], id)
+redis.call('ZREM', KEYS[2], id)
+redis.call('HDEL', KEYS[3], id)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+redis.call('ZADD', KEYS[4], now + lease, id)
+redis.call('PEXPIRE', KEYS[4], lease)
 return 1
 """
 
@@ -160,15 +189,21 @@ class RedisTenantLimits(TenantLimiter):
         self._release = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
         self._in_flight = client.register_script(_IN_FLIGHT)
+        self._withdraw = client.register_script(_WITHDRAW)
         self._held: dict[str, Reservation] = {}  # this replica's leased reservations, renewed while held
         self._renewer: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()
         self.lost_leases = 0  # leases that expired while held (Redis unreachable for longer than a lease)
         self.release_errors = 0
+        self.withdrawals = 0  # admissions withdrawn because their caller never learnt the outcome
+        self.withdraw_errors = 0
 
     def _keys(self, tenant: str) -> tuple[str, str, str]:
         c = self.config
         return c.tenant_leases_key(tenant), c.tenant_tokens_key(tenant), c.tenant_reserved_key(tenant)
+
+    def _admission_keys(self, tenant: str) -> list[str]:
+        return [*self._keys(tenant), self.config.tenant_withdrawn_key(tenant)]
 
     def _unavailable(self, exc: BaseException) -> APIError:
         return APIError(503, f"the tenant limits store (Redis) is unavailable: {type(exc).__name__}: {exc}; "
@@ -183,15 +218,20 @@ class RedisTenantLimits(TenantLimiter):
             return reservation, 0.0
         args = [reservation.id, int(tokens), tenant.max_concurrent_requests or 0, tenant.tokens_per_minute or 0,
                 self.lease_ms, self.window_ms, _ms(now)]
-        call = asyncio.ensure_future(self._admit(keys=list(self._keys(tenant.name)), args=args))
+        # The script runs in a task of its own: a cancellation that lands inside redis-py can be lost
+        # there (Python 3.11's wait_for), so the caller waits on it through a shield.
+        call = asyncio.ensure_future(self._admit(keys=self._admission_keys(tenant.name), args=args))
         try:
             admitted, wait_ms = await asyncio.shield(call)
         except (RedisError, OSError) as exc:
+            # The script may have run and its reply been lost: withdraw, then answer 503.
+            self._withdraw_soon(reservation, now)
             raise self._unavailable(exc) from None
         except asyncio.CancelledError:
-            # The caller went away (client disconnect, shutdown) while the script may already have
-            # reserved: give the slot back as soon as the script's answer is known, not after a lease.
-            call.add_done_callback(lambda done: self._undo_admission(done, reservation))
+            # The caller went away (client disconnect, shutdown) while the script was on its way,
+            # running, or answering: whichever it was, the slot and the tokens come back now.
+            self._track(call)
+            self._withdraw_soon(reservation, now)
             raise
         if not admitted:
             return None, max(1.0, int(wait_ms) / 1000)
@@ -200,12 +240,24 @@ class RedisTenantLimits(TenantLimiter):
             self._ensure_renewer()
         return reservation, 0.0
 
-    def _undo_admission(self, call: asyncio.Future, reservation: Reservation) -> None:
-        if call.cancelled() or call.exception() is not None or not call.result()[0]:
-            return
-        task = asyncio.get_running_loop().create_task(self._release_now(reservation, 0))
+    def _withdraw_soon(self, reservation: Reservation, now: float | None) -> None:
+        """Withdraw ``reservation`` in a task of its own (it outlives the cancelled caller; ``aclose`` waits)."""
+        self._track(asyncio.get_running_loop().create_task(self._withdraw_now(reservation, now)))
+
+    def _track(self, task: asyncio.Future) -> None:
+        """Keep ``task`` until it is done; ``aclose`` waits for it."""
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    async def _withdraw_now(self, reservation: Reservation, now: float | None) -> None:
+        try:
+            await self._withdraw(keys=self._admission_keys(reservation.tenant),
+                                 args=[reservation.id, self.lease_ms, _ms(now)])
+            self.withdrawals += 1
+        except (RedisError, OSError) as exc:
+            self.withdraw_errors += 1
+            log.warning("cannot withdraw tenant %r's unanswered admission %s (%s); if it reserved, its lease "
+                        "expires within %d ms", reservation.tenant, reservation.id, exc, self.lease_ms)
 
     async def release(self, tenant: Tenant, reservation: Reservation, used_tokens: int | None) -> None:
         """Free the lease and charge ``used_tokens``; completes even if the caller is cancelled meanwhile."""
@@ -213,8 +265,7 @@ class RedisTenantLimits(TenantLimiter):
         if not reservation.leased and not reservation.metered:
             return
         task = asyncio.get_running_loop().create_task(self._release_now(reservation, used_tokens))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._track(task)
         await asyncio.shield(task)
 
     async def _release_now(self, reservation: Reservation, used_tokens: int | None) -> None:
@@ -270,7 +321,8 @@ class RedisTenantLimits(TenantLimiter):
                             r.tenant, r.id, self.lease_ms)
 
     async def aclose(self) -> None:
-        """Stop renewing and finish the releases under way (call before closing the Redis client)."""
+        """Stop renewing and finish the releases and withdrawals under way (call before closing the Redis
+        client). Withdrawals not finished when the event loop closes expire with their lease."""
         if self._renewer is not None:
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -14,7 +14,9 @@ import redis.asyncio as aioredis
 from agentrt.errors import APIError
 from agentrt.tenants import Tenant, TenantLimits
 from router.config import RouterConfig
+from router.core import redis_client
 from router.tenant_limits import RedisTenantLimits
+from tests.router.redis_proxy import RedisProxy
 
 
 def replicas(url: str, scenario, n: int = 2, **options):
@@ -201,3 +203,126 @@ def test_a_request_cancelled_during_admission_gives_its_slot_back(redis_url):
         assert held is not None, wait
         await a.release(acme, held, 900)
     replicas(redis_url, scenario, n=1)
+
+
+# The interleavings in which an admission's caller never learns what Redis did, made to happen
+# on purpose with a proxy between the limiter and a real Redis (tests/router/redis_proxy.py).
+
+def lost_admission(redis_server, scenario):
+    """Run ``scenario(limiter, proxy, direct)``: the limiter talks to Redis through ``proxy``,
+    ``direct`` is a client of its own that sees what Redis really holds."""
+    async def body():
+        proxy = await RedisProxy(redis_server.port).start()
+        client = redis_client(proxy.url)  # the router's own client: it retries on a broken connection
+        direct = aioredis.Redis.from_url(redis_server.url)
+        limiter = RedisTenantLimits(client, RouterConfig(redis_url=proxy.url))
+        try:
+            # One pooled connection, open before the proxy holds anything on it, on which the
+            # scripts are known (a NOSCRIPT reply held back would stall the test, not the race).
+            warm = Tenant("warm-up", max_concurrent_requests=1, tokens_per_minute=10)
+            reservation, _ = await limiter.admit(warm, 1)
+            await limiter.release(warm, reservation, 1)
+            return await scenario(limiter, proxy, direct)
+        finally:
+            await limiter.aclose()
+            await client.aclose()
+            await direct.aclose()
+            await proxy.aclose()
+    return asyncio.run(body())
+
+
+async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+LEASES = RouterConfig().tenant_leases_key("acme")
+TOKENS = RouterConfig().tenant_tokens_key("acme")
+
+
+async def nothing_held(direct) -> bool:
+    return await direct.zcard(LEASES) == 0 and await direct.zcard(TOKENS) == 0
+
+
+def test_a_cancelled_admission_whose_reply_was_lost_gives_its_slot_back(redis_server, redis_url):
+    """Redis ran the script and reserved, the client went away before the reply came, and the
+    reply was lost with its connection: the slot and the tokens come back at once (they stayed
+    held for a whole 60 s lease: the retried script found the tenant full and the give-back
+    was skipped)."""
+    acme = Tenant("acme", max_concurrent_requests=1, tokens_per_minute=1000)
+
+    async def scenario(limits, proxy, direct):
+        held = proxy.hold_replies()
+        task = asyncio.ensure_future(limits.admit(acme, 400))
+
+        async def reserved():
+            return await direct.zcard(LEASES) == 1
+        await until(reserved, "the admission script to reserve on the server")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        proxy.cut(held)  # the reply never arrives
+        await until(lambda: nothing_held(direct), "the reservation to be given back")
+        await until(lambda: withdrawn(limits), "the withdrawal to finish")
+        assert limits.held == 0
+        again, wait = await limits.admit(acme, 900)  # nothing was charged: 900 of 1000 fits now
+        assert again is not None, wait
+        await limits.release(acme, again, 900)
+
+    lost_admission(redis_server, scenario)
+
+
+def test_an_admission_whose_reply_was_lost_is_admitted_once_by_the_retry(redis_server, redis_url):
+    """The script reserved, its reply was lost, redis-py ran it again on a new connection: the
+    second run sees the id's own reservation and answers admitted (it found the tenant full and
+    refused, 429, while the first run's lease stayed behind)."""
+    acme = Tenant("acme", max_concurrent_requests=1, tokens_per_minute=1000)
+
+    async def scenario(limits, proxy, direct):
+        held = proxy.hold_replies()
+        task = asyncio.ensure_future(limits.admit(acme, 400))
+
+        async def reserved():
+            return await direct.zcard(LEASES) == 1
+        await until(reserved, "the admission script to reserve on the server")
+        proxy.cut(held)
+        reservation, wait = await task
+        assert reservation is not None, f"refused, retry after {wait} s"
+        assert await direct.zcard(LEASES) == 1 and int(await direct.hget(
+            RouterConfig().tenant_reserved_key("acme"), reservation.id)) == 400  # reserved once
+        await limits.release(acme, reservation, 10)
+        assert await limits.in_flight("acme") == 0
+
+    lost_admission(redis_server, scenario)
+
+
+def test_an_admission_that_reaches_redis_after_its_withdrawal_reserves_nothing(redis_server, redis_url):
+    """The client went away while its script was still on the network; the withdrawal went out on
+    another connection and got there first. The late script must not reserve."""
+    acme = Tenant("acme", max_concurrent_requests=1, tokens_per_minute=1000)
+
+    async def scenario(limits, proxy, direct):
+        held = proxy.hold_requests()
+        replies_before = held[0].reply_chunks
+        task = asyncio.ensure_future(limits.admit(acme, 400))
+        await asyncio.sleep(0.2)  # the request now waits in the proxy
+        assert held[0].reply_chunks == replies_before  # Redis has not seen the script
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: withdrawn(limits), "the withdrawal to finish")
+        proxy.release(held)  # now the script reaches Redis and runs
+
+        async def script_ran():
+            return held[0].reply_chunks > replies_before
+        await until(script_ran, "the late admission script to run")
+        assert await nothing_held(direct)
+        assert await limits.in_flight("acme") == 0
+
+    lost_admission(redis_server, scenario)
+
+
+async def withdrawn(limits) -> bool:
+    return limits.withdrawals == 1

@@ -2,8 +2,16 @@
 
 import asyncio
 import threading
+import time
 
-from router.redis_store import RedisTurnLock
+import pytest
+import redis.asyncio as aioredis
+
+from router import session_store as rs
+from router.config import RouterConfig
+from router.core import redis_client
+from router.redis_store import RedisAgentrtStore, RedisTurnLock
+from tests.router.redis_proxy import RedisProxy
 
 
 class RacyStore:
@@ -51,3 +59,104 @@ def test_release_completes_although_the_renewer_lost_its_cancellation():
     assert store.unlocked == [("sess_1", "tok")]
     assert took <= 1.5
     assert lock._renewer.done()
+
+
+# A turn lock whose answer the caller never read, against a real Redis behind a proxy that
+# holds or loses the traffic on purpose (tests/router/redis_proxy.py).
+
+def through_proxy(redis_server, scenario):
+    """Run ``scenario(store, proxy, direct)``: ``store`` (agentrt's Redis session store, on the
+    router's own client) talks through ``proxy``; ``direct`` sees what Redis really holds."""
+    async def body():
+        proxy = await RedisProxy(redis_server.port).start()
+        client = redis_client(proxy.url)
+        direct = aioredis.Redis.from_url(redis_server.url)
+        store = RedisAgentrtStore(rs.RedisSessionStore(client, RouterConfig(redis_url=proxy.url)), lambda _: None)
+        try:
+            warm = await store.lock_turn("warm-up")  # a pooled connection on which the scripts are known
+            await warm.release()
+            return await scenario(store, proxy, direct)
+        finally:
+            await client.aclose()
+            await direct.aclose()
+            await proxy.aclose()
+    return asyncio.run(body())
+
+
+async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+LOCK = RouterConfig().turn_lock_key("sess_1")
+
+
+def test_a_turn_lock_taken_for_a_client_that_went_away_is_given_back(redis_server, redis_url):
+    """The lock was set in Redis, the client disconnected before the reply came, the reply was lost:
+    the session is free again at once (it stayed locked, 409 to every turn, for the lock's 60 s TTL)."""
+    async def scenario(store, proxy, direct):
+        held = proxy.hold_replies()
+        task = asyncio.ensure_future(store.lock_turn("sess_1"))
+
+        async def locked():
+            return bool(await direct.exists(LOCK))
+        await until(locked, "the lock to be set in Redis")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        proxy.cut(held)
+
+        async def free():
+            return not await direct.exists(LOCK)
+        await until(free, "the lock to be given back")
+        lock = await store.lock_turn("sess_1")  # the next turn gets it
+        assert lock is not None
+        await lock.release()
+
+    through_proxy(redis_server, scenario)
+
+
+def test_a_turn_lock_request_that_reaches_redis_after_its_withdrawal_takes_nothing(redis_server, redis_url):
+    async def scenario(store, proxy, direct):
+        held = proxy.hold_requests()
+        replies_before = held[0].reply_chunks
+        task = asyncio.ensure_future(store.lock_turn("sess_1"))
+        await asyncio.sleep(0.2)  # the request waits in the proxy
+        assert held[0].reply_chunks == replies_before
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async def withdrawn():
+            return bool(await direct.keys("*turn-withdrawn*"))
+        await until(withdrawn, "the withdrawal to reach Redis")
+        proxy.release(held)
+
+        async def script_ran():
+            return held[0].reply_chunks > replies_before
+        await until(script_ran, "the late lock request to run")
+        assert not await direct.exists(LOCK)
+
+    through_proxy(redis_server, scenario)
+
+
+def test_release_completes_when_its_caller_is_cancelled(redis_server, redis_url):
+    """A turn whose client disconnects while the lock is being released still frees the session."""
+    async def scenario(store, proxy, direct):
+        lock = await store.lock_turn("sess_1")
+        assert lock is not None and await direct.exists(LOCK)
+        held = proxy.hold_requests()  # the unlock waits in the proxy
+        releasing = asyncio.ensure_future(lock.release())
+        await asyncio.sleep(0.1)
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        proxy.cut(held)  # and is lost: only a release that goes on without its caller retries it
+
+        async def free():
+            return not await direct.exists(LOCK)
+        await until(free, "the lock to be deleted")
+
+    through_proxy(redis_server, scenario)
