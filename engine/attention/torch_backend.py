@@ -1,11 +1,21 @@
 """Pure-torch paged attention (CPU and CUDA) on the head-major ``HSD`` KV layout.
 
-Decode: all decoding sequences are served by one pair of batched matmuls over
-the *union* of their pages. Sequences that share a prefix (one system prompt,
-one session's history) share its pages, so each page is read once per step
-instead of once per sequence, and with pages handed out lowest-first the union
-is usually one compact range that is read in place, without a copy. A
-per-sequence mask selects each row's own slots.
+Decode has two plans; per step the one with the smaller estimated cost (slots
+scored plus slots copied) is taken:
+
+* **union**: all decoding sequences are served by one pair of batched matmuls over
+  the *union* of their pages, with a per-sequence mask selecting each row's own
+  slots. Sequences that share most of their context (one session's forks, one
+  long system prompt with short histories) read each page once per step, and with
+  pages handed out lowest-first the union is usually one compact range read in
+  place, without a copy. But every row scores every other row's slots: over
+  distinct contexts a step costs O(batch x total context).
+* **cascade**: the pages every row shares (their common prefix) are scored once
+  for all rows, as one matmul; then each row scores only its own remaining pages
+  (long rows whose pages are one range in place, the others gathered, grouped by
+  length and padded within a group), and the two partial results are merged by
+  their log-sum-exp, as cascade attention does. A step costs O(shared prefix x
+  batch + the sum of each row's own context).
 
 Prefill chunks: per sequence, the keys are gathered (one copy) and attended with
 a bottom-right causal mask, or SDPA's ``is_causal`` when nothing was cached
@@ -26,10 +36,17 @@ from engine.attention.base import AttentionBackend, BatchLayout
 
 # read the union as one range when it wastes at most this factor over the union itself
 _RANGE_SLACK = 1.5
+# cascade: rows join a group (one padded matmul) while the padding stays within this factor
+_GROUP_SLACK = 1.25
+# cascade: a row whose own pages are one range of at least this many slots is read in place, alone
+# (no copy; its few extra kernel launches cost less than copying that much KV)
+_VIEW_MIN_SLOTS = 256
 
 
 class TorchAttentionBackend(AttentionBackend):
     kv_layout = "HSD"
+    # None: the cheaper decode plan each step; "union" or "cascade": always that one (tests, benchmarks)
+    force_decode_plan: str | None = None
 
     def plan(self, layout: BatchLayout) -> None:
         dev = self.kv.k[0].device
@@ -52,25 +69,14 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.from_numpy(np.arange(kl)[None, :] <= qpos).to(dev)  # (ql, kl)
                 self.prefills.append((row, row + ql, torch.from_numpy(idx).to(dev), mask))
             row += ql
-        self.decode = None
+        self.decode = self.cascade = None
         if rows:
-            self.decode = self._plan_decode(rows, dec_pages, dec_lens, P, dev)
-
-    @staticmethod
-    def _plan_decode(rows, dec_pages, dec_lens, P, dev):
-        union = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in dec_pages]))
-        lo, hi = int(union[0]), int(union[-1])
-        if hi - lo + 1 <= _RANGE_SLACK * len(union):
-            col_of_page = lambda p: np.asarray(p, dtype=np.int64) - lo       # noqa: E731
-            n_cols, source = (hi - lo + 1) * P, (lo * P, (hi - lo + 1) * P)  # a view of this range
-        else:
-            col_of_page = lambda p: np.searchsorted(union, p)                # noqa: E731
-            n_cols, source = len(union) * P, torch.from_numpy(_slots_of(union.tolist(), len(union) * P, P)).to(dev)
-        mask = np.zeros((len(rows), n_cols), dtype=bool)
-        for b, (pages, kl) in enumerate(zip(dec_pages, dec_lens)):
-            cols = (col_of_page(pages)[:, None] * P + np.arange(P)[None, :]).reshape(-1)[:kl]
-            mask[b, cols] = True
-        return (torch.tensor(rows, device=dev), source, torch.from_numpy(mask).to(dev))
+            union = _UnionPlan(dec_pages, P)
+            cascade = _CascadePlan(dec_pages, dec_lens, P)
+            if self.force_decode_plan == "cascade" or (self.force_decode_plan is None and cascade.cost < union.cost):
+                self.cascade = cascade.to_device(rows, dec_lens, dev)
+            else:
+                self.decode = union.to_device(rows, dec_lens, dev)
 
     def forward(self, layer, q, k, v):
         self.kv.write(layer, self.slots, k, v)
@@ -93,7 +99,160 @@ class TorchAttentionBackend(AttentionBackend):
                 kd, vd = self.kv.gather(layer, source)
             # every decode row is a "query position" that may see only its own columns
             out[rows] = grouped_attention(q[rows], kd, vd, mask)
+        if self.cascade is not None:
+            out[self.cascade.rows] = self.cascade.attend(self.kv, layer, q[self.cascade.rows])
         return out
+
+
+class _UnionPlan:
+    """Every decode row over the union of all rows' pages, each row masked to its own slots."""
+
+    def __init__(self, dec_pages: list[list[int]], P: int) -> None:
+        self.P = P
+        self.dec_pages = dec_pages
+        self.union = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in dec_pages]))
+        lo, hi = int(self.union[0]), int(self.union[-1])
+        self.range = (lo, hi) if hi - lo + 1 <= _RANGE_SLACK * len(self.union) else None
+        self.n_cols = (hi - lo + 1) * P if self.range else len(self.union) * P
+        # slots scored by every row, plus the slots copied when the union is gathered
+        self.cost = len(dec_pages) * self.n_cols + (0 if self.range else self.n_cols)
+
+    def to_device(self, rows, dec_lens, dev):
+        P = self.P
+        if self.range:
+            lo, hi = self.range
+            col_of_page = lambda p: np.asarray(p, dtype=np.int64) - lo       # noqa: E731
+            source = (lo * P, (hi - lo + 1) * P)                              # a view of this range
+        else:
+            col_of_page = lambda p: np.searchsorted(self.union, p)           # noqa: E731
+            source = torch.from_numpy(_slots_of(self.union.tolist(), len(self.union) * P, P)).to(dev)
+        mask = np.zeros((len(rows), self.n_cols), dtype=bool)
+        for b, (pages, kl) in enumerate(zip(self.dec_pages, dec_lens)):
+            cols = (col_of_page(pages)[:, None] * P + np.arange(P)[None, :]).reshape(-1)[:kl]
+            mask[b, cols] = True
+        return (torch.tensor(rows, device=dev), source, torch.from_numpy(mask).to(dev))
+
+
+class _CascadePlan:
+    """The rows' common prefix once for all rows, then each row's own pages; merged by log-sum-exp.
+
+    The shared prefix is the longest run of page ids every row starts with, cut so that each row
+    keeps at least one token of its own (the token it decodes is never in a shared page).
+    """
+
+    def __init__(self, dec_pages: list[list[int]], dec_lens: list[int], P: int) -> None:
+        self.P = P
+        n_shared = min((kl - 1) // P for kl in dec_lens)
+        first = dec_pages[0]
+        for pages in dec_pages[1:]:
+            n = 0
+            while n < n_shared and pages[n] == first[n]:
+                n += 1
+            n_shared = n
+        if len(dec_pages) == 1:
+            n_shared = 0  # one row: its own pages are the whole context
+        self.shared_pages = first[:n_shared]
+        shared = np.asarray(self.shared_pages, dtype=np.int64)
+        self.shared_range = bool(n_shared) and int(shared[-1]) - int(shared[0]) + 1 == n_shared
+        self.own = [(pages[n_shared:], kl - n_shared * P) for pages, kl in zip(dec_pages, dec_lens)]
+        self.in_place = [b for b, (pages, n) in enumerate(self.own)
+                         if n >= _VIEW_MIN_SLOTS and pages[-1] - pages[0] + 1 == len(pages)]
+        rest = [b for b in range(len(self.own)) if b not in set(self.in_place)]
+        self.groups = [[rest[i] for i in g] for g in _length_groups([self.own[b][1] for b in rest])]
+        padded = sum(len(g) * self.own[g[0]][1] for g in self.groups)
+        S = n_shared * P
+        # slots scored (shared once per row, own slots padded per group), plus slots copied
+        self.cost = (len(dec_pages) * S + 2 * padded + sum(self.own[b][1] for b in self.in_place)
+                     + (0 if self.shared_range else S))
+
+    def to_device(self, rows, dec_lens, dev) -> "_Cascade":
+        P = self.P
+        shared = None
+        if self.shared_pages:
+            if self.shared_range:
+                shared = (self.shared_pages[0] * P, len(self.shared_pages) * P)
+            else:
+                shared = torch.from_numpy(_slots_of(self.shared_pages, len(self.shared_pages) * P, P)).to(dev)
+        groups = []
+        for g in self.groups:
+            L = self.own[g[0]][1]                      # the group's longest (rows are sorted longest first)
+            slots = np.zeros((len(g), L), dtype=np.int64)
+            valid = np.zeros((len(g), L), dtype=bool)
+            for i, b in enumerate(g):
+                pages, n = self.own[b]
+                slots[i, :n] = _slots_of(pages, n, P)
+                valid[i, :n] = True
+            groups.append((torch.tensor(g, device=dev), torch.from_numpy(slots.reshape(-1)).to(dev),
+                           torch.from_numpy(valid).to(dev)))
+        in_place = [(b, self.own[b][0][0] * P, self.own[b][1]) for b in self.in_place]  # (row, first slot, n)
+        return _Cascade(torch.tensor(rows, device=dev), shared, groups, in_place)
+
+
+class _Cascade:
+    def __init__(self, rows: torch.Tensor, shared, groups, in_place) -> None:
+        self.rows, self.shared, self.groups, self.in_place = rows, shared, groups, in_place
+
+    def attend(self, kv, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: (B, Hq, D), one query per decode row -> (B, Hq, D)."""
+        B, Hq, D = q.shape
+        Hkv = kv.k[layer].shape[0]
+        G = Hq // Hkv
+        o_own = torch.empty(Hkv, B, G, D, dtype=torch.float32, device=q.device)
+        lse_own = torch.empty(Hkv, B, G, dtype=torch.float32, device=q.device)
+        qh = q.view(B, Hkv, G, D).transpose(0, 1)                                # (Hkv, B, G, D)
+        for idx, slots, valid in self.groups:
+            n, L = valid.shape
+            k, v = kv.gather(layer, slots)                                       # (Hkv, n*L, D)
+            o, lse = _attend_lse(qh[:, idx], k.view(Hkv, n, L, D), v.view(Hkv, n, L, D),
+                                 valid[None, :, None, :])                        # (Hkv, n, G, D)
+            o_own[:, idx], lse_own[:, idx] = o, lse
+        for b, s0, n in self.in_place:
+            k, v = kv.k[layer][:, None, s0:s0 + n], kv.v[layer][:, None, s0:s0 + n]  # views, (Hkv, 1, n, D)
+            o, lse = _attend_lse(qh[:, b:b + 1], k, v, None)
+            o_own[:, b:b + 1], lse_own[:, b:b + 1] = o, lse
+        if self.shared is not None:
+            if isinstance(self.shared, tuple):
+                s0, S = self.shared
+                ks, vs = kv.k[layer][:, s0:s0 + S], kv.v[layer][:, s0:s0 + S]   # views, (Hkv, S, D)
+            else:
+                ks, vs = kv.gather(layer, self.shared)
+            qs = qh.reshape(Hkv, 1, B * G, D)                                    # every row, one batch
+            o_sh, lse_sh = _attend_lse(qs, ks[:, None], vs[:, None], None)      # (Hkv, 1, B*G, D)
+            o_sh, lse_sh = o_sh.view(Hkv, B, G, D), lse_sh.view(Hkv, B, G)
+            m = torch.maximum(lse_own, lse_sh)
+            w_own, w_sh = torch.exp(lse_own - m), torch.exp(lse_sh - m)         # (Hkv, B, G)
+            o_own = (o_own * w_own[..., None] + o_sh * w_sh[..., None]) / (w_own + w_sh)[..., None]
+        return o_own.to(q.dtype).permute(1, 0, 2, 3).reshape(B, Hq, D)
+
+
+def _attend_lse(q, k, v, valid):
+    """Softmax attention that also returns each query's log-sum-exp of scores.
+
+    q: (Hkv, n, G, D); k, v: (Hkv, n, L, D); valid: broadcastable to (Hkv, n, G, L) or None
+    -> out (Hkv, n, G, D) float32, lse (Hkv, n, G) float32.
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(1.0 / math.sqrt(q.shape[-1]))  # (Hkv, n, G, L)
+    if valid is not None:
+        s.masked_fill_(~valid, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                             # (Hkv, n, G)
+    p = torch.exp(s - lse[..., None])
+    return torch.matmul(p.to(v.dtype), v).float(), lse
+
+
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    """Row indices grouped for padded batching: longest first, a row joins the current group while
+    the group's padded size stays within ``_GROUP_SLACK`` of its real size."""
+    order = sorted(range(len(lengths)), key=lambda b: -lengths[b])
+    groups: list[list[int]] = []
+    total = 0
+    for b in order:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= _GROUP_SLACK * (total + lengths[b]):
+            groups[-1].append(b)
+            total += lengths[b]
+        else:
+            groups.append([b])
+            total = lengths[b]
+    return groups
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ def test_torch_backend_matches_reference(layout_name, compact):
     for t in kv.k + kv.v:
         t.normal_()
     backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    backend.force_decode_plan = "union"
     # decode rows sharing a 2-page prefix, a cold prefill, a chunk over a cached prefix
     specs = [(1, 11), (1, 9), (5, 5), (1, 17), (3, 14)]
     layout = make_batch(rng, num_pages, specs, shared_prefix_pages=2, shuffle=not compact)
@@ -51,6 +52,67 @@ def test_torch_backend_matches_reference(layout_name, compact):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # the two planning modes were both exercised across the parameters
     assert isinstance(decode_plan[1], tuple) == compact
+
+
+@pytest.mark.parametrize("case", ["shared-prefix", "distinct", "one-row", "scattered", "mixed-with-prefill",
+                                  "long-rows-in-place"])
+def test_cascade_decode_matches_reference(case):
+    """The cascade plan (shared prefix once, each row's own pages, merged by log-sum-exp) against the
+    plain reference, with rows of very different lengths so they fall into several padded groups."""
+    rng = random.Random(hash(case) % 1000)
+    torch.manual_seed(1)
+    num_pages = 300
+    kv = KVCache(2, num_pages, P, HKV, D, torch.float32, "cpu", layout="HSD")
+    for t in kv.k + kv.v:
+        t.normal_()
+    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    backend.force_decode_plan = "cascade"
+    specs, shared, shuffle = {
+        "shared-prefix": ([(1, 13), (1, 9), (1, 40), (1, 10), (1, 33)], 2, False),
+        "distinct": ([(1, 5), (1, 61), (1, 17), (1, 2), (1, 18)], 0, False),
+        "one-row": ([(1, 23)], 0, False),
+        "scattered": ([(1, 21), (1, 14), (1, 50)], 3, True),          # shared pages not one range
+        "mixed-with-prefill": ([(1, 12), (4, 4), (1, 30), (3, 15)], 2, True),
+        "long-rows-in-place": ([(1, 300), (1, 9), (1, 270), (1, 14)], 1, False),  # own pages in one range
+    }[case]
+    layout = make_batch(rng, num_pages, specs, shared_prefix_pages=shared, shuffle=shuffle)
+    T = layout.num_tokens
+    q = torch.randn(T, HQ, D)
+    k_new, v_new = torch.randn(T, HKV, D), torch.randn(T, HKV, D)
+    backend.plan(layout)
+    plan = backend.cascade
+    out = backend.forward(0, q, k_new, v_new)
+    torch.testing.assert_close(out, reference_attention(kv, 0, layout, q), atol=1e-5, rtol=1e-5)
+    assert backend.decode is None and plan is not None
+    assert (plan.shared is not None) == (shared > 0)
+    if case == "shared-prefix":
+        assert isinstance(plan.shared, tuple) and len(plan.groups) >= 2   # a view; lengths 40, 33 apart from 9-13
+    if case == "scattered":
+        assert isinstance(plan.shared, torch.Tensor)                       # gathered
+    assert sorted(b for b, _, _ in plan.in_place) == ([0, 2] if case == "long-rows-in-place" else [])
+
+
+def test_decode_plan_is_chosen_by_cost():
+    """Distinct contexts take the cascade (the union would score every row against every context);
+    a single row whose pages are one range takes the union, read in place without a copy."""
+    kv = KVCache(1, 600, P, HKV, D, torch.float32, "cpu", layout="HSD")
+    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    rng = random.Random(3)
+    backend.plan(make_batch(rng, 600, [(1, 64)] * 8, shuffle=False))
+    assert backend.cascade is not None and backend.decode is None
+    backend.plan(make_batch(rng, 600, [(1, 64)], shuffle=False))  # one row, its pages in one range: no copy
+    assert backend.decode is not None and backend.cascade is None
+
+
+def test_length_groups_bound_the_padding():
+    from engine.attention.torch_backend import _GROUP_SLACK, _length_groups
+    lengths = [5, 600, 7, 590, 40, 8, 45, 1]
+    groups = _length_groups(lengths)
+    assert sorted(b for g in groups for b in g) == list(range(len(lengths)))
+    for g in groups:
+        assert lengths[g[0]] == max(lengths[b] for b in g)
+        assert lengths[g[0]] * len(g) <= _GROUP_SLACK * sum(lengths[b] for b in g)
+    assert len(groups) < len(lengths)  # rows of like length do share a group
 
 
 def test_write_then_gather_roundtrip_both_layouts():

@@ -1,0 +1,157 @@
+"""One decode step of the engine, measured at fixed shapes: where its time goes.
+
+Every sequence of a shape decodes at once (the whole batch at the same context length,
+each with its own pages: distinct contexts, no shared prefix), so each figure is a
+full-batch decode step, never the staggered tail of a batch admitted in chunks. The
+step is the model runner's: build the inputs, plan attention, the forward (all layers
+and the LM head), measured on the default model with the default engine settings.
+
+* ``decode_step_ms``: the whole step; ``forward_ms_per_step``: the model's forward and
+  logits; ``host_ms_per_step``: the rest (building input tensors, planning attention).
+  Sampling, detokenizing and emitting are not in these figures yet.
+* The torch backend's decode plans (engine/attention/torch_backend.py) are compared in
+  the same run: ``auto`` (what the engine does: the cheaper of union and cascade per
+  step) against ``union`` (every row scored over every decoding row's pages, the only
+  plan before the cascade). ``attention_scaling`` is the b64 step over 2,048-token
+  contexts divided by the b64 step over 64-token contexts, for each.
+
+    python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.scheduler import ScheduledBatch  # noqa: E402
+
+SHAPES = {"b1_ctx64": (1, 64), "b64_ctx64": (64, 64), "b64_ctx2048": (64, 2048), "b256_ctx64": (256, 64)}
+
+
+def decode_batch(engine: LLMEngine, batch: int, ctx: int) -> ScheduledBatch:
+    """``batch`` sequences of ``ctx`` tokens, each at its last token (to decode), on pages of its own."""
+    P = engine.config.page_size
+    gen = torch.Generator().manual_seed(batch * 100_003 + ctx)
+    vocab = engine.model_config.vocab_size
+    requests = []
+    for i in range(batch):
+        ids = torch.randint(0, vocab, (ctx,), generator=gen).tolist()
+        req = Request(f"bench-{i}", ids, SamplingParams(max_tokens=1), detok=None)
+        req.pages = engine.pool.alloc(-(-ctx // P))
+        req.num_computed = ctx - 1
+        requests.append(req)
+    return ScheduledBatch(requests, [1] * batch)
+
+
+class ForwardTimer:
+    """Wraps the model: the time of each forward + logits call (the rest of a step is host work)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.seconds = model, 0.0
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        out = self.model(*args)
+        self.seconds += time.perf_counter() - t
+        return out
+
+    def compute_logits(self, hidden):
+        t = time.perf_counter()
+        out = self.model.compute_logits(hidden)
+        self.seconds += time.perf_counter() - t
+        return out
+
+
+def measure(engine: LLMEngine, batch: ScheduledBatch, steps: int) -> dict:
+    runner = engine.runner
+    timer = ForwardTimer(runner.model)
+    runner.model = timer
+    try:
+        runner.run(batch)  # warm-up
+        walls, forwards = [], []
+        for _ in range(steps):
+            timer.seconds = 0.0
+            t = time.perf_counter()
+            runner.run(batch)
+            walls.append(time.perf_counter() - t)
+            forwards.append(timer.seconds)
+    finally:
+        runner.model = timer.model
+    step = statistics.median(walls) * 1000
+    forward = statistics.median(forwards) * 1000
+    return {"step_ms": round(step, 2), "forward_ms": round(forward, 2), "host_ms": round(step - forward, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per shape (the median is reported)")
+    ap.add_argument("--dtype", default=EngineConfig.dtype)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--plans", default="auto,union", help="decode plans to compare (auto, union, cascade)")
+    ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    for s in shapes + ([args.profile] if args.profile else []):
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    P = EngineConfig.page_size
+    need = max(b * -(-c // P) * P for b, c in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=need + P))
+    backend = engine.runner.attn
+    print(f"device {engine.device}, dtype {args.dtype}, backend {engine.backend_name}, torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+    results: dict[str, dict[str, dict]] = {}
+    for plan in args.plans.split(","):
+        if plan != "auto" and not hasattr(backend, "force_decode_plan"):
+            continue
+        if hasattr(backend, "force_decode_plan"):
+            backend.force_decode_plan = None if plan == "auto" else plan
+        for name in shapes:
+            batch = decode_batch(engine, *SHAPES[name])
+            results.setdefault(plan, {})[name] = r = measure(engine, batch, args.steps)
+            for req in batch.requests:
+                engine.pool.free(req.pages)
+            print(f"{plan:8s} {name:12s} step {r['step_ms']:9.1f} ms  forward {r['forward_ms']:9.1f} ms  "
+                  f"host {r['host_ms']:7.2f} ms", flush=True)
+    if args.profile:
+        backend_plan = getattr(backend, "force_decode_plan", None)
+        batch = decode_batch(engine, *SHAPES[args.profile])
+        engine.runner.run(batch)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.runner.run(batch)
+        print(f"profile of one {args.profile} step (decode plan {backend_plan or 'auto'}):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    auto = results.get("auto", {})
+    out = {
+        "device": f"{engine.device} ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
+        "dtype": args.dtype,
+        "decode_step_ms": {k: v["step_ms"] for k, v in auto.items()},
+        "host_ms_per_step": {str(SHAPES[k][0]): v["host_ms"] for k, v in auto.items() if SHAPES[k][1] == 64},
+        "forward_ms_per_step": {str(SHAPES[k][0]): v["forward_ms"] for k, v in auto.items() if SHAPES[k][1] == 64},
+        "by_plan": results,
+        "attention_scaling": {
+            plan: round(r["b64_ctx2048"]["step_ms"] / r["b64_ctx64"]["step_ms"], 2)
+            for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
+        "steps": args.steps,
+    }
+    print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling")}))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
