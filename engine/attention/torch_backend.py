@@ -228,15 +228,22 @@ class _Cascade:
 def _attend_lse(q, k, v, valid):
     """Softmax attention that also returns each query's log-sum-exp of scores.
 
-    q: (Hkv, n, G, D); k, v: (Hkv, n, L, D); valid: broadcastable to (Hkv, n, G, L) or None
+    q: (Hkv, n, G, D); k, v: (Hkv, n, L, D); valid: bool broadcastable to (Hkv, n, G, L), or None
     -> out (Hkv, n, G, D) float32, lse (Hkv, n, G) float32.
     """
-    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(1.0 / math.sqrt(q.shape[-1]))  # (Hkv, n, G, L)
+    if k.dtype == torch.float32:
+        s, keys = torch.matmul(q, k.transpose(-1, -2)), -1                      # (Hkv, n, G, L)
+    else:  # bf16/fp16 matmul copies a transposed operand: keep the large one (k) as stored
+        s, keys = torch.matmul(k, q.transpose(-1, -2)), -2                      # (Hkv, n, L, G)
+        valid = None if valid is None else valid.transpose(-1, -2)
+    s = s.float().mul_(1.0 / math.sqrt(q.shape[-1]))
     if valid is not None:
         s.masked_fill_(~valid, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                             # (Hkv, n, G)
-    p = torch.exp(s - lse[..., None])
-    return torch.matmul(p.to(v.dtype), v).float(), lse
+    lse = torch.logsumexp(s, dim=keys)                                          # (Hkv, n, G)
+    p = torch.exp(s - lse.unsqueeze(keys)).to(v.dtype)
+    if keys == -2:
+        p = p.transpose(-1, -2)                                                 # (Hkv, n, G, L)
+    return torch.matmul(p, v).float(), lse
 
 
 def _length_groups(lengths: list[int]) -> list[list[int]]:

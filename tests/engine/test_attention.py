@@ -92,6 +92,28 @@ def test_cascade_decode_matches_reference(case):
     assert sorted(b for b, _, _ in plan.in_place) == ([0, 2] if case == "long-rows-in-place" else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cascade_decode_in_half_precision_matches_reference(dtype):
+    """Half-precision KV takes the other matmul orientation (keys as stored, scores transposed)."""
+    rng = random.Random(7)
+    torch.manual_seed(2)
+    kv = KVCache(1, 300, P, HKV, D, dtype, "cpu", layout="HSD")
+    for t in kv.k + kv.v:
+        t.normal_()
+    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    backend.force_decode_plan = "cascade"
+    layout = make_batch(rng, 300, [(1, 300), (1, 9), (1, 33), (1, 14), (2, 20)], shared_prefix_pages=1,
+                        shuffle=False)
+    q = torch.randn(layout.num_tokens, HQ, D, dtype=dtype)
+    k_new = torch.randn(layout.num_tokens, HKV, D, dtype=dtype)
+    v_new = torch.randn(layout.num_tokens, HKV, D, dtype=dtype)
+    backend.plan(layout)
+    assert backend.cascade.in_place and backend.cascade.groups
+    out = backend.forward(0, q, k_new, v_new)
+    ref = reference_attention(kv, 0, layout, q)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_decode_plan_is_chosen_by_cost():
     """Distinct contexts take the cascade (the union would score every row against every context);
     a single row whose pages are one range takes the union, read in place without a copy."""
