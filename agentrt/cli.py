@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from agentrt.config import ENV_PREFIX, KEEP_ALIVE_S, OPTIONAL_INTS, ServerConfig
+from agentrt.config import KEEP_ALIVE_S, ServerConfig, configure_serve
 
 
 @dataclass(frozen=True)
@@ -24,32 +24,6 @@ class Subcommand:
 
 
 # ------------------------------------------------------------ serve
-
-
-def configure_serve(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServerConfig field (``--pin-ttl-s`` for ``pin_ttl_s``); unset flags fall back to env."""
-    for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        if f.name == "api_keys":
-            parser.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                                help=f"accept this API key (repeatable; env {env}, comma-separated)")
-            continue
-        kind = int if f.name in OPTIONAL_INTS else (
-            type(f.default) if f.default is not None else str)
-        if kind is bool:  # argparse's type=bool would read "false" as True
-            kind = _bool_flag
-        parser.add_argument(flag, dest=f.name, type=kind, default=None,
-                            help=f"default {f.default!r}; env {env}")
-
-
-def _bool_flag(raw: str) -> bool:
-    from agentrt.config import parse_bool
-
-    try:
-        return parse_bool(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -85,7 +59,7 @@ def configure_chat(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="API key (env AGENTRT_API_KEY)")
     parser.add_argument("--system", default=None, help="system prompt of the session")
     parser.add_argument("--max-tokens", type=int, default=256, help="reply token limit")
-    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
 
 
 def run_chat(args: argparse.Namespace) -> int:

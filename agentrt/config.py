@@ -6,8 +6,9 @@ command line wins over the environment, which wins over the default.
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 ENV_PREFIX = "AGENTRT_"
@@ -19,6 +20,11 @@ ENV_PREFIX = "AGENTRT_"
 KEEP_ALIVE_S = 75
 
 OPTIONAL_INTS = ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting", "max_waiting_tokens")
+
+
+def _setting(default: Any, help: str) -> Any:
+    """A ``ServerConfig`` field with the one-line description its flag shows in ``--help``."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -48,37 +54,48 @@ class ServerConfig:
     caps what a session may ask for.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str | None = None
-    served_model_name: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_cache_tokens: int | None = 32768  # 1.5 GB of fp32 KV for the default model
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    max_waiting: int | None = None
-    max_waiting_tokens: int | None = None
-    enable_prefix_cache: bool = True
-    turn_coalesce_max_s: float = 0.2
-    ep: int = 1
-    ep_nodes: int = 1
-    ep_placement: str = "contiguous"
-    ep_redundant: int = 0
-    api_keys: tuple[str, ...] = ()
-    tenants_file: str | None = None
-    max_body_bytes: int = 4 << 20
-    max_concurrent_requests: int = 64
-    retry_after_s: int = 1
-    default_max_tokens: int = 1024
-    max_sessions: int = 10_000
-    session_idle_ttl_s: float = 3600.0
-    pin_ttl_s: float = 30.0
-    pin_ttl_tool_s: float = 120.0
-    max_pin_ttl_s: float = 600.0
-    sweep_interval_s: float = 1.0
-    shutdown_timeout_s: float = 10.0
-    log_level: str = "info"
+    host: str = _setting("127.0.0.1", "address to listen on")
+    port: int = _setting(8000, "port to listen on")
+    model: str | None = _setting(None,
+                      "a .gguf file or a Hugging Face model directory (default: the embedded "
+                      "SmolLM2-135M-Instruct)")
+    served_model_name: str | None = _setting(None,
+                      "the model name clients send and /v1/models lists (default: from the model files)")
+    device: str = _setting("cpu", "where the engine runs: cpu, cuda, or auto (cuda when available)")
+    dtype: str = _setting("float32", "weights and KV cache precision: float32, bfloat16 or float16")
+    kv_cache_tokens: int | None = _setting(32768,  # 1.5 GB of fp32 KV for the default model
+                      "tokens the paged KV cache holds (sizes its memory)")
+    max_num_seqs: int | None = _setting(None, "most sequences in one engine step (the batch)")
+    max_model_len: int | None = _setting(None, "context window in tokens (default: the model's)")
+    max_waiting: int | None = _setting(None, "requests queued for the engine before new ones get 429")
+    max_waiting_tokens: int | None = _setting(None,
+                      "prompt tokens queued for the engine before new requests get 429 (default: twice the KV "
+                      "cache)")
+    enable_prefix_cache: bool = _setting(True,
+                      "reuse cached KV of earlier prompts' prefixes (false computes every prompt in full)")
+    turn_coalesce_max_s: float = _setting(0.2,
+                      "how long the engine may hold its next step after a session turn ends, for the agent's next "
+                      "turn to join (0: off)")
+    ep: int = _setting(1, "expert-parallel ranks for MoE models (this process is rank 0)")
+    ep_nodes: int = _setting(1, "nodes the expert-parallel ranks are laid out over")
+    ep_placement: str = _setting("contiguous", "how experts are placed on ranks: contiguous, balanced or locality")
+    ep_redundant: int = _setting(0, "extra expert slots for replicas of hot experts")
+    api_keys: tuple[str, ...] = _setting((), "accept this API key (repeatable; default: no authentication)")
+    tenants_file: str | None = _setting(None,
+                      "JSON or TOML file of tenants: hashed API keys, limits, cache isolation (replaces "
+                      "--api-key)")
+    max_body_bytes: int = _setting(4 << 20, "largest request body accepted, in bytes")
+    max_concurrent_requests: int = _setting(64, "generations in flight before new requests get 429")
+    retry_after_s: int = _setting(1, "the Retry-After seconds sent with 429 and 503 answers")
+    default_max_tokens: int = _setting(1024, "reply token limit when a request gives none")
+    max_sessions: int = _setting(10_000, "most sessions held at once")
+    session_idle_ttl_s: float = _setting(3600.0, "delete a session nobody used for this many seconds")
+    pin_ttl_s: float = _setting(30.0, "seconds a session's cached prefix stays pinned after a turn")
+    pin_ttl_tool_s: float = _setting(120.0, "seconds the prefix stays pinned when the reply ended in a tool call")
+    max_pin_ttl_s: float = _setting(600.0, "the longest pin a session may ask for, in seconds")
+    sweep_interval_s: float = _setting(1.0, "seconds between sweeps for idle sessions and expired pins")
+    shutdown_timeout_s: float = _setting(10.0, "seconds a graceful shutdown waits for requests in flight")
+    log_level: str = _setting("info", "critical, error, warning, info, debug or trace")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -164,3 +181,30 @@ def _parse(name: str, raw: str) -> Any:
         return kind(raw)
     except ValueError:
         raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+# ------------------------------------------------------------ flags (agentrt serve, worker, router)
+
+
+def configure_serve(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field (``--pin-ttl-s`` for ``pin_ttl_s``); unset flags fall back to env."""
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        if f.name == "api_keys":
+            parser.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                                help=f"{f.metadata['help']}; env {env}, comma-separated")
+            continue
+        kind = int if f.name in OPTIONAL_INTS else (
+            type(f.default) if f.default is not None else str)
+        if kind is bool:  # argparse's type=bool would read "false" as True
+            kind = _bool_flag
+        parser.add_argument(flag, dest=f.name, type=kind, default=None,
+                            help=f"{f.metadata['help']} (default {f.default!r}; env {env})")
+
+
+def _bool_flag(raw: str) -> bool:
+    try:
+        return parse_bool(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router.local_cluster import free_port, wait_healthy
+from agentrt.procs import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 

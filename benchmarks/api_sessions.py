@@ -32,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agentrt  # noqa: E402
-from benchmarks.workload import AgenticWorkload, system_prompt  # noqa: E402
+from agentrt.bench.text import system_prompt  # noqa: E402
+from benchmarks.workload import AgenticWorkload  # noqa: E402
 
 
 def load_tokenizer(path: str | None):
@@ -133,7 +134,7 @@ def run_in_process(wl: AgenticWorkload) -> dict:
 
 
 def run_against_engine(args: argparse.Namespace) -> dict:
-    from router.local_cluster import free_port, wait_healthy
+    from agentrt.procs import free_port, wait_healthy
 
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                          tool_result_tokens=args.tool_result_tokens, reply_tokens=args.reply_tokens)

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.workload import AgenticWorkload, system_prompt  # noqa: E402
+from agentrt.bench.text import system_prompt  # noqa: E402
+from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.chat import encode_chat  # noqa: E402
 

@@ -31,11 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +41,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workload import AgenticWorkload, system_prompt  # noqa: E402
-from router.local_cluster import free_port, start_redis, wait_healthy  # noqa: E402
+from agentrt.bench.text import system_prompt  # noqa: E402
+from benchmarks.workload import AgenticWorkload  # noqa: E402
+from agentrt.procs import Procs, free_port, start_redis, wait_healthy  # noqa: E402
 
 AGENTS = ("coding", "research", "support", "data")
 
@@ -63,35 +60,6 @@ class LiveOptions:
     fronts: tuple[str, ...] = ("agentrt", "sglang")
     repeats: int = 1   # passes per front, in ABBA order
     policy_options: tuple[str, ...] = ()  # extra KEY=VALUE options for agentrt router's policy
-
-
-class Procs:
-    """Child processes with logs in one temp dir; all stopped (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="agentrt-live-"))
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        self.procs.append(proc)
-        return proc
-
-    def log_tail(self, name: str) -> str:
-        return (self.dir / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
@@ -256,7 +224,7 @@ def run_live(opts: LiveOptions) -> dict:
     wl = AgenticWorkload(sessions=opts.sessions, turns=opts.turns, system_tokens=opts.system_tokens,
                          tool_result_tokens=opts.tool_result_tokens, reply_tokens=opts.reply_tokens)
     systems = [system_prompt(model.tokenizer, opts.system_tokens, seed=i, agent=a) for i, a in enumerate(AGENTS)]
-    procs = Procs()
+    procs = Procs("agentrt-live-", cwd=str(ROOT))
     try:
         fleet = start_fleet(procs, opts)
         asyncio.run(_warm_up(fleet["workers"], model.model_id, wl, model.tokenizer, systems))

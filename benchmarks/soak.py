@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import httpx
-from router.local_cluster import free_port  # noqa: E402
+from agentrt.procs import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 
-from agentrt.config import KEEP_ALIVE_S, ServerConfig
+from agentrt.config import KEEP_ALIVE_S, ServerConfig, configure_serve
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -57,8 +57,6 @@ def _logging(config: ServerConfig) -> None:
 
 
 def configure_worker(parser: argparse.ArgumentParser) -> None:
-    from agentrt.cli import configure_serve
-
     configure_serve(parser)
     _add_redis_flags(parser)
     parser.add_argument("--worker-id", default=None, help="id in Redis (default: <hostname>-<port>)")
@@ -85,8 +83,6 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def configure_router(parser: argparse.ArgumentParser) -> None:
-    from agentrt.cli import configure_serve
-
     configure_serve(parser)
     _add_redis_flags(parser)
     parser.add_argument("--policy", default="agentrt", help="routing policy (router/policy.py registry)")
@@ -140,14 +136,15 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="number of worker processes")
     parser.add_argument("--redis", dest="redis_url", default=None,
                         help="Redis URL; if nothing answers there, redis-server is started on a free port")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router and workers listen on")
     parser.add_argument("--port", type=int, default=8000, help="router port (workers get free ports)")
     parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool per worker, in tokens")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--policy", default="agentrt")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--device", default=None, help="where the workers' engines run: cpu, cuda or auto")
+    parser.add_argument("--dtype", default=None, help="the workers' weights and KV precision: float32, bfloat16 "
+                                                      "or float16")
+    parser.add_argument("--policy", default="agentrt", help="routing policy (router/policy.py registry)")
+    parser.add_argument("--log-level", default="info", help="critical, error, warning, info, debug or trace")
 
 
 def run_up(args: argparse.Namespace) -> int:

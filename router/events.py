@@ -17,11 +17,13 @@ both atomically (``router.event_consumer.RedisSnapshotSource``) and skips events
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import redis
@@ -287,3 +289,9 @@ class KVEventPublisher:
                       maxlen=cfg.events_maxlen, approximate=True)
         pipe.set(cfg.snapshot_seq_key(self.worker_id), events[-1].seq)
         pipe.execute()
+
+
+async def cache_snapshot(llm: Any, publisher: KVEventPublisher) -> tuple[list[int], int]:
+    """Every block hash in the engine's radix cache and the last KV-event seq, read together
+    by the engine thread between steps (events are published from that thread too)."""
+    return await asyncio.wrap_future(llm.request_cache_snapshot(lambda: publisher.last_seq))

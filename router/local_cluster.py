@@ -13,72 +13,18 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 
-import httpx
-import redis
-
-START_TIMEOUT_S = 300.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def redis_answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except redis.RedisError:
-        return False
-
-
-def start_redis(port: int, data_dir: str) -> subprocess.Popen:
-    """``redis-server`` from PATH on 127.0.0.1:``port`` with AOF persistence in ``data_dir``."""
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("no Redis answers and redis-server is not on PATH: install Redis or pass --redis URL")
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", data_dir,
-                             "--appendonly", "yes", "--save", "", "--daemonize", "no"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not redis_answers(url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"redis-server did not start on port {port}")
-        time.sleep(0.05)
-    return proc
-
+from agentrt.procs import free_port, redis_answers, start_redis, wait_healthy
 
 def _pump(name: str, stream, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         with lock:
             sys.stdout.write(f"[{name}] {raw.decode(errors='replace')}")
             sys.stdout.flush()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not become healthy in {timeout_s} s")
 
 
 class LocalCluster:

@@ -37,7 +37,7 @@ from fastapi import FastAPI
 from agentrt.config import KEEP_ALIVE_S, ServerConfig
 from router.config import RouterConfig
 from router.core import redis_client
-from router.events import KVEventPublisher
+from router.events import KVEventPublisher, cache_snapshot
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger("router.worker")
@@ -55,12 +55,6 @@ class WorkerSettings:
         host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
         return cls(worker_id or f"{socket.gethostname()}-{config.port}".replace(":", "-"),
                    url or f"http://{host}:{config.port}")
-
-
-async def cache_snapshot(llm: Any, publisher: KVEventPublisher) -> tuple[list[int], int]:
-    """Every block hash in the engine's radix cache and the last KV-event seq, read together
-    by the engine thread between steps (events are published from that thread too)."""
-    return await asyncio.wrap_future(llm.request_cache_snapshot(lambda: publisher.last_seq))
 
 
 class WorkerRuntime:

@@ -28,6 +28,7 @@ from starlette.background import BackgroundTask
 from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
 from agentrt.errors import APIError, bad_request, draining, from_exception
+from router.events import cache_snapshot
 
 worker_routes = APIRouter()
 
@@ -172,8 +173,6 @@ async def internal_pin_state(pin_id: str, request: Request) -> dict:
 async def kv_snapshot(request: Request) -> JSONResponse:
     """Cached block hashes (contract 1) and ``seq``, the last event published when they were read
     (both read by the engine thread at one moment, so later events apply on top)."""
-    from router.worker import cache_snapshot
-
     runtime = request.app.state.worker
     hashes, seq = await cache_snapshot(request.app.state.llm, runtime.publisher)
     return JSONResponse({"worker": runtime.settings.worker_id, "seq": seq, "hashes": hashes})

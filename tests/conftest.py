@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router.local_cluster import free_port  # noqa: E402
+from agentrt.procs import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0  # model load is ~10 s alone, several times that on a busy 2-core machine

@@ -61,9 +61,10 @@ class BenchOptions:
 
 
 def load_tokenizer(path: str | None):
-    from benchmarks.api_sessions import load_tokenizer as from_gguf
+    """The model's tokenizer (no weights), to size the workload's text."""
+    from engine.loader import load_tokenizer as load
 
-    return from_gguf(path)
+    return load(path)[0]
 
 
 def build_workload(opts: BenchOptions, tokenizer, rate: float | None):

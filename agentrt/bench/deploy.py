@@ -13,8 +13,7 @@ import time
 
 import httpx
 
-from benchmarks.routing_live import Procs
-from router.local_cluster import free_port, start_redis, wait_healthy
+from agentrt.procs import Procs, free_port, start_redis, wait_healthy
 
 
 class Deployment:
@@ -22,7 +21,7 @@ class Deployment:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.n_workers, self.kv_cache_tokens, self.model = workers, kv_cache_tokens, model
-        self.procs = Procs()
+        self.procs = Procs("agentrt-bench-")
         self.exe = [sys.executable, "-m", "agentrt.cli"]
         self.redis_url: str | None = None
         self.worker_urls: list[str] = []

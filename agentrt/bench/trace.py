@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from agentrt.bench.workload import SessionPlan, TurnPlan
-from benchmarks.workload import words
+from agentrt.bench.text import words
 
 TRACE_BLOCK_TOKENS = 512
 

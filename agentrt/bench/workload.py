@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from benchmarks.workload import system_prompt, words
+from agentrt.bench.text import system_prompt, words
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,15 @@ Works on numpy arrays: a placement search calls these thousands of times.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from engine.moe.config import Topology
-from engine.moe.placement import LayerPlacement
 from engine.moe.stats import ExpertStats
+
+if TYPE_CHECKING:  # an annotation only: placement.py calls into this module
+    from engine.moe.placement import LayerPlacement
 
 
 def replica_counts(phy2log: np.ndarray, num_experts: int, world_size: int) -> np.ndarray:
@@ -91,13 +95,6 @@ def sends_from_fractions(d: np.ndarray, source: np.ndarray, coact: np.ndarray, t
 def expected_load(layer: LayerPlacement, stats: ExpertStats) -> np.ndarray:
     m = replica_counts(layer.phy2log.numpy(), layer.num_experts, layer.world_size)
     return load_from_fractions(routing_fractions(m, layer.topology, layer.replica_policy), stats.source.numpy())
-
-
-def expected_sends(layer: LayerPlacement, stats: ExpertStats) -> tuple[float, float]:
-    """Expected (off-rank, off-node) sends per token for ``layer`` under ``stats``."""
-    m = replica_counts(layer.phy2log.numpy(), layer.num_experts, layer.world_size)
-    d = routing_fractions(m, layer.topology, layer.replica_policy)
-    return sends_per_token(d, stats, layer.topology)
 
 
 def sends_per_token(d: np.ndarray, stats: ExpertStats, topology: Topology) -> tuple[float, float]:

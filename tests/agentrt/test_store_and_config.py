@@ -64,3 +64,19 @@ def test_max_waiting_tokens_from_env_and_flag_reaches_the_engine():
     assert args.max_waiting_tokens == 77
     with pytest.raises(ValueError, match="max_waiting_tokens must be >= 1"):
         ServerConfig(max_waiting_tokens=0).engine_config()
+
+
+def test_every_flag_of_every_subcommand_says_what_it_does():
+    """``agentrt <cmd> --help`` describes each flag in words, not just its default and env variable."""
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "serve" in a.choices).choices
+    assert {"serve", "worker", "router", "up", "chat", "status"} <= set(subparsers)
+    missing = []
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            words = (action.help or "").split("(default")[0].strip()
+            if len(words) < 8:
+                missing.append(f"agentrt {name} {action.option_strings[-1]}: {action.help!r}")
+    assert not missing, "flags without a description:\n" + "\n".join(missing)

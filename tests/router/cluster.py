@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from router.local_cluster import free_port  # noqa: E402
+from agentrt.procs import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from router.local_cluster import free_port  # noqa: E402
+from agentrt.procs import free_port  # noqa: E402
 
 
 

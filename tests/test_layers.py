@@ -1,0 +1,171 @@
+"""The packages are floors (docs/architecture.md, "Layers"): reads every module's imports with
+``ast`` and fails on an import cycle or an import that goes the wrong way.
+
+* ``engine`` imports nothing of ours above it (no ``agentrt``, no ``router``);
+* ``agentrt`` (the serving core) does not import ``router``, except ``agentrt/cli.py``, the
+  entry point that dispatches to every subcommand;
+* nothing in the installed packages imports ``benchmarks`` or ``tests`` (scripts and tests
+  import the package, never the other way);
+* no two modules of the packages import each other, directly or round a longer circle.
+
+Imports inside functions count (a lazy import hides a circle, it does not remove it); those
+under ``if TYPE_CHECKING:`` do not (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "agentrt", "router")
+OURS = PACKAGES + ("benchmarks", "tests")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of ours (packages, benchmarks, tests)."""
+    out = {}
+    for top in OURS:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ours that ``name`` imports (``from pkg import sub`` is an import of ``pkg.sub``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a function or class: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()
+            if name.split(".")[0] in PACKAGES}
+
+
+def forbidden(importer: str, imported: str) -> str | None:
+    """Why ``importer`` may not import ``imported`` (None: it may)."""
+    low, high = importer.split(".")[0], imported.split(".")[0]
+    if high in ("benchmarks", "tests"):
+        return f"the package imports {high}/ (scripts and tests build on the package, not the reverse)"
+    if low == "engine" and high in ("agentrt", "router"):
+        return "engine/ imports nothing of ours above it"
+    if low == "agentrt" and high == "router" and importer != "agentrt.cli":
+        return "the serving core (agentrt/) does not import the multi-worker layer (router/)"
+    return None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_goes_down_a_floor_the_wrong_way():
+    graph = import_graph()
+    bad = [f"{a} -> {b}: {why}" for a, targets in sorted(graph.items()) for b in sorted(targets)
+           if (why := forbidden(a, b))]
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checker_sees_what_it_must():
+    """The checker itself: a lazy import inside a function counts, a TYPE_CHECKING import does not,
+    ``from pkg import sub`` names the submodule, and a two-module circle is found."""
+    modules = {"engine.a": Path("a.py"), "engine.b": Path("b.py"), "agentrt.x": Path("x.py"),
+               "engine": Path("__init__.py")}
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine import b\n"
+           "def f():\n    from agentrt.x import thing\n")
+    tree_path = ROOT / "out" / "layers_probe.py"
+    tree_path.parent.mkdir(exist_ok=True)
+    tree_path.write_text(src)
+    try:
+        assert imports_of("engine.a", tree_path, modules) == {"agentrt.x"}
+    finally:
+        tree_path.unlink()
+    assert forbidden("engine.a", "agentrt.x") and forbidden("agentrt.server", "router.core")
+    assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt.cli", "router.commands")
+    assert not forbidden("router.core", "agentrt.errors")
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
