@@ -202,12 +202,6 @@ class SessionManager:
 
     # ------------------------------------------------------------ turns
 
-    async def replay(self, session_id: str, turn_id: str | None, tenant: Tenant) -> TurnRecord | None:
-        """The recorded turn with this id, if the session has one."""
-        if turn_id is None:
-            return None
-        return (await self.get(session_id, tenant)).find_turn(turn_id)
-
     async def start_turn(self, session_id: str, req: TurnRequest, tenant: Tenant) -> TurnRun | TurnRecord:
         """A recorded turn (replay of ``turn_id``) or a running one holding the session's lock."""
         record = await self.get(session_id, tenant)
@@ -274,10 +268,10 @@ class SessionManager:
         result = run.generation.result
         pin_ttl = run.pin_ttl_s
         if result.tool_calls and run.record.pin_ttl_s is None:
-            # The agent runs the tool and comes straight back: keep the prefix longer.
+            # The agent runs the tool and comes straight back: keep the prefix longer (the engine
+            # pinned the turn under its request id when it finished; only the deadline changes).
             pin_ttl = self.config.pin_ttl_tool_s
-            self.gen.engine.pin(run.generation.request_id, run.prompt_ids + result.token_ids, pin_ttl,
-                                run.tenant.cache_salt)
+            self.gen.engine.extend_pin(run.generation.request_id, pin_ttl)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.tool_calls:

@@ -90,15 +90,14 @@ class AsyncEngine:
     def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
         self.engine.pin(pin_id, token_ids, ttl_s, cache_salt)
 
+    def extend_pin(self, pin_id: str, ttl_s: float) -> None:
+        self.engine.extend_pin(pin_id, ttl_s)
+
     def unpin(self, pin_id: str) -> None:
         self.engine.unpin(pin_id)
 
     def stats(self):
         return self.engine.stats()
-
-    async def cache_snapshot(self, extra=None):
-        """Every cached block hash (see ``LLMEngine.request_cache_snapshot``)."""
-        return await asyncio.wrap_future(self.engine.request_cache_snapshot(extra))
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

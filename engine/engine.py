@@ -164,6 +164,11 @@ class LLMEngine:
     def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
         self._command("pin", (pin_id, list(token_ids), ttl_s, cache_salt))
 
+    def extend_pin(self, pin_id: str, ttl_s: float) -> None:
+        """Make an existing pin (a finished session turn's, under its request id) expire ``ttl_s`` from
+        now; no-op if it already expired or was released."""
+        self._command("extend_pin", (pin_id, ttl_s))
+
     def unpin(self, pin_id: str) -> None:
         self._command("unpin", pin_id)
 
@@ -202,6 +207,8 @@ class LLMEngine:
                     outputs.append(self._emit(req))
             elif kind == "pin":
                 self.scheduler.pin(*arg)
+            elif kind == "extend_pin":
+                self.scheduler.extend_pin(*arg)
             elif kind == "unpin":
                 self.scheduler.unpin(arg)
             elif kind == "flush":

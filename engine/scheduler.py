@@ -117,6 +117,14 @@ class Scheduler:
         self.pins[pin_id] = Pin(node, time.monotonic() + ttl_s)
         return len(pages) * self.P
 
+    def extend_pin(self, pin_id: str, ttl_s: float) -> bool:
+        """Make the pin ``pin_id`` expire ``ttl_s`` seconds from now; False if it no longer holds."""
+        pin = self.pins.get(pin_id)
+        if pin is None:
+            return False
+        pin.expires_at = time.monotonic() + ttl_s
+        return True
+
     def unpin(self, pin_id: str) -> None:
         pin = self.pins.pop(pin_id, None)
         if pin is not None:

@@ -154,9 +154,9 @@ class RemoteEngine:
 
     # ------------------------------------------------------------ pins (fire and forget)
 
-    def pin(self, pin_id: str, token_ids: list[int], ttl_s: float, cache_salt: str = "") -> None:
-        self._to_worker_of(pin_id, "/internal/pin", {"pin_id": pin_id, "token_ids": list(token_ids), "ttl_s": ttl_s,
-                                                     "cache_salt": cache_salt})
+    def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:
+        """Make a finished turn's pin expire ``ttl_s`` from now, on the worker that holds it."""
+        self._to_worker_of(pin_id, "/internal/pin/extend", {"pin_id": pin_id, "ttl_s": ttl_s}, worker)
 
     def unpin(self, pin_id: str, worker: str | None = None) -> None:
         """Release a pin on the worker that holds it: ``worker`` (the session record's last worker, so

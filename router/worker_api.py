@@ -55,9 +55,7 @@ class GenerateBody(BaseModel):
 
 class PinBody(BaseModel):
     pin_id: str = Field(min_length=1, max_length=256)
-    token_ids: list[int] = Field(default_factory=list)
     ttl_s: float = Field(default=30.0, gt=0)
-    cache_salt: str = Field(default="", max_length=256)  # the tenant's (contract 1): pins its own blocks
 
 
 # ------------------------------------------------------------ wire format
@@ -151,10 +149,10 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(release))
 
 
-@worker_routes.post("/internal/pin")
-async def internal_pin(body: PinBody, request: Request) -> dict:
-    request.app.state.engine.pin(body.pin_id, body.token_ids, body.ttl_s, body.cache_salt)
-    return {"pin_id": body.pin_id, "pinned": True}
+@worker_routes.post("/internal/pin/extend")
+async def internal_extend_pin(body: PinBody, request: Request) -> dict:
+    request.app.state.engine.extend_pin(body.pin_id, body.ttl_s)
+    return {"pin_id": body.pin_id, "ttl_s": body.ttl_s}
 
 
 @worker_routes.post("/internal/unpin")

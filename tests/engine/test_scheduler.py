@@ -111,6 +111,16 @@ def test_pin_ttl_on_request(default_engine, tokenizer):
     while default_engine.has_unfinished():
         default_engine.step()
     assert rid in default_engine.scheduler.pins
+    pin = default_engine.scheduler.pins[rid]
+    node, deadline = pin.node, pin.expires_at
+    # A tool call: the session asks for a longer pin by id; the same cached node stays locked.
+    default_engine.extend_pin(rid, 120)
+    default_engine.step()
+    pin = default_engine.scheduler.pins[rid]
+    assert pin.node is node and pin.expires_at >= deadline + 89
+    default_engine.extend_pin("no-such-pin", 120)  # an expired or released pin: nothing happens
+    default_engine.step()
+    assert "no-such-pin" not in default_engine.scheduler.pins
     default_engine.unpin(rid)
     default_engine.step()
     assert rid not in default_engine.scheduler.pins
