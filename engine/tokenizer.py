@@ -91,10 +91,6 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=bos, eos_token=eos, **extra)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt, **extra))
-
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting a UTF-8 character.

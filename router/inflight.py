@@ -60,10 +60,3 @@ class InFlightTracker:
 
     def tokens(self, worker_id: str) -> float:
         return max(0.0, self._tokens.get(worker_id, 0.0))
-
-    def drop_worker(self, worker_id: str) -> list[str]:
-        """Forget a dead worker's requests; returns their ids (the caller retries them)."""
-        ids = [rid for rid, e in self._entries.items() if e.worker_id == worker_id]
-        for rid in ids:
-            self.completed(rid)
-        return ids

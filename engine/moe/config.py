@@ -132,7 +132,3 @@ class Topology:
         if not 0 <= node < self.nodes:
             raise ValueError(f"node {node} outside [0, {self.nodes})")
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
-
-    @classmethod
-    def single_node(cls, world_size: int) -> "Topology":
-        return cls(nodes=1, ranks_per_node=world_size)

@@ -42,11 +42,6 @@ class _Objective:
         self.topology, self.cap, self.node_weight = topology, load_cap, node_weight
         self.e, self.r = self.source.shape[1], topology.world_size
 
-    def load_ratio(self, phy2log: np.ndarray) -> float:
-        d = routing_fractions(replica_counts(phy2log, self.e, self.r), self.topology, "locality")
-        load = load_from_fractions(d, self.source)
-        return float(load.max() / max(load.mean(), 1e-12))
-
     def __call__(self, phy2log: np.ndarray) -> float:
         d = routing_fractions(replica_counts(phy2log, self.e, self.r), self.topology, "locality")
         load = load_from_fractions(d, self.source)

@@ -68,12 +68,6 @@ class LayerPlacement:
         s = self.slots_per_rank
         return self.phy2log[rank * s:(rank + 1) * s].tolist()
 
-    def replicas_on_ranks(self) -> torch.Tensor:
-        """counts [E, R]: replicas of expert e on rank r."""
-        m = torch.zeros(self.num_experts, self.world_size, dtype=torch.long)
-        m.index_put_((self.phy2log, self.slot_rank()), torch.ones_like(self.phy2log), accumulate=True)
-        return m
-
     def choose_replica(self, topk_ids: torch.Tensor, src_rank: int | torch.Tensor, token_index: torch.Tensor | None = None) -> torch.Tensor:
         """topk_ids [T, k] logical -> physical slots [T, k]. ``src_rank`` is the rank the
         tokens come from (int or [T]); ``token_index`` [T] (default arange) seeds the hash."""
