@@ -51,6 +51,7 @@ class RedisTurnLock(TurnLock):
     def __init__(self, store: rs.RedisSessionStore, session_id: str, token: str, ttl_ms: int) -> None:
         self.store, self.session_id, self.token, self.ttl_ms = store, session_id, token, ttl_ms
         self._released = False
+        self._unlocking: asyncio.Task | None = None  # the release's Redis work, which outlives its caller
         self._renewer = asyncio.get_running_loop().create_task(self._renew_forever(),
                                                                name=f"turn-lock-{session_id}")
 
@@ -203,6 +204,7 @@ class RedisAgentrtStore(SessionStore):
         try:
             locked = await asyncio.shield(call)
         except BaseException:
+            call.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome not needed any more
             task = asyncio.get_running_loop().create_task(self._withdraw_lock(session_id, token))
             self._withdrawals.add(task)
             task.add_done_callback(self._withdrawals.discard)

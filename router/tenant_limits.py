@@ -245,9 +245,10 @@ class RedisTenantLimits(TenantLimiter):
         self._track(asyncio.get_running_loop().create_task(self._withdraw_now(reservation, now)))
 
     def _track(self, task: asyncio.Future) -> None:
-        """Keep ``task`` until it is done; ``aclose`` waits for it."""
+        """Keep ``task`` until it is done (``aclose`` waits for it); its outcome is not needed."""
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
 
     async def _withdraw_now(self, reservation: Reservation, now: float | None) -> None:
         try:
