@@ -56,6 +56,14 @@ def redis_client(url: str) -> aioredis.Redis:
     return client
 
 
+def retry_for(seconds: float) -> Retry:
+    """Retries of a Redis call for about ``seconds`` (backoff 0.05 s doubling to 1 s), on any Redis or
+    socket error: for clean-ups that must not be lost to a transient failure (a withdrawn admission,
+    a turn lock), bounded by how long what they clean up would last anyway."""
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=max(1, int(seconds) + 5),
+                 supported_errors=(aioredis.RedisError, OSError))
+
+
 @dataclass(frozen=True)
 class Route:
     """A routing decision with everything needed to dispatch and account for it."""

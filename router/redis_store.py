@@ -27,7 +27,6 @@ bounds how long a router that died mid-turn keeps the session locked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from dataclasses import asdict, fields
@@ -39,6 +38,7 @@ from agentrt.errors import APIError
 from agentrt.store import (SessionNotFound, SessionRecord, SessionStore, TenantSessionLimitReached, TurnLock,
                            TurnRecord)
 from router import session_store as rs
+from router.core import retry_for
 
 _TURN_FIELDS = {f.name for f in fields(TurnRecord)}
 
@@ -214,8 +214,12 @@ class RedisAgentrtStore(SessionStore):
         return RedisTurnLock(self.store, session_id, token, self.lock_ttl_ms)
 
     async def _withdraw_lock(self, session_id: str, token: str) -> None:
-        try:
-            await self.store.withdraw_turn_lock(session_id, token, self.lock_ttl_ms)
+        async def failed(_: BaseException) -> None:
+            pass
+
+        try:  # retried for up to the lock's TTL: a transient error must not leave the session locked
+            await retry_for(self.lock_ttl_ms / 1000).call_with_retry(
+                lambda: self.store.withdraw_turn_lock(session_id, token, self.lock_ttl_ms), failed)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("cannot withdraw an unanswered turn lock of session %s (%s); if it was taken, it "
                         "expires in %d ms", session_id, exc, self.lock_ttl_ms)

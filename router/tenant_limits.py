@@ -36,6 +36,10 @@ its way there. It is withdrawn at once, whatever the order things reach Redis in
 * ``tenant:<name>:withdrawn`` is a sorted set, reservation id -> deadline (ms, a lease ahead).
   Withdrawing removes whatever the id reserved and records the id there; an admission script
   for a withdrawn id, even one that reaches Redis after the withdrawal, reserves nothing.
+
+A withdrawal runs in a task of its own (it outlives the cancelled caller) and is retried on
+errors for up to a lease (``router.core.retry_for``). ``settle()`` waits for the withdrawals,
+releases and unanswered admissions under way: after it, what Redis holds is final.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -52,6 +57,7 @@ from redis.exceptions import RedisError
 from agentrt.errors import APIError
 from agentrt.tenants import WINDOW_S, Tenant, TenantLimiter
 from router.config import RouterConfig
+from router.core import retry_for
 
 log = logging.getLogger("router.tenant_limits")
 
@@ -251,14 +257,19 @@ class RedisTenantLimits(TenantLimiter):
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
 
     async def _withdraw_now(self, reservation: Reservation, now: float | None) -> None:
+        """Withdraw, retrying a failed attempt (a transient error must not leave a slot held) for up to a
+        lease, after which whatever the admission reserved has expired anyway."""
+        async def failed(_: BaseException) -> None:
+            self.withdraw_errors += 1
+
         try:
-            await self._withdraw(keys=self._admission_keys(reservation.tenant),
-                                 args=[reservation.id, self.lease_ms, _ms(now)])
+            await retry_for(self.lease_ms / 1000).call_with_retry(
+                lambda: self._withdraw(keys=self._admission_keys(reservation.tenant),
+                                       args=[reservation.id, self.lease_ms, _ms(now)]), failed)
             self.withdrawals += 1
         except (RedisError, OSError) as exc:
-            self.withdraw_errors += 1
             log.warning("cannot withdraw tenant %r's unanswered admission %s (%s); if it reserved, its lease "
-                        "expires within %d ms", reservation.tenant, reservation.id, exc, self.lease_ms)
+                        "has expired by now", reservation.tenant, reservation.id, exc)
 
     async def release(self, tenant: Tenant, reservation: Reservation, used_tokens: int | None) -> None:
         """Free the lease and charge ``used_tokens``; completes even if the caller is cancelled meanwhile."""
@@ -321,12 +332,26 @@ class RedisTenantLimits(TenantLimiter):
                             "than %d ms?); the request no longer counts against the tenant's concurrency",
                             r.tenant, r.id, self.lease_ms)
 
-    async def aclose(self) -> None:
-        """Stop renewing and finish the releases and withdrawals under way (call before closing the Redis
-        client). Withdrawals not finished when the event loop closes expire with their lease."""
+    async def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait until the releases, withdrawals and unanswered admissions under way are done (then what
+        Redis holds for this replica is final); False if some are still running after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._releases:  # a task finishing may start none, but wait for those added meanwhile too
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            await asyncio.wait(set(self._releases), timeout=left)
+        return True
+
+    async def aclose(self, grace_s: float = 5.0) -> None:
+        """Stop renewing and finish the releases and withdrawals under way, for at most ``grace_s`` (call
+        before closing the Redis client). What is not done by then expires with its lease."""
         if self._renewer is not None:
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+        if not await self.settle(grace_s):
+            pending = list(self._releases)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
