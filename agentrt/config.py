@@ -62,8 +62,9 @@ class ServerConfig:
     served_model_name: str | None = _setting(None,
                       "the model name clients send and /v1/models lists (default: from the model files)")
     device: str = _setting("cpu", "where the engine runs: cpu, cuda, or auto (cuda when available)")
-    dtype: str = _setting("float32", "weights and KV cache precision: float32, bfloat16 or float16")
-    kv_cache_tokens: int | None = _setting(32768,  # 1.5 GB of fp32 KV for the default model
+    dtype: str = _setting("auto", "weights and KV cache precision: float32, bfloat16, float16, or auto (bfloat16 "
+                                  "on CUDA and on CPUs with AVX512-BF16/AMX, else float32)")
+    kv_cache_tokens: int | None = _setting(32768,  # 1.5 GB of fp32 KV for the default model, 0.75 GB bf16
                       "tokens the paged KV cache holds (sizes its memory)")
     max_num_seqs: int | None = _setting(None, "most sequences in one engine step (the batch)")
     max_model_len: int | None = _setting(None, "context window in tokens (default: the model's)")
@@ -102,8 +103,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.api_keys, tuple) or any(not k for k in self.api_keys):
             raise ValueError("api_keys must be a tuple of non-empty strings")
         if self.tenants_file is not None and self.api_keys:

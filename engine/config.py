@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "flashinfer")
 _EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
@@ -111,6 +111,16 @@ class EngineConfig:
         """``max_waiting_tokens``, or its default: twice the pool's token capacity."""
         return self.max_waiting_tokens if self.max_waiting_tokens is not None else 2 * self.pool_tokens
 
+    def resolved_dtype(self) -> str:
+        """``auto``: bfloat16 on CUDA and on CPUs with native bf16 dot products (AVX512-BF16 or AMX),
+        where it runs the default model's decode 2-3x faster than float32 (benchmarks/step_overhead.py);
+        float32 elsewhere, where bf16 matmuls are emulated and slower."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device().startswith("cuda") or cpu_has_native_bf16():
+            return "bfloat16"
+        return "float32"
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -121,3 +131,19 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "flashinfer" if self.resolved_device().startswith("cuda") else "torch"
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 dot products natively (x86 AVX512-BF16 or AMX-BF16 flags;
+    ``cpuinfo`` is /proc/cpuinfo's text, read when not given). Unknown (no /proc/cpuinfo): False."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False

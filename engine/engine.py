@@ -41,7 +41,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, on_kv_event=None) -> None:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
-        dtype = _DTYPES[config.dtype]
+        dtype = _DTYPES[config.resolved_dtype()]
         mcfg, state, tok, model_id = load_model_files(config.model, dtype)
         self.model_config, self.tokenizer = mcfg, tok
         self.model_id = config.served_model_name or model_id

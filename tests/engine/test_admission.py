@@ -155,3 +155,17 @@ def test_config_default_and_validation():
     assert EngineConfig(max_waiting_tokens=5).waiting_tokens_limit == 5
     with pytest.raises(ValueError, match="max_waiting_tokens"):
         EngineConfig(max_waiting_tokens=0)
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively():
+    from engine.config import cpu_has_native_bf16
+
+    xeon = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n"
+    old = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
+    assert cpu_has_native_bf16(xeon) and not cpu_has_native_bf16(old)
+    assert cpu_has_native_bf16("flags : amx_bf16 amx_tile") and not cpu_has_native_bf16("no flags line")
+    assert EngineConfig(dtype="float32").resolved_dtype() == "float32"  # an explicit choice is kept
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert EngineConfig(dtype="auto", device="cpu").resolved_dtype() == expected
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int3")
