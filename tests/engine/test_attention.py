@@ -28,27 +28,38 @@ def make_batch(rng, num_pages, specs, shared_prefix_pages=0, shuffle=True):
     return BatchLayout([q for q, _ in specs], [k for _, k in specs], tables, torch.tensor(slots))
 
 
+def random_backend(num_layers, num_pages, dtype=torch.float32, plan=None):
+    """A torch backend over an HSD pool of random K/V; ``plan`` forces its decode plan."""
+    kv = KVCache(num_layers, num_pages, P, HKV, D, dtype, "cpu", layout="HSD")
+    for t in kv.k + kv.v:
+        t.normal_()
+    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    backend.force_decode_plan = plan
+    return kv, backend
+
+
+def run_against_reference(kv, backend, layout, layer, dtype=torch.float32):
+    """Plan ``layout``, run one layer on random q/k/v; returns (backend output, reference output)."""
+    T = layout.num_tokens
+    q = torch.randn(T, HQ, D, dtype=dtype)
+    k_new, v_new = torch.randn(T, HKV, D, dtype=dtype), torch.randn(T, HKV, D, dtype=dtype)
+    backend.plan(layout)
+    out = backend.forward(layer, q, k_new, v_new)
+    return out, reference_attention(kv, layer, layout, q)
+
+
 @pytest.mark.parametrize("layout_name", ["HSD"])
 @pytest.mark.parametrize("compact", [True, False])
 def test_torch_backend_matches_reference(layout_name, compact):
     rng = random.Random(0 if compact else 1)
     torch.manual_seed(0)
     num_pages = 40 if compact else 400   # a sparse pool forces the gathered-union path
-    kv = KVCache(2, num_pages, P, HKV, D, torch.float32, "cpu", layout=layout_name)
-    for t in kv.k + kv.v:
-        t.normal_()
-    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
-    backend.force_decode_plan = "union"
+    kv, backend = random_backend(2, num_pages, plan="union")
     # decode rows sharing a 2-page prefix, a cold prefill, a chunk over a cached prefix
     specs = [(1, 11), (1, 9), (5, 5), (1, 17), (3, 14)]
     layout = make_batch(rng, num_pages, specs, shared_prefix_pages=2, shuffle=not compact)
-    T = layout.num_tokens
-    q = torch.randn(T, HQ, D)
-    k_new, v_new = torch.randn(T, HKV, D), torch.randn(T, HKV, D)
-    backend.plan(layout)
+    out, ref = run_against_reference(kv, backend, layout, 1)
     decode_plan = backend.decode
-    out = backend.forward(1, q, k_new, v_new)
-    ref = reference_attention(kv, 1, layout, q)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # the two planning modes were both exercised across the parameters
     assert isinstance(decode_plan[1], tuple) == compact
@@ -62,11 +73,7 @@ def test_cascade_decode_matches_reference(case):
     rng = random.Random(hash(case) % 1000)
     torch.manual_seed(1)
     num_pages = 300
-    kv = KVCache(2, num_pages, P, HKV, D, torch.float32, "cpu", layout="HSD")
-    for t in kv.k + kv.v:
-        t.normal_()
-    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
-    backend.force_decode_plan = "cascade"
+    kv, backend = random_backend(2, num_pages, plan="cascade")
     specs, shared, shuffle = {
         "shared-prefix": ([(1, 13), (1, 9), (1, 40), (1, 10), (1, 33)], 2, False),
         "distinct": ([(1, 5), (1, 61), (1, 17), (1, 2), (1, 18)], 0, False),
@@ -76,13 +83,9 @@ def test_cascade_decode_matches_reference(case):
         "long-rows-in-place": ([(1, 300), (1, 9), (1, 270), (1, 14)], 1, False),  # own pages in one range
     }[case]
     layout = make_batch(rng, num_pages, specs, shared_prefix_pages=shared, shuffle=shuffle)
-    T = layout.num_tokens
-    q = torch.randn(T, HQ, D)
-    k_new, v_new = torch.randn(T, HKV, D), torch.randn(T, HKV, D)
-    backend.plan(layout)
+    out, ref = run_against_reference(kv, backend, layout, 0)
     plan = backend.cascade
-    out = backend.forward(0, q, k_new, v_new)
-    torch.testing.assert_close(out, reference_attention(kv, 0, layout, q), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert backend.decode is None and plan is not None
     assert (plan.shared is not None) == (shared > 0)
     if case == "shared-prefix":
@@ -97,20 +100,11 @@ def test_cascade_decode_in_half_precision_matches_reference(dtype):
     """Half-precision KV takes the other matmul orientation (keys as stored, scores transposed)."""
     rng = random.Random(7)
     torch.manual_seed(2)
-    kv = KVCache(1, 300, P, HKV, D, dtype, "cpu", layout="HSD")
-    for t in kv.k + kv.v:
-        t.normal_()
-    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
-    backend.force_decode_plan = "cascade"
+    kv, backend = random_backend(1, 300, dtype, plan="cascade")
     layout = make_batch(rng, 300, [(1, 300), (1, 9), (1, 33), (1, 14), (2, 20)], shared_prefix_pages=1,
                         shuffle=False)
-    q = torch.randn(layout.num_tokens, HQ, D, dtype=dtype)
-    k_new = torch.randn(layout.num_tokens, HKV, D, dtype=dtype)
-    v_new = torch.randn(layout.num_tokens, HKV, D, dtype=dtype)
-    backend.plan(layout)
+    out, ref = run_against_reference(kv, backend, layout, 0, dtype)
     assert backend.cascade.in_place and backend.cascade.groups
-    out = backend.forward(0, q, k_new, v_new)
-    ref = reference_attention(kv, 0, layout, q)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 
 class _Link:
@@ -97,3 +98,11 @@ class RedisProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``await predicate()`` until it is true; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(0.01)

@@ -16,7 +16,7 @@ from agentrt.tenants import Tenant, TenantLimits
 from router.config import RouterConfig
 from router.core import redis_client
 from router.tenant_limits import RedisTenantLimits
-from tests.router.redis_proxy import RedisProxy
+from tests.router.redis_proxy import RedisProxy, until
 
 
 def replicas(url: str, scenario, n: int = 2, **options):
@@ -231,19 +231,24 @@ def lost_admission(redis_server, scenario):
     return asyncio.run(body())
 
 
-async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 LEASES = RouterConfig().tenant_leases_key("acme")
 TOKENS = RouterConfig().tenant_tokens_key("acme")
 
 
 async def nothing_held(direct) -> bool:
     return await direct.zcard(LEASES) == 0 and await direct.zcard(TOKENS) == 0
+
+
+async def admitted_behind_held_reply(limits, proxy, direct, tenant: Tenant):
+    """Start an admission whose script runs and reserves on the server while its reply is held in the
+    proxy; returns (the held links, the admission task)."""
+    held = proxy.hold_replies()
+    task = asyncio.ensure_future(limits.admit(tenant, 400))
+
+    async def reserved():
+        return await direct.zcard(LEASES) == 1
+    await until(reserved, "the admission script to reserve on the server")
+    return held, task
 
 
 def test_a_cancelled_admission_whose_reply_was_lost_gives_its_slot_back(redis_server, redis_url):
@@ -254,12 +259,7 @@ def test_a_cancelled_admission_whose_reply_was_lost_gives_its_slot_back(redis_se
     acme = Tenant("acme", max_concurrent_requests=1, tokens_per_minute=1000)
 
     async def scenario(limits, proxy, direct):
-        held = proxy.hold_replies()
-        task = asyncio.ensure_future(limits.admit(acme, 400))
-
-        async def reserved():
-            return await direct.zcard(LEASES) == 1
-        await until(reserved, "the admission script to reserve on the server")
+        held, task = await admitted_behind_held_reply(limits, proxy, direct, acme)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -281,12 +281,7 @@ def test_an_admission_whose_reply_was_lost_is_admitted_once_by_the_retry(redis_s
     acme = Tenant("acme", max_concurrent_requests=1, tokens_per_minute=1000)
 
     async def scenario(limits, proxy, direct):
-        held = proxy.hold_replies()
-        task = asyncio.ensure_future(limits.admit(acme, 400))
-
-        async def reserved():
-            return await direct.zcard(LEASES) == 1
-        await until(reserved, "the admission script to reserve on the server")
+        held, task = await admitted_behind_held_reply(limits, proxy, direct, acme)
         proxy.cut(held)
         reservation, wait = await task
         assert reservation is not None, f"refused, retry after {wait} s"

@@ -2,7 +2,6 @@
 
 import asyncio
 import threading
-import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -11,7 +10,7 @@ from router import session_store as rs
 from router.config import RouterConfig
 from router.core import redis_client
 from router.redis_store import RedisAgentrtStore, RedisTurnLock
-from tests.router.redis_proxy import RedisProxy
+from tests.router.redis_proxy import RedisProxy, until
 
 
 class RacyStore:
@@ -81,13 +80,6 @@ def through_proxy(redis_server, scenario):
             await direct.aclose()
             await proxy.aclose()
     return asyncio.run(body())
-
-
-async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 LOCK = RouterConfig().turn_lock_key("sess_1")
