@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -107,13 +107,12 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its reaped children (Linux ``/proc``); NaN elsewhere."""
+    """User + system CPU time of a process and its reaped children; NaN if it cannot be read."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return float("nan")
-    # after the command name: state is field 3, utime/stime/cutime/cstime are fields 14-17
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return t.user + t.system + t.children_user + t.children_system
 
 
 async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:

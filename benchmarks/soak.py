@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import httpx
+import psutil
 from agentrt.procs import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,41 +42,29 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def rss_mb(pid: int) -> float | None:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
         return None
-    return None
 
 
 def children(pid: int) -> dict[int, str]:
     """Descendants of ``pid`` that run agentrt (pid -> role: worker id, router, redis)."""
-    parents: dict[int, list[int]] = defaultdict(list)
-    cmdlines: dict[int, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    out = {}
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for child in descendants:
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdlines[int(entry)] = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except (OSError, IndexError, ValueError):
+            args = child.cmdline()
+        except psutil.Error:
             continue
-        parents[ppid].append(int(entry))
-    out, stack = {}, [pid]
-    while stack:
-        for child in parents.get(stack.pop(), []):
-            args = cmdlines.get(child, [])
-            if "--worker-id" in args:
-                out[child] = args[args.index("--worker-id") + 1]
-            elif "router" in args:
-                out[child] = "router"
-            elif args and args[0].endswith("redis-server"):
-                out[child] = "redis"
-            stack.append(child)
+        if "--worker-id" in args:
+            out[child.pid] = args[args.index("--worker-id") + 1]
+        elif "router" in args:
+            out[child.pid] = "router"
+        elif args and args[0].endswith("redis-server"):
+            out[child.pid] = "redis"
     return out
 
 

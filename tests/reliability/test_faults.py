@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -60,18 +61,12 @@ class Cluster:
 
     def worker_pid(self, worker_id: str) -> int:
         """The pid of ``agentrt up``'s child with this worker id."""
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for child in psutil.Process(self.up.pid).children():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-            except (OSError, IndexError, ValueError):
+                if worker_id in child.cmdline():
+                    return child.pid
+            except psutil.Error:
                 continue
-            if ppid == self.up.pid and worker_id.encode() in args:
-                return int(entry)
         raise LookupError(f"no child of agentrt up runs {worker_id}")
 
     def record(self, sid: str):
