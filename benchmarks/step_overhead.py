@@ -36,7 +36,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 
-SHAPES = {"b1_ctx64": (1, 64), "b64_ctx64": (64, 64), "b64_ctx2048": (64, 2048), "b256_ctx64": (256, 64)}
+SHAPES = {"b1_ctx64": (1, 64), "b16_ctx64": (16, 64), "b64_ctx64": (64, 64), "b64_ctx2048": (64, 2048),
+          "b256_ctx64": (256, 64)}
 
 
 def decode_batch(engine: LLMEngine, batch: int, ctx: int) -> ScheduledBatch:

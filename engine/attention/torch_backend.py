@@ -153,10 +153,10 @@ class _CascadePlan:
             n_shared = 0  # one row: its own pages are the whole context
         self.shared_pages = first[:n_shared]
         shared = np.asarray(self.shared_pages, dtype=np.int64)
-        self.shared_range = bool(n_shared) and int(shared[-1]) - int(shared[0]) + 1 == n_shared
+        self.shared_range = bool(n_shared) and _consecutive(shared)
         self.own = [(pages[n_shared:], kl - n_shared * P) for pages, kl in zip(dec_pages, dec_lens)]
         self.in_place = [b for b, (pages, n) in enumerate(self.own)
-                         if n >= _VIEW_MIN_SLOTS and pages[-1] - pages[0] + 1 == len(pages)]
+                         if n >= _VIEW_MIN_SLOTS and _consecutive(np.asarray(pages))]
         rest = [b for b in range(len(self.own)) if b not in set(self.in_place)]
         self.groups = [[rest[i] for i in g] for g in _length_groups([self.own[b][1] for b in rest])]
         padded = sum(len(g) * self.own[g[0]][1] for g in self.groups)
@@ -277,6 +277,11 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     p = torch.softmax(s, dim=-1).to(v.dtype).view(Hkv, G * Q, N)
     o = torch.bmm(p, v).view(Hkv, G, Q, D)                                  # (Hkv, G, Q, D)
     return o.permute(2, 0, 1, 3).reshape(Q, Hq, D)
+
+
+def _consecutive(pages: np.ndarray) -> bool:
+    """Whether ``pages`` are p, p+1, p+2, ... in order (their slots are one range of the pool)."""
+    return bool(np.all(np.diff(pages) == 1))
 
 
 def _slots_of(pages: list[int], kv_len: int, page_size: int) -> np.ndarray:

@@ -108,6 +108,22 @@ def test_cascade_decode_in_half_precision_matches_reference(dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_a_row_is_read_in_place_only_when_its_pages_are_one_run():
+    """A row whose first and last pages are len-1 apart but whose pages are not p, p+1, ... (one page
+    replaced by a far one) must be gathered: a view of the range would read another sequence's page."""
+    torch.manual_seed(3)
+    kv, backend = random_backend(1, 400, plan="cascade")
+    run = list(range(100, 170))                     # 70 pages, 280 slots: long enough to be read in place
+    broken = run[:30] + [300] + run[31:]            # first and last still 69 apart
+    tables = [run, broken, list(range(10, 14))]
+    kv_lens = [70 * P - 1, 70 * P - 2, 13]
+    slots = [t[(kl - 1) // P] * P + (kl - 1) % P for t, kl in zip(tables, kv_lens)]
+    layout = BatchLayout([1, 1, 1], kv_lens, tables, torch.tensor(slots))
+    out, ref = run_against_reference(kv, backend, layout, 0)
+    assert [b for b, _, _ in backend.cascade.in_place] == [0]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_plan_is_chosen_by_cost():
     """Distinct contexts take the cascade (the union would score every row against every context);
     a single row whose pages are one range takes the union, read in place without a copy."""
