@@ -58,6 +58,48 @@ async def served_model(http: httpx.AsyncClient, target: str) -> str:
         raise CallFailed(f"{target}/v1/models: cannot read the served model ({exc}); pass --model") from None
 
 
+@dataclass
+class StreamedChat:
+    """One streamed chat completion as the client saw it (``perf_counter`` times)."""
+
+    start: float
+    first: float | None  # the first text delta (None: no text came)
+    end: float
+    text: str
+    usage: dict | None  # the last ``usage`` the stream carried
+    timings: dict | None  # llama.cpp's ``timings``, where the server sends them
+
+
+async def stream_chat_completion(http: httpx.AsyncClient, url: str, body: dict) -> StreamedChat:
+    """POST ``body`` to ``url`` (a ``/v1/chat/completions`` endpoint) and read its server-sent events;
+    ``CallFailed`` for an HTTP error, an error event, or a broken stream."""
+    start = time.perf_counter()
+    first, parts, usage, timings = None, [], None, None
+    try:
+        async with http.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raise CallFailed(f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise CallFailed(f"error event: {chunk['error']}")
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        first = first if first is not None else time.perf_counter()
+                        parts.append(text)
+                usage = chunk.get("usage") or usage
+                timings = chunk.get("timings") or timings
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        raise CallFailed(f"{type(exc).__name__}: {exc}") from None
+    return StreamedChat(start, first, time.perf_counter(), "".join(parts), usage, timings)
+
+
 class ChatDriver:
     def __init__(self, http: httpx.AsyncClient, target: str, model: str, tokenizer, temperature: float = 0.0) -> None:
         self.http, self.url, self.model = http, target + "/v1/chat/completions", model
@@ -66,37 +108,13 @@ class ChatDriver:
     async def call(self, messages: list[dict], max_tokens: int) -> CallResult:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": self.temperature,
                 "stream": True, "stream_options": {"include_usage": True}}
-        start = time.perf_counter()
-        first, parts, usage = None, [], None
-        try:
-            async with self.http.stream("POST", self.url, json=body) as resp:
-                if resp.status_code != 200:
-                    raise CallFailed(f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise CallFailed(f"error event: {chunk['error']}")
-                    for choice in chunk.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            first = first if first is not None else time.perf_counter()
-                            parts.append(text)
-                    usage = chunk.get("usage") or usage
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            raise CallFailed(f"{type(exc).__name__}: {exc}") from None
-        end = time.perf_counter()
-        reply = "".join(parts)
-        first = first if first is not None else end
-        if usage is None:
-            return CallResult(first - start, end - start, reply, len(self.tokenizer.encode(reply)), None, None)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return CallResult(first - start, end - start, reply, int(usage["completion_tokens"]),
-                          int(usage["prompt_tokens"]), int(cached) if cached is not None else None)
+        r = await stream_chat_completion(self.http, self.url, body)
+        first = r.first if r.first is not None else r.end
+        if r.usage is None:
+            return CallResult(first - r.start, r.end - r.start, r.text, len(self.tokenizer.encode(r.text)), None, None)
+        cached = (r.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return CallResult(first - r.start, r.end - r.start, r.text, int(r.usage["completion_tokens"]),
+                          int(r.usage["prompt_tokens"]), int(cached) if cached is not None else None)
 
 
 class SessionDriver:
