@@ -157,7 +157,8 @@ class _CascadePlan:
         self.own = [(pages[n_shared:], kl - n_shared * P) for pages, kl in zip(dec_pages, dec_lens)]
         self.in_place = [b for b, (pages, n) in enumerate(self.own)
                          if n >= _VIEW_MIN_SLOTS and _consecutive(np.asarray(pages))]
-        rest = [b for b in range(len(self.own)) if b not in set(self.in_place)]
+        in_place = set(self.in_place)
+        rest = [b for b in range(len(self.own)) if b not in in_place]
         self.groups = [[rest[i] for i in g] for g in _length_groups([self.own[b][1] for b in rest])]
         padded = sum(len(g) * self.own[g[0]][1] for g in self.groups)
         S = n_shared * P
