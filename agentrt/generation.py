@@ -1,36 +1,30 @@
-"""The core both APIs share: sampling parameters, admission, and one running generation.
+"""The one generation path: admission, submission and one running generation.
 
-:class:`Generator` turns request fields into engine calls; :class:`Generation` turns the
-engine's stream of token deltas into content deltas and parsed tool calls, records TTFT
-and TPOT, and releases its admission slot exactly once, however it ends (finished,
-failed, or abandoned by a client that went away).
+Chat completions, completions, session turns and a worker's ``/internal/generate`` all go
+through :meth:`Generator.start`: the draining check, the server's and the tenant's admission,
+and the submission to the engine client (``engine.client.EngineClient``: the engine in this
+process, or the router's fleet of workers), where the request is checked
+(``engine.client.check_request``). :class:`Generation` turns the engine's outputs into
+content deltas and parsed tool calls (or hands them on as they are, for a worker's wire),
+records TTFT and TPOT, and releases its admission slot exactly once, however it ends
+(finished, failed, or abandoned by a client that went away).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine.chat import StreamingToolCallParser, ToolCall
-from engine.types import EngineOverloaded, InvalidRequest, SamplingParams, TokenLogprob
+from engine.chat import StreamingToolCallParser, ToolCall, encode_chat
+from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
+from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
-
-
-@dataclass(frozen=True)
-class SessionHint:
-    """Which session a request belongs to and where its last turn ran (a routing hint:
-    the in-process engine has only one place to run it; a router uses it for affinity)."""
-
-    session_id: str
-    last_worker: str | None = None
-
 
 @dataclass
 class Delta:
@@ -57,9 +51,10 @@ class Result:
 
 
 class Generation:
-    """One request running in the engine. Iterate :meth:`deltas` once, or call :meth:`collect`."""
+    """One request running in the engine. Iterate :meth:`deltas` (content and tool calls) or
+    :meth:`outputs` (the engine's outputs as they are) once, or call :meth:`collect`."""
 
-    def __init__(self, generator: "Generator", stream: Any, request_id: str, *, parse_tools: bool,
+    def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *, parse_tools: bool,
                  parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
                  tenant: Tenant | None = None, reservation: Any = None) -> None:
         self.gen = generator
@@ -80,21 +75,31 @@ class Generation:
         self._closed = False
         self.result: Result | None = None
 
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """Deltas until the request finishes; raises :class:`APIError` if the engine failed it."""
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs, the last one finished (an error or abort is an output here, not an
+        exception: a worker hands them on to its router as they are)."""
         try:
             async for out in self._stream:
-                delta = self._absorb(out)
-                if delta.content or delta.tool_calls or delta.logprobs:
-                    yield delta
+                self._observe(out)
+                if out.finished and out.finish_reason not in ("error", "abort"):
+                    self._record(out)
+                yield out
                 if out.finished:
-                    tail = self._finish(out)
-                    if tail.content or tail.tool_calls:
-                        yield tail
                     return
             raise APIError(503, "the engine stopped before the request finished", type="server_error")
         finally:
             await self.close()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas until the request finishes; raises :class:`APIError` if the engine failed it."""
+        async for out in self.outputs():
+            delta = self._parse(out)
+            if delta.content or delta.tool_calls or delta.logprobs:
+                yield delta
+            if out.finished:
+                tail = self._finish(out)
+                if tail.content or tail.tool_calls:
+                    yield tail
 
     async def collect(self) -> Result:
         async for _ in self.deltas():
@@ -109,6 +114,8 @@ class Generation:
             return
         self._closed = True
         self.gen.release()
+        if self.result is not None:  # counted here, once the tool calls (if any) are known
+            self.gen.metrics.observe_finished(self.result)
         try:
             if self.result is None:
                 await self._stream.aclose()
@@ -118,15 +125,17 @@ class Generation:
                     len(self._token_ids)
                 await self.gen.tenant_limits.release(self.tenant, self._reservation, used)
 
-    def _absorb(self, out: Any) -> Delta:
+    def _observe(self, out: RequestOutput) -> None:
         if out.token_ids and self._first_token_at is None:
             self._first_token_at = time.monotonic()
             self.gen.metrics.observe_ttft(self._first_token_at - self._started_at)
         self._token_ids.extend(out.token_ids)
         self._text.append(out.text)
+        if self._want_logprobs and out.logprobs:
+            self._logprobs.extend(out.logprobs)
+
+    def _parse(self, out: RequestOutput) -> Delta:
         logprobs = out.logprobs if self._want_logprobs else None
-        if logprobs:
-            self._logprobs.extend(logprobs)
         if self._parser is None:
             self._content.append(out.text)
             return Delta(content=out.text, logprobs=logprobs)
@@ -140,7 +149,9 @@ class Generation:
         self._calls.extend(calls)
         return calls
 
-    def _finish(self, out: Any) -> Delta:
+    def _finish(self, out: RequestOutput) -> Delta:
+        """The parser's tail; raises for a failed request. :meth:`outputs` recorded the result with the
+        raw text; its content, tool calls and finish reason are settled here."""
         tail = Delta()
         if self._parser is not None:
             content, calls = self._parser.finish()
@@ -150,38 +161,34 @@ class Generation:
             raise APIError(500 if out.finish_reason == "error" else 503,
                            f"generation {out.finish_reason}ed: {out.error or 'the engine ended the request'}",
                            type="server_error")
-        reason = "tool_calls" if (self._calls and out.finish_reason == "stop") else out.finish_reason
         content: str | None = "".join(self._content)
         if self._calls:
             content = content.strip() or None  # OpenAI: content is null next to tool calls
+        reason = "tool_calls" if (self._calls and out.finish_reason == "stop") else out.finish_reason
+        self.result.content, self.result.tool_calls = content, list(self._calls)
+        self.result.finish_reason = reason or "stop"
+        return tail
+
+    def _record(self, out: RequestOutput) -> None:
         now = time.monotonic()
         if self._first_token_at is not None and out.completion_tokens > 1:
             self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
+        text = "".join(self._text)
         self.result = Result(
-            text="".join(self._text), content=content,
-            tool_calls=list(self._calls), finish_reason=reason or "stop", prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
-            token_ids=list(self._token_ids), logprobs=self._logprobs if self._want_logprobs else None)
-        self.gen.metrics.observe_finished(self.result)
-        return tail
-
-
-def _grammar_constraint_fn():
-    """``engine.grammar.constraint_for_request`` when that module is part of the engine."""
-    if importlib.util.find_spec("engine.grammar") is None:
-        return None
-    from engine.grammar import constraint_for_request
-    return constraint_for_request
+            text=text, content=text, tool_calls=[], finish_reason=out.finish_reason or "stop",
+            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+            completion_tokens=out.completion_tokens, token_ids=list(self._token_ids),
+            logprobs=self._logprobs if self._want_logprobs else None)
 
 
 class Generator:
-    """Submits requests to the in-process engine under the server's admission limit and the tenants'
+    """Submits requests to the engine client under the server's admission limit and the tenants'
     (``tenant_limits``: this process's :class:`TenantLimits` unless another :class:`TenantLimiter` is
     given, such as the router's Redis one, shared by its replicas)."""
 
-    def __init__(self, async_engine: Any, llm: Any, config: ServerConfig, metrics: Metrics,
+    def __init__(self, engine: EngineClient, llm: Any, config: ServerConfig, metrics: Metrics,
                  tenant_limits: TenantLimiter | None = None) -> None:
-        self.engine = async_engine
+        self.engine = engine
         self.tokenizer = llm.tokenizer
         self.max_model_len = int(llm.max_model_len)
         self.model_name = llm.model_id
@@ -190,7 +197,6 @@ class Generator:
         self.in_flight = 0
         self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
         self.tenant_limits = tenant_limits if tenant_limits is not None else TenantLimits()
-        self._constraint_for_request = _grammar_constraint_fn()
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
@@ -200,7 +206,8 @@ class Generator:
 
     def sampling_params(self, fields: dict[str, Any], prompt_len: int,
                         logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams from OpenAI-named fields (``None`` values mean "not given")."""
+        """SamplingParams from OpenAI-named fields (``None`` values mean "not given"). They are checked
+        with the prompt when submitted (``engine.client.check_request``), not here."""
         for name in ("presence_penalty", "frequency_penalty"):
             if fields.get(name):
                 raise bad_request(f"{name} is not supported by this server (only 0)", param=name)
@@ -211,34 +218,52 @@ class Generator:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         temperature = fields.get("temperature")
         top_p = fields.get("top_p")
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-                                top_p=1.0 if top_p is None else top_p, seed=fields.get("seed"), stop=stop,
-                                logprobs=logprobs, top_k=fields.get("top_k") or 0,
-                                ignore_eos=bool(fields.get("ignore_eos")))
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
-        return params
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+                              top_p=1.0 if top_p is None else top_p, seed=fields.get("seed"), stop=stop,
+                              logprobs=logprobs, top_k=fields.get("top_k") or 0,
+                              ignore_eos=bool(fields.get("ignore_eos")))
 
-    def constraint(self, response_format: dict | None, tools: list[dict] | None, tool_choice: Any,
-                   parallel_tool_calls: bool | None = None) -> Any:
-        """The grammar constraint for these options (None: free output), or 400 for options it refuses."""
-        if self._constraint_for_request is None:
-            return None
+    def check_defaults(self, fields: dict[str, Any], options: StructuredOutput) -> None:
+        """400 now for sampling defaults or structured-output options no request could run with
+        (a session's, checked when it is created rather than at its first turn)."""
         try:
-            return self._constraint_for_request(self.tokenizer, response_format, tools, tool_choice,
-                                                parallel_tool_calls)
+            self.sampling_params(fields, 0).validate()
+        except InvalidRequest as exc:
+            raise bad_request(str(exc)) from None
+        self.constraint(options)
+
+    def constraint(self, options: StructuredOutput) -> Any:
+        """What the engine client takes for these options (None: free output); 400 for options it refuses."""
+        try:
+            return self.engine.constraint(options)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+    async def start_chat(self, messages: list[dict[str, Any]], fields: dict[str, Any], options: StructuredOutput, *,
+                         logprobs: int | None = None, pin_ttl_s: float | None = None, started_at: float | None = None,
+                         session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
+        """A chat request (a chat completion or a session turn): the messages rendered with
+        ``options.tools``, sampled by the OpenAI-named ``fields``, constrained by ``options``; its
+        tool calls are parsed unless ``tool_choice`` is "none"."""
+        try:
+            prompt = encode_chat(self.tokenizer, messages, options.tools)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        params = self.sampling_params(fields, len(prompt), logprobs=logprobs)
+        constraint = self.constraint(options)
+        return await self.start(prompt, params, constraint=constraint,
+                                parse_tools=bool(options.tools) and options.tool_choice != "none",
+                                parallel_tool_calls=options.parallel_tool_calls is not False, pin_ttl_s=pin_ttl_s,
+                                started_at=started_at, session=session, tenant=tenant)
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
                     parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
                     request_id: str | None = None, started_at: float | None = None,
-                    session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
+                    session: SessionHint | None = None, tenant: Tenant | None = None,
+                    cache_salt: str | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
-        prefix cache apart from other tenants'."""
+        prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker)."""
         if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
             raise draining(self.config.retry_after_s)
         if self.in_flight >= self.config.max_concurrent_requests:
@@ -254,9 +279,11 @@ class Generator:
             self.release()
             raise
         request_id = request_id or "req-" + uuid.uuid4().hex
+        if cache_salt is None:
+            cache_salt = tenant.cache_salt if tenant is not None else ""
         try:
-            stream = self._submit(prompt_ids, params, request_id, constraint, pin_ttl_s, session,
-                                  tenant.cache_salt if tenant is not None else "")
+            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
+                                        cache_salt=cache_salt, session=session)
         except BaseException as exc:
             self.release()
             if reservation is not None:
@@ -292,12 +319,6 @@ class Generator:
         if isinstance(exc, RuntimeError):
             return APIError(503, f"the engine is not accepting requests: {exc}", type="server_error")
         return exc
-
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, constraint: Any,
-                pin_ttl_s: float | None, session: SessionHint | None, cache_salt: str = "") -> Any:
-        """The engine's stream for one request (a router's generator overrides this to route by ``session``)."""
-        return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
-                                  cache_salt=cache_salt)
 
     def release(self) -> None:
         self.in_flight -= 1

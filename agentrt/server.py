@@ -19,6 +19,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from engine.client import EngineClient
+
 from agentrt.config import ServerConfig
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
@@ -275,17 +277,15 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
     return assemble_app(config, AsyncEngine(llm), llm, store)
 
 
-def assemble_app(config: ServerConfig, backend: Any, model: Any, store: SessionStore | None = None,
-                 generator_cls: type[Generator] = Generator, title: str = "agentrt",
-                 tenant_limits: TenantLimiter | None = None) -> FastAPI:
-    """The app over ``backend``: an ``engine.AsyncEngine`` or anything with its methods (``submit``,
-    ``pin``, ``unpin``, ``stats``, ``shutdown``), such as the router's remote engine. ``model`` gives
-    ``tokenizer``, ``max_model_len`` and ``model_id``. ``tenant_limits``: where tenants' concurrency and
-    tokens per minute are counted (None: in this process)."""
+def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store: SessionStore | None = None,
+                 title: str = "agentrt", tenant_limits: TenantLimiter | None = None) -> FastAPI:
+    """The app over ``backend``, an ``engine.client.EngineClient``: the in-process ``engine.AsyncEngine``
+    or the router's remote engine. ``model`` gives ``tokenizer``, ``max_model_len`` and ``model_id``.
+    ``tenant_limits``: where tenants' concurrency and tokens per minute are counted (None: in this process)."""
     tenants = TenantRegistry.from_config(config.tenants_file, config.api_keys)
     metrics = Metrics()
     metrics.attach_engine(backend.stats)
-    generator = generator_cls(backend, model, config, metrics, tenant_limits)
+    generator = Generator(backend, model, config, metrics, tenant_limits)
     sessions = SessionManager(store or InMemorySessionStore(config.max_sessions), generator, config)
 
     @contextlib.asynccontextmanager

@@ -13,7 +13,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from engine.chat import ToolCall, content_text, encode_chat
+from engine.chat import ToolCall, content_text
+from engine.client import StructuredOutput
 
 from agentrt.errors import bad_request
 from agentrt.generation import Generation, Generator, Result
@@ -68,20 +69,12 @@ class OpenAIService:
             raise bad_request("only n=1 is supported", param="n")
         messages = message_dicts(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tool_choice = req.tool_choice
-        if tool_choice is not None and not tools and tool_choice != "none":
+        if req.tool_choice is not None and not tools and req.tool_choice != "none":
             raise bad_request("tool_choice is set but no tools were given", param="tool_choice")
-        try:
-            prompt = encode_chat(self.gen.tokenizer, messages, tools)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=top)
-        constraint = self.gen.constraint(req.response_format, tools, tool_choice, req.parallel_tool_calls)
-        return await self.gen.start(prompt, params, constraint=constraint,
-                                    parse_tools=bool(tools) and tool_choice != "none",
-                                    parallel_tool_calls=req.parallel_tool_calls is not False, started_at=started,
-                                    tenant=tenant)
+        options = StructuredOutput(req.response_format, tools, req.tool_choice, req.parallel_tool_calls)
+        return await self.gen.start_chat(messages, req.model_dump(), options,
+                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                         started_at=started, tenant=tenant)
 
     async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
         result = await generation.collect()
@@ -155,10 +148,7 @@ class OpenAIService:
         if isinstance(prompt, str):
             ids = self.gen.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            vocab = self.gen.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-            ids = list(prompt)
+            ids = list(prompt)  # their range is checked with the rest of the request, at submission
         else:
             raise bad_request("prompt must be a string or a list of token ids (one prompt per request)",
                               param="prompt")

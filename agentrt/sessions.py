@@ -24,11 +24,11 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from engine.chat import encode_chat
+from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, not_found
-from agentrt.generation import Generation, Generator, SessionHint
+from agentrt.generation import Generation, Generator
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
 from agentrt.service import message_dicts, tool_call_dicts
 from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnLock, TurnRecord
@@ -41,13 +41,12 @@ class TurnRun:
     """A turn in progress: its generation, the session lock it holds, and how to record it."""
 
     def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str,
-                 new_messages: list[dict[str, Any]], prompt_ids: list[int], generation: Generation,
+                 new_messages: list[dict[str, Any]], generation: Generation,
                  lock: TurnLock, pin_ttl_s: float, tenant: Tenant) -> None:
         self.manager = manager
         self.record = record
         self.turn_id = turn_id
         self.new_messages = new_messages
-        self.prompt_ids = prompt_ids
         self.generation = generation
         self.pin_ttl_s = pin_ttl_s
         self.tenant = tenant
@@ -94,10 +93,9 @@ class SessionManager:
     async def create(self, req: SessionCreateRequest, tenant: Tenant) -> SessionRecord:
         model = self.gen.check_model(req.model)
         sampling = req.sampling.model_dump(exclude_none=True)
-        self.gen.sampling_params(sampling, 0)  # validate the defaults now, not at the first turn
-        self.gen.constraint(sampling.get("response_format"),
-                            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                            sampling.get("tool_choice"), sampling.get("parallel_tool_calls"))
+        self.gen.check_defaults(sampling, StructuredOutput(
+            sampling.get("response_format"), [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            sampling.get("tool_choice"), sampling.get("parallel_tool_calls")))
         record = SessionRecord(
             id="sess_" + uuid.uuid4().hex, model=model, system=req.system,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
@@ -189,10 +187,7 @@ class SessionManager:
         """Release a pin; a no-op when the engine already released it (expiry, memory pressure).
         ``worker``: where the pin lives (router mode: the session record's last worker, where the
         router's engine sends the release); None in-process."""
-        if worker is None:
-            self.gen.engine.unpin(pin_id)
-        else:
-            self.gen.engine.unpin(pin_id, worker=worker)
+        self.gen.engine.unpin(pin_id, worker=worker)
 
     def _check_pin_ttl(self, ttl: float | None) -> float | None:
         if ttl is not None and ttl > self.config.max_pin_ttl_s:
@@ -236,33 +231,27 @@ class SessionManager:
     async def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
                 lock: TurnLock, tenant: Tenant) -> TurnRun:
         started = time.monotonic()
-        prompt = self._encode(record, new_messages)
         fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop", "seed"},
                                                       exclude_none=True)}
-        params = self.gen.sampling_params(fields, len(prompt))
         structured = _structured_options(record.sampling, req)
-        constraint = self.gen.constraint(structured["response_format"], record.tools,
-                                         structured["tool_choice"], structured["parallel_tool_calls"])
+        options = StructuredOutput(structured["response_format"], record.tools, structured["tool_choice"],
+                                   structured["parallel_tool_calls"])
         pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
-        generation = await self.gen.start(prompt, params, constraint=constraint,
-                                          parse_tools=bool(record.tools) and structured["tool_choice"] != "none",
-                                          parallel_tool_calls=structured["parallel_tool_calls"] is not False,
-                                          pin_ttl_s=pin_ttl, started_at=started,
-                                          session=SessionHint(record.id, record.last_worker), tenant=tenant)
-        return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, prompt,
-                       generation, lock, pin_ttl, tenant)
+        generation = await self.gen.start_chat(self._history(record) + new_messages, fields, options,
+                                               pin_ttl_s=pin_ttl, started_at=started,
+                                               session=SessionHint(record.id, record.last_worker), tenant=tenant)
+        return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, generation, lock,
+                       pin_ttl, tenant)
 
-    def _encode(self, record: SessionRecord, new_messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt: system, history (replies as the model wrote them, for exact cache reuse), new messages."""
+    @staticmethod
+    def _history(record: SessionRecord) -> list[dict[str, Any]]:
+        """The prompt's messages so far: system, history (replies as the model wrote them, for exact cache reuse)."""
         history = list(record.messages)
         for t in record.turns:
             if t.raw_text is not None and 0 <= t.index < len(history):
                 history[t.index] = {"role": "assistant", "content": t.raw_text}
         system = [{"role": "system", "content": record.system}] if record.system is not None else []
-        try:
-            return encode_chat(self.gen.tokenizer, system + history + new_messages, record.tools)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+        return system + history
 
     async def _record_turn(self, run: TurnRun) -> TurnRecord:
         result = run.generation.result

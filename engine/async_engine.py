@@ -1,5 +1,7 @@
 """AsyncEngine: runs ``LLMEngine.step()`` in a background thread and streams to asyncio.
 
+It is the in-process ``engine.client.EngineClient`` (the router's ``RemoteEngine`` is the other).
+
 Each request gets an asyncio queue on the submitting loop; the engine thread
 hands outputs over with ``call_soon_threadsafe``. Closing a stream (or cancelling
 its consumer) aborts the request, which frees its pages at the next step. After a
@@ -15,6 +17,7 @@ import time
 import uuid
 from typing import Sequence
 
+from engine.client import SessionHint, StructuredOutput
 from engine.constraints import TokenConstraint
 from engine.engine import LLMEngine
 from engine.types import RequestOutput, SamplingParams
@@ -65,10 +68,25 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def constraint(self, options: StructuredOutput) -> TokenConstraint | None:
+        """The compiled grammar for these options (None: free output); ``InvalidRequest`` for options
+        it refuses (a bad JSON schema, a tool_choice naming no tool...)."""
+        if not options.given:
+            return None
+        from engine.grammar import constraint_for_request  # xgrammar loads on first structured request
+        return constraint_for_request(self.engine.tokenizer, options.response_format, options.tools,
+                                      options.tool_choice, options.parallel_tool_calls)
+
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, constraint: TokenConstraint | None = None,
-               cache_salt: str = "", pin_ttl_s: float | None = None) -> RequestStream:
-        """Validate and enqueue; raises InvalidRequest / EngineOverloaded at once."""
+               cache_salt: str = "", pin_ttl_s: float | None = None,
+               session: SessionHint | None = None) -> RequestStream:
+        """Check and enqueue (``LLMEngine.add_request``); raises InvalidRequest / EngineOverloaded at
+        once. ``session`` is a routing hint, moot in one process."""
         if self._stop:
             raise RuntimeError("the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
@@ -87,17 +105,19 @@ class AsyncEngine:
         self._forget(request_id)
         self.engine.abort_request(request_id)
 
-    def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
-        self.engine.pin(pin_id, token_ids, ttl_s, cache_salt)
-
-    def extend_pin(self, pin_id: str, ttl_s: float) -> None:
+    def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:
         self.engine.extend_pin(pin_id, ttl_s)
 
-    def unpin(self, pin_id: str) -> None:
+    def unpin(self, pin_id: str, worker: str | None = None) -> None:
         self.engine.unpin(pin_id)
 
     def stats(self):
         return self.engine.stats()
+
+    async def cache_snapshot(self) -> list[int]:
+        """Every cached block hash, read by the engine thread between steps."""
+        hashes, _ = await asyncio.wrap_future(self.engine.request_cache_snapshot(lambda: None))
+        return hashes
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

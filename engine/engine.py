@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import backend_class
 from engine.coalesce import TurnCoalescer
+from engine.client import check_request
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import make_seed
@@ -106,20 +107,8 @@ class LLMEngine:
                     request_id: str | None = None, *, constraint: TokenConstraint | None = None,
                     cache_salt: str = "", pin_ttl_s: float | None = None) -> str:
         params = params or SamplingParams()
-        params.validate()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(f"the prompt has {len(prompt)} tokens but this model's context "
-                                 f"window is {self.max_model_len} tokens (including the reply)")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt)} "
-                                 f"tokens) exceeds the context window of {self.max_model_len} tokens; "
-                                 f"use max_tokens <= {self.max_model_len - len(prompt)}")
+        prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
+                               vocab_size=self.model_config.vocab_size)
         pool_tokens = self.pool.capacity * self.config.page_size
         if len(prompt) > pool_tokens:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the KV cache holds only "

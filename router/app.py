@@ -48,16 +48,16 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     from router.core import RouterCore
     from router.model_info import load_router_model
     from router.redis_store import RedisAgentrtStore
-    from router.remote import RemoteEngine, RouterGenerator
+    from router.remote import RemoteEngine
     from router.session_store import RedisSessionStore
     from router.tenant_limits import RedisTenantLimits
 
     model = load_router_model(config.model, config.served_model_name, config.max_model_len)
     core = RouterCore(rconfig, model.model_id)
-    remote = RemoteEngine(core, model.max_model_len)
+    remote = RemoteEngine(core, model.max_model_len, vocab_size=model.tokenizer.vocab_size)
     store = RedisAgentrtStore(RedisSessionStore(core.redis, rconfig), remote.worker_of)
     limits = RedisTenantLimits(core.redis, rconfig, retry_after_s=config.retry_after_s)
-    app = assemble_app(config, remote, model, store, generator_cls=RouterGenerator, title="agentrt router",
+    app = assemble_app(config, remote, model, store, title="agentrt router",
                        tenant_limits=limits)
     app.state.core = core
     app.include_router(router_routes)

@@ -30,6 +30,10 @@ class PrefixIndex:
         """How many blocks ``worker`` is known to hold."""
         return len(self._by_worker.get(worker, ()))
 
+    def hashes_of(self, worker: str) -> frozenset[int]:
+        """The blocks ``worker`` is known to hold."""
+        return frozenset(self._by_worker.get(worker, ()))
+
     def holders(self, block_hash: int) -> frozenset[str]:
         return frozenset(self._holders.get(block_hash, ()))
 

@@ -1,10 +1,13 @@
-"""The router's generation backend: agentrt's engine interface, served by workers over HTTP.
+"""The router's engine client: ``engine.client.EngineClient``, served by workers over HTTP.
 
-``RemoteEngine`` has the methods ``agentrt`` uses of ``engine.AsyncEngine`` (``submit``,
-``pin``, ``unpin``, ``stats``, ``shutdown``), so the router runs agentrt's own OpenAI and
-session services unchanged: the router applies the chat template and tokenizes, and each
-request goes to one worker's ``/internal/generate`` as token ids (``router/worker_api.py``).
-Worker output streams through line by line, never buffered.
+``RemoteEngine`` implements the interface ``engine.AsyncEngine`` implements in one process
+(``constraint``, ``submit``, ``extend_pin``, ``unpin``, ``stats``, ``cache_snapshot``,
+``shutdown``), so the router runs agentrt's own ``Generator``, OpenAI and session services
+unchanged: the router applies the chat template and tokenizes, checks the request
+(``check_request``) and routes it by its prefix and its session hint; each request goes to one
+worker's ``/internal/generate`` as token ids (``router/worker_api.py``), with the
+structured-output *options* (the worker compiles the grammar). Worker output streams through
+line by line, never buffered.
 
 Failover: if the connection to the chosen worker fails, the worker sends no response
 headers within ``header_timeout_s`` (hung), or it answers 503 ``worker_draining``, before the
@@ -12,9 +15,6 @@ worker produced any output, the worker is marked dead (``RouterCore.mark_dead``)
 once to the next-best live worker, never again to the failed one. A worker that dies after
 output was streamed fails that request (the client sees an error; a session turn is then
 not recorded, so retrying its ``turn_id`` runs it again, once).
-
-``RouterGenerator`` is agentrt's ``Generator`` with two changes: it passes the session
-hint on to routing, and it sends constraint *options* (the worker compiles the grammar).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
+from engine.client import SessionHint, StructuredOutput, check_request
+from engine.types import EngineStats, RequestOutput, SamplingParams
 
 from agentrt.errors import APIError
-from agentrt.generation import Generator, SessionHint
 from router.core import Route, RouterCore
 from router.policy import NoWorkerAvailable
-from router.worker_api import ConstraintSpec, output_from_wire, sampling_to_wire
+from router.worker_api import output_from_wire, sampling_to_wire, structured_to_wire
 
 log = logging.getLogger("router.remote")
 
@@ -53,8 +53,9 @@ _CONNECTION_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadE
 class RemoteEngine:
     def __init__(self, core: RouterCore, max_model_len: int, max_attempts: int = 3,
                  read_timeout_s: float = 600.0, remembered_requests: int = 65_536,
-                 header_timeout_s: float = 10.0) -> None:
+                 header_timeout_s: float = 10.0, vocab_size: int | None = None) -> None:
         self.core = core
+        self.vocab_size = vocab_size
         self.header_timeout_s = header_timeout_s
         self.max_model_len = max_model_len
         self.max_attempts = max_attempts
@@ -69,19 +70,17 @@ class RemoteEngine:
         """Where a request of this replica ran (last attempt), if it is remembered."""
         return self._ran_on.get(request_id)
 
+    def constraint(self, options: StructuredOutput) -> StructuredOutput | None:
+        """The options themselves: the worker that runs the request compiles (and checks) the grammar."""
+        return options if options.given else None
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-               constraint: ConstraintSpec | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
+               constraint: StructuredOutput | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
                session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate now (``InvalidRequest``), route and stream when iterated."""
-        params.validate()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequest("the prompt is empty")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
-                                 f"exceeds the context window of {self.max_model_len} tokens")
+        """Check now (``InvalidRequest``), route and stream when iterated."""
+        prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
-                "constraint": None if constraint is None else constraint.model_dump(),
+                "constraint": None if constraint is None else structured_to_wire(constraint),
                 "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
         return self._stream(body, prompt, params.max_tokens, session, cache_salt)
 
@@ -182,7 +181,7 @@ class RemoteEngine:
         except httpx.HTTPError as exc:  # a pin is a hint: losing one costs recomputation, never a failure
             log.info("pin call %s failed: %s", url, exc)
 
-    # ------------------------------------------------------------ the rest of AsyncEngine's surface
+    # ------------------------------------------------------------ the rest of the EngineClient
 
     def stats(self) -> EngineStats:
         """The live workers' last load reports, summed (for /metrics)."""
@@ -194,6 +193,10 @@ class RemoteEngine:
                            pages_pinned=0, num_pins=0, prompt_tokens_total=0, cached_tokens_total=0,
                            generation_tokens_total=0, num_preemptions=0, page_size=self.core.config.block_size,
                            waiting_tokens=sum(l.waiting_tokens for l in loads))
+
+    async def cache_snapshot(self) -> list[int]:
+        """Every block hash some live worker holds, as this replica's index has it from their KV events."""
+        return sorted({h for w in self.core.workers for h in self.core.index.hashes_of(w)})
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         deadline = time.monotonic() + drain_timeout_s
@@ -211,19 +214,3 @@ async def _worker_error(resp: httpx.Response, worker_id: str) -> APIError:
                         code=err.get("code"), headers={k: v for k, v in resp.headers.items() if k == "retry-after"})
     except (ValueError, KeyError, TypeError):
         return APIError(502, f"worker {worker_id} answered {resp.status_code}: {resp.text[:200]}", type="server_error")
-
-
-class RouterGenerator(Generator):
-    """agentrt's Generator over a ``RemoteEngine``: routes by session, ships constraint options."""
-
-    def constraint(self, response_format: dict | None, tools: list[dict] | None, tool_choice: Any,
-                   parallel_tool_calls: bool | None = None) -> ConstraintSpec | None:
-        if response_format is None and not tools:
-            return None
-        return ConstraintSpec(response_format=response_format, tools=tools, tool_choice=tool_choice,
-                              parallel_tool_calls=parallel_tool_calls)
-
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, constraint: Any,
-                pin_ttl_s: float | None, session: SessionHint | None, cache_salt: str = "") -> Any:
-        return self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
-                                  session=session, cache_salt=cache_salt)

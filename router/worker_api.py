@@ -25,9 +25,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
-from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from engine.client import StructuredOutput
+from engine.types import RequestOutput, SamplingParams, TokenLogprob
 
-from agentrt.errors import APIError, bad_request, draining, from_exception
+from agentrt.errors import bad_request, draining
 from router.events import cache_snapshot
 
 worker_routes = APIRouter()
@@ -36,7 +37,7 @@ _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
 class ConstraintSpec(BaseModel):
-    """The request options a grammar constraint is built from (``Generator.constraint``'s arguments)."""
+    """The request options a grammar constraint is built from (``engine.client.StructuredOutput``)."""
 
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -66,15 +67,18 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 
 def sampling_from_wire(data: dict[str, Any]) -> SamplingParams:
+    """The parameters as sent; the engine checks their values with the prompt (``check_request``)."""
     unknown = set(data) - _SAMPLING_FIELDS
     if unknown:
         raise bad_request(f"unknown sampling fields {sorted(unknown)}", param="sampling")
     try:
-        params = SamplingParams(**data)
-        params.validate()
-    except (TypeError, InvalidRequest) as exc:
+        return SamplingParams(**data)
+    except TypeError as exc:
         raise bad_request(f"sampling: {exc}", param="sampling") from None
-    return params
+
+
+def structured_to_wire(options: StructuredOutput) -> dict[str, Any]:
+    return asdict(options)
 
 
 def output_to_wire(out: RequestOutput) -> bytes:
@@ -105,48 +109,24 @@ def output_from_wire(line: str, request_id: str) -> RequestOutput:
 
 @worker_routes.post("/internal/generate")
 async def internal_generate(body: GenerateBody, request: Request) -> StreamingResponse:
+    """One request through the worker's ``Generator`` (its admission and its engine's check), its
+    outputs streamed as they come."""
     state = request.app.state
     gen = state.generator
-    params = sampling_from_wire(body.sampling)
-    vocab = gen.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in body.prompt_token_ids):
-        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt_token_ids")
-    spec = body.constraint
-    constraint = None if spec is None else gen.constraint(spec.response_format, spec.tools, spec.tool_choice,
-                                                          spec.parallel_tool_calls)
     if state.stopping:  # draining or shutting down: the router sends this request elsewhere
         raise draining(gen.config.retry_after_s)
-    if gen.in_flight >= gen.config.max_concurrent_requests:
-        raise from_exception(EngineOverloaded(f"the worker is at its limit of "
-                                              f"{gen.config.max_concurrent_requests} concurrent requests"),
-                             gen.config.retry_after_s)
-    try:
-        stream = state.engine.submit(body.prompt_token_ids, params, body.request_id, constraint=constraint,
-                                     cache_salt=body.cache_salt, pin_ttl_s=body.pin_ttl_s)
-    except (InvalidRequest, EngineOverloaded) as exc:
-        raise from_exception(exc, gen.config.retry_after_s) from None
-    except RuntimeError as exc:
-        raise APIError(503, f"the engine is not accepting requests: {exc}", type="server_error") from None
-    gen.in_flight += 1
-    released = False
-
-    async def release() -> None:  # idempotent: after the last line, or if the client left before the first
-        nonlocal released
-        if not released:
-            released = True
-            await stream.aclose()
-            gen.release()
+    params = sampling_from_wire(body.sampling)
+    spec = body.constraint
+    constraint = None if spec is None else gen.constraint(StructuredOutput(**spec.model_dump()))
+    generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, pin_ttl_s=body.pin_ttl_s,
+                                 request_id=body.request_id, cache_salt=body.cache_salt)
 
     async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for out in stream:
-                yield output_to_wire(out)
-                if out.finished:
-                    return
-        finally:
-            await release()
+        async for out in generation.outputs():
+            yield output_to_wire(out)
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(release))
+    # the background close covers a client that left before the first line was read
+    return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(generation.close))
 
 
 @worker_routes.post("/internal/pin/extend")

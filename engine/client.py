@@ -1,0 +1,114 @@
+"""``EngineClient``: what the serving layers need of an engine, and the one request check.
+
+Two classes implement it: ``engine.AsyncEngine`` (the engine in this process) and the
+router's ``router.remote.RemoteEngine`` (a fleet of workers over HTTP). ``agentrt``'s
+``Generator`` holds one and never asks which: chat completions, session turns and a
+worker's ``/internal/generate`` all submit through it.
+
+A request is checked once per process, by :func:`check_request`: ``LLMEngine.add_request``
+calls it for every request an engine takes, and the router calls it before routing (its
+engine is remote; the worker's engine checks what arrives over the wire again, since that is
+an HTTP boundary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
+
+from engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """Which session a request belongs to and where its last turn ran: a routing hint (the
+    in-process engine has one place to run it; a router routes the session's turns together)."""
+
+    session_id: str
+    last_worker: str | None = None
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The request options a grammar constraint is built from (OpenAI names)."""
+
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def given(self) -> bool:
+        """Whether any option is set (with none, the output is free and no grammar is built)."""
+        return any(v is not None for v in (self.response_format, self.tools, self.tool_choice,
+                                          self.parallel_tool_calls))
+
+
+@runtime_checkable
+class OutputStream(Protocol):
+    """One submitted request's outputs; ``aclose()`` aborts it (its pages are freed)."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engine as the serving layers use it (docs/engine_api.md, "EngineClient")."""
+
+    max_model_len: int
+
+    def constraint(self, options: StructuredOutput) -> Any:
+        """What ``submit`` takes as ``constraint`` for these options (``None``: free output). The
+        in-process engine compiles the grammar here, so bad options raise ``InvalidRequest`` now;
+        a remote client passes the options on for the worker to compile."""
+        ...
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *,
+               constraint: Any = None, cache_salt: str = "", pin_ttl_s: float | None = None,
+               session: SessionHint | None = None) -> OutputStream:
+        """Check (:func:`check_request`: ``InvalidRequest`` at once) and enqueue; the stream yields
+        ``RequestOutput`` deltas, the last one finished. ``pin_ttl_s``: pin the finished sequence
+        (prompt + reply) under ``request_id`` for that long (a session turn)."""
+        ...
+
+    def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:
+        """Make a pin expire ``ttl_s`` from now (``worker``: where it lives, for a remote client)."""
+        ...
+
+    def unpin(self, pin_id: str, worker: str | None = None) -> None:
+        """Release a pin (a no-op when the engine already let it go)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def cache_snapshot(self) -> list[int]:
+        """Every block hash held in the prefix cache (a router: as its index knows the workers')."""
+        ...
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None: ...
+
+
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, *, max_model_len: int,
+                  vocab_size: int | None = None) -> list[int]:
+    """The prompt as a list of ints, if this request can run; else ``InvalidRequest`` saying what
+    is wrong and what is allowed: the sampling parameters, the prompt's token ids (when the
+    vocabulary is known), and whether prompt + ``max_tokens`` fit the context window."""
+    params.validate()
+    try:
+        prompt = [int(t) for t in prompt_token_ids]
+    except (TypeError, ValueError):
+        raise InvalidRequest("the prompt must be a list of integer token ids") from None
+    if not prompt:
+        raise InvalidRequest("the prompt is empty; send at least one token")
+    if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise InvalidRequest(f"the prompt has {len(prompt)} tokens but this model's context "
+                             f"window is {max_model_len} tokens (including the reply)")
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise InvalidRequest(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt)} "
+                             f"tokens) exceeds the context window of {max_model_len} tokens; "
+                             f"use max_tokens <= {max_model_len - len(prompt)}")
+    return prompt
