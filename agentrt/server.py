@@ -202,7 +202,7 @@ async def create_session(body: SessionCreateRequest, request: Request, tenant: T
 async def list_sessions(request: Request, tenant: Tenant = Depends(_auth)) -> dict:
     sessions: SessionManager = request.app.state.sessions
     now = time.time()
-    records = [r for r in await sessions.store.list() if r.expires_at > now and r.tenant == tenant.name]
+    records = [r for r in await sessions.store.list(tenant=tenant.name) if r.expires_at > now]
     return {"object": "list", "data": [sessions.view(r) for r in records]}
 
 

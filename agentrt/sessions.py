@@ -31,7 +31,8 @@ from agentrt.errors import APIError, bad_request, not_found
 from agentrt.generation import Generation, Generator
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
 from agentrt.service import message_dicts, tool_call_dicts
-from agentrt.store import SessionLimitReached, SessionNotFound, SessionRecord, SessionStore, TurnLock, TurnRecord
+from agentrt.store import (SessionDecodeError, SessionLimitReached, SessionNotFound, SessionRecord, SessionStore,
+                           TurnLock, TurnRecord)
 from agentrt.tenants import Tenant
 
 log = logging.getLogger("agentrt.sessions")
@@ -129,8 +130,13 @@ class SessionManager:
 
     async def get(self, session_id: str, tenant: Tenant) -> SessionRecord:
         """The session, if it exists and belongs to ``tenant`` (another tenant's session is 404, not 403:
-        its existence is not revealed)."""
-        record = await self.store.get(session_id)
+        its existence is not revealed). A stored record the store cannot read is 500
+        ``session_record_corrupt`` (the store has counted and logged it)."""
+        try:
+            record = await self.store.get(session_id)
+        except SessionDecodeError:
+            raise APIError(500, f"the record of session '{session_id}' is corrupt and cannot be used",
+                           type="server_error", code="session_record_corrupt") from None
         if record is None or record.expires_at <= time.time() or record.tenant != tenant.name:
             raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
                             param="session_id", code="session_not_found")

@@ -1,7 +1,13 @@
-"""Where sessions live: the :class:`SessionStore` interface and the in-process implementation.
+"""Where sessions live: the :class:`SessionStore` interface, its record and error types, and the
+in-process implementation.
 
-A session record is plain data (it must serialize: the router's Redis store keeps it as
-msgpack, DESIGN.md contract 3). The store's one write that matters is
+This module is the one definition every store shares: the record (:class:`SessionRecord`, its
+turns :class:`TurnRecord`), the errors (:class:`SessionStoreError` and its subclasses), the turn
+lock (:class:`TurnLock`) and the contract (:class:`SessionStore`). :class:`InMemorySessionStore`
+keeps sessions in this process; the router's ``router.redis_store.RedisSessionStore`` keeps the
+same records in Redis (as msgpack, DESIGN.md contract 3), shared by router replicas.
+
+A session record is plain data (it must serialize). The store's one write that matters is
 :meth:`SessionStore.append_turn_once`: it appends a turn's messages and its reply in one
 step, at most once per turn id (contract 4), so a retried turn never appends twice and a
 failed turn never appends half.
@@ -9,8 +15,10 @@ failed turn never appends half.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +43,7 @@ class TurnRecord:
 
 @dataclass
 class SessionRecord:
-    """Everything needed to rebuild a session on any worker."""
+    """Everything needed to rebuild a session on any worker. ``id``: 1..256 characters."""
 
     id: str
     model: str
@@ -52,6 +60,10 @@ class SessionRecord:
     turns: list[TurnRecord] = field(default_factory=list)
     last_worker: str | None = None  # where the last turn ran (router mode; None in-process)
     tenant: str = "default"  # the tenant that owns it: only that tenant's keys see the session
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not 0 < len(self.id) <= 256:
+            raise ValueError("a session id must be a string of 1..256 characters")
 
     @property
     def expires_at(self) -> float:
@@ -75,11 +87,40 @@ class SessionRecord:
                 "total_tokens": prompt + completion}
 
 
-class SessionNotFound(KeyError):
+def apply_turn(record: SessionRecord, turn_id: str, new_messages: list[dict[str, Any]], reply: TurnRecord,
+               last_worker: str | None = None) -> SessionRecord:
+    """The record after appending one new turn (every store's ``append_turn_once`` writes this):
+    ``new_messages`` then ``reply.message`` appended to the history, ``reply`` recorded,
+    ``last_active_at`` refreshed, ``last_worker`` set when given. ``record`` is not changed."""
+    if not turn_id or reply.turn_id != turn_id:
+        raise ValueError(f"turn_id must be non-empty and the reply's own, got {turn_id!r} for a reply "
+                         f"to {reply.turn_id!r}")
+    if not all(isinstance(m, dict) for m in new_messages) or not isinstance(reply.message, dict):
+        raise ValueError("new_messages must be a list of dicts and the reply's message a dict")
+    return dataclasses.replace(
+        record, messages=[*record.messages, *copy.deepcopy(new_messages), copy.deepcopy(reply.message)],
+        turns=[*record.turns, copy.deepcopy(reply)],
+        last_active_at=max(record.last_active_at, time.time()),
+        last_worker=last_worker if last_worker is not None else record.last_worker)
+
+
+class SessionStoreError(Exception):
+    """What a session store raises (each subclass also derives from the built-in error it refines)."""
+
+
+class SessionNotFound(SessionStoreError, KeyError):
     """No session with that id (never created, deleted, or expired)."""
 
 
-class SessionLimitReached(RuntimeError):
+class SessionExists(SessionStoreError, ValueError):
+    """``create`` with an id that is already taken."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id} already exists")
+        self.session_id = session_id
+
+
+class SessionLimitReached(SessionStoreError, RuntimeError):
     """The store holds as many sessions as it may."""
 
 
@@ -91,11 +132,26 @@ class TenantSessionLimitReached(SessionLimitReached):
         self.tenant, self.limit = tenant, limit
 
 
-class TurnLock:
+class SessionTooLarge(SessionStoreError, ValueError):
+    """A record would exceed the store's size limit (stores that serialize records have one)."""
+
+
+class SessionDecodeError(SessionStoreError, ValueError):
+    """A stored session record is corrupt, too large, or of an unknown version (stores that serialize
+    records); the record is never guessed at."""
+
+
+def check_tenant_limit(max_tenant_sessions: int | None) -> None:
+    if max_tenant_sessions is not None and (isinstance(max_tenant_sessions, bool) or max_tenant_sessions < 1):
+        raise ValueError(f"max_tenant_sessions must be >= 1, got {max_tenant_sessions!r}")
+
+
+class TurnLock(abc.ABC):
     """A session's turn lock, held by the one turn running on it. ``release`` is idempotent."""
 
+    @abc.abstractmethod
     async def release(self) -> None:
-        raise NotImplementedError
+        ...
 
 
 class _LocalTurnLock(TurnLock):
@@ -106,52 +162,66 @@ class _LocalTurnLock(TurnLock):
         self._held.discard(self._session_id)
 
 
-class SessionStore:
-    """Contract every store implements (in-process here; Redis with the router).
+class SessionStore(abc.ABC):
+    """Contract every store implements (:class:`InMemorySessionStore` here; the router's
+    ``RedisSessionStore``, shared by its replicas). A missing, taken, full, oversized or
+    unreadable session raises a :class:`SessionStoreError`; a bad argument, ValueError.
 
     Records returned are copies: changing one changes nothing stored.
-    - ``create(record, max_tenant_sessions)`` stores a new record; raises
-      :class:`SessionLimitReached` when full, and :class:`TenantSessionLimitReached` when
-      ``record.tenant`` already holds ``max_tenant_sessions`` sessions (None: no limit). The
-      check and the insert are one atomic step (across router replicas with the Redis store).
+    - ``create(record, max_tenant_sessions)`` stores a new record as given and returns a copy;
+      raises :class:`SessionExists` when the id is taken, :class:`SessionLimitReached` when
+      full, and :class:`TenantSessionLimitReached` when ``record.tenant`` already holds
+      ``max_tenant_sessions`` sessions (None: no limit; below 1: ValueError). The check and
+      the insert are one atomic step (across router replicas with the Redis store).
     - ``get(id)`` returns the record or None.
     - ``append_turn_once(id, turn_id, new_messages, reply)`` atomically: if a turn with
       ``turn_id`` is recorded, returns ``(record, False)`` and changes nothing; otherwise
-      appends ``new_messages`` then ``reply.message`` to the history, records ``reply``,
-      refreshes ``last_active_at`` and returns ``(record, True)``. Raises
-      :class:`SessionNotFound` if the session is gone.
+      stores :func:`apply_turn`'s record and returns ``(record, True)``. Raises
+      :class:`SessionNotFound` if the session is gone, ValueError for a ``turn_id`` that is
+      empty or not ``reply.turn_id``.
     - ``delete(id)`` removes it and returns the removed record (None if absent).
-    - ``list()`` returns all records.
+    - ``list(tenant, limit)`` returns the records (of ``tenant`` if given), most recently
+      active first, at most ``limit`` of them (None: the store's own cap, if any).
     - ``count(tenant)`` returns how many sessions ``tenant`` holds.
     - ``lock_turn(id)`` takes the session's turn lock and returns it, or None when a turn
-      holds it already (wherever the store is shared: the router's Redis store locks across
+      holds it already (wherever the store is shared: the Redis store locks across
       replicas); ``turn_locked(id)`` says whether one is held.
+    A store that serializes records raises :class:`SessionDecodeError` from ``get`` for a
+    stored record it cannot read, and :class:`SessionTooLarge` for one it cannot write.
     """
 
+    @abc.abstractmethod
     async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def get(self, session_id: str) -> SessionRecord | None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
                                reply: TurnRecord) -> tuple[SessionRecord, bool]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def delete(self, session_id: str) -> SessionRecord | None:
-        raise NotImplementedError
+        ...
 
-    async def list(self) -> list[SessionRecord]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def list(self, tenant: str | None = None, limit: int | None = None) -> list[SessionRecord]:
+        ...
 
-    async def lock_turn(self, session_id: str) -> TurnLock | None:
-        raise NotImplementedError
-
-    async def turn_locked(self, session_id: str) -> bool:
-        raise NotImplementedError
-
+    @abc.abstractmethod
     async def count(self, tenant: str) -> int:
-        return sum(1 for r in await self.list() if r.tenant == tenant)
+        ...
+
+    @abc.abstractmethod
+    async def lock_turn(self, session_id: str) -> TurnLock | None:
+        ...
+
+    @abc.abstractmethod
+    async def turn_locked(self, session_id: str) -> bool:
+        ...
 
 
 class InMemorySessionStore(SessionStore):
@@ -173,13 +243,13 @@ class InMemorySessionStore(SessionStore):
         return session_id in self._turns
 
     async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
+        check_tenant_limit(max_tenant_sessions)
         async with self._lock:
             if record.id in self._records:
-                raise ValueError(f"session {record.id} already exists")
+                raise SessionExists(record.id)
             if len(self._records) >= self.max_sessions:
                 raise SessionLimitReached(f"the server holds its maximum of {self.max_sessions} sessions")
-            if max_tenant_sessions is not None and \
-                    sum(1 for r in self._records.values() if r.tenant == record.tenant) >= max_tenant_sessions:
+            if max_tenant_sessions is not None and await self.count(record.tenant) >= max_tenant_sessions:
                 raise TenantSessionLimitReached(record.tenant, max_tenant_sessions)
             self._records[record.id] = copy.deepcopy(record)
             return copy.deepcopy(record)
@@ -196,15 +266,19 @@ class InMemorySessionStore(SessionStore):
                 raise SessionNotFound(session_id)
             if record.find_turn(turn_id) is not None:
                 return copy.deepcopy(record), False
-            record.messages.extend(copy.deepcopy(new_messages))
-            record.messages.append(copy.deepcopy(reply.message))
-            record.turns.append(copy.deepcopy(reply))
-            record.last_active_at = max(record.last_active_at, time.time())
+            record = self._records[session_id] = apply_turn(record, turn_id, new_messages, reply)
             return copy.deepcopy(record), True
 
     async def delete(self, session_id: str) -> SessionRecord | None:
         async with self._lock:
             return self._records.pop(session_id, None)
 
-    async def list(self) -> list[SessionRecord]:
-        return [copy.deepcopy(r) for r in self._records.values()]
+    async def list(self, tenant: str | None = None, limit: int | None = None) -> list[SessionRecord]:
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        records = sorted((r for r in self._records.values() if tenant is None or r.tenant == tenant),
+                         key=lambda r: r.last_active_at, reverse=True)
+        return [copy.deepcopy(r) for r in records[:limit]]
+
+    async def count(self, tenant: str) -> int:
+        return sum(1 for r in self._records.values() if r.tenant == tenant)

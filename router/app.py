@@ -3,7 +3,7 @@
 ``create_router_app`` assembles agentrt's app (``agentrt.server.assemble_app``) with:
 the model's tokenizer only (``router.model_info``), a ``RemoteEngine`` that routes every
 request through ``RouterCore`` and streams it from a worker, and sessions in Redis
-(``RedisAgentrtStore``), and tenants' concurrency and tokens per minute counted in Redis
+(``RedisSessionStore``), and tenants' concurrency and tokens per minute counted in Redis
 (``RedisTenantLimits``), so they hold across replicas. Everything it routes on comes from
 Redis, so any number of replicas run side by side and agree (contract 3).
 ``GET /router/state`` shows this replica's view: live workers, their load and indexed
@@ -47,15 +47,14 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     from agentrt.server import assemble_app
     from router.core import RouterCore
     from router.model_info import load_router_model
-    from router.redis_store import RedisAgentrtStore
+    from router.redis_store import RedisSessionStore
     from router.remote import RemoteEngine
-    from router.session_store import RedisSessionStore
     from router.tenant_limits import RedisTenantLimits
 
     model = load_router_model(config.model, config.served_model_name, config.max_model_len)
     core = RouterCore(rconfig, model.model_id)
     remote = RemoteEngine(core, model.max_model_len, vocab_size=model.tokenizer.vocab_size)
-    store = RedisAgentrtStore(RedisSessionStore(core.redis, rconfig), remote.worker_of)
+    store = RedisSessionStore(core.redis, rconfig, remote.worker_of)
     limits = RedisTenantLimits(core.redis, rconfig, retry_after_s=config.retry_after_s)
     app = assemble_app(config, remote, model, store, title="agentrt router",
                        tenant_limits=limits)

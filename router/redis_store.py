@@ -1,54 +1,153 @@
-"""agentrt's ``SessionStore`` interface over ``RedisSessionStore``: sessions shared by router replicas.
+"""Sessions in Redis, shared by router replicas: ``RedisSessionStore`` implements agentrt's
+``SessionStore`` (``agentrt/store.py``) on its own ``SessionRecord`` and errors.
 
-An ``agentrt.store.SessionRecord`` maps onto the router's msgpack ``SessionRecord``
-(contract 3): history in ``messages``, tools in ``tools``, the rest of the session's
-settings in ``settings``, each turn's ``TurnRecord`` under its turn id in ``turns``, the
-last turn's pin deadline in ``pinned_until_ms`` and the worker it ran on in
-``last_worker``. ``append_turn_once`` is the Redis store's WATCH/MULTI transaction, so a
-turn id is appended once however many replicas replay it (contract 4).
+A session record is the source of truth that lets any worker rebuild a session after a
+failure (contract 3). Turns are idempotent (contract 4): ``append_turn_once`` appends a
+turn's messages and reply only if its ``turn_id`` was never recorded, in one WATCH/MULTI
+transaction, so two routers replaying the same turn never append twice; the loser gets the
+recorded reply. It also records where the turn ran: ``worker_of(pin_id)`` names the worker (a
+turn's pin id is its request id; the router's ``RemoteEngine.worker_of`` provides it) and the
+record's ``last_worker`` takes it.
 
-A record that cannot be decoded (corrupt, oversized, of an unknown shape) is never
-guessed at: it is counted in ``bad_records`` and logged; ``get`` answers 500 naming the
-session, ``list`` skips it.
+Redis layout: ``session:<id>`` holds the msgpack record (``encode_record``: the record's
+fields as a map, plus ``v``, the format's version); ``sessions`` is a sorted set of ids scored
+by last activity (ms); ``tenant:<name>:sessions`` is the sorted set of the tenant's session ids,
+which ``create`` checks against the tenant's session limit and inserts into in one script, so
+replicas racing for a tenant's last session cannot both get it; ``session:<id>:turn`` is the
+turn lock while a turn runs (``lock_turn``: a random token, SET NX PX; renewed and released
+only by its holder, see ``RedisTurnLock``). Every recorded turn id is kept for the session's
+life (the record's size limit, ``session_max_bytes``, bounds it).
 
-A tenant's session limit is checked in the same script that creates the record
-(``RedisSessionStore.create(max_per_tenant=…)``, over the tenant's set of session ids), so
-it counts every replica's sessions and two replicas cannot both take the last one.
-
-``worker_of(pin_id)`` tells which worker ran a turn (its pin id is its request id); the
-router's ``RemoteEngine.worker_of`` provides it.
-
-``lock_turn`` is the session's turn lock in Redis (``RedisSessionStore.lock_turn``), so a
-second turn on a session gets 409 from any replica. The lock's TTL
-(``RouterConfig.turn_lock_ttl_s``) is renewed every third of it while the turn runs; it only
-bounds how long a router that died mid-turn keeps the session locked.
+Decoding (``decode_record``) is bounded (``session_max_bytes``) and type-checked down to each
+message and turn; a record that fails is never guessed at: it is counted in ``bad_records``,
+logged, ``get`` raises ``SessionDecodeError`` naming the session (agentrt's session manager
+answers 500 ``session_record_corrupt``), and ``list`` skips it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import secrets
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any, Callable
 
+import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
-from agentrt.errors import APIError
-from agentrt.store import (SessionNotFound, SessionRecord, SessionStore, TenantSessionLimitReached, TurnLock,
-                           TurnRecord)
-from router import session_store as rs
+from agentrt.store import (SessionDecodeError, SessionExists, SessionNotFound, SessionRecord, SessionStore,
+                           SessionTooLarge, TenantSessionLimitReached, TurnLock, TurnRecord, apply_turn,
+                           check_tenant_limit)
+from router.config import RouterConfig
 from router.core import retry_for
-
-_TURN_FIELDS = {f.name for f in fields(TurnRecord)}
 
 log = logging.getLogger("router.redis_store")
 
+RECORD_VERSION = 2
+
+# KEYS[1]: session key, KEYS[2]: the sessions set, KEYS[3]: the tenant's sessions set.
+# ARGV[1]: the encoded record, ARGV[2]: now (ms), ARGV[3]: session id, ARGV[4]: the tenant's limit (0: none).
+# Returns 1 (created), 0 (the id exists), -1 (the tenant is at its limit).
+_CREATE = """
+local limit = tonumber(ARGV[4])
+if limit > 0 and redis.call('ZCARD', KEYS[3]) >= limit then return -1 end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
+return 1
+"""
+
+# KEYS[1]: lock key, KEYS[2]: the token's withdrawn marker; ARGV[1]: holder token; ARGV[2]: TTL in ms.
+# Idempotent for one token (a retry after a lost reply finds the lock its own), and never takes the
+# lock for a token that was withdrawn (an acquisition that reaches Redis after its withdrawal).
+_LOCK_ACQUIRE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# KEYS[1]: lock key, KEYS[2]: the token's withdrawn marker; ARGV[1]: token; ARGV[2]: TTL in ms.
+_LOCK_WITHDRAW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1]: lock key; ARGV[1]: holder token; ARGV[2]: new TTL in ms, or "0" to release.
+_LOCK_RENEW_OR_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then return redis.call('DEL', KEYS[1]) end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+
+def _ms(t: float) -> int:
+    return int(t * 1000)
+
+
+# ------------------------------------------------------------ the record's bytes
+
+def encode_record(record: SessionRecord) -> bytes:
+    return msgpack.packb({"v": RECORD_VERSION, **asdict(record)})
+
+
+_NUM = (int, float)
+_OPT_STR = (str, type(None))
+_FIELD_TYPES = {"id": str, "model": str, "system": _OPT_STR, "tools": (list, type(None)), "sampling": dict,
+                "metadata": dict, "idle_ttl_s": _NUM, "pin_ttl_s": (*_NUM, type(None)), "parent_id": _OPT_STR,
+                "created_at": _NUM, "last_active_at": _NUM, "messages": list, "turns": list,
+                "last_worker": _OPT_STR, "tenant": str}
+_TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
+               "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": _OPT_STR,
+               "pin_expires_at": _NUM, "raw_text": _OPT_STR}
+
+
+def _check(what: str, obj: dict, types: dict[str, type | tuple]) -> None:
+    """``obj`` has exactly the fields of ``types``, each of its type (no bools: no field is one)."""
+    if set(obj) != set(types):
+        raise SessionDecodeError(f"{what} fields {sorted(map(str, obj))} are not the expected ones")
+    for name, typ in types.items():
+        if not isinstance(obj[name], typ) or isinstance(obj[name], bool):
+            raise SessionDecodeError(f"{what} field {name} has type {type(obj[name]).__name__}")
+
+
+def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
+    """The record in ``data``, or ``SessionDecodeError``: over ``max_bytes``, not msgpack, an unknown
+    version, or any field (each message, tool and turn included) missing, extra or of the wrong type."""
+    if len(data) > max_bytes:
+        raise SessionDecodeError(f"session record of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise SessionDecodeError(f"session record is not msgpack: {e}") from None
+    if not isinstance(obj, dict) or obj.get("v") != RECORD_VERSION:
+        raise SessionDecodeError("session record is not a map of a known version")
+    obj.pop("v")
+    _check("session record", obj, _FIELD_TYPES)
+    for name in ("messages", "tools"):
+        for i, item in enumerate(obj[name] or []):
+            if not isinstance(item, dict):
+                raise SessionDecodeError(f"session field {name}[{i}] has type {type(item).__name__}")
+    for i, turn in enumerate(obj["turns"]):
+        if not isinstance(turn, dict):
+            raise SessionDecodeError(f"session field turns[{i}] has type {type(turn).__name__}")
+        _check(f"turns[{i}]", turn, _TURN_TYPES)
+    try:
+        return SessionRecord(**{**obj, "turns": [TurnRecord(**t) for t in obj["turns"]]})
+    except ValueError as e:  # a field of the right type with a value the record refuses
+        raise SessionDecodeError(f"session record is invalid: {e}") from None
+
+
+# ------------------------------------------------------------ the turn lock
 
 class RedisTurnLock(TurnLock):
-    """A held turn lock: renewed in the background until ``release``."""
+    """A held turn lock: renewed in the background until ``release``. ``store``: what renews and
+    releases it (``renew_turn_lock``, ``unlock_turn``), the ``RedisSessionStore`` that took it."""
 
-    def __init__(self, store: rs.RedisSessionStore, session_id: str, token: str, ttl_ms: int) -> None:
+    def __init__(self, store: RedisSessionStore, session_id: str, token: str, ttl_ms: int) -> None:
         self.store, self.session_id, self.token, self.ttl_ms = store, session_id, token, ttl_ms
         self._released = False
         self._unlocking: asyncio.Task | None = None  # the release's Redis work, which outlives its caller
@@ -97,110 +196,40 @@ class RedisTurnLock(TurnLock):
                         exc, self.ttl_ms)
 
 
-def to_redis(record: SessionRecord) -> rs.SessionRecord:
-    last = record.last_turn
-    return rs.SessionRecord(
-        session_id=record.id, tenant=record.tenant, model=record.model, messages=list(record.messages),
-        tools=list(record.tools or []),
-        settings={"system": record.system, "tools_given": record.tools is not None, "sampling": record.sampling,
-                  "metadata": record.metadata, "idle_ttl_s": record.idle_ttl_s, "pin_ttl_s": record.pin_ttl_s,
-                  "parent_id": record.parent_id},
-        pinned_until_ms=int(last.pin_expires_at * 1000) if last else 0, last_worker=record.last_worker,
-        turn=len(record.turns), turns={t.turn_id: asdict(t) for t in record.turns},
-        created_ms=int(record.created_at * 1000), updated_ms=int(record.last_active_at * 1000))
+# ------------------------------------------------------------ the store
 
+class RedisSessionStore(SessionStore):
+    """Records as msgpack under ``config.session_key(id)``; atomic turns via WATCH/MULTI; the turn
+    lock across replicas. ``worker_of(pin_id)``: the worker a turn ran on, if known (None: never
+    known, ``last_worker`` stays unset); ``list_limit``: ``list``'s cap when no limit is given;
+    ``max_retries``: concurrent updates ``append_turn_once`` outlasts before it gives up.
 
-_NUM = (int, float)
-_TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
-               "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": (str, type(None)),
-               "pin_expires_at": _NUM, "raw_text": (str, type(None))}
-_SETTING_TYPES = {"system": (str, type(None)), "tools_given": bool, "sampling": dict, "metadata": dict,
-                  "idle_ttl_s": _NUM, "pin_ttl_s": (*_NUM, type(None)), "parent_id": (str, type(None))}
+    The turn lock's TTL (``RouterConfig.turn_lock_ttl_s``) is renewed every third of it while the
+    turn runs; it only bounds how long a router that died mid-turn keeps the session locked."""
 
-
-def _check_types(rec: rs.SessionRecord) -> None:
-    """Every field agentrt reads has the type it expects (a corrupt record fails here, not mid-turn)."""
-    def check(what: str, value: object, typ: type | tuple) -> None:
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
-            raise TypeError(f"{what} has type {type(value).__name__}")
-    for name, typ in _SETTING_TYPES.items():
-        check(f"settings.{name}", rec.settings.get(name), typ)
-    for i, m in enumerate(rec.messages):
-        check(f"messages[{i}]", m, dict)
-    for i, t in enumerate(rec.tools):
-        check(f"tools[{i}]", t, dict)
-    for turn_id, t in rec.turns.items():
-        check(f"turns[{turn_id!r}]", t, dict)
-        for name, typ in _TURN_TYPES.items():
-            check(f"turns[{turn_id!r}].{name}", t.get(name), typ)
-
-
-def from_redis(rec: rs.SessionRecord) -> SessionRecord:
-    s = rec.settings
-    try:
-        _check_types(rec)
-        turns = sorted((TurnRecord(**{k: v for k, v in t.items() if k in _TURN_FIELDS}) for t in rec.turns.values()),
-                       key=lambda t: t.index)
-        return SessionRecord(
-            id=rec.session_id, model=rec.model, system=s["system"], tools=rec.tools if s["tools_given"] else None,
-            sampling=dict(s["sampling"]), metadata=dict(s["metadata"]), idle_ttl_s=float(s["idle_ttl_s"]),
-            pin_ttl_s=s["pin_ttl_s"], parent_id=s["parent_id"], created_at=rec.created_ms / 1000,
-            last_active_at=rec.updated_ms / 1000, messages=list(rec.messages), turns=turns,
-            last_worker=rec.last_worker, tenant=rec.tenant or "default")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise rs.SessionDecodeError(f"session {rec.session_id} is not an agentrt session: {exc}") from None
-
-
-class RedisAgentrtStore(SessionStore):
-    def __init__(self, store: rs.RedisSessionStore, worker_of: Callable[[str], str | None],
-                 list_limit: int = 1000) -> None:
-        self.store = store
-        self.lock_ttl_ms = max(1, int(store.config.turn_lock_ttl_s * 1000))
-        self.worker_of = worker_of
+    def __init__(self, client: aioredis.Redis, config: RouterConfig,
+                 worker_of: Callable[[str], str | None] | None = None, *, list_limit: int = 1000,
+                 max_retries: int = 64) -> None:
+        self._redis = client
+        self.config = config
+        self.worker_of = worker_of or (lambda _pin_id: None)
         self.list_limit = list_limit
-        self.bad_records = 0
+        self.max_retries = max_retries
+        self.lock_ttl_ms = max(1, int(config.turn_lock_ttl_s * 1000))
+        self.bad_records = 0  # undecodable records met (each logged)
         self._withdrawals: set[asyncio.Task] = set()  # turn locks being withdrawn (kept until done)
+        self._lock_script = client.register_script(_LOCK_RENEW_OR_RELEASE)
+        self._create_script = client.register_script(_CREATE)
+        self._acquire_script = client.register_script(_LOCK_ACQUIRE)
+        self._withdraw_script = client.register_script(_LOCK_WITHDRAW)
 
-    async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
-        try:
-            return from_redis(await self.store.create(to_redis(record), max_per_tenant=max_tenant_sessions))
-        except rs.SessionExists:
-            raise ValueError(f"session {record.id} already exists") from None
-        except rs.TooManySessions as exc:
-            raise TenantSessionLimitReached(record.tenant, exc.limit) from None
-
-    async def count(self, tenant: str) -> int:
-        return await self.store.count(tenant)
-
-    async def get(self, session_id: str) -> SessionRecord | None:
-        try:
-            return from_redis(await self.store.get(session_id))
-        except rs.SessionNotFound:
-            return None
-        except rs.SessionDecodeError as exc:
-            raise self._bad(session_id, exc) from None
-
-    def _bad(self, session_id: str, exc: Exception) -> APIError:
-        self.bad_records += 1
-        log.error("undecodable session record %s: %s", session_id, exc)
-        return APIError(500, f"the record of session '{session_id}' is corrupt and cannot be used",
-                        type="server_error", code="session_record_corrupt")
-
-    async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
-                               reply: TurnRecord) -> tuple[SessionRecord, bool]:
-        try:
-            rec, was_new = await self.store.append_turn_once(
-                session_id, turn_id, list(new_messages), dict(reply.message),
-                last_worker=self.worker_of(reply.pin_id) if reply.pin_id else None, turn_record=asdict(reply))
-        except rs.SessionNotFound:
-            raise SessionNotFound(session_id) from None
-        return from_redis(rec), was_new
+    # ------------------------------------------------------------ turn lock (one turn at a time, any replica)
 
     async def lock_turn(self, session_id: str) -> TurnLock | None:
         token = secrets.token_hex(16)
         # As with tenant admission: the command runs in a task of its own, and a caller that never
         # reads its answer (cancelled, or the reply lost) withdraws it, whatever Redis did with it.
-        call = asyncio.ensure_future(self.store.lock_turn(session_id, token, self.lock_ttl_ms))
+        call = asyncio.ensure_future(self._acquire_turn_lock(session_id, token, self.lock_ttl_ms))
         try:
             locked = await asyncio.shield(call)
         except BaseException:
@@ -211,7 +240,15 @@ class RedisAgentrtStore(SessionStore):
             raise
         if not locked:
             return None
-        return RedisTurnLock(self.store, session_id, token, self.lock_ttl_ms)
+        return RedisTurnLock(self, session_id, token, self.lock_ttl_ms)
+
+    async def _acquire_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        """Take the session's turn lock for ``token``; False if someone else holds it, or ``token`` was
+        withdrawn. Running it again for the same token (a retry) is harmless."""
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+        keys = [self.config.turn_lock_key(session_id), self.config.turn_lock_withdrawn_key(token)]
+        return bool(await self._acquire_script(keys=keys, args=[token, str(ttl_ms)]))
 
     async def _withdraw_lock(self, session_id: str, token: str) -> None:
         async def failed(_: BaseException) -> None:
@@ -219,27 +256,145 @@ class RedisAgentrtStore(SessionStore):
 
         try:  # retried for up to the lock's TTL: a transient error must not leave the session locked
             await retry_for(self.lock_ttl_ms / 1000).call_with_retry(
-                lambda: self.store.withdraw_turn_lock(session_id, token, self.lock_ttl_ms), failed)
+                lambda: self.withdraw_turn_lock(session_id, token, self.lock_ttl_ms), failed)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("cannot withdraw an unanswered turn lock of session %s (%s); if it was taken, it "
                         "expires in %d ms", session_id, exc, self.lock_ttl_ms)
 
+    async def withdraw_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> None:
+        """For a lock request whose answer was never read: release the lock if ``token`` got it, and
+        keep that request from taking it if it has not reached Redis yet (for ``ttl_ms``)."""
+        keys = [self.config.turn_lock_key(session_id), self.config.turn_lock_withdrawn_key(token)]
+        await self._withdraw_script(keys=keys, args=[token, str(ttl_ms)])
+
+    async def renew_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> bool:
+        """Extend the lock if ``token`` still holds it; False if it was lost (expired, taken)."""
+        if ttl_ms <= 0:
+            raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
+        return bool(await self._lock_script(keys=[self.config.turn_lock_key(session_id)], args=[token, str(ttl_ms)]))
+
+    async def unlock_turn(self, session_id: str, token: str) -> bool:
+        """Release the lock if ``token`` holds it (compare-and-delete); False otherwise."""
+        return bool(await self._lock_script(keys=[self.config.turn_lock_key(session_id)], args=[token, "0"]))
+
     async def turn_locked(self, session_id: str) -> bool:
-        return await self.store.turn_locked(session_id)
+        return bool(await self._redis.exists(self.config.turn_lock_key(session_id)))
+
+    # ------------------------------------------------------------ records
+
+    def _decode(self, session_id: str, raw: bytes) -> SessionRecord:
+        try:
+            return decode_record(raw, self.config.session_max_bytes)
+        except SessionDecodeError as exc:
+            self.bad_records += 1
+            log.error("undecodable session record %s: %s", session_id, exc)
+            raise SessionDecodeError(f"the record of session '{session_id}' is corrupt: {exc}") from None
+
+    def _encode(self, record: SessionRecord) -> bytes:
+        data = encode_record(record)
+        if len(data) > self.config.session_max_bytes:
+            raise SessionTooLarge(f"session {record.id} would be {len(data)} bytes, over the "
+                                  f"{self.config.session_max_bytes}-byte limit")
+        return data
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        raw = await self._redis.get(self.config.session_key(session_id))
+        return None if raw is None else self._decode(session_id, raw)
+
+    async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
+        check_tenant_limit(max_tenant_sessions)
+        keys = [self.config.session_key(record.id), self.config.sessions_set_key,
+                self.config.tenant_sessions_key(record.tenant)]
+        args = [self._encode(record), _ms(record.last_active_at), record.id, max_tenant_sessions or 0]
+        created = await self._create_script(keys=keys, args=args)
+        if created == -1 and await self._prune_tenant(record.tenant):
+            created = await self._create_script(keys=keys, args=args)  # ids of deleted sessions were dropped
+        if created == -1:
+            raise TenantSessionLimitReached(record.tenant, max_tenant_sessions)
+        if not created:
+            raise SessionExists(record.id)
+        return copy.deepcopy(record)
+
+    async def _prune_tenant(self, tenant: str) -> int:
+        """Drop ids from the tenant's set whose record is gone (deleted without the tenant known, or
+        by a router older than the set); returns how many."""
+        key = self.config.tenant_sessions_key(tenant)
+        ids = [m.decode() for m in await self._redis.zrange(key, 0, -1)]
+        if not ids:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for sid in ids:
+            pipe.exists(self.config.session_key(sid))
+        gone = [sid for sid, exists in zip(ids, await pipe.execute()) if not exists]
+        if gone:
+            await self._redis.zrem(key, *gone)
+        return len(gone)
+
+    async def count(self, tenant: str) -> int:
+        await self._prune_tenant(tenant)
+        return await self._redis.zcard(self.config.tenant_sessions_key(tenant))
+
+    async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
+                               reply: TurnRecord) -> tuple[SessionRecord, bool]:
+        key = self.config.session_key(session_id)
+        worker = self.worker_of(reply.pin_id) if reply.pin_id else None
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for _ in range(self.max_retries):
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        raise SessionNotFound(session_id)
+                    record = self._decode(session_id, raw)
+                    if record.find_turn(turn_id) is not None:
+                        await pipe.unwatch()
+                        return record, False
+                    new = apply_turn(record, turn_id, new_messages, reply, last_worker=worker)
+                    pipe.multi()
+                    pipe.set(key, self._encode(new))
+                    pipe.zadd(self.config.sessions_set_key, {session_id: _ms(new.last_active_at)})
+                    await pipe.execute()
+                    return new, True
+                except WatchError:
+                    continue
+                finally:
+                    await pipe.reset()
+        raise RuntimeError(f"session {session_id}: {self.max_retries} concurrent updates in a row")
 
     async def delete(self, session_id: str) -> SessionRecord | None:
-        record = await self.get(session_id)
-        if record is None or not await self.store.delete(session_id, tenant=record.tenant):
-            return None
-        return record
+        """Remove the session and return its record; an undecodable one is removed too (None is
+        returned, and its id is pruned from its tenant's set later, the owner being unreadable)."""
+        try:
+            record = await self.get(session_id)
+        except SessionDecodeError:
+            record = None
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.config.session_key(session_id))
+        pipe.zrem(self.config.sessions_set_key, session_id)
+        if record is not None:
+            pipe.zrem(self.config.tenant_sessions_key(record.tenant), session_id)
+        deleted = (await pipe.execute())[0]
+        return record if deleted else None
 
-    async def list(self) -> list[SessionRecord]:
-        out = []
-        for sid in await self.store.list(limit=self.list_limit):
-            try:
-                record = await self.get(sid)
-            except APIError:  # counted and logged by get
-                continue
-            if record is not None:
-                out.append(record)
+    async def list(self, tenant: str | None = None, limit: int | None = None) -> list[SessionRecord]:
+        limit = self.list_limit if limit is None else limit
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        ids = [m.decode() for m in await self._redis.zrevrange(self.config.sessions_set_key, 0, -1)]
+        out: list[SessionRecord] = []
+        for start in range(0, len(ids), 100):  # a hundred records a round trip
+            if len(out) >= limit:
+                break
+            chunk = ids[start:start + 100]
+            for sid, raw in zip(chunk, await self._redis.mget([self.config.session_key(s) for s in chunk])):
+                if raw is None:  # deleted meanwhile
+                    continue
+                try:
+                    record = self._decode(sid, raw)
+                except SessionDecodeError:  # counted and logged
+                    continue
+                if tenant is None or record.tenant == tenant:
+                    out.append(record)
+                    if len(out) >= limit:
+                        break
         return out

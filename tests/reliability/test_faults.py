@@ -29,7 +29,7 @@ import redis
 
 from agentrt.tenants import hash_key
 from router.config import RouterConfig
-from router.session_store import decode_record
+from router.redis_store import decode_record
 from tests.router import cluster as c
 from tests.router.conftest import RedisServer
 
@@ -143,7 +143,7 @@ def test_router_restart_keeps_sessions_on_their_workers(cl):
         reply = cl.ok_turn(sid, "Retry it.")
         record = cl.record(sid)
         assert record.last_worker == where[sid], (sid, where[sid], record.last_worker)
-        assert record.turn == 2 and [m["role"] for m in record.messages] == ["user", "assistant"] * 2
+        assert len(record.turns) == 2 and [m["role"] for m in record.messages] == ["user", "assistant"] * 2
         assert record.messages[1]["content"] == first[sid] and record.messages[3]["content"] == reply["message"]["content"]
         assert reply["usage"]["cached_tokens"] > 0  # the same worker still held the prefix
 
@@ -195,7 +195,7 @@ def test_redis_restart_with_persistence_keeps_sessions(cl):
         assert view["turns"] == 2 and [m["content"] for m in view["messages"][1::2]] == before
     after = c.wait_for(lambda: (r := cl.turn(sid, "Step three?")).status_code == 200 and r.json(), 30, 0.5,
                        what="a turn after the Redis restart")
-    assert cl.record(sid).turn == 3 and cl.record(sid).messages[-1]["content"] == after["message"]["content"]
+    assert len(cl.record(sid).turns) == 3 and cl.record(sid).messages[-1]["content"] == after["message"]["content"]
 
 
 def test_hung_worker_times_out_and_is_marked_unhealthy(cl):
@@ -301,7 +301,7 @@ def test_sigkill_of_one_worker_with_20_sessions_mid_turn(cl):
     for sid, r in zip(sessions, third):
         received[(sid, "t3")] = r.json()["message"]["content"]
         record = cl.record(sid)
-        assert record.turn == 3 and sorted(record.turns) == ["t1", "t2", "t3"]
+        assert len(record.turns) == 3 and sorted(t.turn_id for t in record.turns) == ["t1", "t2", "t3"]
         assert [m["content"] for m in record.messages[0::2]] == ["Build 1 is red.", BUILD_2, "And build 3?"]
         # No turn lost or recorded twice: the history holds exactly what the client received.
         assert [m["content"] for m in record.messages[1::2]] == [received[(sid, t)] for t in ("t1", "t2", "t3")]

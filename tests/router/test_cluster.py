@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from router.config import RouterConfig
-from router.session_store import decode_record
+from router.redis_store import decode_record
 from tests.router import cluster as c
 from tests.router.conftest import RedisServer
 

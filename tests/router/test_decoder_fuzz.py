@@ -13,14 +13,16 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrt.store import SessionRecord as AgentrtRecord
-from agentrt.store import TurnRecord
+from agentrt.config import ServerConfig
+from agentrt.errors import APIError
+from agentrt.sessions import SessionManager
+from agentrt.store import SessionDecodeError, SessionRecord, TurnRecord
+from agentrt.tenants import Tenant
 from router.config import RouterConfig
 from router.event_consumer import KVEventConsumer
 from router.events import EventDecodeError, KVEvent, decode_event, encode_event
 from router.index import PrefixIndex
-from router.redis_store import RedisAgentrtStore, from_redis, to_redis
-from router.session_store import RedisSessionStore, SessionDecodeError, decode_record, encode_record
+from router.redis_store import RedisSessionStore, decode_record, encode_record
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_BYTES = 1 << 16
@@ -44,13 +46,14 @@ def good_record() -> dict:
     turn = TurnRecord(turn_id="t1", index=1, message={"role": "assistant", "content": "hi"}, finish_reason="stop",
                       prompt_tokens=5, completion_tokens=1, cached_tokens=0, created_at=1.0, pin_id="req-1",
                       pin_expires_at=2.0, raw_text="hi")
-    record = AgentrtRecord(id="sess_1", model="m", system="s", messages=[{"role": "user", "content": "q"},
-                                                                         turn.message], turns=[turn])
-    return msgpack.unpackb(encode_record(to_redis(record)), raw=False)
+    record = SessionRecord(id="sess_1", model="m", system="s", tools=[{"type": "function"}],
+                           sampling={"temperature": 0}, metadata={"k": "v"},
+                           messages=[{"role": "user", "content": "q"}, turn.message], turns=[turn])
+    return msgpack.unpackb(encode_record(record), raw=False)
 
 
-def decode_session(data: bytes) -> AgentrtRecord:
-    return from_redis(decode_record(data, MAX_BYTES))
+def decode_session(data: bytes) -> SessionRecord:
+    return decode_record(data, MAX_BYTES)
 
 
 # ------------------------------------------------------------ KV events
@@ -137,8 +140,8 @@ def test_session_decoder_on_arbitrary_msgpack(value):
 def test_session_decoder_on_one_bad_field(data):
     obj = good_record()
     path = data.draw(st.sampled_from(
-        [(k,) for k in obj] + [("settings", k) for k in obj["settings"]] + [("turns", "t1", k) for k in obj["turns"]["t1"]]
-        + [("messages", 0), ("turns", "t1")]))
+        [(k,) for k in obj] + [("sampling", "temperature"), ("metadata", "k"), ("tools", 0)]
+        + [("turns", 0, k) for k in obj["turns"][0]] + [("messages", 0), ("turns", 0)]))
     target = obj
     for key in path[:-1]:
         target = target[key]
@@ -158,7 +161,7 @@ def test_session_record_round_trip_and_limits():
     with pytest.raises(SessionDecodeError, match="exceeds"):
         decode_record(packed(good_record()), 10)
     with pytest.raises(SessionDecodeError):
-        decode_session(packed({**good_record(), "session_id": ""}))
+        decode_session(packed({**good_record(), "id": ""}))
     with pytest.raises(SessionDecodeError):
         decode_session(packed({**good_record(), "messages": [b"raw bytes"]}))
 
@@ -167,18 +170,21 @@ def test_corrupt_records_are_counted_not_served(redis_url):
     async def body():
         client = aioredis.Redis.from_url(redis_url)
         config = RouterConfig(redis_url=redis_url)
-        store = RedisAgentrtStore(RedisSessionStore(client, config), lambda _: None)
-        good = await store.create(AgentrtRecord(id="sess_ok", model="m"))
-        for sid, raw in (("sess_bad1", b"\xc1garbage"), ("sess_bad2", packed({**good_record(), "turns": {"t": 1}}))):
+        store = RedisSessionStore(client, config)
+        good = await store.create(SessionRecord(id="sess_ok", model="m"))
+        for sid, raw in (("sess_bad1", b"\xc1garbage"), ("sess_bad2", packed({**good_record(), "turns": [1]}))):
             await client.set(config.session_key(sid), raw)
             await client.zadd(config.sessions_set_key, {sid: 1})
         listed = [r.id for r in await store.list()]
         assert listed == [good.id] and store.bad_records == 2
-        from agentrt.errors import APIError
-        with pytest.raises(APIError) as err:
+        with pytest.raises(SessionDecodeError, match="sess_bad1"):
             await store.get("sess_bad1")
-        assert err.value.status == 500 and err.value.code == "session_record_corrupt"
         assert store.bad_records == 3
+        manager = SessionManager(store, None, ServerConfig())  # get needs nothing of a generator
+        with pytest.raises(APIError) as err:
+            await manager.get("sess_bad1", Tenant("default"))
+        assert err.value.status == 500 and err.value.code == "session_record_corrupt"
+        assert "sess_bad1" in err.value.message and store.bad_records == 4
         await client.aclose()
 
     asyncio.run(body())

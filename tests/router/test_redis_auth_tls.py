@@ -17,8 +17,7 @@ from agentrt.store import SessionRecord
 from router.config import RouterConfig
 from router.core import redis_client
 from router.events import KVEventPublisher, decode_event
-from router.redis_store import RedisAgentrtStore
-from router.session_store import RedisSessionStore
+from router.redis_store import RedisSessionStore
 from tests.router.conftest import free_port
 
 PASSWORD = "s3cret-pass"
@@ -74,7 +73,7 @@ def secured(tmp_path_factory):
 async def roundtrip(url: str, sid: str) -> str:
     client = redis_client(url)
     try:
-        store = RedisAgentrtStore(RedisSessionStore(client, RouterConfig(redis_url=url)), lambda _: None)
+        store = RedisSessionStore(client, RouterConfig(redis_url=url))
         created = await store.create(SessionRecord(id=sid, model="m", tenant="acme"))
         got = await store.get(created.id)
         return got.tenant

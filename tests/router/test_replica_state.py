@@ -15,9 +15,8 @@ import redis.asyncio as aioredis
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.events import KVEventPublisher
-from router.redis_store import RedisAgentrtStore
+from router.redis_store import RedisSessionStore
 from router.registry import WorkerInfo, WorkerRegistry
-from router.session_store import RedisSessionStore
 
 SYSTEM = list(range(1000, 1000 + 64 * 16))  # a 64-block agent prompt shared by two sessions
 
@@ -143,8 +142,8 @@ def test_turn_lock_is_exclusive_across_stores_renewed_and_released(redis_url):
 
     async def body():
         c1, c2 = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
-        s1 = RedisAgentrtStore(RedisSessionStore(c1, cfg), lambda _pin: None)
-        s2 = RedisAgentrtStore(RedisSessionStore(c2, cfg), lambda _pin: None)
+        s1 = RedisSessionStore(c1, cfg)
+        s2 = RedisSessionStore(c2, cfg)
         try:
             lock = await s1.lock_turn("sess_a")
             assert lock is not None and await s2.lock_turn("sess_a") is None
@@ -157,7 +156,7 @@ def test_turn_lock_is_exclusive_across_stores_renewed_and_released(redis_url):
             other = await s2.lock_turn("sess_a")
             assert other is not None
             # A stale holder cannot release someone else's lock (compare-and-delete on the token).
-            assert not await s1.store.unlock_turn("sess_a", lock.token)
+            assert not await s1.unlock_turn("sess_a", lock.token)
             assert await s1.turn_locked("sess_a")
             # A holder that dies (no renewal, no release) frees the session after the TTL.
             other._renewer.cancel()

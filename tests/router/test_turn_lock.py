@@ -6,10 +6,9 @@ import threading
 import pytest
 import redis.asyncio as aioredis
 
-from router import session_store as rs
 from router.config import RouterConfig
 from router.core import redis_client
-from router.redis_store import RedisAgentrtStore, RedisTurnLock
+from router.redis_store import RedisSessionStore, RedisTurnLock
 from tests.router.redis_proxy import RedisProxy, until
 
 
@@ -64,13 +63,13 @@ def test_release_completes_although_the_renewer_lost_its_cancellation():
 # holds or loses the traffic on purpose (tests/router/redis_proxy.py).
 
 def through_proxy(redis_server, scenario):
-    """Run ``scenario(store, proxy, direct)``: ``store`` (agentrt's Redis session store, on the
+    """Run ``scenario(store, proxy, direct)``: ``store`` (the Redis session store, on the
     router's own client) talks through ``proxy``; ``direct`` sees what Redis really holds."""
     async def body():
         proxy = await RedisProxy(redis_server.port).start()
         client = redis_client(proxy.url)
         direct = aioredis.Redis.from_url(redis_server.url)
-        store = RedisAgentrtStore(rs.RedisSessionStore(client, RouterConfig(redis_url=proxy.url)), lambda _: None)
+        store = RedisSessionStore(client, RouterConfig(redis_url=proxy.url))
         try:
             warm = await store.lock_turn("warm-up")  # a pooled connection on which the scripts are known
             await warm.release()
