@@ -7,7 +7,6 @@ To add one, write ``configure(parser)`` and ``run(args) -> int`` functions and a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -33,9 +32,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from agentrt.server import create_app
 
-    fields = {f.name for f in dataclasses.fields(ServerConfig)}
     try:
-        config = ServerConfig.from_sources({k: v for k, v in vars(args).items() if k in fields})
+        config = ServerConfig.from_args(args)
     except ValueError as exc:
         print(f"agentrt serve: {exc}", file=sys.stderr)
         return 2

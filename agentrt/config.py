@@ -1,211 +1,303 @@
-"""Server configuration: one frozen dataclass, from command-line flags and environment variables.
+"""Settings, declared once: each is a field of a pydantic-settings model, with its default and a
+one-line description.
 
-Every field has an environment variable ``AGENTRT_<FIELD>`` (upper case); a flag given on the
-command line wins over the environment, which wins over the default.
+From a field come its environment variable ``AGENTRT_<FIELD>`` (upper case), its command-line flag
+``--<field-name>`` (:func:`add_flags`; the description is its ``--help`` line) and its validation.
+A flag given on the command line wins over the environment, which wins over the default.
+:class:`ServerConfig` here is ``agentrt serve``'s (and the HTTP side of ``agentrt worker`` and
+``agentrt router``); ``router/config.py`` declares the router's and the worker's the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+import re
+import types
+from contextvars import ContextVar
+from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Self, Union, get_args, get_origin
+
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+
+from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, EngineConfig
 
 ENV_PREFIX = "AGENTRT_"
-# Fields whose default is None but whose values are integers (flags and env parse them as int).
 # How long an idle HTTP connection stays open. Longer than clients keep idle connections (httpx,
 # so the official openai client: 5 s), so a client never sends a request on a connection the
 # server is closing at that moment (uvicorn's own default is also 5 s: under load those requests
 # failed with a reset connection).
 KEEP_ALIVE_S = 75
 
-OPTIONAL_INTS = ("kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting", "max_waiting_tokens")
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """Field metadata for :func:`add_flags`: the flag's name when it is not ``--<field-name>``, and
+    the placeholder ``--help`` shows for its value."""
+
+    name: str | None = None
+    metavar: str | None = None
 
 
-def _setting(default: Any, help: str) -> Any:
-    """A ``ServerConfig`` field with the one-line description its flag shows in ``--help``."""
-    return field(default=default, metadata={"help": help})
+class ConfigError(ValueError):
+    """Settings that do not validate; each problem names the flag or environment variable it came from."""
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """How ``agentrt serve`` runs: the model, the listener, and the limits it enforces.
+# The environment ``Settings.from_sources`` reads instead of os.environ, while it builds one model.
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("agentrt_settings_environ", default=None)
 
-    Engine settings (``model`` ... ``max_waiting_tokens``) go to ``engine.EngineConfig``; ``None``
-    keeps the engine's default (the KV pool is smaller than the engine's default: a laptop
-    runs ``agentrt serve`` with its defaults). ``max_waiting`` (requests) and
-    ``max_waiting_tokens`` (their tokens; default twice the KV pool) bound the engine's
-    waiting queue: past either, a request gets 429 with ``Retry-After``. ``api_keys`` empty
-    means no authentication.
-    ``max_concurrent_requests`` is the HTTP admission limit (generations in flight); past it
-    a request gets 429 with ``Retry-After``.
-    ``tenants_file`` (JSON or TOML, ``agentrt/tenants.py``) maps hashed API keys to tenants with
-    their own limits and cache isolation; it replaces ``api_keys``. ``default_max_tokens`` is used when a request
-    gives no token limit (capped by what is left of the context window).
-    Expert parallelism (MoE checkpoints): ``ep`` ranks (this process is rank 0) as ``ep_nodes``
-    nodes, ``ep_placement`` of ``num_experts + ep_redundant`` expert slots (docs/moe.md).
-    ``enable_prefix_cache`` false turns the engine's radix prefix cache off (every prompt is
-    computed in full; for ablations). ``turn_coalesce_max_s`` caps how long the engine holds
-    its next step after a session turn ends, for the agent's next turn to join it (a tenth of
-    the recent prefill step time at most; 0 turns it off; engine/coalesce.py).
-    Sessions: ``session_idle_ttl_s`` deletes a session nobody used for that long;
-    ``pin_ttl_s`` keeps a session's KV prefix pinned between turns, ``pin_ttl_tool_s`` when
-    the last reply ended in a tool call (the agent comes straight back); ``max_pin_ttl_s``
-    caps what a session may ask for.
-    """
 
-    host: str = _setting("127.0.0.1", "address to listen on")
-    port: int = _setting(8000, "port to listen on")
-    model: str | None = _setting(None,
-                      "a .gguf file or a Hugging Face model directory (default: the embedded "
-                      "SmolLM2-135M-Instruct)")
-    served_model_name: str | None = _setting(None,
-                      "the model name clients send and /v1/models lists (default: from the model files)")
-    device: str = _setting("cpu", "where the engine runs: cpu, cuda, or auto (cuda when available)")
-    dtype: str = _setting("auto", "weights and KV cache precision: float32, bfloat16, float16, or auto (bfloat16 "
-                                  "on CUDA and on CPUs with AVX512-BF16/AMX, else float32)")
-    kv_cache_tokens: int | None = _setting(32768,  # 1.5 GB of fp32 KV for the default model, 0.75 GB bf16
-                      "tokens the paged KV cache holds (sizes its memory)")
-    max_num_seqs: int | None = _setting(None, "most sequences in one engine step (the batch)")
-    max_model_len: int | None = _setting(None, "context window in tokens (default: the model's)")
-    max_waiting: int | None = _setting(None, "requests queued for the engine before new ones get 429")
-    max_waiting_tokens: int | None = _setting(None,
-                      "prompt tokens queued for the engine before new requests get 429 (default: twice the KV "
-                      "cache)")
-    enable_prefix_cache: bool = _setting(True,
-                      "reuse cached KV of earlier prompts' prefixes (false computes every prompt in full)")
-    turn_coalesce_max_s: float = _setting(0.2,
-                      "how long the engine may hold its next step after a session turn ends, for the agent's next "
-                      "turn to join (0: off)")
-    ep: int = _setting(1, "expert-parallel ranks for MoE models (this process is rank 0)")
-    ep_nodes: int = _setting(1, "nodes the expert-parallel ranks are laid out over")
-    ep_placement: str = _setting("contiguous", "how experts are placed on ranks: contiguous, balanced or locality")
-    ep_redundant: int = _setting(0, "extra expert slots for replicas of hot experts")
-    api_keys: tuple[str, ...] = _setting((), "accept this API key (repeatable; default: no authentication)")
-    tenants_file: str | None = _setting(None,
-                      "JSON or TOML file of tenants: hashed API keys, limits, cache isolation (replaces "
-                      "--api-key)")
-    max_body_bytes: int = _setting(4 << 20, "largest request body accepted, in bytes")
-    max_concurrent_requests: int = _setting(64, "generations in flight before new requests get 429")
-    retry_after_s: int = _setting(1, "the Retry-After seconds sent with 429 and 503 answers")
-    default_max_tokens: int = _setting(1024, "reply token limit when a request gives none")
-    max_sessions: int = _setting(10_000, "most sessions held at once")
-    session_idle_ttl_s: float = _setting(3600.0, "delete a session nobody used for this many seconds")
-    pin_ttl_s: float = _setting(30.0, "seconds a session's cached prefix stays pinned after a turn")
-    pin_ttl_tool_s: float = _setting(120.0, "seconds the prefix stays pinned when the reply ended in a tool call")
-    max_pin_ttl_s: float = _setting(600.0, "the longest pin a session may ask for, in seconds")
-    sweep_interval_s: float = _setting(1.0, "seconds between sweeps for idle sessions and expired pins")
-    shutdown_timeout_s: float = _setting(10.0, "seconds a graceful shutdown waits for requests in flight")
-    log_level: str = _setting("info", "critical, error, warning, info, debug or trace")
+class _MappingEnvSource(EnvSettingsSource):
+    """The ``AGENTRT_*`` environment source, reading a given mapping instead of ``os.environ``."""
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.api_keys, tuple) or any(not k for k in self.api_keys):
-            raise ValueError("api_keys must be a tuple of non-empty strings")
-        if self.tenants_file is not None and self.api_keys:
-            raise ValueError("give either tenants_file or api_keys, not both")
-        for name in ("max_body_bytes", "max_concurrent_requests", "default_max_tokens", "max_sessions",
-                     "retry_after_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("session_idle_ttl_s", "pin_ttl_s", "pin_ttl_tool_s", "max_pin_ttl_s",
-                     "sweep_interval_s", "shutdown_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.turn_coalesce_max_s < 0:
-            raise ValueError(f"turn_coalesce_max_s must be >= 0 (0 turns coalescing off), "
-                             f"got {self.turn_coalesce_max_s}")
-        if max(self.pin_ttl_s, self.pin_ttl_tool_s) > self.max_pin_ttl_s:
-            raise ValueError(f"pin_ttl_s ({self.pin_ttl_s}) and pin_ttl_tool_s ({self.pin_ttl_tool_s}) "
-                             f"must not exceed max_pin_ttl_s ({self.max_pin_ttl_s})")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ValueError(f"log_level must be one of critical/error/warning/info/debug/trace, "
-                             f"got {self.log_level!r}")
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self.env_vars = {(k if self.case_sensitive else k.lower()): v for k, v in environ.items()
+                         if not (self.env_ignore_empty and v == "")}
 
-    def engine_config(self):
-        """The ``engine.EngineConfig`` these settings describe (imports the engine lazily)."""
-        from engine import EngineConfig
 
-        kwargs: dict[str, Any] = {"model": self.model, "device": self.device, "dtype": self.dtype,
-                                  "ep_size": self.ep, "ep_nodes": self.ep_nodes,
-                                  "ep_placement": self.ep_placement, "ep_redundant": self.ep_redundant,
-                                  "enable_prefix_cache": self.enable_prefix_cache,
-                                  "turn_coalesce_max_s": self.turn_coalesce_max_s}
-        for name in ("served_model_name", "kv_cache_tokens", "max_num_seqs", "max_model_len", "max_waiting",
-                     "max_waiting_tokens"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
-        return EngineConfig(**kwargs)
+class Settings(BaseSettings):
+    """Base of agentrt's settings models: frozen, environment variables ``AGENTRT_<FIELD>`` (an
+    empty one counts as unset), no unknown fields. Constructing one reads the environment; keyword
+    arguments win over it."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", env_ignore_empty=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        environ = _ENVIRON.get()
+        return init_settings, (env_settings if environ is None else _MappingEnvSource(settings_cls, environ))
+
+    @classmethod
+    def env_name(cls, name: str) -> str:
+        return ENV_PREFIX + name.upper()
+
+    @classmethod
+    def flag_name(cls, name: str) -> str:
+        flag = _marker(cls.model_fields[name], Flag)
+        return flag.name if flag is not None and flag.name else "--" + name.replace("_", "-")
 
     @classmethod
     def from_sources(cls, overrides: Mapping[str, Any] | None = None,
-                     environ: Mapping[str, str] | None = None) -> "ServerConfig":
-        """Defaults, then ``AGENTRT_*`` environment variables, then ``overrides`` (flags; None = unset)."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and raw != "":
-                values[f.name] = _parse(f.name, raw)
-        for name, value in (overrides or {}).items():
-            if value is not None:
-                values[name] = tuple(value) if name == "api_keys" else value
-        return cls(**values)
+                     environ: Mapping[str, str] | None = None) -> Self:
+        """Defaults, then ``AGENTRT_*`` variables of ``environ`` (default ``os.environ``), then
+        ``overrides`` (flags; None = unset). A bad value is a :class:`ConfigError` naming its flag or
+        variable and what is allowed."""
+        given = {name: value for name, value in (overrides or {}).items() if value is not None}
+        token = _ENVIRON.set(environ)
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise ConfigError(_describe(cls, exc, given, os.environ if environ is None else environ)) from None
+        finally:
+            _ENVIRON.reset(token)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Self:
+        """:meth:`from_sources` with the flags of this model that ``args`` has (see :func:`add_flags`)."""
+        return cls.from_sources({name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)},
+                                environ)
 
 
-def parse_bool(raw: str, what: str = "value") -> bool:
-    """``true/false``, ``1/0``, ``yes/no``, ``on/off`` (any case); anything else is a ValueError."""
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{what}={raw!r} is not a boolean (true/false)")
+def _marker(field: FieldInfo, kind: type) -> Any:
+    return next((m for m in field.metadata if isinstance(m, kind)), None)
 
 
-def _parse(name: str, raw: str) -> Any:
-    """One environment variable's text as the field's type."""
-    default = getattr(ServerConfig, name, None)
-    if name == "api_keys":
-        return tuple(k.strip() for k in raw.split(",") if k.strip())
-    kind = int if name in OPTIONAL_INTS else type(default)
-    if kind is str or kind is type(None):
-        return raw
-    if kind is bool:
-        return parse_bool(raw, f"{ENV_PREFIX}{name.upper()}")
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+def _describe(cls: type[Settings], exc: ValidationError, given: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    """One line per problem, each naming where the value came from: ``--port 70000: ...``,
+    ``AGENTRT_PORT='eighty': ...``; a rule over several settings names those that were given."""
+    env_given = {name: raw for key, raw in environ.items() for name in cls.model_fields
+                 if key.upper() == cls.env_name(name) and raw != ""}
+
+    def source(name: str) -> str:
+        if name in given:
+            return f"{cls.flag_name(name)} {given[name]!r}"
+        if name in env_given:
+            return f"{cls.env_name(name)}={env_given[name]!r}"
+        return name
+
+    problems = []
+    for error in exc.errors(include_url=False):
+        message = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            problems.append(f"{source(str(error['loc'][0]))}: {message}")
+            continue
+        named = [source(name) for name in cls.model_fields
+                 if (name in given or name in env_given) and re.search(rf"\b{name}\b", message)]
+        problems.append(message + (f" (given: {', '.join(named)})" if named else ""))
+    return "; ".join(problems)
 
 
 # ------------------------------------------------------------ flags (agentrt serve, worker, router)
 
 
+def add_flags(parser: argparse.ArgumentParser, cls: type[Settings], names: Iterable[str] | None = None) -> None:
+    """One flag per field of ``cls`` (or the fields ``names``): ``--pin-ttl-s`` for ``pin_ttl_s``, its
+    value checked against the field's type, its help the field's description, default and variable.
+    Unset flags are None, so the environment and then the default apply (:meth:`Settings.from_args`).
+    Tuple and dict fields are repeatable flags (their variable is comma-separated)."""
+    for name in names or cls.model_fields:
+        field = cls.model_fields[name]
+        flag = _marker(field, Flag)
+        metavar = flag.metavar if flag is not None and flag.metavar else _metavar(field.annotation)
+        repeatable = get_origin(field.annotation) in (tuple, dict)
+        default = "" if field.default in (None, (), {}) else f"default {_show(field.default)}; "
+        env = cls.env_name(name) + (", comma-separated" if repeatable else "")
+        help = f"{field.description} ({default}env {env})".replace("%", "%%")
+        if repeatable:
+            parser.add_argument(cls.flag_name(name), dest=name, action="append", default=None, metavar=metavar,
+                                help=help)
+        else:
+            parser.add_argument(cls.flag_name(name), dest=name, type=_flag_type(name, field), default=None,
+                                metavar=metavar, help=help)
+
+
+def _value_type(annotation: Any) -> Any:
+    """``X`` for ``X | None`` (a flag given always has a value)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _metavar(annotation: Any) -> str | None:
+    kind = _value_type(annotation)
+    if get_origin(kind) is Literal:
+        return "{" + ",".join(str(a) for a in get_args(kind)) + "}"
+    if kind is bool:
+        return "{true,false}"
+    return {int: "INT", float: "FLOAT"}.get(kind)  # text: argparse's, the name in capitals
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _flag_type(name: str, field: FieldInfo) -> Callable[[str], Any]:
+    """The flag's text as the field's type, within the field's bounds; argparse reports the error."""
+    kind = _value_type(field.annotation)
+    constraints = [m for m in field.metadata if not isinstance(m, Flag)]
+    adapter = TypeAdapter(Annotated[(kind, *constraints)] if constraints else kind)
+
+    def parse(raw: str) -> Any:
+        try:
+            return adapter.validate_python(raw)
+        except ValidationError as exc:
+            raise argparse.ArgumentTypeError(f"{exc.errors()[0]['msg']}, got {raw!r}") from None
+
+    parse.__name__ = name
+    return parse
+
+
+# ------------------------------------------------------------ agentrt serve
+
+# What the engine does unless told otherwise (engine.config.EngineConfig); ServerConfig passes its
+# engine settings through, and where its default differs the field says so and why.
+_ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+class ServerConfig(Settings):
+    """How ``agentrt serve`` runs: the model, the listener, and the limits it enforces.
+
+    Engine settings (``model`` ... ``ep_redundant``) go to ``engine.EngineConfig``
+    (:meth:`engine_config`; the engine validates them) and take its defaults, except three chosen
+    for a server on a laptop: ``device`` cpu, ``dtype`` auto and a smaller KV pool. ``max_waiting``
+    (requests) and ``max_waiting_tokens`` (their tokens) bound the engine's waiting queue: past
+    either, a request gets 429 with ``Retry-After``; so does one past ``max_concurrent_requests``
+    (generations in flight, the HTTP admission limit). ``tenants_file`` (``agentrt/tenants.py``)
+    replaces ``api_keys``; neither means no authentication. ``turn_coalesce_max_s`` is
+    engine/coalesce.py's cap. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
+    turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for.
+    """
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    model: str | None = Field(_ENGINE["model"], description="a .gguf file or a Hugging Face model directory "
+                              "(default: the embedded SmolLM2-135M-Instruct)")
+    served_model_name: str | None = Field(_ENGINE["served_model_name"], description="the model name clients send "
+                                          "and /v1/models lists (default: from the model files)")
+    device: Literal[DEVICES] = Field("cpu", description="where the engine runs: cpu, cuda, or auto (cuda when "
+                                     f"available); cpu unless asked, where the engine library's default is "
+                                     f"{_ENGINE['device']}")
+    dtype: Literal[DTYPES] = Field("auto", description="weights and KV cache precision: float32, bfloat16, float16, "
+                                   "or auto (bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32; the "
+                                   f"engine library's default is {_ENGINE['dtype']})")
+    # 1.5 GB of fp32 KV for the default model, 0.75 GB bf16
+    kv_cache_tokens: int = Field(32768, description="tokens the paged KV cache holds (sizes its memory; a laptop's "
+                                 f"share, where the engine library's default is {_ENGINE['kv_cache_tokens']})")
+    max_num_seqs: int = Field(_ENGINE["max_num_seqs"], description="most sequences in one engine step (the batch)")
+    max_model_len: int | None = Field(_ENGINE["max_model_len"],
+                                      description="context window in tokens (default: the model's)")
+    max_waiting: int = Field(_ENGINE["max_waiting"],
+                             description="requests queued for the engine before new ones get 429")
+    max_waiting_tokens: int | None = Field(_ENGINE["max_waiting_tokens"], description="prompt tokens queued for "
+                                           "the engine before new requests get 429 (default: twice the KV cache)")
+    enable_prefix_cache: bool = Field(_ENGINE["enable_prefix_cache"], description="reuse cached KV of earlier "
+                                      "prompts' prefixes (false computes every prompt in full, for ablations)")
+    turn_coalesce_max_s: float = Field(_ENGINE["turn_coalesce_max_s"], description="how long the engine may hold "
+                                       "its next step after a session turn ends, for the agent's next turn to join "
+                                       "(0: off)")
+    ep: int = Field(_ENGINE["ep_size"], description="expert-parallel ranks for MoE models (this process is rank 0)")
+    ep_nodes: int = Field(_ENGINE["ep_nodes"], description="nodes the expert-parallel ranks are laid out over")
+    ep_placement: Literal[EP_PLACEMENTS] = Field(_ENGINE["ep_placement"], description="how experts are placed on "
+                                                 "ranks: contiguous, balanced or locality")
+    ep_redundant: int = Field(_ENGINE["ep_redundant"], description="extra expert slots for replicas of hot experts")
+    api_keys: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], NoDecode, Flag("--api-key", "KEY")] = Field(
+        (), description="accept this API key (repeatable; default: no authentication)")
+    tenants_file: str | None = Field(None, description="JSON or TOML file of tenants: hashed API keys, limits, "
+                                     "cache isolation (replaces --api-key; default: none)")
+    max_body_bytes: int = Field(4 << 20, ge=1, description="largest request body accepted, in bytes")
+    max_concurrent_requests: int = Field(64, ge=1, description="generations in flight before new requests get 429")
+    retry_after_s: int = Field(1, ge=1, description="the Retry-After seconds sent with 429 and 503 answers")
+    default_max_tokens: int = Field(1024, ge=1, description="reply token limit when a request gives none "
+                                    "(capped by what is left of the context window)")
+    max_sessions: int = Field(10_000, ge=1, description="most sessions held at once")
+    session_idle_ttl_s: float = Field(3600.0, gt=0, description="delete a session nobody used for this many seconds")
+    pin_ttl_s: float = Field(30.0, gt=0, description="seconds a session's cached prefix stays pinned after a turn")
+    pin_ttl_tool_s: float = Field(120.0, gt=0, description="seconds the prefix stays pinned when the reply ended "
+                                  "in a tool call")
+    max_pin_ttl_s: float = Field(600.0, gt=0, description="the longest pin a session may ask for, in seconds")
+    sweep_interval_s: float = Field(1.0, gt=0, description="seconds between sweeps for idle sessions and expired "
+                                    "pins")
+    shutdown_timeout_s: float = Field(10.0, gt=0, description="seconds a graceful shutdown waits for requests in "
+                                      "flight")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="how much the server logs: critical, error, warning, info, debug or trace")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """``AGENTRT_API_KEYS=a,b`` (spaces around a key are dropped)."""
+        if isinstance(value, str):
+            return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.tenants_file is not None and self.api_keys:
+            raise ValueError("give either tenants_file or api_keys, not both")
+        if max(self.pin_ttl_s, self.pin_ttl_tool_s) > self.max_pin_ttl_s:
+            raise ValueError(f"pin_ttl_s ({self.pin_ttl_s}) and pin_ttl_tool_s ({self.pin_ttl_tool_s}) "
+                             f"must not exceed max_pin_ttl_s ({self.max_pin_ttl_s})")
+        self.engine_config()  # the engine's own checks, now rather than when the model loads
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The ``engine.EngineConfig`` these settings describe."""
+        return EngineConfig(model=self.model, served_model_name=self.served_model_name, device=self.device,
+                            dtype=self.dtype, kv_cache_tokens=self.kv_cache_tokens, max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.max_model_len, max_waiting=self.max_waiting,
+                            max_waiting_tokens=self.max_waiting_tokens, enable_prefix_cache=self.enable_prefix_cache,
+                            turn_coalesce_max_s=self.turn_coalesce_max_s, ep_size=self.ep, ep_nodes=self.ep_nodes,
+                            ep_placement=self.ep_placement, ep_redundant=self.ep_redundant)
+
+
 def configure_serve(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServerConfig field (``--pin-ttl-s`` for ``pin_ttl_s``); unset flags fall back to env."""
-    for f in fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = ENV_PREFIX + f.name.upper()
-        if f.name == "api_keys":
-            parser.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                                help=f"{f.metadata['help']}; env {env}, comma-separated")
-            continue
-        kind = int if f.name in OPTIONAL_INTS else (
-            type(f.default) if f.default is not None else str)
-        if kind is bool:  # argparse's type=bool would read "false" as True
-            kind = _bool_flag
-        parser.add_argument(flag, dest=f.name, type=kind, default=None,
-                            help=f"{f.metadata['help']} (default {f.default!r}; env {env})")
-
-
-def _bool_flag(raw: str) -> bool:
-    try:
-        return parse_bool(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    """``agentrt serve``'s flags: one per :class:`ServerConfig` field."""
+    add_flags(parser, ServerConfig)

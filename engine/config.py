@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "flashinfer")
-_EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
+# The values EngineConfig accepts (public: settings layered on the engine offer the same choices).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "flashinfer")
+EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,12 @@ class EngineConfig:
     ep_redundant: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device not in _DEVICES and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.page_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"page_size must be a power of two from 1 to 128, got {self.page_size}")
         if self.kv_cache_tokens < 4 * self.page_size:
@@ -92,8 +93,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.ep_size % self.ep_nodes:
             raise ValueError(f"ep_size ({self.ep_size}) must be a multiple of ep_nodes ({self.ep_nodes})")
-        if self.ep_placement not in _EP_PLACEMENTS:
-            raise ValueError(f"ep_placement must be one of {_EP_PLACEMENTS}, got {self.ep_placement!r}")
+        if self.ep_placement not in EP_PLACEMENTS:
+            raise ValueError(f"ep_placement must be one of {EP_PLACEMENTS}, got {self.ep_placement!r}")
         if not isinstance(self.ep_redundant, int) or self.ep_redundant < 0:
             raise ValueError(f"ep_redundant must be an integer >= 0, got {self.ep_redundant!r}")
 

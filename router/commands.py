@@ -1,42 +1,23 @@
 """``agentrt worker``, ``agentrt router``, ``agentrt up`` and ``agentrt status`` (registered in agentrt/cli.py).
 
-Only argparse and the standard library at import time: heavy imports live in the ``run_*``
-functions, so ``agentrt status`` never loads torch.
+Only argparse, the settings models (their fields are the flags) and the standard library at import
+time: heavy imports live in the ``run_*`` functions, so ``agentrt status`` never loads torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
 
-from agentrt.config import KEEP_ALIVE_S, ServerConfig, configure_serve
+from agentrt.config import KEEP_ALIVE_S, ServerConfig, add_flags, configure_serve
+from router.config import RouterConfig, WorkerSettings
 
-DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-
-
-def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", dest="redis_url", default=None,
-                        help=f"Redis URL (env AGENTRT_REDIS_URL; default {DEFAULT_REDIS})")
-    parser.add_argument("--key-prefix", default="agentrt:", help="prefix of every Redis key")
-    parser.add_argument("--deployment", default="default", help="deployment name (workers set, event stream)")
-    parser.add_argument("--heartbeat-ttl-s", type=float, default=10.0, help="a worker silent this long is dead")
-    parser.add_argument("--heartbeat-interval-s", type=float, default=3.0, help="how often workers heartbeat")
-
-
-def _router_config(args: argparse.Namespace, **extra):
-    from router.config import RouterConfig
-
-    return RouterConfig(redis_url=args.redis_url or os.environ.get("AGENTRT_REDIS_URL") or DEFAULT_REDIS,
-                        key_prefix=args.key_prefix, deployment=args.deployment,
-                        heartbeat_ttl_s=args.heartbeat_ttl_s, heartbeat_interval_s=args.heartbeat_interval_s,
-                        **extra)
-
-
-def _server_config(args: argparse.Namespace, command: str) -> ServerConfig:
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig.from_sources({k: v for k, v in vars(args).items() if k in names})
+# The RouterConfig fields each command takes as flags (the rest keep their defaults, or env).
+# block_size is none of them: it must equal the workers' KV page size, which is fixed.
+CONNECTION = ("redis_url", "key_prefix", "deployment", "heartbeat_ttl_s", "heartbeat_interval_s")
+WORKER_FIELDS = CONNECTION + ("events_maxlen",)
+ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_max_bytes", "tentative_ttl_s",
+                              "tentative_grace_s", "turn_lock_ttl_s", "policy", "policy_options")
 
 
 def _serve(app, config: ServerConfig) -> None:
@@ -58,19 +39,17 @@ def _logging(config: ServerConfig) -> None:
 
 def configure_worker(parser: argparse.ArgumentParser) -> None:
     configure_serve(parser)
-    _add_redis_flags(parser)
-    parser.add_argument("--worker-id", default=None, help="id in Redis (default: <hostname>-<port>)")
-    parser.add_argument("--advertise-url", default=None,
-                        help="URL routers use to reach this worker (default: http://<host>:<port>)")
+    add_flags(parser, RouterConfig, WORKER_FIELDS)
+    add_flags(parser, WorkerSettings)
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from router.worker import WorkerSettings, create_worker_app, serve_worker
+    from router.worker import create_worker_app, serve_worker
 
     try:
-        config = _server_config(args, "worker")
-        rconfig = _router_config(args)
-        settings = WorkerSettings.default(config, args.worker_id, args.advertise_url)
+        config = ServerConfig.from_args(args)
+        rconfig = RouterConfig.from_args(args)
+        settings = WorkerSettings.from_args(args)
     except ValueError as exc:
         print(f"agentrt worker: {exc}", file=sys.stderr)
         return 2
@@ -84,29 +63,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def configure_router(parser: argparse.ArgumentParser) -> None:
     configure_serve(parser)
-    _add_redis_flags(parser)
-    parser.add_argument("--policy", default="agentrt", help="routing policy (router/policy.py registry)")
-    parser.add_argument("--policy-option", action="append", default=[], metavar="NAME=NUMBER",
-                        help="a keyword argument of the policy, e.g. tokens_per_queued_request=1024 (repeatable)")
-    parser.add_argument("--tentative-ttl-s", type=float, default=60.0,
-                        help="how long a dispatched prompt counts as held by its worker before the worker's KV "
-                             "events confirm it (0: off)")
-    parser.add_argument("--turn-lock-ttl-s", type=float, default=60.0,
-                        help="TTL of a session's turn lock in Redis (renewed while the turn runs)")
-
-
-def _policy_options(items: list[str]) -> dict[str, float]:
-    options = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if not sep or not name.isidentifier() or number is None:
-            raise ValueError(f"--policy-option takes NAME=NUMBER, got {item!r}")
-        options[name] = int(number) if number.is_integer() and "." not in value else number
-    return options
+    add_flags(parser, RouterConfig, ROUTER_FIELDS)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -114,9 +71,8 @@ def run_router(args: argparse.Namespace) -> int:
     from router.policy import make_policy
 
     try:
-        config = _server_config(args, "router")
-        rconfig = _router_config(args, policy=args.policy, policy_options=_policy_options(args.policy_option),
-                                 tentative_ttl_s=args.tentative_ttl_s, turn_lock_ttl_s=args.turn_lock_ttl_s)
+        config = ServerConfig.from_args(args)
+        rconfig = RouterConfig.from_args(args)
         try:
             make_policy(rconfig.policy, **rconfig.policy_options)
         except TypeError as exc:
@@ -138,13 +94,9 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
                         help="Redis URL; if nothing answers there, redis-server is started on a free port")
     parser.add_argument("--host", default="127.0.0.1", help="address the router and workers listen on")
     parser.add_argument("--port", type=int, default=8000, help="router port (workers get free ports)")
-    parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool per worker, in tokens")
-    parser.add_argument("--device", default=None, help="where the workers' engines run: cpu, cuda or auto")
-    parser.add_argument("--dtype", default=None, help="the workers' weights and KV precision: float32, bfloat16 "
-                                                      "or float16")
-    parser.add_argument("--policy", default="agentrt", help="routing policy (router/policy.py registry)")
-    parser.add_argument("--log-level", default="info", help="critical, error, warning, info, debug or trace")
+    # Passed on to each worker (and the router) when given; unset, the children's environment and defaults apply.
+    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "log_level"))
+    add_flags(parser, RouterConfig, ("policy",))
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -160,7 +112,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def configure_status(parser: argparse.ArgumentParser) -> None:
-    _add_redis_flags(parser)
+    add_flags(parser, RouterConfig, CONNECTION)
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
 
 
@@ -173,7 +125,7 @@ def run_status(args: argparse.Namespace) -> int:
     from router.status import collect_status, format_status
 
     try:
-        status = asyncio.run(collect_status(_router_config(args)))
+        status = asyncio.run(collect_status(RouterConfig.from_args(args)))
     except (OSError, redis.RedisError, ValueError) as exc:
         print(f"agentrt status: {exc}", file=sys.stderr)
         return 1

@@ -1,14 +1,19 @@
-"""Router configuration: one frozen dataclass, validated at construction."""
+"""Router and worker settings, declared like ``agentrt serve``'s (agentrt/config.py): each a field
+with its default and description, its ``AGENTRT_<FIELD>`` environment variable and its flag."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import socket
+from typing import Annotated, Any, Self
 
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from agentrt.config import Flag, ServerConfig, Settings
 from engine.hashing import DEFAULT_BLOCK_SIZE
 
 
-@dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(Settings):
     """Everything a router replica (and the worker side of the router's Redis contracts) needs.
 
     ``key_prefix`` namespaces every Redis key (contract 3). ``block_size`` must equal the
@@ -22,46 +27,78 @@ class RouterConfig:
     while the turn runs (so it only bounds how long a crashed router blocks a session).
     """
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "agentrt:"
-    deployment: str = "default"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    heartbeat_ttl_s: float = 10.0
-    heartbeat_interval_s: float = 3.0
-    events_maxlen: int = 100_000
-    event_max_bytes: int = 1 << 20
-    event_max_hashes: int = 65_536
-    session_max_bytes: int = 16 << 20
-    tentative_ttl_s: float = 60.0
-    tentative_grace_s: float = 2.0
-    turn_lock_ttl_s: float = 60.0
-    policy: str = "agentrt"
-    policy_options: dict = field(default_factory=dict, hash=False, compare=True)
+    redis_url: Annotated[str, Flag("--redis", "URL")] = Field(
+        "redis://127.0.0.1:6379/0", description="Redis URL: redis://, rediss:// (TLS) or unix://")
+    key_prefix: str = Field("agentrt:", description="prefix of every Redis key, ending in ':'")
+    deployment: str = Field("default", description="deployment name: its workers set and KV event stream in Redis")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, gt=0, description="tokens per hashed KV block; must equal the "
+                            "workers' KV page size (contract 1)")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a worker silent this many seconds is dead")
+    heartbeat_interval_s: float = Field(3.0, gt=0, description="seconds between a worker's heartbeats (shorter "
+                                        "than the heartbeat TTL)")
+    events_maxlen: int = Field(100_000, gt=0, description="KV events the Redis stream keeps (approximately)")
+    event_max_bytes: int = Field(1 << 20, gt=0, description="largest KV event a router decodes, in bytes")
+    event_max_hashes: int = Field(65_536, gt=0, description="most block hashes in one KV event a router accepts")
+    session_max_bytes: int = Field(16 << 20, gt=0, description="largest session record in Redis, in bytes")
+    tentative_ttl_s: float = Field(60.0, ge=0, description="how long a dispatched prompt counts as held by its "
+                                   "worker before the worker's KV events confirm it (0: off)")
+    tentative_grace_s: float = Field(2.0, ge=0, description="how long a dispatched prompt still counts as held "
+                                     "after its request completed, in seconds")
+    turn_lock_ttl_s: float = Field(60.0, gt=0, description="TTL of a session's turn lock in Redis (renewed while "
+                                   "the turn runs)")
+    policy: str = Field("agentrt", description="routing policy (router/policy.py registry)")
+    policy_options: Annotated[dict[str, int | float], NoDecode, Flag("--policy-option", "NAME=NUMBER")] = Field(
+        {}, description="a keyword argument of the policy, e.g. tokens_per_queued_request=1024 (repeatable; "
+        "default: the policy's own)")
 
-    def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        if not self.key_prefix or not self.key_prefix.endswith(":"):
-            raise ValueError(f"key_prefix must be non-empty and end with ':', got {self.key_prefix!r}")
-        if not self.deployment or any(c in self.deployment for c in ": \t\n"):
-            raise ValueError(f"deployment must be non-empty without ':' or spaces, got {self.deployment!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.heartbeat_ttl_s <= 0 or self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat_ttl_s and heartbeat_interval_s must be positive")
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not value or not value.endswith(":"):
+            raise ValueError(f"key_prefix must be non-empty and end with ':', got {value!r}")
+        return value
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment(cls, value: str) -> str:
+        if not value or any(c in value for c in ": \t\n"):
+            raise ValueError(f"deployment must be non-empty without ':' or spaces, got {value!r}")
+        return value
+
+    @field_validator("policy_options", mode="before")
+    @classmethod
+    def _name_equals_number(cls, value: Any) -> Any:
+        """``NAME=NUMBER`` items (repeated flags, or comma-separated in the environment) as a dict."""
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, (list, tuple)):
+            return value
+        options: dict[str, int | float] = {}
+        for item in value:
+            name, sep, text = str(item).partition("=")
+            try:
+                number = float(text)
+            except ValueError:
+                number = None
+            if not sep or not name.isidentifier() or number is None:
+                raise ValueError(f"policy options are NAME=NUMBER, got {item!r}")
+            options[name] = int(number) if number.is_integer() and "." not in text else number
+        return options
+
+    @model_validator(mode="after")
+    def _heartbeat(self) -> Self:
         if self.heartbeat_interval_s >= self.heartbeat_ttl_s:
             raise ValueError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be shorter than "
                 f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) or live workers would expire")
-        for name in ("events_maxlen", "event_max_bytes", "event_max_hashes", "session_max_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.tentative_ttl_s < 0 or self.tentative_grace_s < 0:
-            raise ValueError("tentative_ttl_s and tentative_grace_s must be >= 0 (0 disables tentative entries)")
-        if self.turn_lock_ttl_s <= 0:
-            raise ValueError(f"turn_lock_ttl_s must be positive, got {self.turn_lock_ttl_s}")
-        if not isinstance(self.policy_options, dict):
-            raise ValueError("policy_options must be a dict of keyword arguments")
+        return self
 
     # Derived key names (contract 3). One place so workers and routers agree.
     def worker_key(self, worker_id: str) -> str:
@@ -118,3 +155,19 @@ class RouterConfig:
 
     def tenant_withdrawn_key(self, tenant: str) -> str:
         return f"{self.key_prefix}tenant:{tenant}:withdrawn"
+
+
+class WorkerSettings(Settings):
+    """How routers see a worker: its id in Redis and the URL they reach it at. Unset, they come from
+    the listen address (:meth:`resolve`)."""
+
+    worker_id: str | None = Field(None, min_length=1, description="id in Redis (default: <hostname>-<port>)")
+    advertise_url: str | None = Field(None, min_length=1, description="URL routers use to reach this worker "
+                                      "(default: http://<host>:<port>)")
+
+    def resolve(self, config: ServerConfig) -> "WorkerSettings":
+        """Both set: the defaults from ``config``'s listen address where unset."""
+        host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        return self.model_copy(update={
+            "worker_id": self.worker_id or f"{socket.gethostname()}-{config.port}".replace(":", "-"),
+            "advertise_url": self.advertise_url or f"http://{host}:{config.port}"})

@@ -19,6 +19,7 @@ import tempfile
 import threading
 
 from agentrt.procs import free_port, redis_answers, start_redis, wait_healthy
+from router.config import RouterConfig
 
 def _pump(name: str, stream, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
@@ -43,13 +44,13 @@ class LocalCluster:
     def _common(self) -> list[str]:
         a, out = self.args, []
         for flag, value in (("--model", a.model), ("--kv-cache-tokens", a.kv_cache_tokens),
-                            ("--device", a.device), ("--dtype", a.dtype)):
+                            ("--device", a.device), ("--dtype", a.dtype), ("--log-level", a.log_level)):
             if value is not None:
                 out += [flag, str(value)]
-        return out + ["--log-level", a.log_level]
+        return out
 
     def _redis_url(self) -> str:
-        url = self.args.redis_url or "redis://127.0.0.1:6379/0"
+        url = self.args.redis_url or RouterConfig.model_fields["redis_url"].default
         if redis_answers(url):
             return url
         port = free_port()
@@ -75,8 +76,9 @@ class LocalCluster:
         for url, proc in workers:
             wait_healthy(url, proc)
         router_url = f"http://{a.host}:{a.port}"
+        policy = ["--policy", a.policy] if a.policy is not None else []
         router = self._spawn("router", exe + ["router", "--redis", redis_url, "--host", a.host, "--port",
-                                              str(a.port), "--policy", a.policy, *self._common()])
+                                              str(a.port), *policy, *self._common()])
         wait_healthy(router_url, router)
         urls["router"] = router_url
         return urls

@@ -26,16 +26,14 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from agentrt.config import KEEP_ALIVE_S, ServerConfig
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerSettings
 from router.core import redis_client
 from router.events import KVEventPublisher, cache_snapshot
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
@@ -43,22 +41,8 @@ from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 log = logging.getLogger("router.worker")
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    """``worker_id`` and ``url`` as routers see them (defaults: host-port, and the listen address)."""
-
-    worker_id: str
-    url: str
-
-    @classmethod
-    def default(cls, config: ServerConfig, worker_id: str | None = None, url: str | None = None) -> "WorkerSettings":
-        host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
-        return cls(worker_id or f"{socket.gethostname()}-{config.port}".replace(":", "-"),
-                   url or f"http://{host}:{config.port}")
-
-
 class WorkerRuntime:
-    """Registration, heartbeat and KV events of one worker process."""
+    """Registration, heartbeat and KV events of one worker process (``settings`` resolved: id and URL set)."""
 
     def __init__(self, rconfig: RouterConfig, settings: WorkerSettings, llm: Any,
                  publisher: KVEventPublisher) -> None:
@@ -73,7 +57,7 @@ class WorkerRuntime:
     @property
     def info(self) -> WorkerInfo:
         engine_cfg = self.llm.config
-        return WorkerInfo(worker_id=self.settings.worker_id, url=self.settings.url, model=self.llm.model_id,
+        return WorkerInfo(worker_id=self.settings.worker_id, url=self.settings.advertise_url, model=self.llm.model_id,
                           capacity=engine_cfg.max_num_seqs, kv_pages=engine_cfg.num_pages,
                           block_size=engine_cfg.page_size)
 
@@ -87,7 +71,7 @@ class WorkerRuntime:
         await self.registry.register(self.info)
         await self.registry.heartbeat(self.settings.worker_id, self.load())
         self._task = asyncio.create_task(self._beat_forever(), name="worker-heartbeat")
-        log.info("worker %s registered at %s", self.settings.worker_id, self.settings.url)
+        log.info("worker %s registered at %s", self.settings.worker_id, self.settings.advertise_url)
 
     async def _beat_forever(self) -> None:
         while True:
@@ -164,13 +148,15 @@ class WorkerRuntime:
 
 
 def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: WorkerSettings) -> FastAPI:
-    """agentrt's app around an engine that publishes KV events, plus worker and SGLang endpoints."""
+    """agentrt's app around an engine that publishes KV events, plus worker and SGLang endpoints
+    (``settings`` as routers see this worker; unset id or URL from ``config``'s listen address)."""
     from engine import LLMEngine
 
     from agentrt.server import create_app
     from router.sglang_api import sglang_routes
     from router.worker_api import worker_routes
 
+    settings = settings.resolve(config)
     publisher = KVEventPublisher(rconfig, settings.worker_id)
     llm = LLMEngine(config.engine_config(), on_kv_event=publisher.publish)
     if llm.config.page_size != rconfig.block_size:

@@ -1,4 +1,5 @@
-"""Units without a server: the in-memory session store's contract and ServerConfig sources."""
+"""Units without a server: the in-memory session store's contract, and the settings (ServerConfig,
+RouterConfig, WorkerSettings): their sources, flags and errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import asyncio
 import pytest
 
 from agentrt.cli import build_parser
-from agentrt.config import ServerConfig
+from agentrt.config import ConfigError, ServerConfig
+from engine import EngineConfig
+from router.commands import CONNECTION, ROUTER_FIELDS, WORKER_FIELDS
+from router.config import RouterConfig, WorkerSettings
 from agentrt.store import InMemorySessionStore, SessionLimitReached, SessionNotFound, SessionRecord, TurnRecord
 
 
@@ -66,10 +70,75 @@ def test_max_waiting_tokens_from_env_and_flag_reaches_the_engine():
         ServerConfig(max_waiting_tokens=0).engine_config()
 
 
+def _subparsers():
+    parser = build_parser()
+    return next(a for a in parser._actions if a.choices and "serve" in a.choices).choices
+
+
+def test_flags_are_generated_from_the_settings_fields():
+    """serve, worker, router and status: one flag per settings field, its help the field's description,
+    default and environment variable; the engine settings' defaults are the engine's but for the three
+    the server chooses itself."""
+    commands = {"serve": [(ServerConfig, None)],
+                "worker": [(ServerConfig, None), (RouterConfig, WORKER_FIELDS), (WorkerSettings, None)],
+                "router": [(ServerConfig, None), (RouterConfig, ROUTER_FIELDS)],
+                "status": [(RouterConfig, CONNECTION)]}
+    subparsers = _subparsers()
+    for command, models in commands.items():
+        actions = {a.dest: a for a in subparsers[command]._actions}
+        for cls, names in models:
+            for name in names or cls.model_fields:
+                action = actions[name]
+                assert action.option_strings == [cls.flag_name(name)] and action.default is None
+                assert action.help.startswith(cls.model_fields[name].description), (command, name)
+                assert f"env AGENTRT_{name.upper()}" in action.help, (command, name)
+    assert ServerConfig.flag_name("api_keys") == "--api-key" and RouterConfig.flag_name("redis_url") == "--redis"
+    engine, server = EngineConfig(), ServerConfig()
+    for name in ("max_num_seqs", "max_waiting", "enable_prefix_cache", "turn_coalesce_max_s", "ep_placement"):
+        assert getattr(server, name) == getattr(engine, name)
+    differ = {n for n in ("device", "dtype", "kv_cache_tokens") if getattr(server, n) != getattr(engine, n)}
+    assert differ == {"device", "dtype", "kv_cache_tokens"}
+    for name in differ:  # said where the default is declared
+        assert f"engine library's default is {getattr(engine, name)}" in ServerConfig.model_fields[name].description
+
+
+def test_router_and_worker_settings_take_flag_then_env_then_default():
+    args = build_parser().parse_args(["router", "--redis", "redis://flag:1/0", "--policy-option", "a=2",
+                                      "--policy-option", "b=0.5", "--tentative-ttl-s", "0"])
+    env = {"AGENTRT_REDIS_URL": "redis://env:1/0", "AGENTRT_DEPLOYMENT": "blue", "AGENTRT_KEY_PREFIX": ""}
+    cfg = RouterConfig.from_args(args, environ=env)
+    assert (cfg.redis_url, cfg.deployment, cfg.key_prefix) == ("redis://flag:1/0", "blue", "agentrt:")
+    assert cfg.policy_options == {"a": 2, "b": 0.5} and cfg.tentative_ttl_s == 0 and cfg.policy == "agentrt"
+    assert RouterConfig.from_sources(environ={"AGENTRT_POLICY_OPTIONS": "a=3, c=1.0"}).policy_options == \
+        {"a": 3, "c": 1.0}
+    with pytest.raises(ConfigError, match=r"--policy-option \['a'\]: .*NAME=NUMBER"):
+        RouterConfig.from_sources({"policy_options": ["a"]}, environ={})
+    with pytest.raises(ConfigError, match="AGENTRT_HEARTBEAT_TTL_S='soon': Input should be a valid number"):
+        RouterConfig.from_sources(environ={"AGENTRT_HEARTBEAT_TTL_S": "soon"})
+    with pytest.raises(ConfigError, match="given: AGENTRT_HEARTBEAT_INTERVAL_S='30'"):
+        RouterConfig.from_sources(environ={"AGENTRT_HEARTBEAT_INTERVAL_S": "30"})
+    worker = build_parser().parse_args(["worker", "--port", "8100", "--worker-id", "w1"])
+    settings = WorkerSettings.from_args(worker, environ={"AGENTRT_ADVERTISE_URL": "http://gpu-a:8100"})
+    assert (settings.worker_id, settings.advertise_url) == ("w1", "http://gpu-a:8100")
+    resolved = WorkerSettings.from_sources(environ={}).resolve(ServerConfig(host="10.0.0.7", port=8100))
+    assert resolved.advertise_url == "http://10.0.0.7:8100" and resolved.worker_id.endswith("-8100")
+
+
+def test_bad_flags_name_the_flag_and_what_is_allowed(capsys):
+    cases = ((["serve", "--device", "tpu"], "argument --device: Input should be 'auto', 'cpu' or 'cuda'"),
+             (["serve", "--port", "70000"], "argument --port: Input should be less than or equal to 65535"),
+             (["router", "--heartbeat-ttl-s", "x"], "argument --heartbeat-ttl-s: Input should be a valid number"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert message in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"must be >= 1, got 0 \(given: --max-waiting-tokens 0\)"):
+        ServerConfig.from_sources({"max_waiting_tokens": 0}, environ={})
+
+
 def test_every_flag_of_every_subcommand_says_what_it_does():
     """``agentrt <cmd> --help`` describes each flag in words, not just its default and env variable."""
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if a.choices and "serve" in a.choices).choices
+    subparsers = _subparsers()
     assert {"serve", "worker", "router", "up", "chat", "status"} <= set(subparsers)
     missing = []
     for name, sub in subparsers.items():

@@ -16,11 +16,11 @@ import redis
 import redis.asyncio as aioredis
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerSettings
 from router.event_consumer import KVEventConsumer
 from router.events import KVEventPublisher, unpack_hash
 from router.index import PrefixIndex
-from router.worker import WorkerRuntime, WorkerSettings
+from router.worker import WorkerRuntime
 
 
 def _run(engine: LLMEngine, prompt: list[int]) -> None:
@@ -35,7 +35,7 @@ def test_dropped_events_are_repaired_by_a_republish(redis_server_factory):
     pub = KVEventPublisher(cfg, "w9", redis.Redis.from_url(server.url, socket_connect_timeout=0.5),
                            max_backlog=1)
     engine = LLMEngine(EngineConfig(kv_cache_tokens=4096, max_batched_tokens=256), on_kv_event=pub.publish)
-    runtime = WorkerRuntime(cfg, WorkerSettings("w9", "http://127.0.0.1:1"), engine, pub)
+    runtime = WorkerRuntime(cfg, WorkerSettings(worker_id="w9", advertise_url="http://127.0.0.1:1"), engine, pub)
     tok = engine.tokenizer
 
     async def body():
