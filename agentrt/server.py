@@ -3,7 +3,7 @@
 ``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
 from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
 drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``,
-with a ``: ping`` comment every 15 s of silence; a client that disconnects cancels its stream,
+with a ``: ping`` comment every 15 s; a client that disconnects cancels its stream,
 which aborts the engine request and frees its pages.
 """
 
