@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -337,6 +338,15 @@ class AsyncClient:
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
+
+
+def _forget_loop() -> None:
+    """In a forked child: the loop's thread did not come along, so the child starts its own."""
+    global _loop, _loop_lock
+    _loop, _loop_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop)
 
 
 async def _await(awaitable: Awaitable[T]) -> T:
