@@ -9,16 +9,28 @@
 
 HTTP errors raise typed exceptions (:class:`NotFoundError`, :class:`ConflictError`, ...)
 that carry the server's OpenAI-shaped error fields.
+
+One implementation: the async classes make every request and decode every answer (streams
+through httpx-sse). The blocking classes are a thin layer over them: each call runs the async
+one to completion on a private event loop, kept by one daemon thread for all blocking clients
+of the process, and waits for it; a blocking stream fetches each delta that way. So both
+clients send the same requests and return and raise the same things.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Iterator, TypeVar
 
 import httpx
+from httpx_sse import aconnect_sse
+
+T = TypeVar("T")
 
 # ------------------------------------------------------------ errors
 
@@ -183,17 +195,41 @@ def _create_body(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-class _EventDecoder:
-    """Server-sent events of a turn stream into deltas; keeps the final reply."""
+# ------------------------------------------------------------ async client: the implementation
 
-    def __init__(self) -> None:
-        self.reply: Reply | None = None
 
-    def feed(self, line: str) -> TurnDelta | None:
-        if not line.startswith("data:"):
-            return None
-        data = line[5:].strip()
-        if data == "[DONE]":
+class AsyncSessionStream:
+    """``async for`` over :class:`TurnDelta`; ``reply`` holds the recorded turn once the stream ends.
+    The request is sent when the iteration starts."""
+
+    def __init__(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> None:
+        self._http, self._path, self._body = http, path, body
+        self._reply: Reply | None = None
+        self._deltas: AsyncGenerator[TurnDelta, None] | None = None
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._reply
+
+    def __aiter__(self) -> AsyncIterator[TurnDelta]:
+        self._deltas = self._read()
+        return self._deltas
+
+    async def _read(self) -> AsyncGenerator[TurnDelta, None]:
+        try:
+            async with aconnect_sse(self._http, "POST", self._path, json=self._body) as source:
+                if source.response.status_code >= 400:
+                    await source.response.aread()
+                    _raise_for(source.response)
+                async for event in source.aiter_sse():
+                    delta = self._decode(event.data)
+                    if delta is not None:
+                        yield delta
+        except httpx.TransportError as exc:
+            raise APIConnectionError(str(exc)) from exc
+
+    def _decode(self, data: str) -> TurnDelta | None:
+        if not data or data == "[DONE]":
             return None
         event = json.loads(data)
         if "error" in event:
@@ -205,164 +241,13 @@ class _EventDecoder:
         if kind == "turn.tool_call":
             return TurnDelta(tool_call=ToolCall(event["id"], event["name"], event["arguments"]))
         if kind == "turn.completed":
-            self.reply = Reply.from_json(event["turn"])
+            self._reply = Reply.from_json(event["turn"])
         return None
 
-# ------------------------------------------------------------ blocking client
-
-
-class SessionStream:
-    """Iterate for :class:`TurnDelta`; ``reply`` holds the recorded turn once the stream ends."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-        self._decoder = _EventDecoder()
-        self._open = False
-
-    @property
-    def reply(self) -> Reply | None:
-        return self._decoder.reply
-
-    def __iter__(self) -> Iterator[TurnDelta]:
-        try:
-            response = self._context.__enter__()
-            self._open = True
-            if response.status_code >= 400:
-                response.read()
-                _raise_for(response)
-            for line in response.iter_lines():
-                delta = self._decoder.feed(line)
-                if delta is not None:
-                    yield delta
-        except httpx.TransportError as exc:
-            raise APIConnectionError(str(exc)) from exc
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._context.__exit__(None, None, None)
-
-    def __enter__(self) -> "SessionStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class Session:
-    def __init__(self, client: "Client", info: SessionInfo) -> None:
-        self._client = client
-        self.id = info.id
-        self.info = info
-
-    def send(self, messages: str | dict | list[dict], *, stream: bool = False, turn_id: str | None = None,
-             **options: Any) -> Reply | SessionStream:
-        """Append messages and get the reply (or a stream of deltas). Retrying with the same ``turn_id`` is safe."""
-        body = _turn_body(messages, stream, turn_id, options)
-        path = f"/v1/sessions/{self.id}/turns"
-        if stream:
-            return SessionStream(self._client._http.stream("POST", path, json=body))
-        return Reply.from_json(self._client._request("POST", path, json=body))
-
-    def refresh(self) -> SessionInfo:
-        self.info = SessionInfo.from_json(self._client._request("GET", f"/v1/sessions/{self.id}"))
-        return self.info
-
-    def fork(self, metadata: dict[str, str] | None = None) -> "Session":
-        body = _create_body(metadata=metadata)
-        return Session(self._client, SessionInfo.from_json(
-            self._client._request("POST", f"/v1/sessions/{self.id}/fork", json=body)))
-
-    def close(self) -> None:
-        """Delete the session on the server (its pinned cache is released)."""
-        self._client._request("DELETE", f"/v1/sessions/{self.id}")
-
-
-class Sessions:
-    def __init__(self, client: "Client") -> None:
-        self._client = client
-
-    def create(self, *, system: str | None = None, tools: list[dict] | None = None, model: str | None = None,
-               sampling: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
-               idle_ttl_s: float | None = None, pin_ttl_s: float | None = None) -> Session:
-        body = _create_body(system=system, tools=tools, model=model, sampling=sampling, metadata=metadata,
-                            idle_ttl_s=idle_ttl_s, pin_ttl_s=pin_ttl_s)
-        return Session(self._client, SessionInfo.from_json(self._client._request("POST", "/v1/sessions", json=body)))
-
-    def get(self, session_id: str) -> Session:
-        return Session(self._client, SessionInfo.from_json(self._client._request("GET", f"/v1/sessions/{session_id}")))
-
-    def list(self) -> list[SessionInfo]:
-        return [SessionInfo.from_json(d) for d in self._client._request("GET", "/v1/sessions")["data"]]
-
-
-class Client:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 timeout: float = 600.0) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
-        self.sessions = Sessions(self)
-
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise APIConnectionError(str(exc)) from exc
-        _raise_for(response)
-        return response.json()
-
-    def health(self) -> dict[str, Any]:
-        return self._request("GET", "/health")
-
-    def models(self) -> list[str]:
-        return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-# ------------------------------------------------------------ async client
-
-
-class AsyncSessionStream:
-    """``async for`` over :class:`TurnDelta`; ``reply`` holds the recorded turn once the stream ends."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-        self._decoder = _EventDecoder()
-        self._open = False
-
-    @property
-    def reply(self) -> Reply | None:
-        return self._decoder.reply
-
-    async def __aiter__(self) -> AsyncIterator[TurnDelta]:
-        try:
-            response = await self._context.__aenter__()
-            self._open = True
-            if response.status_code >= 400:
-                await response.aread()
-                _raise_for(response)
-            async for line in response.aiter_lines():
-                delta = self._decoder.feed(line)
-                if delta is not None:
-                    yield delta
-        except httpx.TransportError as exc:
-            raise APIConnectionError(str(exc)) from exc
-        finally:
-            await self.aclose()
-
     async def aclose(self) -> None:
-        if self._open:
-            self._open = False
-            await self._context.__aexit__(None, None, None)
+        """Stop reading and close the connection (the server then aborts the turn if it still runs)."""
+        if self._deltas is not None and not self._deltas.ag_running:  # running: a cancelled read that closes it
+            await self._deltas.aclose()
 
     async def __aenter__(self) -> "AsyncSessionStream":
         return self
@@ -379,10 +264,11 @@ class AsyncSession:
 
     async def send(self, messages: str | dict | list[dict], *, stream: bool = False, turn_id: str | None = None,
                    **options: Any) -> Reply | AsyncSessionStream:
+        """Append messages and get the reply (or a stream of deltas). Retrying with the same ``turn_id`` is safe."""
         body = _turn_body(messages, stream, turn_id, options)
         path = f"/v1/sessions/{self.id}/turns"
         if stream:
-            return AsyncSessionStream(self._client._http.stream("POST", path, json=body))
+            return AsyncSessionStream(self._client._http, path, body)
         return Reply.from_json(await self._client._request("POST", path, json=body))
 
     async def refresh(self) -> SessionInfo:
@@ -394,6 +280,7 @@ class AsyncSession:
         return AsyncSession(self._client, SessionInfo.from_json(data))
 
     async def close(self) -> None:
+        """Delete the session on the server (its pinned cache is released)."""
         await self._client._request("DELETE", f"/v1/sessions/{self.id}")
 
 
@@ -446,3 +333,134 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+# ------------------------------------------------------------ blocking client: the async one, run to completion
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _forget_loop() -> None:
+    """In a forked child: the loop's thread did not come along, so the child starts its own."""
+    global _loop, _loop_lock
+    _loop, _loop_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop)
+
+
+async def _await(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def _run(awaitable: Awaitable[T]) -> T:
+    """Run ``awaitable`` on the blocking clients' event loop (started on first use) and wait for its result."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="agentrt-client", daemon=True).start()
+    future = asyncio.run_coroutine_threadsafe(_await(awaitable), _loop)
+    try:
+        return future.result()
+    except BaseException:  # interrupted while waiting (Ctrl-C): stop the call too
+        future.cancel()
+        raise
+
+
+class SessionStream:
+    """Iterate for :class:`TurnDelta`; ``reply`` holds the recorded turn once the stream ends."""
+
+    def __init__(self, stream: AsyncSessionStream) -> None:
+        self._stream = stream
+
+    @property
+    def reply(self) -> Reply | None:
+        return self._stream.reply
+
+    def __iter__(self) -> Iterator[TurnDelta]:
+        deltas = aiter(self._stream)
+        try:
+            while (delta := _run(anext(deltas, None))) is not None:
+                yield delta
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        _run(self._stream.aclose())
+
+    def __enter__(self) -> "SessionStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Session:
+    """A session of a :class:`Client`: :class:`AsyncSession`'s methods, blocking."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self._async = session
+
+    @property
+    def id(self) -> str:
+        return self._async.id
+
+    @property
+    def info(self) -> SessionInfo:
+        return self._async.info
+
+    def send(self, messages: str | dict | list[dict], *, stream: bool = False, turn_id: str | None = None,
+             **options: Any) -> Reply | SessionStream:
+        """Append messages and get the reply (or a stream of deltas). Retrying with the same ``turn_id`` is safe."""
+        result = _run(self._async.send(messages, stream=stream, turn_id=turn_id, **options))
+        return SessionStream(result) if stream else result
+
+    def refresh(self) -> SessionInfo:
+        return _run(self._async.refresh())
+
+    def fork(self, metadata: dict[str, str] | None = None) -> "Session":
+        return Session(_run(self._async.fork(metadata)))
+
+    def close(self) -> None:
+        """Delete the session on the server (its pinned cache is released)."""
+        _run(self._async.close())
+
+
+class Sessions:
+    def __init__(self, sessions: AsyncSessions) -> None:
+        self._async = sessions
+
+    def create(self, *, system: str | None = None, tools: list[dict] | None = None, model: str | None = None,
+               sampling: dict[str, Any] | None = None, metadata: dict[str, str] | None = None,
+               idle_ttl_s: float | None = None, pin_ttl_s: float | None = None) -> Session:
+        return Session(_run(self._async.create(system=system, tools=tools, model=model, sampling=sampling,
+                                               metadata=metadata, idle_ttl_s=idle_ttl_s, pin_ttl_s=pin_ttl_s)))
+
+    def get(self, session_id: str) -> Session:
+        return Session(_run(self._async.get(session_id)))
+
+    def list(self) -> list[SessionInfo]:
+        return _run(self._async.list())
+
+
+class Client:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 timeout: float = 600.0) -> None:
+        self._async = AsyncClient(base_url, api_key, timeout)
+        self.sessions = Sessions(self._async.sessions)
+
+    def health(self) -> dict[str, Any]:
+        return _run(self._async.health())
+
+    def models(self) -> list[str]:
+        return _run(self._async.models())
+
+    def close(self) -> None:
+        _run(self._async.close())
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -2,8 +2,9 @@
 
 ``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
 from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
-drains the engine. Streams are server-sent events ending with ``data: [DONE]``; a client
-that disconnects cancels its stream, which aborts the engine request and frees its pages.
+drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``,
+with a ``: ping`` comment every 15 s; a client that disconnects cancels its stream,
+which aborts the engine request and frees its pages.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 from starlette.background import BackgroundTask
 
 from engine.client import EngineClient
@@ -133,19 +136,23 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: 
     return task.result()
 
 
-def _sse(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int) -> StreamingResponse:
+def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int
+                 ) -> EventSourceResponse:
+    """``chunks`` as ``data: {json}`` events, then ``data: [DONE]``. An exception from ``chunks`` becomes an
+    error event (the headers are sent, as OpenAI does). ``close`` runs when the stream ends, however it
+    ends: also when the client disconnects before the first chunk."""
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except Exception as exc:  # headers are sent: the error goes in the stream, as OpenAI does
-            yield f"data: {json.dumps(from_exception(exc, retry_after_s).body())}\n\n"
+                yield json.dumps(chunk, ensure_ascii=False)
+        except Exception as exc:
+            yield json.dumps(from_exception(exc, retry_after_s).body())
         finally:
             await close()
-        yield "data: [DONE]\n\n"
+        yield "[DONE]"
 
-    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(close),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close),
+                               headers={"Cache-Control": "no-cache"})
 
 
 # ------------------------------------------------------------ routes
@@ -178,7 +185,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     svc: OpenAIService = request.app.state.openai
     generation = await svc.start_chat(body, tenant)
     if body.stream:
-        return _sse(svc.chat_chunks(body, generation), generation.close, request.app.state.config.retry_after_s)
+        return sse_response(svc.chat_chunks(body, generation), generation.close,
+                            request.app.state.config.retry_after_s)
     return await _unless_disconnected(request, svc.chat(body, generation), generation.close)
 
 
@@ -187,8 +195,8 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
     svc: OpenAIService = request.app.state.openai
     generation = await svc.start_completion(body, tenant)
     if body.stream:
-        return _sse(svc.completion_chunks(body, generation), generation.close,
-                    request.app.state.config.retry_after_s)
+        return sse_response(svc.completion_chunks(body, generation), generation.close,
+                            request.app.state.config.retry_after_s)
     return await _unless_disconnected(request, svc.completion(body, generation), generation.close)
 
 
@@ -235,10 +243,11 @@ async def session_turn(session_id: str, body: TurnRequest, request: Request,
         sessions.gen.metrics.turns.labels("replayed").inc()
         view = sessions.turn_view(session_id, started, replayed=True)
         if body.stream:
-            return _sse(_one_event({"type": "turn.completed", "turn": view}), _nothing, 1)
+            return sse_response(_one_event({"type": "turn.completed", "turn": view}), _nothing, 1)
         return view
     if body.stream:
-        return _sse(_turn_events(session_id, started), started.close, request.app.state.config.retry_after_s)
+        return sse_response(_turn_events(session_id, started), started.close,
+                            request.app.state.config.retry_after_s)
 
     async def run() -> dict:
         return sessions.turn_view(session_id, await started.run())
@@ -282,6 +291,9 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
     """The app over ``backend``, an ``engine.client.EngineClient``: the in-process ``engine.AsyncEngine``
     or the router's remote engine. ``model`` gives ``tokenizer``, ``max_model_len`` and ``model_id``.
     ``tenant_limits``: where tenants' concurrency and tokens per minute are counted (None: in this process)."""
+    # A SIGTERM must not cut streams: uvicorn's graceful shutdown lets them finish (sse-starlette's default
+    # cancels every stream of the process as soon as any server in it is told to exit).
+    AppStatus.disable_automatic_graceful_drain()
     tenants = TenantRegistry.from_config(config.tenants_file, config.api_keys)
     metrics = Metrics()
     metrics.attach_engine(backend.stats)

@@ -6,20 +6,22 @@ With these, ``sglang-router`` can front our workers as a peer in benchmarks
 start, polls ``/get_load`` for its ``power_of_two`` policy (a JSON array of
 ``{"num_tokens": N}``), posts ``/flush_cache``, and forwards ``/generate`` (SGLang's native
 API), ``/v1/chat/completions`` and ``/v1/completions`` (served by agentrt's own routes).
+A streamed ``/generate`` sends the text so far in each event, then ``data: [DONE]``; a failure
+after the first event arrives as an ``{"error": ...}`` event, as on agentrt's own streams.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from agentrt.errors import bad_request
+from agentrt.server import sse_response
 
 sglang_routes = APIRouter()
 
@@ -101,15 +103,11 @@ async def native_generate(body: NativeGenerateRequest, request: Request) -> Any:
         result = await generation.collect()
         return {"text": result.text, "output_ids": result.token_ids, "meta_info": _meta(rid, result)}
 
-    async def events() -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[dict]:
         text: list[str] = []
-        try:
-            async for d in generation.deltas():
-                text.append(d.content)
-                yield f"data: {json.dumps({'text': ''.join(text), 'meta_info': {'id': rid}})}\n\n"
-            yield f"data: {json.dumps({'text': ''.join(text), 'meta_info': _meta(rid, generation.result)})}\n\n"
-        finally:
-            await generation.close()
-        yield "data: [DONE]\n\n"
+        async for d in generation.deltas():
+            text.append(d.content)
+            yield {"text": "".join(text), "meta_info": {"id": rid}}
+        yield {"text": "".join(text), "meta_info": _meta(rid, generation.result)}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return sse_response(chunks(), generation.close, request.app.state.config.retry_after_s)

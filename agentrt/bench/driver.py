@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from httpx_sse import aconnect_sse
 
 
 class CallFailed(Exception):
@@ -76,16 +77,16 @@ async def stream_chat_completion(http: httpx.AsyncClient, url: str, body: dict) 
     start = time.perf_counter()
     first, parts, usage, timings = None, [], None, None
     try:
-        async with http.stream("POST", url, json=body) as resp:
+        async with aconnect_sse(http, "POST", url, json=body) as source:
+            resp = source.response
             if resp.status_code != 200:
                 raise CallFailed(f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for event in source.aiter_sse():
+                if not event.data:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if event.data == "[DONE]":
                     break
-                chunk = json.loads(data)
+                chunk = event.json()
                 if "error" in chunk:
                     raise CallFailed(f"error event: {chunk['error']}")
                 for choice in chunk.get("choices") or ():

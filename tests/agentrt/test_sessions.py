@@ -108,6 +108,20 @@ def test_concurrent_turn_is_409_and_disconnect_leaves_session_unchanged(client, 
     session.close()
 
 
+def test_leaving_a_stream_early_aborts_the_turn(client):
+    session = new_session(client)
+    session.send("Hello.")
+    before = session.refresh().messages
+    stream = session.send("Write a long story about a dragon.", stream=True, max_tokens=200)
+    for delta in stream:
+        assert delta.content or delta.tool_call
+        break  # closes the stream: the connection goes, the server aborts the turn
+    assert stream.reply is None
+    assert wait_for(lambda: _try_turn(session))
+    assert len(session.refresh().messages) == len(before) + 2  # the abandoned turn left nothing
+    session.close()
+
+
 def _try_turn(session) -> bool:
     try:
         session.send("Still there?")

@@ -134,13 +134,21 @@ def test_stream_parser_on_a_llama_server_shaped_stream():
     assert 0 <= res["ttft_s"] <= res["e2e_s"]
 
 
-def test_stream_without_usage_is_an_error():
-    body = 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\ndata: [DONE]\n\n'
-
+def _stream_chat_answered(response: httpx.Response) -> dict:
     async def call():
-        transport = httpx.MockTransport(lambda r: httpx.Response(200, text=body))
-        async with httpx.AsyncClient(transport=transport) as http:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: response)) as http:
             return await stream_chat(http, "http://x", chat_body("m", [{"role": "user", "content": "hi"}], 2))
 
+    return asyncio.run(call())
+
+
+def test_stream_without_usage_is_an_error():
+    body = 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\ndata: [DONE]\n\n'
     with pytest.raises(RuntimeError, match="no usage"):
-        asyncio.run(call())
+        _stream_chat_answered(httpx.Response(200, text=body, headers={"content-type": "text/event-stream"}))
+
+
+def test_an_answer_that_is_not_an_event_stream_is_an_error():
+    body = 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\ndata: [DONE]\n\n'
+    with pytest.raises(RuntimeError, match="text/event-stream"):
+        _stream_chat_answered(httpx.Response(200, text=body))

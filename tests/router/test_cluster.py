@@ -5,8 +5,9 @@ restarted); the tests run in file order and the destructive ones (Redis restart,
 come last. Each checks a promise of docs/routing.md: registration and heartbeat expiry,
 KV events reaching every replica's index, a session staying on its worker through either
 replica, idempotent turns across replicas, tenant limits shared by replicas (two more routers
-with a tenants file, started by that test), malformed events counted and skipped, serving
-through a Redis restart, and failover after a worker is killed mid-session.
+with a tenants file, started by that test), a worker's SGLang ``/generate`` stream, malformed
+events counted and skipped, serving through a Redis restart, and failover after a worker is
+killed mid-session.
 """
 
 from __future__ import annotations
@@ -214,6 +215,25 @@ def test_status_command_reads_the_cluster(cl):
     assert [w["id"] for w in status["workers"]] == ["w0", "w1"] and all(w["alive"] for w in status["workers"])
     assert status["sessions"] >= 2 and 0 < status["hit_rate"] < 1
     assert sum(w["cached_blocks"] for w in status["workers"]) > 0
+
+
+def test_a_worker_streams_sglang_generate_as_server_sent_events(cl):
+    """What sglang-router forwards from a worker's ``/generate``: the text so far in each event, the
+    request's figures in the last one, then ``[DONE]``."""
+    import json
+
+    body = {"text": "Count: 1, 2, 3,", "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "stream": True,
+            "rid": "gen-sse-test"}
+    with cl.http.stream("POST", cl.url("w0") + "/generate", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    texts = [e["text"] for e in events]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])) and texts[-1]
+    assert all(e["meta_info"]["id"] == "gen-sse-test" for e in events)
+    final = events[-1]["meta_info"]
+    assert final["finish_reason"]["type"] in ("stop", "length") and 1 <= final["completion_tokens"] <= 6
 
 
 def test_malformed_events_are_counted_and_skipped(cl):
