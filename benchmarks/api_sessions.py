@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -134,30 +132,24 @@ def run_in_process(wl: AgenticWorkload) -> dict:
 
 
 def run_against_engine(args: argparse.Namespace) -> dict:
-    from agentrt.procs import free_port, wait_healthy
+    from agentrt.procs import Procs
 
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                          tool_result_tokens=args.tool_result_tokens, reply_tokens=args.reply_tokens)
     print("in-process engine ...", flush=True)
     engine = run_in_process(wl)
     print(f"  TTFT p50 turns 2+ {engine['ttft_p50_s_turns2plus']:.3f} s, wall {engine['wall_s']:.1f} s", flush=True)
-    port = free_port()
-    cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--kv-cache-tokens", str(ENGINE_KV_TOKENS), *args.serve_flag]
-    print("HTTP session API: " + " ".join(cmd[2:]), flush=True)
-    server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    procs = Procs(prefix="agentrt-api-sessions-", cwd=Path(__file__).resolve().parents[1], echo=True)
     try:
-        args.url = f"http://127.0.0.1:{port}"
-        wait_healthy(args.url, server, 300.0)
+        server = procs.agentrt("serve", "serve", "--log-level", "warning", "--kv-cache-tokens", str(ENGINE_KV_TOKENS),
+                               *args.serve_flag)
+        print("HTTP session API: " + " ".join(server.cmd[2:]), flush=True)
+        args.url = server.wait_ready().url
         http = asyncio.run(main_async(args))
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        procs.stop(timeout_s=60.0)
     ratio = http["ttft_p50_turns_2_plus_s"] / engine["ttft_p50_s_turns2plus"]
-    return {"http": http, "engine": engine, "server_flags": cmd[3:],
+    return {"http": http, "engine": engine, "server_flags": server.cmd[3:],
             "ttft_p50_turns_2_plus_ratio": ratio, "target_ratio": 1.15, "target_met": ratio <= 1.15,
             "wall_ratio": http["wall_s"] / engine["wall_s"]}
 

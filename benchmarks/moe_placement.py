@@ -30,16 +30,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.moe.checkpoint import write_tiny_checkpoint
+from benchmarks.moe_checkpoint import write_tiny_checkpoint
+from benchmarks.moe_launch import run_distributed
+from benchmarks.moe_selfcheck import ep_matches_reference
+from benchmarks.moe_traces import Trace, control_trace, load_topk_dump, structured_trace
 from engine.moe.config import MoEConfig, Topology
 from engine.moe.ep import EPContext, ExpertParallelMoE, sync_plan
-from engine.moe.launch import run_distributed
 from engine.moe.layers import MoEBlock
 from engine.moe.placement import LayerPlacement, PlacementPlan, contiguous_phy2log, get_placement
 from engine.moe.rebalance import Rebalancer
-from engine.moe.selfcheck import ep_matches_reference
 from engine.moe.stats import SlidingWindowStats
-from engine.moe.traces import Trace, control_trace, load_topk_dump, structured_trace
 
 PLACEMENTS = ("contiguous", "balanced", "locality")
 TOL = 1e-5
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="write the results here")
     ap.add_argument("--quick", action="store_true", help="smaller traces (about a quarter of the tokens)")
-    ap.add_argument("--trace", action="append", default=[], help="a top-k dump (.npz/.jsonl, see engine/moe/traces.py)")
+    ap.add_argument("--trace", action="append", default=[], help="a top-k dump (.npz/.jsonl, see benchmarks/moe_traces.py)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     topo, bc = Topology(nodes=2, ranks_per_node=2), BenchConfig()

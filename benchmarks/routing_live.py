@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
-from agentrt.procs import Procs, free_port, start_redis, wait_healthy  # noqa: E402
+from agentrt.procs import Procs, free_port  # noqa: E402
 
 AGENTS = ("coding", "research", "support", "data")
 
@@ -63,47 +63,30 @@ class LiveOptions:
 
 
 def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
-    port = free_port()
-    procs.procs.append(start_redis(port, str(procs.dir)))
-    redis_url = f"redis://127.0.0.1:{port}/0"
-    exe = [sys.executable, "-m", "agentrt.cli"]
-    workers = []
-    for i in range(opts.workers):
-        wport = free_port()
-        url = f"http://127.0.0.1:{wport}"
-        workers.append((url, procs.spawn(f"worker-{i}", exe + [
-            "worker", "--redis", redis_url, "--port", str(wport), "--worker-id", f"worker-{i}",
-            "--kv-cache-tokens", str(opts.kv_cache_tokens), "--log-level", "warning",
-            "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5"])))
-    for url, proc in workers:
-        wait_healthy(url, proc)
-    fronts, pids = {}, {}
+    redis_url = procs.redis().url
+    common = ["--log-level", "warning", "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5"]
+    workers = [procs.agentrt(f"worker-{i}", "worker", "--redis", redis_url, "--worker-id", f"worker-{i}",
+                             "--kv-cache-tokens", str(opts.kv_cache_tokens), *common) for i in range(opts.workers)]
+    for worker in workers:
+        worker.wait_ready()
+    fronts = {}
     if "agentrt" in opts.fronts:
-        rport = free_port()
         # A queued request is worth about one of this workload's prompts (the default, 4096, models
         # the GPU trace of part a).
         per_request = opts.system_tokens + opts.turns * (opts.tool_result_tokens + opts.reply_tokens) // 2
-        proc = procs.spawn("agentrt-router", exe + [
-            "router", "--redis", redis_url, "--port", str(rport), "--log-level", "warning",
-            "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5",
+        fronts["agentrt"] = procs.agentrt(
+            "agentrt-router", "router", "--redis", redis_url, *common,
             "--policy-option", f"tokens_per_queued_request={per_request}",
-            *[a for opt in opts.policy_options for a in ("--policy-option", opt)]])
-        wait_healthy(f"http://127.0.0.1:{rport}", proc)
-        fronts["agentrt"] = f"http://127.0.0.1:{rport}"
-        pids["agentrt"] = proc.pid
+            *[a for opt in opts.policy_options for a in ("--policy-option", opt)]).wait_ready()
     if "sglang" in opts.fronts:
         sport = free_port()
-        proc = procs.spawn("sglang-router", [
+        fronts["sglang"] = procs.spawn("sglang-router", [
             sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sport),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--worker-urls", *[u for u, _ in workers], "--policy", "cache_aware"])
-        try:
-            wait_healthy(f"http://127.0.0.1:{sport}", proc, timeout_s=120)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{procs.log_tail('sglang-router')}") from None
-        fronts["sglang"] = f"http://127.0.0.1:{sport}"
-        pids["sglang"] = proc.pid
-    return {"redis": redis_url, "workers": [u for u, _ in workers], "fronts": fronts, "pids": pids}
+            "--worker-urls", *[w.url for w in workers], "--policy", "cache_aware"],
+            url=f"http://127.0.0.1:{sport}", port=sport).wait_ready(timeout_s=120)
+    return {"redis": redis_url, "workers": [w.url for w in workers],
+            "fronts": {name: p.url for name, p in fronts.items()}, "pids": {name: p.pid for name, p in fronts.items()}}
 
 
 def cpu_seconds(pid: int) -> float:

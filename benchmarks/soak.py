@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -28,7 +26,8 @@ from pathlib import Path
 
 import httpx
 import psutil
-from agentrt.procs import free_port  # noqa: E402
+
+from agentrt.procs import Proc, Procs, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,26 +197,19 @@ def report(stats: Stats, args: argparse.Namespace) -> dict:
 
 
 
-def start_cluster(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(args.log, "wb")
-    cmd = [sys.executable, "-m", "agentrt.cli", "up", "--workers", str(args.workers), "--port", str(port),
-           "--redis", f"redis://127.0.0.1:{free_port()}/0", "--kv-cache-tokens", str(args.kv_cache_tokens),
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"agentrt up exited with {proc.returncode}; see {args.log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"agentrt up did not become healthy; see {args.log}")
+def start_cluster(args: argparse.Namespace) -> tuple[Procs, Proc]:
+    """``agentrt up`` with a private Redis (nothing answers on the free port it is given, so it starts
+    one), its output in ``--log-dir``/soak-cluster.log."""
+    procs = Procs(log_dir=args.log_dir, cwd=ROOT)
+    (procs.dir / "soak-cluster.log").unlink(missing_ok=True)
+    up = procs.agentrt("soak-cluster", "up", "--workers", str(args.workers),
+                       "--redis", f"redis://127.0.0.1:{free_port()}/0", "--kv-cache-tokens", str(args.kv_cache_tokens),
+                       "--log-level", "warning")
+    try:
+        up.wait_ready(600.0)
+    except RuntimeError as exc:
+        raise SystemExit(f"agentrt up: {exc}") from None
+    return procs, up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,27 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ramp-s", type=float, default=10.0)
     p.add_argument("--window-s", type=float, default=30.0)
     p.add_argument("--warmup-frac", type=float, default=0.2)
-    p.add_argument("--log", default="soak-cluster.log", help="agentrt up's output (when started here)")
+    p.add_argument("--log-dir", default=".", help="where agentrt up's output goes (when started here): "
+                                                  "DIR/soak-cluster.log")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     if args.sessions < 1 or args.minutes <= 0:
         p.error("--sessions must be >= 1 and --minutes > 0")
-    proc = None
+    procs = None
     if args.url:
         url = args.url.rstrip("/")
         pids = {int(k): v for k, v in (item.split("=") for item in args.pids.split(",") if item)}
     else:
-        proc, url = start_cluster(args)
-        pids = children(proc.pid)
+        procs, up = start_cluster(args)
+        url, pids = up.url, children(up.pid)
     try:
         stats = asyncio.run(drive(url, args, pids))
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if procs is not None:
+            procs.stop(timeout_s=60.0)
     result = report(stats, args)
     text = json.dumps(result, indent=2)
     if args.json:

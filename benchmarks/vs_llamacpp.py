@@ -315,24 +315,25 @@ async def drive(url: str, system: str, turns: list[list[list[dict]]], args: argp
 
 def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], args: argparse.Namespace) -> dict:
     """Start one server, wait for /health, drive it, stop it (SIGTERM); exit with its log tail on failure."""
-    from agentrt.procs import Procs, free_port, wait_healthy
+    from agentrt.procs import Procs, free_port
 
     port = free_port()
     cmd = make_cmd(port)
     url = f"http://127.0.0.1:{port}"
     print(f"{name}: {' '.join(cmd)}", flush=True)
     procs = Procs(prefix=f"vs-llamacpp-{name}-", cwd=str(REPO))
+    proc = None
     try:
-        proc = procs.spawn(name, cmd)
+        proc = procs.spawn(name, cmd, url=url, port=port)
         started = time.perf_counter()
-        wait_healthy(url, proc)
+        proc.wait_ready()
         startup_s = time.perf_counter() - started
         load = os.getloadavg()[0]
         side = asyncio.run(drive(url, system, turns, args))
         side["load_avg_1m_at_end"] = os.getloadavg()[0]
-        log = (procs.dir / f"{name}.log").read_text(errors="replace")
+        log = proc.log()
     except Exception as exc:  # noqa: BLE001 - any failure: show the server's log, then stop it
-        print(f"--- {name} log tail ---\n{procs.log_tail(name)}", file=sys.stderr)
+        print(f"--- {name} log tail ---\n{proc.log()[-3000:] if proc is not None else ''}", file=sys.stderr)
         sys.exit(f"{name} failed: {type(exc).__name__}: {exc}")
     finally:
         procs.stop()

@@ -27,6 +27,8 @@ from typing import Any
 
 import msgpack
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from router.config import RouterConfig
 
@@ -39,6 +41,14 @@ _MAX_WORKER_ID = 256
 
 class EventDecodeError(ValueError):
     """Bytes that are not a valid contract-2 KV event."""
+
+
+class _Closing(Exception):
+    """The publisher is closing while Redis fails: stop retrying, leave the batch unwritten."""
+
+
+class _Dropped(Exception):
+    """The backlog overflowed and was dropped: stop retrying the batch (it is gone)."""
 
 
 @dataclass(frozen=True)
@@ -122,13 +132,14 @@ class KVEventPublisher:
     event first, so a worker that comes back wipes its stale entries in every router.
 
     While Redis is unreachable the writer keeps the unwritten events, in order, and retries
-    them with backoff (0.05 s doubling to 2 s), so a Redis restart costs the routers no
-    event and no resync: seqs stay contiguous and the snapshot set stays exact. A batch
-    may be written twice (the reply of a committed ``EXEC`` lost); routers skip the
-    repeated seqs and the set updates are idempotent. If more than ``max_backlog`` events
-    pile up, the backlog is dropped and ``lost`` is set: the snapshot is then stale, and the
-    owner must republish the whole cache (``cleared`` then ``stored``) and call
-    ``clear_lost`` (``router.worker.WorkerRuntime`` does, on its next good heartbeat).
+    them without limit (redis-py's ``Retry`` with exponential backoff, 0.1 s doubling to 2 s),
+    so a Redis restart costs the routers no event and no resync: seqs stay contiguous and
+    the snapshot set stays exact. A batch may be written twice (the reply of a committed
+    ``EXEC`` lost); routers skip the repeated seqs and the set updates are idempotent. If
+    more than ``max_backlog`` events pile up, the backlog is dropped and ``lost`` is set: the
+    snapshot is then stale, and the owner must republish the whole cache (``cleared`` then
+    ``stored``) and call ``clear_lost`` (``router.worker.WorkerRuntime`` does, on its next
+    good heartbeat).
     """
 
     def __init__(self, config: RouterConfig, worker_id: str,
@@ -138,6 +149,7 @@ class KVEventPublisher:
         self.config = config
         self.worker_id = worker_id
         self._redis = client or redis.Redis.from_url(config.redis_url)
+        self._retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=-1, supported_errors=(redis.RedisError,))
         self._queue: queue.Queue[KVEvent | None] = queue.Queue()
         self._lock = threading.Lock()
         self._seq = 0
@@ -216,39 +228,47 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         pending: list[KVEvent] = []   # taken from the queue, not yet written (in seq order)
-        backoff, failures = 0.05, 0   # failures: consecutive failed writes
         open_ = True
-        while True:
+        while pending or open_:
             if not pending:
-                if not open_:
-                    return
                 open_ = self._take(pending, block=True)
-                if not pending:
-                    continue
+                continue
             try:
-                self._write(pending)
-            except redis.RedisError as exc:
-                if self._closing.is_set():
-                    log.warning("closing with %d KV events of %s unwritten", len(pending), self.worker_id)
-                    self._done(pending)
-                    return
-                self.retries += 1
-                failures += 1
-                if failures == 1 or failures % 30 == 0:
-                    log.warning("writing KV events %d..%d of %s failed (%s); retrying",
-                                pending[0].seq, pending[-1].seq, self.worker_id, exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                if open_ and self._queue.qsize() + len(pending) > self.max_backlog:
-                    self._drop(pending)
+                failures = self._write_retrying(pending, open_)
+            except _Closing:
+                log.warning("closing with %d KV events of %s unwritten", len(pending), self.worker_id)
+                self._done(pending)
+                return
+            except _Dropped:
                 continue
             if failures:
                 log.warning("KV events of %s written again after %d failed tries", self.worker_id, failures)
-            backoff, failures = 0.05, 0
             self.written += len(pending)
             self._done(pending)
             if open_:  # whatever queued meanwhile goes out next, without waiting
                 open_ = self._take(pending, block=False)
+
+    def _write_retrying(self, pending: list[KVEvent], open_: bool) -> int:
+        """Write ``pending``, retried by ``self._retry`` while Redis fails; returns the failed tries.
+        Gives up with ``_Closing`` once ``close`` was called, and with ``_Dropped`` when the backlog
+        overflows (``_drop`` has emptied ``pending``)."""
+        failures = 0
+
+        def failed(exc: Exception) -> None:
+            nonlocal failures
+            if self._closing.is_set():
+                raise _Closing from exc
+            failures += 1
+            self.retries += 1
+            if failures == 1 or failures % 30 == 0:
+                log.warning("writing KV events %d..%d of %s failed (%s); retrying",
+                            pending[0].seq, pending[-1].seq, self.worker_id, exc)
+            if open_ and self._queue.qsize() + len(pending) > self.max_backlog:
+                self._drop(pending)
+                raise _Dropped from exc
+
+        self._retry.call_with_retry(lambda: self._write(pending), failed)
+        return failures
 
     def _done(self, events: list[KVEvent]) -> None:
         for _ in events:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import socket
 import threading
 import time
 
@@ -26,7 +27,6 @@ import torch.multiprocessing as mp
 
 from engine.moe.config import MoEConfig, Topology, moe_layer_indices
 from engine.moe.ep import EPContext, ExpertParallelMoE
-from engine.moe.launch import free_port
 from engine.moe.placement import LayerPlacement
 from engine.moe.serving import COLLECTIVE_TIMEOUT, SourceSplitMoE, WorkerSpec, fit_startup_layout, worker_main
 
@@ -56,7 +56,7 @@ class ExpertParallelGroup:
         layout = fit_startup_layout(config.ep_placement, cfg, topology, config.ep_redundant)
         spec = WorkerSpec(str(config.model), dtype, topology,
                           tuple(layout.phy2log.tolist()), layout.replica_policy,
-                          f"tcp://127.0.0.1:{free_port()}", backend, device_index,
+                          f"tcp://127.0.0.1:{_free_port()}", backend, device_index,
                           threads=max(1, torch.get_num_threads() // r))
         group = cls(spec, cfg, layout, config.ep_placement)
         group._spawn()
@@ -184,3 +184,10 @@ def _check_settings(config, model_config, device: str) -> tuple[MoEConfig, str, 
     if torch.cuda.device_count() < r:
         raise ValueError(f"ep_size={r} on CUDA needs one GPU per rank; {torch.cuda.device_count()} visible")
     return cfg, "nccl", torch.device(device).index or 0
+
+
+def _free_port() -> int:
+    """A free local TCP port for the group's rendezvous (``tcp://127.0.0.1:PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -59,10 +59,6 @@ class LayerPlacement:
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def slot_rank(self) -> torch.Tensor:
-        """Rank of every physical slot [R*S]."""
-        return torch.arange(self.phy2log.numel()) // self.slots_per_rank
-
     def local_experts(self, rank: int) -> list[int]:
         """Logical experts in rank ``rank``'s slots, in slot order."""
         s = self.slots_per_rank

@@ -64,7 +64,7 @@ def test_queued_tokens_past_the_limit_get_429_and_nothing_is_lost(server):
     assert first_reason == "length" and first_text
     assert second_reason == "length" and second_text
     assert wait_for(lambda: metric(server.url, "agentrt_engine_waiting_tokens") == 0)
-    later = httpx.post(server.v1 + "/completions", json=refused, timeout=120)
+    later = httpx.post(server.url + "/v1/completions", json=refused, timeout=120)
     assert later.status_code == 200
     body = later.json()
     assert body["usage"]["prompt_tokens"] == 30 and body["choices"][0]["finish_reason"] == "length"
@@ -72,7 +72,7 @@ def test_queued_tokens_past_the_limit_get_429_and_nothing_is_lost(server):
 
 def test_a_prompt_larger_than_the_kv_pool_is_400(server):
     too_long = {"model": MODEL, "prompt": [5] * (POOL + 1), "max_tokens": 1}
-    response = httpx.post(server.v1 + "/completions", json=too_long, timeout=120)
+    response = httpx.post(server.url + "/v1/completions", json=too_long, timeout=120)
     assert response.status_code == 400
     assert (f"the prompt has {POOL + 1} tokens but the KV cache holds only {POOL} tokens"
             in response.json()["error"]["message"])

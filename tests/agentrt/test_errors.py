@@ -18,7 +18,7 @@ def http(agentrt_server):
 
 @pytest.fixture(scope="module")
 def oai(agentrt_server):
-    return openai.OpenAI(base_url=agentrt_server.v1, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=agentrt_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

@@ -38,10 +38,10 @@ def pins(strict) -> float:
 def test_api_keys(strict):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        response = httpx.post(strict.v1 + "/chat/completions", json=body, headers=headers, timeout=60)
+        response = httpx.post(strict.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
-    ok = httpx.post(strict.v1 + "/chat/completions", json=body,
+    ok = httpx.post(strict.url + "/v1/chat/completions", json=body,
                     headers={"Authorization": "Bearer test-key-2"}, timeout=60)
     assert ok.status_code == 200
     assert httpx.get(strict.url + "/health").status_code == 200  # probes need no key
@@ -51,9 +51,9 @@ def test_api_keys(strict):
 
 def test_body_over_limit_is_413(strict):
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 10_000}]}
-    response = httpx.post(strict.v1 + "/chat/completions", json=big, headers=AUTH)
+    response = httpx.post(strict.url + "/v1/chat/completions", json=big, headers=AUTH)
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
-    chunked = httpx.post(strict.v1 + "/chat/completions", headers={**AUTH, "content-type": "application/json"},
+    chunked = httpx.post(strict.url + "/v1/chat/completions", headers={**AUTH, "content-type": "application/json"},
                          content=iter([json.dumps(big).encode()[i:i + 1000] for i in range(0, 11_000, 1000)]))
     assert chunked.status_code == 413
 
@@ -72,7 +72,7 @@ def test_admission_limit_is_429_and_disconnect_frees_the_request(strict):
     # the client hung up mid-stream: the engine request is aborted and the slot is free again
     assert wait_for(lambda: metric(strict.url, "agentrt_engine_running") == 0
                     and metric(strict.url, "agentrt_requests_in_flight") == 0)
-    after = httpx.post(strict.v1 + "/completions", headers=AUTH, timeout=60,
+    after = httpx.post(strict.url + "/v1/completions", headers=AUTH, timeout=60,
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert after.status_code == 200
 
@@ -124,7 +124,7 @@ def test_graceful_shutdown_finishes_the_stream_in_flight(strict):
 
     def consume() -> None:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "stream": True}
-        with httpx.stream("POST", strict.v1 + "/completions", json=body, headers=AUTH, timeout=120) as r:
+        with httpx.stream("POST", strict.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
             for line in r.iter_lines():
                 lines.append(line)
                 started.set()

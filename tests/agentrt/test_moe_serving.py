@@ -14,8 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks.moe_checkpoint import save_tokenizer, write_tiny_checkpoint
 from engine.loader.gguf_loader import default_model_path, load_gguf
-from engine.moe.checkpoint import save_tokenizer, write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen2-moe"

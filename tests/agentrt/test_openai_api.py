@@ -12,7 +12,7 @@ from agentrt_test_helpers import MODEL, WEATHER_TOOL, metric
 
 @pytest.fixture(scope="module")
 def oai(agentrt_server):
-    return openai.OpenAI(base_url=agentrt_server.v1, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=agentrt_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_models_and_health(oai, agentrt_server):

@@ -28,7 +28,7 @@ ASKS = ["Weather in Paris?", "How cold is Oslo today?", "Is it raining in Lima?"
 
 @pytest.fixture(scope="module")
 def client(agentrt_server):
-    return openai.OpenAI(base_url=agentrt_server.v1, api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=agentrt_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def _ask(ask):
@@ -108,7 +108,7 @@ def _weather_agent(agentrt_server, output_type, final_step_choice):
         def get_model_settings(self):
             return lambda ctx: {"tool_choice": ["get_weather"] if ctx.run_step <= 1 else final_step_choice}
 
-    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=agentrt_server.v1, api_key="unused"))
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=agentrt_server.url + "/v1", api_key="unused"))
     agent = Agent(model, output_type=output_type, capabilities=[ToolThenAnswer()],
                   model_settings={"temperature": 0.0, "max_tokens": 128, "parallel_tool_calls": False})
     calls: list[str] = []

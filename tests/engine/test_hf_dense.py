@@ -7,9 +7,9 @@ default model's real tokenizer, so the loader reads real files in the real layou
 import pytest
 import torch
 
+from benchmarks.moe_checkpoint import save_tokenizer
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
-from engine.moe.checkpoint import save_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,35 +15,31 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import redis
 
+from agentrt.procs import Proc, Procs
 from agentrt.tenants import hash_key
 from router.config import RouterConfig
 from router.redis_store import decode_record
 from tests.router import cluster as c
-from tests.router.conftest import RedisServer
 
 CFG = RouterConfig()
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You are a terse assistant for a build farm. Answer in a few words. " * 6
 BUILD_2 = "Build 2 is red too. Log: " + " ".join(f"step {i} compiled module_{i}.o in {i % 7}.{i % 10} s;" for i in range(12))
 HEADER_TIMEOUT_S = 10.0  # router.remote.RemoteEngine's default
 
 
 class Cluster:
-    def __init__(self, tmp: Path, server: RedisServer, up: subprocess.Popen, up_url: str) -> None:
-        self.tmp, self.server, self.up, self.up_url = tmp, server, up, up_url
-        self.router: c.Proc | None = None  # the replica tests may kill and restart
+    def __init__(self, group: Procs, server: Proc, up: Proc) -> None:
+        self.group, self.server, self.up, self.up_url, self.tmp = group, server, up, up.url, group.dir
+        self.router: Proc | None = None  # the replica tests may kill and restart
         self.http = httpx.Client(timeout=120.0)
         self.lock = threading.Lock()
 
@@ -52,8 +48,7 @@ class Cluster:
         return self.router.url
 
     def start_router(self, name: str) -> None:
-        self.router = c.router(self.tmp, self.server.url, name)
-        c.wait_healthy(self.router)
+        self.router = c.router(self.group, self.server.url, name).wait_ready()
         c.wait_for(lambda: len(self.state()["workers"]) >= 2, 30, what="the new router to see both workers")
 
     def state(self, url: str | None = None) -> dict:
@@ -96,40 +91,16 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reliability")
-    server = RedisServer(appendonly=True)
-    server.start()
-    port = c.free_port()
-    log = open(tmp / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "up", "--workers", "2", "--redis", server.url,
-                           "--port", str(port), "--kv-cache-tokens", "8192", "--log-level", "warning"],
-                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    cluster = Cluster(tmp, server, up, f"http://127.0.0.1:{port}")
+    group = c.procs(tmp_path_factory.mktemp("reliability"))
     try:
-        c.wait_for(lambda: _healthy(cluster.up_url) or up.poll() is not None, c.START_TIMEOUT_S, 0.5,
-                   what="agentrt up")
-        assert up.poll() is None, (tmp / "up.log").read_text()[-4000:]
+        server = group.redis(appendonly=True)
+        up = group.agentrt("up", "up", "--workers", "2", "--redis", server.url, "--kv-cache-tokens", "8192",
+                           "--log-level", "warning").wait_ready()
+        cluster = Cluster(group, server, up)
         cluster.start_router("r1")
         yield cluster
     finally:
-        if cluster.router is not None:
-            cluster.router.stop()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        log.close()
-        server.cleanup()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        group.stop(timeout_s=60.0)
 
 
 def test_router_restart_keeps_sessions_on_their_workers(cl):
@@ -155,9 +126,9 @@ def test_tenants_through_a_router_replica(cl):
     spec = {"tenants": {name: {"key_sha256": [hash_key(key)]} for name, key in keys.items()}}
     path = cl.tmp / "tenants.json"
     path.write_text(json.dumps(spec))
-    rt = c.router(cl.tmp, cl.server.url, "r-tenants", "--tenants-file", str(path))
+    rt = c.router(cl.group, cl.server.url, "r-tenants", "--tenants-file", str(path))
     try:
-        c.wait_healthy(rt)
+        rt.wait_ready()
         c.wait_for(lambda: len(cl.state(rt.url)["workers"]) >= 2, 30, what="r-tenants to see both workers")
         acme, globex = ({"Authorization": f"Bearer {keys[n]}"} for n in ("acme", "globex"))
         sid = cl.http.post(rt.url + "/v1/sessions", json={"sampling": {"max_tokens": 4}}, headers=acme).json()["id"]
@@ -220,15 +191,15 @@ def test_hung_worker_times_out_and_is_marked_unhealthy(cl):
 
 
 def test_draining_worker_finishes_in_flight_and_leaves_at_once(cl):
-    drain = c.worker(cl.tmp, cl.server.url, "w-drain", "--shutdown-timeout-s", "120")
+    drain = c.worker(cl.group, cl.server.url, "w-drain", "--shutdown-timeout-s", "120")
     try:
         check_drain(cl, drain)
     finally:
         drain.kill()
 
 
-def check_drain(cl: Cluster, drain: c.Proc) -> None:
-    c.wait_healthy(drain)
+def check_drain(cl: Cluster, drain: Proc) -> None:
+    drain.wait_ready()
     c.wait_for(lambda: "w-drain" in [w["id"] for w in cl.state()["workers"]], 30, what="w-drain registered")
     long_prompt = "Summarise these build logs: " + " ".join(f"step {i} ok;" for i in range(120))
     model = cl.http.get(drain.url + "/v1/models").json()["data"][0]["id"]

@@ -19,10 +19,10 @@ import msgpack
 import pytest
 import redis
 
+from agentrt.procs import Proc, Procs
 from router.config import RouterConfig
 from router.redis_store import decode_record
 from tests.router import cluster as c
-from tests.router.conftest import RedisServer
 
 CFG = RouterConfig()
 SYSTEM = "You are a careful build engineer. Answer in one short sentence. " * 12
@@ -31,26 +31,23 @@ SYSTEM = "You are a careful build engineer. Answer in one short sentence. " * 12
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cluster")
-    server = RedisServer(appendonly=True)
-    server.start()
-    procs = {}
+    group = c.procs(tmp)
     try:
-        procs["w0"] = c.worker(tmp, server.url, "w0")
-        procs["w1"] = c.worker(tmp, server.url, "w1")
-        c.wait_healthy(procs["w0"], procs["w1"])
-        procs["r0"] = c.router(tmp, server.url, "r0")
-        procs["r1"] = c.router(tmp, server.url, "r1")
-        c.wait_healthy(procs["r0"], procs["r1"])
-        yield Cluster(server, procs, tmp)
+        server = group.redis(appendonly=True)
+        procs = {name: c.worker(group, server.url, name) for name in ("w0", "w1")}
+        procs["w0"].wait_ready()
+        procs["w1"].wait_ready()
+        procs |= {name: c.router(group, server.url, name) for name in ("r0", "r1")}
+        procs["r0"].wait_ready()
+        procs["r1"].wait_ready()
+        yield Cluster(server, procs, group)
     finally:
-        for p in procs.values():
-            p.stop()
-        server.cleanup()
+        group.stop()
 
 
 class Cluster:
-    def __init__(self, server: RedisServer, procs: dict[str, c.Proc], tmp) -> None:
-        self.server, self.procs, self.tmp = server, procs, tmp
+    def __init__(self, server: Proc, procs: dict[str, Proc], group: Procs) -> None:
+        self.server, self.procs, self.group, self.tmp = server, procs, group, group.dir
         self.http = httpx.Client(timeout=120.0)
 
     def redis(self) -> redis.Redis:
@@ -262,17 +259,18 @@ def test_tenant_limits_hold_across_router_replicas(cl):
         "single": {"key_sha256": [hash_key("key-single")], "max_concurrent_requests": 1, "max_sessions": 1}}}
     path = cl.tmp / "tenants.json"
     path.write_text(json.dumps(spec))
-    ra = c.router(cl.tmp, cl.server.url, "r2", "--tenants-file", str(path))
-    rb = c.router(cl.tmp, cl.server.url, "r3", "--tenants-file", str(path))
+    ra = c.router(cl.group, cl.server.url, "r2", "--tenants-file", str(path))
+    rb = c.router(cl.group, cl.server.url, "r3", "--tenants-file", str(path))
     metered, single = {"Authorization": "Bearer key-metered"}, {"Authorization": "Bearer key-single"}
 
-    def chat(router: c.Proc, headers: dict, **extra) -> httpx.Response:
+    def chat(router: Proc, headers: dict, **extra) -> httpx.Response:
         return cl.http.post(router.url + "/v1/chat/completions", headers=headers, json={
             "model": "SmolLM2-135M-Instruct", "max_tokens": 8, **extra,
             "messages": [{"role": "user", "content": "List three colours of the rainbow, one per line."}]})
 
     try:
-        c.wait_healthy(ra, rb)
+        ra.wait_ready()
+        rb.wait_ready()
         c.wait_for(lambda: all(len(cl.http.get(r.url + "/router/state").json()["workers"]) == 2 for r in (ra, rb)),
                    what="r2 and r3 to see both workers")
         # Tokens per minute: the first request (an empty window admits it) spends the budget for both.
@@ -374,8 +372,7 @@ def test_heartbeat_expiry_and_a_returning_worker_drops_stale_entries(cl):
     dead = ({"w0", "w1"} - set(alive)).pop()
     # The dead worker's blocks are still in its Redis snapshot; when it comes back under the same id,
     # its opening `cleared` event must drop them from every index.
-    back = cl.procs[dead] = c.worker(cl.tmp, cl.server.url, dead)
-    c.wait_healthy(back)
+    cl.procs[dead] = c.worker(cl.group, cl.server.url, dead).wait_ready()
     for router in ("r0", "r1"):
         c.wait_for(lambda: {w["id"]: w["indexed_blocks"] for w in cl.state(router)["workers"]}.get(dead) == 0,
                    what=f"{router} to see {dead} back with an empty cache")

@@ -7,18 +7,17 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 
 import pytest
 import redis
 from redis.exceptions import AuthenticationError
 
+from agentrt.procs import Procs, free_port
 from agentrt.store import SessionRecord
 from router.config import RouterConfig
 from router.core import redis_client
 from router.events import KVEventPublisher, decode_event
 from router.redis_store import RedisSessionStore
-from tests.router.conftest import free_port
 
 PASSWORD = "s3cret-pass"
 
@@ -43,31 +42,15 @@ def secured(tmp_path_factory):
         pytest.fail("openssl is not on PATH; this test makes its own certificates with it")
     d = tmp_path_factory.mktemp("redis-tls")
     certs = make_certs(d)
-    port, tls_port = free_port(), free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-                             "--save", "", "--requirepass", PASSWORD, "--tls-port", str(tls_port),
-                             "--tls-cert-file", certs["server.pem"], "--tls-key-file", certs["server.key"],
-                             "--tls-ca-cert-file", certs["ca.pem"], "--tls-auth-clients", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    client = redis.Redis(port=port, password=PASSWORD, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 10
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited: {proc.stderr.read().decode()}")
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    client.close()
-    yield {"plain": f"redis://:{PASSWORD}@127.0.0.1:{port}/0",
+    tls_port = free_port()
+    procs = Procs(d)
+    server = procs.redis(appendonly=False, password=PASSWORD, args=[
+        "--tls-port", str(tls_port), "--tls-cert-file", certs["server.pem"], "--tls-key-file", certs["server.key"],
+        "--tls-ca-cert-file", certs["ca.pem"], "--tls-auth-clients", "no"])
+    yield {"plain": server.url,
            "tls": f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/0?ssl_cert_reqs=required&ssl_ca_certs={certs['ca.pem']}",
-           "wrong": f"redis://:wrong@127.0.0.1:{port}/0"}
-    proc.kill()
-    proc.wait()
+           "wrong": f"redis://:wrong@127.0.0.1:{server.port}/0"}
+    procs.stop()
 
 
 async def roundtrip(url: str, sid: str) -> str:

@@ -26,10 +26,11 @@ def in_flight(url: str) -> float:
 
 
 def test_draining_worker_refuses_public_generation_and_finishes_in_flight(redis_url, tmp_path):
-    worker = c.worker(tmp_path, redis_url, "w-pub-drain", "--shutdown-timeout-s", "120", "--retry-after-s", "3")
+    group = c.procs(tmp_path)
+    worker = c.worker(group, redis_url, "w-pub-drain", "--shutdown-timeout-s", "120", "--retry-after-s", "3")
     r = redis.Redis.from_url(redis_url)
     try:
-        c.wait_healthy(worker)
+        worker.wait_ready()
         c.wait_for(lambda: r.sismember(CFG.workers_set_key, "w-pub-drain"), 30, what="the worker to register")
         http = httpx.Client(base_url=worker.url, timeout=120)
         model = http.get("/v1/models").json()["data"][0]["id"]

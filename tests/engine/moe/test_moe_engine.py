@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.moe_checkpoint import save_tokenizer, write_tiny_checkpoint
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader.gguf_loader import default_model_path, load_gguf
 from engine.loader.model_config import ModelConfig
-from engine.moe.checkpoint import save_tokenizer, write_tiny_checkpoint
 from engine.moe.ep_group import ExpertParallelGroup
 from engine.moe.placement import placement_names
 

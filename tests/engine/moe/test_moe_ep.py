@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.moe.checkpoint import write_tiny_checkpoint
+from benchmarks.moe_checkpoint import write_tiny_checkpoint
+from benchmarks.moe_launch import run_distributed
+from benchmarks.moe_selfcheck import ep_matches_reference
 from engine.moe.config import Topology
-from engine.moe.launch import run_distributed
-from engine.moe.selfcheck import ep_matches_reference
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 PLACEMENTS = ["contiguous", "balanced", "locality"]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.moe.checkpoint import SafetensorsDict, read_hf_config, write_tiny_checkpoint
+from benchmarks.moe_checkpoint import read_hf_config, write_tiny_checkpoint
+from engine.moe.checkpoint import SafetensorsDict
 from engine.moe.config import MoEConfig, Topology, moe_layer_indices
 from engine.moe.layers import MoEBlock
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.moe_traces import control_trace, structured_trace
 from engine.moe.config import Topology
 from engine.moe.cost import expected_load, simulate_dispatch
 from engine.moe.placement import LayerPlacement, get_placement, placement_names
-from engine.moe.traces import control_trace, structured_trace
 
 TOPO = Topology(nodes=2, ranks_per_node=2)
 

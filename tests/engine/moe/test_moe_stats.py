@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from benchmarks.moe_traces import load_topk_dump, save_npz, structured_trace
 from engine.moe.config import Topology
 from engine.moe.placement import LayerPlacement, PlacementPlan, get_placement
 from engine.moe.rebalance import Rebalancer, align_slots, migration_bytes, migration_transfers
 from engine.moe.stats import ExpertStats, SlidingWindowStats
-from engine.moe.traces import load_topk_dump, save_npz, structured_trace
 
 TOPO = Topology(nodes=2, ranks_per_node=2)
 

@@ -1,4 +1,5 @@
-"""Start R expert-parallel processes on this machine (tests, benchmarks, ``--ep R`` on CPU).
+"""Start R expert-parallel processes on this machine (the tests and ``benchmarks/moe_placement.py``;
+serving with ``--ep R`` starts its ranks itself, ``engine/moe/ep_group.py``).
 
 ``run_distributed(fn, topology, *args)`` spawns ``topology.world_size`` processes, each
 with ``torch.distributed`` initialised (gloo by default) on a free local port, calls
@@ -10,7 +11,6 @@ through ``torch.save`` files, so tensors, numbers, dicts and lists all work.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,14 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from agentrt.procs import free_port
 from engine.moe.config import Topology
 from engine.moe.ep import EPContext
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, fn: Callable, topology: Topology, port: int, backend: str, out_dir: str,

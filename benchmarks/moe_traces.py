@@ -1,5 +1,5 @@
-"""Expert-activation traces: which experts each token activates, per layer, and which
-rank the token comes from.
+"""Expert-activation traces for ``benchmarks/moe_placement.py`` and the placement tests:
+which experts each token activates, per layer, and which rank the token comes from.
 
 Synthetic traces are seeded. ``structured`` traces have the two properties a
 locality-aware placement can use: experts fire in co-activation groups, and tokens

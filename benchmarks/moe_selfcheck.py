@@ -1,6 +1,7 @@
 """Expert-parallel output vs the dense single-process oracle, run on every rank.
 
-Used by the tests and by ``benchmarks/moe_placement.py`` (``reference_ok``). Each rank
+Used by the tests (``tests/engine/moe/test_moe_ep.py``) and by ``benchmarks/moe_placement.py``
+(``reference_ok``), on processes started by ``benchmarks/moe_launch.py``. Each rank
 loads the block from a real HF checkpoint directory (its own slots through the lazy
 reader, the full block for the oracle), feeds its own tokens (a different count per
 rank, rank 1 none at all) and compares with ``MoEBlock.reference_forward``. It checks
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.moe.checkpoint import SafetensorsDict, read_hf_config
+from benchmarks.moe_checkpoint import read_hf_config
+from engine.moe.checkpoint import SafetensorsDict
 from engine.moe.config import MoEConfig
 from engine.moe.cost import simulate_dispatch
 from engine.moe.ep import EPContext, ExpertParallelMoE
