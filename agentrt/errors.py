@@ -1,8 +1,10 @@
-"""Errors as OpenAI shapes them: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors as OpenAI shapes them: ``{"error": {"message", "type", "param", "code"}}``, and on the
+Anthropic Messages API's paths (``/v1/messages``, ``/v1/messages/count_tokens``) as Anthropic does:
+``{"type": "error", "error": {"type", "message"}}``.
 
 Service code raises :class:`APIError` (or lets the engine's ``InvalidRequest`` /
-``EngineOverloaded`` through); :func:`install_handlers` turns every error into that body
-with the right status, so no route builds error responses itself.
+``EngineOverloaded`` through); :func:`install_handlers` turns every error into the body of the
+request's path with the right status, so no route builds error responses itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
+# Anthropic's error types by status; other statuses: invalid_request_error below 500, api_error from 500.
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is on the Anthropic Messages API, whose errors are Anthropic-shaped."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
 
 class APIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
@@ -41,8 +54,14 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as a response to a request for ``path`` (Anthropic-shaped on its API's paths)."""
+        body = self.anthropic_body() if anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -91,26 +110,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_handlers(app: FastAPI, retry_after_s: int = 1) -> None:
-    """Register handlers so every error leaves as an OpenAI error body."""
+    """Register handlers so every error leaves as an error body (OpenAI's, or Anthropic's on its paths)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return APIError(400, message, param=param, code="invalid_value").response()
+        return APIError(400, message, param=param, code="invalid_value").response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return error.response(request.url.path)
 
     @app.exception_handler(InvalidRequest)
     @app.exception_handler(EngineOverloaded)
-    async def _engine(_: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc, retry_after_s).response()
+    async def _engine(request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc, retry_after_s).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _other(_: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc, retry_after_s).response()
+    async def _other(request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc, retry_after_s).response(request.url.path)

@@ -37,7 +37,7 @@ class Delta:
 
 @dataclass
 class Result:
-    """A finished generation."""
+    """A finished generation (``stop_sequence``: the stop string that ended it, if one did)."""
 
     text: str
     content: str | None
@@ -48,11 +48,13 @@ class Result:
     completion_tokens: int
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
+    stop_sequence: str | None = None
 
 
 class Generation:
     """One request running in the engine. Iterate :meth:`deltas` (content and tool calls) or
-    :meth:`outputs` (the engine's outputs as they are) once, or call :meth:`collect`."""
+    :meth:`outputs` (the engine's outputs as they are) once, or call :meth:`collect`. ``prompt_tokens``
+    and ``cached_tokens`` are the engine's counts as of its latest output (0 before the first)."""
 
     def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *, parse_tools: bool,
                  parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
@@ -73,6 +75,7 @@ class Generation:
         self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._closed = False
+        self.prompt_tokens = self.cached_tokens = 0
         self.result: Result | None = None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -129,6 +132,7 @@ class Generation:
         if out.token_ids and self._first_token_at is None:
             self._first_token_at = time.monotonic()
             self.gen.metrics.observe_ttft(self._first_token_at - self._started_at)
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self._token_ids.extend(out.token_ids)
         self._text.append(out.text)
         if self._want_logprobs and out.logprobs:
@@ -178,7 +182,8 @@ class Generation:
             text=text, content=text, tool_calls=[], finish_reason=out.finish_reason or "stop",
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
             completion_tokens=out.completion_tokens, token_ids=list(self._token_ids),
-            logprobs=self._logprobs if self._want_logprobs else None)
+            logprobs=self._logprobs if self._want_logprobs else None,
+            stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) else None)
 
 
 class Generator:
@@ -245,16 +250,20 @@ class Generator:
         """A chat request (a chat completion or a session turn): the messages rendered with
         ``options.tools``, sampled by the OpenAI-named ``fields``, constrained by ``options``; its
         tool calls are parsed unless ``tool_choice`` is "none"."""
-        try:
-            prompt = encode_chat(self.tokenizer, messages, options.tools)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+        prompt = self.chat_prompt(messages, options.tools)
         params = self.sampling_params(fields, len(prompt), logprobs=logprobs)
         constraint = self.constraint(options)
         return await self.start(prompt, params, constraint=constraint,
                                 parse_tools=bool(options.tools) and options.tool_choice != "none",
                                 parallel_tool_calls=options.parallel_tool_calls is not False, pin_ttl_s=pin_ttl_s,
                                 started_at=started_at, session=session, tenant=tenant)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The token ids :meth:`start_chat` submits for these messages and tools; 400 if they cannot be rendered."""
+        try:
+            return encode_chat(self.tokenizer, messages, tools)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
                     parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,

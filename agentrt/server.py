@@ -3,8 +3,9 @@
 ``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
 from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
 drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``,
-with a ``: ping`` comment every 15 s; a client that disconnects cancels its stream,
-which aborts the engine request and frees its pages.
+with a ``: ping`` comment every 15 s (the Anthropic Messages API's streams: named events, ``ping``
+events, no ``[DONE]``); a client that disconnects cancels its stream, which aborts the engine
+request and frees its pages.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import AppStatus
 from starlette.background import BackgroundTask
 
 from engine.client import EngineClient
 
+from agentrt.anthropic_api import (AnthropicErrorResponse, AnthropicService, CountTokensRequest, MessagesRequest,
+                                   TokenCount)
 from agentrt.config import ServerConfig
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
@@ -66,7 +69,7 @@ class BodyLimitMiddleware:
             if body is None:
                 too_big = APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes",
                                    code="request_too_large")
-                return await too_big.response()(scope, receive, counting_send)
+                return await too_big.response(scope.get("path", ""))(scope, receive, counting_send)
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
             route = scope.get("route")
@@ -104,12 +107,15 @@ def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
 
 
 def _auth(request: Request) -> Tenant:
-    """The request's tenant, from its bearer key (``default`` on an open server); 401 otherwise."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    tenant = request.app.state.tenants.authenticate(token.strip() if scheme.lower() == "bearer" else None)
+    """The request's tenant, from its key (``default`` on an open server); 401 otherwise. The key comes
+    in ``x-api-key`` (as Anthropic's clients send it) or else as ``Authorization: Bearer``."""
+    key = request.headers.get("x-api-key")
+    if not key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else None
+    tenant = request.app.state.tenants.authenticate(key)
     if tenant is None:
-        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return tenant
 
@@ -136,28 +142,39 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: 
     return task.result()
 
 
-def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int
-                 ) -> EventSourceResponse:
+def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int, *,
+                 anthropic: bool = False) -> EventSourceResponse:
     """``chunks`` as ``data: {json}`` events, then ``data: [DONE]``. An exception from ``chunks`` becomes an
     error event (the headers are sent, as OpenAI does). ``close`` runs when the stream ends, however it
-    ends: also when the client disconnects before the first chunk."""
-    async def events() -> AsyncIterator[str]:
+    ends: also when the client disconnects before the first chunk. ``anthropic``: Anthropic's framing
+    instead: each event is named by its chunk's ``type`` (``event: message_start``), the keep-alive is an
+    ``event: ping`` event, an error is an ``event: error`` with Anthropic's error body, and no ``[DONE]``."""
+    def event(chunk: dict) -> str | ServerSentEvent:
+        data = json.dumps(chunk, ensure_ascii=False)
+        return ServerSentEvent(data, event=chunk["type"], sep="\n") if anthropic else data
+
+    async def events() -> AsyncIterator[str | ServerSentEvent]:
         try:
             async for chunk in chunks:
-                yield json.dumps(chunk, ensure_ascii=False)
+                yield event(chunk)
         except Exception as exc:
-            yield json.dumps(from_exception(exc, retry_after_s).body())
+            error = from_exception(exc, retry_after_s)
+            yield event(error.anthropic_body() if anthropic else error.body())
         finally:
             await close()
-        yield "[DONE]"
+        if not anthropic:
+            yield "[DONE]"
 
-    return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close),
+    ping = (lambda: event({"type": "ping"})) if anthropic else None
+    return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close), ping_message_factory=ping,
                                headers={"Cache-Control": "no-cache"})
 
 
 # ------------------------------------------------------------ routes
 
 api = APIRouter(responses=_ERRORS)
+anthropic_routes = APIRouter(responses={code: {"model": AnthropicErrorResponse}
+                                        for code in (400, 401, 404, 413, 429, 500, 503)})
 open_routes = APIRouter()
 
 
@@ -198,6 +215,24 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant 
         return sse_response(svc.completion_chunks(body, generation), generation.close,
                             request.app.state.config.retry_after_s)
     return await _unless_disconnected(request, svc.completion(body, generation), generation.close)
+
+
+@anthropic_routes.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
+    """Anthropic's Messages API (``anthropic-version`` and ``anthropic-beta`` headers are accepted and
+    not read); streaming sends Anthropic's named events."""
+    svc: AnthropicService = request.app.state.anthropic
+    generation = await svc.start(body, tenant)
+    if body.stream:
+        return sse_response(svc.events(generation), generation.close, request.app.state.config.retry_after_s,
+                            anthropic=True)
+    return await _unless_disconnected(request, svc.message(generation), generation.close)
+
+
+@anthropic_routes.post("/v1/messages/count_tokens", response_model=TokenCount, dependencies=[Depends(_auth)])
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    """The ``input_tokens`` of this request: its prompt as ``/v1/messages`` would submit it."""
+    return request.app.state.anthropic.count_tokens(body)
 
 
 @api.post("/v1/sessions", response_model=SessionResponse, status_code=201)
@@ -312,7 +347,8 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
             await backend.shutdown(config.shutdown_timeout_s)
 
     app = FastAPI(title=title, version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible chat API plus server-side sessions for LLM agents.")
+                  description="OpenAI-compatible chat API, Anthropic's Messages API, and server-side sessions "
+                              "for LLM agents.")
     app.state.config = config
     app.state.stopping = False
     app.state.tenants = tenants
@@ -320,10 +356,12 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
     app.state.metrics = metrics
     app.state.generator = generator
     app.state.openai = OpenAIService(generator)
+    app.state.anthropic = AnthropicService(generator)
     app.state.sessions = sessions
     install_handlers(app, config.retry_after_s)
     app.include_router(open_routes)
     app.include_router(api)
+    app.include_router(anthropic_routes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
     return app
 

@@ -40,7 +40,8 @@ async def router_state(request: Request) -> dict:
 async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
     retry = request.app.state.config.retry_after_s
     return APIError(503, f"the session store (Redis) is unavailable: {type(exc).__name__}: {exc}; retry later",
-                    type="server_error", code="store_unavailable", headers={"Retry-After": str(retry)}).response()
+                    type="server_error", code="store_unavailable",
+                    headers={"Retry-After": str(retry)}).response(request.url.path)
 
 
 def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:

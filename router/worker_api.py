@@ -83,7 +83,7 @@ def structured_to_wire(options: StructuredOutput) -> dict[str, Any]:
 
 def output_to_wire(out: RequestOutput) -> bytes:
     d = {"text": out.text, "token_ids": list(out.token_ids), "finished": out.finished,
-         "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "prompt_tokens": out.prompt_tokens,
          "cached_tokens": out.cached_tokens, "completion_tokens": out.completion_tokens, "error": out.error,
          "logprobs": None if out.logprobs is None else
          [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs]}
@@ -98,10 +98,18 @@ def output_from_wire(line: str, request_id: str) -> RequestOutput:
             TokenLogprob(int(t), float(lp), [(int(i), float(v)) for i, v in top]) for t, lp, top in d["logprobs"]]
         return RequestOutput(request_id=request_id, text=str(d["text"]), token_ids=[int(t) for t in d["token_ids"]],
                              finished=bool(d["finished"]), finish_reason=d["finish_reason"],
+                             stop_reason=_stop_reason(d.get("stop_reason")),
                              prompt_tokens=int(d["prompt_tokens"]), cached_tokens=int(d["cached_tokens"]),
                              completion_tokens=int(d["completion_tokens"]), logprobs=logprobs, error=d["error"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed generate line from worker: {exc}") from None
+
+
+def _stop_reason(value: Any) -> str | int | None:
+    """The stop string or stop token id that ended a request (absent from an older worker's lines)."""
+    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"stop_reason must be a string, a token id or null, not {type(value).__name__}")
 
 
 # ------------------------------------------------------------ routes

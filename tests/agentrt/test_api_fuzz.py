@@ -18,7 +18,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-CASES_PER_OPERATION = 20  # x 2 modes x 11 operations, + 3 on a real session: about 400 cases
+CASES_PER_OPERATION = 20  # x 2 modes x 13 operations, + 3 on a real session: about 500 cases
 KEY = "fuzz-key"
 
 

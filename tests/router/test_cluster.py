@@ -5,15 +5,16 @@ restarted); the tests run in file order and the destructive ones (Redis restart,
 come last. Each checks a promise of docs/routing.md: registration and heartbeat expiry,
 KV events reaching every replica's index, a session staying on its worker through either
 replica, idempotent turns across replicas, tenant limits shared by replicas (two more routers
-with a tenants file, started by that test), a worker's SGLang ``/generate`` stream, malformed
-events counted and skipped, serving through a Redis restart, and failover after a worker is
-killed mid-session.
+with a tenants file, started by that test), a worker's SGLang ``/generate`` stream, Anthropic's
+Messages API through a router, malformed events counted and skipped, serving through a Redis
+restart, and failover after a worker is killed mid-session.
 """
 
 from __future__ import annotations
 
 import time
 
+import anthropic
 import httpx
 import msgpack
 import pytest
@@ -231,6 +232,22 @@ def test_a_worker_streams_sglang_generate_as_server_sent_events(cl):
     assert all(e["meta_info"]["id"] == "gen-sse-test" for e in events)
     final = events[-1]["meta_info"]
     assert final["finish_reason"]["type"] in ("stop", "length") and 1 <= final["completion_tokens"] <= 6
+
+
+def test_the_anthropic_messages_api_through_a_router(cl):
+    """A router serves ``/v1/messages`` with the same app: the stop string that ended a reply comes
+    back from the worker (``stop_sequence``), streams parse in the official SDK, and ``count_tokens``
+    is the prompt the router submits."""
+    client = anthropic.Anthropic(base_url=cl.url("r0"), api_key="unused", max_retries=0, timeout=120)
+    request = {"model": "SmolLM2-135M-Instruct",
+               "messages": [{"role": "user", "content": "Count from 1 to 50, separated by commas."}]}
+    stopped = client.messages.create(max_tokens=16, stop_sequences=["3"], extra_body={"temperature": 0}, **request)
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "3"
+    with client.messages.stream(max_tokens=4, extra_body={"temperature": 0}, **request) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 4
+    assert client.messages.count_tokens(**request).input_tokens == \
+        final.usage.input_tokens + final.usage.cache_read_input_tokens
 
 
 def test_malformed_events_are_counted_and_skipped(cl):
