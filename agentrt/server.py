@@ -5,6 +5,12 @@ from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on sh
 drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``,
 with a ``: ping`` comment every 15 s; a client that disconnects cancels its stream,
 which aborts the engine request and frees its pages.
+
+Generations (chat completions, completions, session turns) answer once their request is placed
+(``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
+errors before that are JSON errors with their status, and a router's responses name the worker
+that served them in the ``x-agentrt-worker`` header (``agentrt serve`` sends none). Chat
+completions and completions route by the client's affinity key (``agentrt/affinity.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ from starlette.background import BackgroundTask
 
 from engine.client import EngineClient
 
+from agentrt.affinity import affinity_key
 from agentrt.config import ServerConfig
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
-from agentrt.generation import Generator
+from agentrt.generation import Generation, Generator
 from agentrt.metrics import CONTENT_TYPE, Metrics
 from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
@@ -41,6 +48,9 @@ log = logging.getLogger("agentrt.server")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 429, 500, 503)}
+
+WORKER_HEADER = "x-agentrt-worker"
+"""Response header naming the worker that served a generation (behind a router only)."""
 
 
 class BodyLimitMiddleware:
@@ -136,11 +146,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: 
     return task.result()
 
 
-def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int
-                 ) -> EventSourceResponse:
+def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int,
+                 headers: dict[str, str] | None = None) -> EventSourceResponse:
     """``chunks`` as ``data: {json}`` events, then ``data: [DONE]``. An exception from ``chunks`` becomes an
     error event (the headers are sent, as OpenAI does). ``close`` runs when the stream ends, however it
-    ends: also when the client disconnects before the first chunk."""
+    ends: also when the client disconnects before the first chunk. ``headers``: more response headers."""
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -152,7 +162,43 @@ def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], re
         yield "[DONE]"
 
     return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close),
-                               headers={"Cache-Control": "no-cache"})
+                               headers={"Cache-Control": "no-cache", **(headers or {})})
+
+
+async def _placed(request: Request, generation: Generation, close: Callable[[], Awaitable]
+                  ) -> dict[str, str] | Response:
+    """Wait until ``generation`` is placed; the response headers that name its worker (none in one
+    process), or a 499 response if the client went away first (``close`` has then run). An error
+    before placement runs ``close`` and is raised, so the client gets it as a JSON error."""
+    try:
+        worker = await _unless_disconnected(request, generation.placed(), close)
+    except BaseException:
+        await close()
+        raise
+    if isinstance(worker, Response):
+        return worker
+    return {WORKER_HEADER: worker} if worker else {}
+
+
+async def _sse_reply(request: Request, generation: Generation, chunks: AsyncIterator[dict],
+                     close: Callable[[], Awaitable]) -> Response:
+    """``chunks`` as a stream that starts once ``generation`` is placed (``sse_response``)."""
+    headers = await _placed(request, generation, close)
+    if isinstance(headers, Response):
+        return headers
+    return sse_response(chunks, close, request.app.state.config.retry_after_s, headers)
+
+
+async def _json_reply(request: Request, response: Response, generation: Generation, body: Awaitable[Any],
+                      close: Callable[[], Awaitable]) -> Any:
+    """``body`` (cancelled, and ``close`` run, if the client goes away first), with the header that names
+    the generation's worker set on ``response`` (the route's, whose headers FastAPI sends)."""
+    result = await _unless_disconnected(request, body, close)
+    if not isinstance(result, Response):
+        worker = await generation.placed()  # at once: the reply is complete
+        if worker:
+            response.headers[WORKER_HEADER] = worker
+    return result
 
 
 # ------------------------------------------------------------ routes
@@ -180,24 +226,23 @@ async def models(request: Request) -> dict:
 
 
 @api.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request,
+async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
                            tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = await svc.start_chat(body, tenant)
+    generation = await svc.start_chat(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     if body.stream:
-        return sse_response(svc.chat_chunks(body, generation), generation.close,
-                            request.app.state.config.retry_after_s)
-    return await _unless_disconnected(request, svc.chat(body, generation), generation.close)
+        return await _sse_reply(request, generation, svc.chat_chunks(body, generation), generation.close)
+    return await _json_reply(request, response, generation, svc.chat(body, generation), generation.close)
 
 
 @api.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
+async def completions(body: CompletionRequest, request: Request, response: Response,
+                      tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = await svc.start_completion(body, tenant)
+    generation = await svc.start_completion(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     if body.stream:
-        return sse_response(svc.completion_chunks(body, generation), generation.close,
-                            request.app.state.config.retry_after_s)
-    return await _unless_disconnected(request, svc.completion(body, generation), generation.close)
+        return await _sse_reply(request, generation, svc.completion_chunks(body, generation), generation.close)
+    return await _json_reply(request, response, generation, svc.completion(body, generation), generation.close)
 
 
 @api.post("/v1/sessions", response_model=SessionResponse, status_code=201)
@@ -234,7 +279,7 @@ async def fork_session(session_id: str, request: Request, body: ForkRequest | No
 
 
 @api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
-async def session_turn(session_id: str, body: TurnRequest, request: Request,
+async def session_turn(session_id: str, body: TurnRequest, request: Request, response: Response,
                        tenant: Tenant = Depends(_auth)) -> Any:
     """Append messages and generate the reply. Streaming sends ``turn.delta`` events, then ``turn.completed``."""
     sessions: SessionManager = request.app.state.sessions
@@ -246,13 +291,12 @@ async def session_turn(session_id: str, body: TurnRequest, request: Request,
             return sse_response(_one_event({"type": "turn.completed", "turn": view}), _nothing, 1)
         return view
     if body.stream:
-        return sse_response(_turn_events(session_id, started), started.close,
-                            request.app.state.config.retry_after_s)
+        return await _sse_reply(request, started.generation, _turn_events(session_id, started), started.close)
 
     async def run() -> dict:
         return sessions.turn_view(session_id, await started.run())
 
-    return await _unless_disconnected(request, run(), started.close)
+    return await _json_reply(request, response, started.generation, run(), started.close)
 
 
 async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
