@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from engine.chat import ToolCall, format_tool_call
 from engine.client import StructuredOutput
 
+from agentrt.affinity import affinity_hint
 from agentrt.errors import bad_request
 from agentrt.generation import Generation, Generator, Result
 from agentrt.tenants import Tenant
@@ -436,14 +437,16 @@ class AnthropicService:
         self.gen.constraint(chat.options)  # a tool_choice that /v1/messages would refuse is refused here too
         return {"input_tokens": len(self.gen.chat_prompt(chat.messages, chat.tools))}
 
-    async def start(self, req: MessagesRequest, tenant: Tenant | None = None) -> Generation:
-        """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed."""
+    async def start(self, req: MessagesRequest, tenant: Tenant | None = None, affinity: str | None = None) -> Generation:
+        """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed.
+        ``affinity``: the conversation's affinity key (``X-Claude-Code-Session-Id`` and the like), routed
+        as one conversation behind a router."""
         started = time.monotonic()
         chat = self._chat(req)
         fields = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                   "top_k": req.top_k, "stop": req.stop_sequences}
         return await self.gen.start_chat(chat.messages, fields, chat.options, pin_ttl_s=chat.pin_ttl_s,
-                                         started_at=started, tenant=tenant)
+                                         started_at=started, session=affinity_hint(tenant, affinity), tenant=tenant)
 
     def _message_id(self, generation: Generation) -> str:
         return "msg_" + generation.request_id.removeprefix("req-")

@@ -111,6 +111,12 @@ class Generation:
             raise APIError(503, "the engine stopped before the request finished", type="server_error")
         return self.result
 
+    async def placed(self) -> str | None:
+        """Wait until where the request runs is settled and return the worker's id behind a router
+        (``None`` in one process, at once): ``OutputStream.placed``. Errors before that are raised
+        here, and the caller closes the generation."""
+        return await self._stream.placed()
+
     async def close(self) -> None:
         """Abort the request if it is still running and free its admission slot (idempotent)."""
         if self._closed:

@@ -82,6 +82,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # the conversation, for routing (agentrt/affinity.py)
 
 
 class CompletionRequest(SamplingFields):
@@ -94,6 +95,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # as in chat completions
 
 
 class Usage(BaseModel):

@@ -6,6 +6,12 @@ drains the engine. Streams are server-sent events (sse-starlette) ending with ``
 with a ``: ping`` comment every 15 s (the Anthropic Messages API's streams: named events, ``ping``
 events, no ``[DONE]``); a client that disconnects cancels its stream, which aborts the engine
 request and frees its pages.
+
+Generations (chat completions, completions, session turns) answer once their request is placed
+(``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
+errors before that are JSON errors with their status, and a router's responses name the worker
+that served them in the ``x-agentrt-worker`` header (``agentrt serve`` sends none). Chat
+completions and completions route by the client's affinity key (``agentrt/affinity.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from engine.client import EngineClient
 
 from agentrt.anthropic_api import (AnthropicErrorResponse, AnthropicService, CountTokensRequest, MessagesRequest,
                                    TokenCount)
+from agentrt.affinity import affinity_key
 from agentrt.config import ServerConfig
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
-from agentrt.generation import Generator
+from agentrt.generation import Generation, Generator
 from agentrt.metrics import CONTENT_TYPE, Metrics
 from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
@@ -44,6 +51,9 @@ log = logging.getLogger("agentrt.server")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 429, 500, 503)}
+
+WORKER_HEADER = "x-agentrt-worker"
+"""Response header naming the worker that served a generation (behind a router only)."""
 
 
 class BodyLimitMiddleware:
@@ -142,13 +152,14 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: 
     return task.result()
 
 
-def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int, *,
-                 anthropic: bool = False) -> EventSourceResponse:
+def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int,
+                 headers: dict[str, str] | None = None, *, anthropic: bool = False) -> EventSourceResponse:
     """``chunks`` as ``data: {json}`` events, then ``data: [DONE]``. An exception from ``chunks`` becomes an
     error event (the headers are sent, as OpenAI does). ``close`` runs when the stream ends, however it
-    ends: also when the client disconnects before the first chunk. ``anthropic``: Anthropic's framing
-    instead: each event is named by its chunk's ``type`` (``event: message_start``), the keep-alive is an
-    ``event: ping`` event, an error is an ``event: error`` with Anthropic's error body, and no ``[DONE]``."""
+    ends: also when the client disconnects before the first chunk. ``headers``: more response headers.
+    ``anthropic``: Anthropic's framing instead: each event is named by its chunk's ``type``
+    (``event: message_start``), the keep-alive is an ``event: ping`` event, an error is an
+    ``event: error`` with Anthropic's error body, and no ``[DONE]``."""
     def event(chunk: dict) -> str | ServerSentEvent:
         data = json.dumps(chunk, ensure_ascii=False)
         return ServerSentEvent(data, event=chunk["type"], sep="\n") if anthropic else data
@@ -167,7 +178,43 @@ def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], re
 
     ping = (lambda: event({"type": "ping"})) if anthropic else None
     return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close), ping_message_factory=ping,
-                               headers={"Cache-Control": "no-cache"})
+                               headers={"Cache-Control": "no-cache", **(headers or {})})
+
+
+async def _placed(request: Request, generation: Generation, close: Callable[[], Awaitable]
+                  ) -> dict[str, str] | Response:
+    """Wait until ``generation`` is placed; the response headers that name its worker (none in one
+    process), or a 499 response if the client went away first (``close`` has then run). An error
+    before placement runs ``close`` and is raised, so the client gets it as a JSON error."""
+    try:
+        worker = await _unless_disconnected(request, generation.placed(), close)
+    except BaseException:
+        await close()
+        raise
+    if isinstance(worker, Response):
+        return worker
+    return {WORKER_HEADER: worker} if worker else {}
+
+
+async def _sse_reply(request: Request, generation: Generation, chunks: AsyncIterator[dict],
+                     close: Callable[[], Awaitable], anthropic: bool = False) -> Response:
+    """``chunks`` as a stream that starts once ``generation`` is placed (``sse_response``)."""
+    headers = await _placed(request, generation, close)
+    if isinstance(headers, Response):
+        return headers
+    return sse_response(chunks, close, request.app.state.config.retry_after_s, headers, anthropic=anthropic)
+
+
+async def _json_reply(request: Request, response: Response, generation: Generation, body: Awaitable[Any],
+                      close: Callable[[], Awaitable]) -> Any:
+    """``body`` (cancelled, and ``close`` run, if the client goes away first), with the header that names
+    the generation's worker set on ``response`` (the route's, whose headers FastAPI sends)."""
+    result = await _unless_disconnected(request, body, close)
+    if not isinstance(result, Response):
+        worker = await generation.placed()  # at once: the reply is complete
+        if worker:
+            response.headers[WORKER_HEADER] = worker
+    return result
 
 
 # ------------------------------------------------------------ routes
@@ -197,36 +244,35 @@ async def models(request: Request) -> dict:
 
 
 @api.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request,
+async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
                            tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = await svc.start_chat(body, tenant)
+    generation = await svc.start_chat(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     if body.stream:
-        return sse_response(svc.chat_chunks(body, generation), generation.close,
-                            request.app.state.config.retry_after_s)
-    return await _unless_disconnected(request, svc.chat(body, generation), generation.close)
+        return await _sse_reply(request, generation, svc.chat_chunks(body, generation), generation.close)
+    return await _json_reply(request, response, generation, svc.chat(body, generation), generation.close)
 
 
 @api.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
+async def completions(body: CompletionRequest, request: Request, response: Response,
+                      tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
-    generation = await svc.start_completion(body, tenant)
+    generation = await svc.start_completion(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     if body.stream:
-        return sse_response(svc.completion_chunks(body, generation), generation.close,
-                            request.app.state.config.retry_after_s)
-    return await _unless_disconnected(request, svc.completion(body, generation), generation.close)
+        return await _sse_reply(request, generation, svc.completion_chunks(body, generation), generation.close)
+    return await _json_reply(request, response, generation, svc.completion(body, generation), generation.close)
 
 
 @anthropic_routes.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
+async def messages(body: MessagesRequest, request: Request, response: Response,
+                   tenant: Tenant = Depends(_auth)) -> Any:
     """Anthropic's Messages API (``anthropic-version`` and ``anthropic-beta`` headers are accepted and
-    not read); streaming sends Anthropic's named events."""
+    not read); streaming sends Anthropic's named events. Session headers route as affinity keys."""
     svc: AnthropicService = request.app.state.anthropic
-    generation = await svc.start(body, tenant)
+    generation = await svc.start(body, tenant, affinity_key(request.headers))
     if body.stream:
-        return sse_response(svc.events(generation), generation.close, request.app.state.config.retry_after_s,
-                            anthropic=True)
-    return await _unless_disconnected(request, svc.message(generation), generation.close)
+        return await _sse_reply(request, generation, svc.events(generation), generation.close, anthropic=True)
+    return await _json_reply(request, response, generation, svc.message(generation), generation.close)
 
 
 @anthropic_routes.post("/v1/messages/count_tokens", response_model=TokenCount, dependencies=[Depends(_auth)])
@@ -269,7 +315,7 @@ async def fork_session(session_id: str, request: Request, body: ForkRequest | No
 
 
 @api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
-async def session_turn(session_id: str, body: TurnRequest, request: Request,
+async def session_turn(session_id: str, body: TurnRequest, request: Request, response: Response,
                        tenant: Tenant = Depends(_auth)) -> Any:
     """Append messages and generate the reply. Streaming sends ``turn.delta`` events, then ``turn.completed``."""
     sessions: SessionManager = request.app.state.sessions
@@ -281,13 +327,12 @@ async def session_turn(session_id: str, body: TurnRequest, request: Request,
             return sse_response(_one_event({"type": "turn.completed", "turn": view}), _nothing, 1)
         return view
     if body.stream:
-        return sse_response(_turn_events(session_id, started), started.close,
-                            request.app.state.config.retry_after_s)
+        return await _sse_reply(request, started.generation, _turn_events(session_id, started), started.close)
 
     async def run() -> dict:
         return sessions.turn_view(session_id, await started.run())
 
-    return await _unless_disconnected(request, run(), started.close)
+    return await _json_reply(request, response, started.generation, run(), started.close)
 
 
 async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:

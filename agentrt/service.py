@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from engine.chat import ToolCall, content_text
 from engine.client import StructuredOutput
 
+from agentrt.affinity import affinity_hint
 from agentrt.errors import bad_request
 from agentrt.generation import Generation, Generator, Result
 from agentrt.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -61,8 +62,11 @@ class OpenAIService:
 
     # ------------------------------------------------------------ chat
 
-    async def start_chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Generation:
-        """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed."""
+    async def start_chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None,
+                         affinity: str | None = None) -> Generation:
+        """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed.
+        ``affinity``: the conversation's affinity key (``agentrt.affinity.affinity_key``), routed as
+        the tenant's session hint."""
         started = time.monotonic()
         self.gen.check_model(req.model)
         if req.n != 1:
@@ -74,7 +78,8 @@ class OpenAIService:
         options = StructuredOutput(req.response_format, tools, req.tool_choice, req.parallel_tool_calls)
         return await self.gen.start_chat(messages, req.model_dump(), options,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                         started_at=started, tenant=tenant)
+                                         started_at=started, session=affinity_hint(tenant, affinity),
+                                         tenant=tenant)
 
     async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
         result = await generation.collect()
@@ -131,7 +136,9 @@ class OpenAIService:
 
     # ------------------------------------------------------------ completions
 
-    async def start_completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Generation:
+    async def start_completion(self, req: CompletionRequest, tenant: Tenant | None = None,
+                               affinity: str | None = None) -> Generation:
+        """As :meth:`start_chat`, for a completion."""
         started = time.monotonic()
         self.gen.check_model(req.model)
         if req.n != 1:
@@ -140,7 +147,8 @@ class OpenAIService:
             raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
         prompt = self._prompt_ids(req.prompt)
         params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=req.logprobs)
-        return await self.gen.start(prompt, params, started_at=started, tenant=tenant)
+        return await self.gen.start(prompt, params, started_at=started, session=affinity_hint(tenant, affinity),
+                                    tenant=tenant)
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -51,6 +51,10 @@ class RequestStream:
             self._done = True
             self._engine.abort(self.request_id)
 
+    async def placed(self) -> None:
+        """In one process a request runs here: nothing to wait for, no worker to name."""
+        return None
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:

@@ -22,10 +22,15 @@ from engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingPar
 @dataclass(frozen=True)
 class SessionHint:
     """Which session a request belongs to and where its last turn ran: a routing hint (the
-    in-process engine has one place to run it; a router routes the session's turns together)."""
+    in-process engine has one place to run it; a router routes the session's turns together).
+
+    ``remember``: the caller keeps no record of where the session ran (a conversation named only by
+    its client's affinity key, ``agentrt.affinity``), so a router remembers it: it looks the
+    session's worker up before routing and records the worker it chose."""
 
     session_id: str
     last_worker: str | None = None
+    remember: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,13 @@ class OutputStream(Protocol):
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 
     async def aclose(self) -> None: ...
+
+    async def placed(self) -> str | None:
+        """Wait until where the request runs is settled, and say where: behind a router, the id of
+        the worker that produced its first output (from then on it no longer fails over; errors
+        before that, such as no live worker or the worker refusing the request, are raised here);
+        in one process, ``None`` at once. Iterating the stream afterwards still yields every output."""
+        ...
 
 
 @runtime_checkable

@@ -25,6 +25,8 @@ class RouterConfig(Settings):
     (``router/tentative.py``; 0 disables), ``tentative_grace_s``: how long after the request
     completed. ``turn_lock_ttl_s``: the session turn lock's TTL, renewed every third of it
     while the turn runs (so it only bounds how long a crashed router blocks a session).
+    ``affinity_ttl_s``: how long a conversation named by its client's affinity key stays mapped
+    to its worker after its last request (``router/affinity.py``; 0 disables).
     """
 
     redis_url: Annotated[str, Flag("--redis", "URL")] = Field(
@@ -46,6 +48,9 @@ class RouterConfig(Settings):
                                      "after its request completed, in seconds")
     turn_lock_ttl_s: float = Field(60.0, gt=0, description="TTL of a session's turn lock in Redis (renewed while "
                                    "the turn runs)")
+    affinity_ttl_s: float = Field(3600.0, ge=0, description="how long a conversation named by an affinity key "
+                                  "(prompt_cache_key, a session header) stays on its worker after its last "
+                                  "request, in seconds (0: off, such requests route by prefix alone)")
     policy: str = Field("agentrt", description="routing policy (router/policy.py registry)")
     policy_options: Annotated[dict[str, int | float], NoDecode, Flag("--policy-option", "NAME=NUMBER")] = Field(
         {}, description="a keyword argument of the policy, e.g. tokens_per_queued_request=1024 (repeatable; "
@@ -132,6 +137,9 @@ class RouterConfig(Settings):
 
     def turn_lock_withdrawn_key(self, token: str) -> str:
         return f"{self.key_prefix}turn-withdrawn:{token}"
+
+    def affinity_key(self, session_id: str) -> str:
+        return f"{self.key_prefix}affinity:{self.deployment}:{session_id}"
 
     def tentative_key(self, block_hash: int) -> str:
         return f"{self.key_prefix}tentative:{self.deployment}:{block_hash:016x}"

@@ -8,6 +8,8 @@ load reports cover the other replicas' traffic). ``choose`` hashes the prompt (c
 replica dispatched and no worker has reported yet (``TentativeIndex``, short-TTL Redis keys),
 and asks the routing policy. ``dispatched`` records the new tentative entries; ``completed``
 shortens them (the worker's ``stored`` events are due) or, for a failed request, drops them.
+``affinity`` (``AffinityMap``) keeps, in Redis, the worker of each conversation its client names
+by an affinity key; ``RemoteEngine`` reads and writes it.
 
 A dead worker (heartbeat expired, or a failed connection reported through ``mark_dead``)
 leaves the live set at once; its index entries are dropped. When it comes back it
@@ -30,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.hashing import block_hashes, make_seed
+from router.affinity import AffinityMap
 from router.config import RouterConfig
 from router.event_consumer import KVEventConsumer
 from router.index import PrefixIndex
@@ -93,6 +96,7 @@ class RouterCore:
         self.registry = WorkerRegistry(self.redis, config)
         self.index = PrefixIndex()
         self.tentative = TentativeIndex(self.redis, config)
+        self.affinity = AffinityMap(self.redis, config)
         self.consumer = KVEventConsumer(self.redis, config, self.index, on_blocks=self.tentative.confirmed)
         self.policy = make_policy(config.policy, **config.policy_options)
         self.inflight = InFlightTracker(decode_token_weight)
@@ -243,6 +247,8 @@ class RouterCore:
             "tentative": {"local_blocks": len(self.tentative), "routes": self.tentative_routes,
                           "recorded": self.tentative.stats.recorded, "confirmed": self.tentative.stats.confirmed,
                           "failed": self.tentative.stats.failed, "redis_errors": self.tentative.stats.redis_errors},
+            "affinity": {"hits": self.affinity.stats.hits, "misses": self.affinity.stats.misses,
+                         "moved": self.affinity.stats.moved, "redis_errors": self.affinity.stats.redis_errors},
             "events": {"applied": stats.applied, "malformed": stats.malformed, "skipped": stats.skipped,
                        "gaps": stats.gaps, "resyncs": stats.resyncs, "per_kind": dict(stats.per_kind),
                        "last_id": stats.last_id},

@@ -26,7 +26,8 @@ class RouteRequest:
 
     ``hashes`` are the contract-1 hashes of the prompt's full blocks, ``num_tokens`` the
     prompt length, ``block_size`` tokens per block. ``session_id`` and ``last_worker``
-    come from the session record (``None`` for sessionless requests).
+    come from the session record, or for a conversation its client names by an affinity key
+    from that key (tenant-scoped) and its mapping in Redis (``None`` for other requests).
     ``est_output_tokens`` is the router's guess of the reply length (``max_tokens``).
     """
 

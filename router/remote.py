@@ -9,6 +9,14 @@ worker's ``/internal/generate`` as token ids (``router/worker_api.py``), with th
 structured-output *options* (the worker compiles the grammar). Worker output streams through
 line by line, never buffered.
 
+Sessionless conversations: a ``SessionHint`` with ``remember`` set (the client named the
+conversation by an affinity key) has its last worker looked up in the ``AffinityMap``
+(``router/affinity.py``, in Redis) before routing, and the worker each attempt goes to is
+recorded there, so every replica keeps the conversation on one worker while the policy allows.
+
+Placement: ``submit`` returns a ``RemoteStream``, whose ``placed()`` waits for the worker's first
+output and names the worker (the router's responses carry it in ``x-agentrt-worker``).
+
 Failover: if the connection to the chosen worker fails, the worker sends no response
 headers within ``header_timeout_s`` (hung), or it answers 503 ``worker_draining``, before the
 worker produced any output, the worker is marked dead (``RouterCore.mark_dead``) and the request is sent at
@@ -21,10 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import httpx
 
@@ -48,6 +57,46 @@ class WorkerUnavailable(httpx.TransportError):
 # mid-stream or another HTTP error status is not.
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
                       httpx.ConnectTimeout, WorkerUnavailable)
+
+
+class RemoteStream:
+    """One routed request's outputs (an ``engine.client.OutputStream``). ``worker``: the worker of the
+    current attempt (None before the first is routed); :meth:`placed` waits for the first output, from
+    which on the request stays on its worker (no failover once output came)."""
+
+    def __init__(self) -> None:
+        self.worker: str | None = None
+        self._outputs: AsyncGenerator[RequestOutput, None] | None = None
+        self._first: RequestOutput | None = None
+        self._started = False
+
+    def _attach(self, outputs: AsyncGenerator[RequestOutput, None]) -> None:
+        self._outputs = outputs
+
+    def __aiter__(self) -> "RemoteStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        self._started = True
+        if self._first is not None:
+            out, self._first = self._first, None
+            return out
+        return await self._outputs.__anext__()
+
+    async def placed(self) -> str | None:
+        """The worker's id once it produced the first output (held for the next ``__anext__``); raises
+        what the routing or the worker raised before that. Once iterated, the worker at once."""
+        if not self._started:
+            self._started = True
+            try:
+                self._first = await self._outputs.__anext__()
+            except StopAsyncIteration:
+                pass
+        return self.worker
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._outputs.aclose()
 
 
 class RemoteEngine:
@@ -76,24 +125,33 @@ class RemoteEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                constraint: StructuredOutput | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
-        """Check now (``InvalidRequest``), route and stream when iterated."""
+               session: SessionHint | None = None) -> RemoteStream:
+        """Check now (``InvalidRequest``), route and stream when iterated (or placed)."""
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
                 "constraint": None if constraint is None else structured_to_wire(constraint),
                 "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
-        return self._stream(body, prompt, params.max_tokens, session, cache_salt)
+        stream = RemoteStream()
+        stream._attach(self._stream(stream, body, prompt, params.max_tokens, session, cache_salt))
+        return stream
 
-    async def _stream(self, body: dict, prompt: list[int], est_output: int, session: SessionHint | None,
-                      cache_salt: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, stream: RemoteStream, body: dict, prompt: list[int], est_output: int,
+                      session: SessionHint | None, cache_salt: str) -> AsyncIterator[RequestOutput]:
         request_id = body["request_id"]
         failed: set[str] = set()
+        remembered = session is not None and session.remember and self.core.affinity.enabled
+        if remembered and session.last_worker is None:
+            session = dataclasses.replace(session, last_worker=await self.core.affinity.worker_of(session.session_id))
         for _ in range(self.max_attempts):
             route = await self._route(request_id, prompt, est_output, session, failed, cache_salt)
             await self.core.dispatched(route)
+            stream.worker = route.worker.worker_id
             self._remember(request_id, route.worker.worker_id)
             produced = finished = False
             try:
+                if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
+                    await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
+                    session = dataclasses.replace(session, last_worker=route.worker.worker_id)
                 async for out in self._send(route, body):
                     produced = True
                     finished = out.finished and out.error is None

@@ -54,3 +54,48 @@ def test_structured_output_is_given_when_any_option_is_set():
     assert not StructuredOutput().given
     assert StructuredOutput(tool_choice="required").given
     assert StructuredOutput(response_format={"type": "json_object"}).given
+
+
+def test_both_output_streams_say_where_they_run():
+    from engine.async_engine import RequestStream
+    from router.remote import RemoteStream
+
+    for cls in (RequestStream, RemoteStream):
+        assert inspect.iscoroutinefunction(cls.placed) and inspect.iscoroutinefunction(cls.aclose), cls
+
+
+def test_a_remote_stream_is_placed_by_its_first_output_and_still_yields_it():
+    import asyncio
+
+    from engine.types import RequestOutput
+    from router.remote import RemoteStream
+
+    outputs = [RequestOutput("r", "a", [1]), RequestOutput("r", "b", [2], finished=True, finish_reason="stop")]
+
+    def stream_of(fail: BaseException | None = None) -> RemoteStream:
+        stream = RemoteStream()
+
+        async def attempts():
+            stream.worker = "w-1"  # routed: a failover would name the next worker here
+            if fail is not None:
+                raise fail
+            for out in outputs:
+                yield out
+
+        stream._attach(attempts())
+        return stream
+
+    async def body():
+        placed = stream_of()
+        assert placed.worker is None
+        assert await placed.placed() == "w-1"
+        assert [out async for out in placed] == outputs
+        assert await placed.placed() == "w-1"  # once iterated: at once
+        unplaced = stream_of()  # never placed: iterating routes it all the same
+        assert [out async for out in unplaced] == outputs and await unplaced.placed() == "w-1"
+        refused = stream_of(RuntimeError("no live worker"))
+        with pytest.raises(RuntimeError, match="no live worker"):
+            await refused.placed()
+        await refused.aclose()
+
+    asyncio.run(body())

@@ -123,3 +123,24 @@ def test_metrics_exposition(oai, agentrt_server):
         assert name in text, name
     assert metric(agentrt_server.url, "agentrt_time_to_first_token_seconds_count") > 0
     assert metric(agentrt_server.url, "agentrt_kv_pages_total") > 0
+
+
+def test_affinity_keys_are_taken_and_one_process_names_no_worker(oai, agentrt_server):
+    """``prompt_cache_key`` and the session headers route a conversation behind a router; one process
+    takes them and has nothing to route, so its responses carry no ``x-agentrt-worker``."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    raw = oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, prompt_cache_key="conv-1",
+        extra_headers={"X-Claude-Code-Session-Id": "s-1", "session_id": "s-2"})
+    assert raw.parse().usage.completion_tokens >= 1 and "x-agentrt-worker" not in raw.headers
+    streamed = oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+        extra_headers={"x-session-affinity": "conv-2"})
+    assert "x-agentrt-worker" not in streamed.headers
+    assert [c for c in streamed.parse() if c.choices and c.choices[0].finish_reason]
+    completion = oai.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                                          extra_body={"prompt_cache_key": "conv-3"})
+    assert completion.parse().usage.completion_tokens >= 1 and "x-agentrt-worker" not in completion.headers
+    bad = httpx.post(agentrt_server.url + "/v1/chat/completions", timeout=60,
+                     json={"model": MODEL, "messages": messages, "prompt_cache_key": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key", bad.text

@@ -1,4 +1,5 @@
-"""State router replicas share through Redis: tentative prefix entries and the session turn lock.
+"""State router replicas share through Redis: tentative prefix entries, the session turn lock, and
+the workers of conversations named by an affinity key.
 
 Real ``RouterCore`` replicas and real stores over a real ``redis-server``; the workers are
 registered records (routing decisions need no worker process), KV events come from a real
@@ -200,5 +201,59 @@ def test_a_worker_back_from_a_hang_is_loaded_from_its_snapshot_at_once(redis_url
             pub.close()
             await client.aclose()
             await a.stop()
+
+    asyncio.run(body())
+
+
+def test_a_conversations_worker_is_shared_by_replicas_and_its_ttl_refreshed(redis_url):
+    """One replica records where an affinity-keyed conversation went; another reads it and routes the
+    next request there as the conversation's last worker (soft affinity), also with no prefix known."""
+    cfg = RouterConfig(redis_url=redis_url, affinity_ttl_s=30)
+
+    async def body():
+        a, b = await _replicas(cfg)
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await b.affinity.worker_of("aff_1") is None and b.affinity.stats.misses == 1
+            await a.affinity.remember("aff_1", "w2")
+            assert await b.affinity.worker_of("aff_1") == "w2" and b.affinity.stats.hits == 1
+            await client.pexpire(cfg.affinity_key("aff_1"), 5_000)
+            await b.affinity.remember("aff_1", "w2", previous="w2")  # each request refreshes the TTL
+            assert 25_000 < await client.pttl(cfg.affinity_key("aff_1")) <= 30_000
+            assert b.affinity.stats.moved == 0
+            route = await b.choose("req-aff", SYSTEM + [4, 5, 6], 16, session_id="aff_1", last_worker="w2")
+            assert route.worker.worker_id == "w2" and route.decision.reason == "affinity"
+            # Its worker died: the policy goes elsewhere and the mapping follows, for every replica.
+            await b.mark_dead("w2")
+            moved = await b.choose("req-aff-2", SYSTEM + [4, 5, 6], 16, session_id="aff_1", last_worker="w2")
+            assert moved.worker.worker_id != "w2"
+            await b.affinity.remember("aff_1", moved.worker.worker_id, previous="w2")
+            assert b.affinity.stats.moved == 1 and b.state()["affinity"]["moved"] == 1
+            assert await a.affinity.worker_of("aff_1") == moved.worker.worker_id
+            assert (await client.get(cfg.affinity_key("aff_1"))).decode() == moved.worker.worker_id
+        finally:
+            await client.aclose()
+            for core in (a, b):
+                await core.stop()
+
+    asyncio.run(body())
+
+
+def test_affinity_tolerates_redis_failures_and_can_be_turned_off(redis_url):
+    from router.affinity import AffinityMap
+
+    async def body():
+        down = aioredis.Redis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.5)
+        gone = AffinityMap(down, RouterConfig(redis_url=redis_url), redis_backoff_s=60)
+        assert await gone.worker_of("aff_1") is None and gone.stats.redis_errors == 1
+        await gone.remember("aff_1", "w0")  # within the back-off: not even tried
+        assert await gone.worker_of("aff_1") is None and gone.stats.redis_errors == 1
+        await down.aclose()
+        client = aioredis.Redis.from_url(redis_url)
+        off = AffinityMap(client, RouterConfig(redis_url=redis_url, affinity_ttl_s=0))
+        assert not off.enabled
+        await off.remember("aff_1", "w0")
+        assert await off.worker_of("aff_1") is None and not await client.exists(off.config.affinity_key("aff_1"))
+        await client.aclose()
 
     asyncio.run(body())
