@@ -102,9 +102,14 @@ class RemoteStream:
 class RemoteEngine:
     def __init__(self, core: RouterCore, max_model_len: int, max_attempts: int = 3,
                  read_timeout_s: float = 600.0, remembered_requests: int = 65_536,
-                 header_timeout_s: float = 10.0, vocab_size: int | None = None) -> None:
+                 header_timeout_s: float = 10.0, vocab_size: int | None = None,
+                 no_worker_wait_s: float | None = None) -> None:
         self.core = core
         self.vocab_size = vocab_size
+        # No worker registered at all (the registry came back empty from a Redis restart until the
+        # workers' next heartbeats, or every worker is restarting): hold a request this long for one.
+        self.no_worker_wait_s = (core.config.heartbeat_interval_s + core.refresh_interval_s
+                                 if no_worker_wait_s is None else no_worker_wait_s)
         self.header_timeout_s = header_timeout_s
         self.max_model_len = max_model_len
         self.max_attempts = max_attempts
@@ -170,12 +175,19 @@ class RemoteEngine:
 
     async def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,
                      failed: set[str], cache_salt: str) -> Route:
-        try:
-            return await self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed), cache_salt=cache_salt,
-                                    session_id=session.session_id if session else None,
-                                    last_worker=session.last_worker if session else None)
-        except NoWorkerAvailable as exc:
-            raise APIError(503, str(exc), type="server_error", code="no_worker_available") from None
+        """The worker for this attempt. With no live worker, a first attempt waits up to
+        ``no_worker_wait_s`` for one to register (the router re-reads the registry every
+        ``refresh_interval_s``) before 503 ``no_worker_available``; a retry after a worker failed does not."""
+        deadline = time.monotonic() + (0.0 if failed else self.no_worker_wait_s)
+        while True:
+            try:
+                return await self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed),
+                                              cache_salt=cache_salt, session_id=session.session_id if session else None,
+                                              last_worker=session.last_worker if session else None)
+            except NoWorkerAvailable as exc:
+                if time.monotonic() >= deadline:
+                    raise APIError(503, str(exc), type="server_error", code="no_worker_available") from None
+            await asyncio.sleep(0.05)
 
     async def _send(self, route: Route, body: dict) -> AsyncIterator[RequestOutput]:
         url = route.worker.url + "/internal/generate"
