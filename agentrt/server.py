@@ -2,9 +2,10 @@
 
 ``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
 from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
-drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``,
-with a ``: ping`` comment every 15 s; a client that disconnects cancels its stream,
-which aborts the engine request and frees its pages.
+drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``
+(the Responses API's typed events instead go out named by their type, without it), with a
+``: ping`` comment every 15 s; a client that disconnects cancels its stream, which aborts the
+engine request and frees its pages.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
@@ -32,6 +33,7 @@ from agentrt.metrics import CONTENT_TYPE, Metrics
 from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
                               TurnResponse)
+from agentrt.responses_api import ResponseCreateRequest, ResponseDeleted, ResponsesService
 from agentrt.service import OpenAIService
 from agentrt.sessions import SessionManager, TurnRun
 from agentrt.store import InMemorySessionStore, SessionStore
@@ -136,20 +138,27 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: 
     return task.result()
 
 
-def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int
-                 ) -> EventSourceResponse:
+def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int, *,
+                 named: bool = False) -> EventSourceResponse:
     """``chunks`` as ``data: {json}`` events, then ``data: [DONE]``. An exception from ``chunks`` becomes an
     error event (the headers are sent, as OpenAI does). ``close`` runs when the stream ends, however it
-    ends: also when the client disconnects before the first chunk."""
-    async def events() -> AsyncIterator[str]:
+    ends: also when the client disconnects before the first chunk. ``named``: each event also carries
+    ``event: <the chunk's type>`` (the error, ``event: error``), and no ``[DONE]`` ends the stream, as
+    the Responses API sends its typed events."""
+    def event(data: dict, name: str) -> str | dict[str, str]:
+        text = json.dumps(data, ensure_ascii=False)
+        return {"data": text, "event": name} if named else text
+
+    async def events() -> AsyncIterator[str | dict[str, str]]:
         try:
             async for chunk in chunks:
-                yield json.dumps(chunk, ensure_ascii=False)
+                yield event(chunk, chunk.get("type", "message"))
         except Exception as exc:
-            yield json.dumps(from_exception(exc, retry_after_s).body())
+            yield event(from_exception(exc, retry_after_s).body(), "error")
         finally:
             await close()
-        yield "[DONE]"
+        if not named:
+            yield "[DONE]"
 
     return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close),
                                headers={"Cache-Control": "no-cache"})
@@ -267,6 +276,34 @@ async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
     yield {"type": "turn.completed", "turn": SessionManager.turn_view(session_id, run.turn)}
 
 
+@api.post("/v1/responses")
+async def create_response(body: ResponseCreateRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
+    """OpenAI's Responses API; a ``previous_response_id`` chain is a session. Streaming sends typed events."""
+    svc: ResponsesService = request.app.state.responses
+    run = await svc.start(body, tenant)
+    if body.stream:
+        return sse_response(run.events(), run.close, request.app.state.config.retry_after_s, named=True)
+    return await _unless_disconnected(request, run.collect(), run.close)
+
+
+@api.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
+    return await request.app.state.responses.retrieve(response_id, tenant)
+
+
+@api.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
+async def delete_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
+    return await request.app.state.responses.delete(response_id, tenant)
+
+
+@api.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                               limit: int = Query(20), order: str = Query("desc"), after: str | None = None,
+                               before: str | None = None) -> dict:
+    return await request.app.state.responses.input_items(response_id, tenant, limit=limit, order=order,
+                                                         after=after, before=before)
+
+
 async def _one_event(event: dict) -> AsyncIterator[dict]:
     yield event
 
@@ -321,6 +358,7 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
     app.state.generator = generator
     app.state.openai = OpenAIService(generator)
     app.state.sessions = sessions
+    app.state.responses = ResponsesService(sessions)
     install_handlers(app, config.retry_after_s)
     app.include_router(open_routes)
     app.include_router(api)
