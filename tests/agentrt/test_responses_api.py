@@ -1,20 +1,25 @@
 """The OpenAI Responses API against a real ``agentrt serve``, through the official ``openai`` client:
 plain and streamed responses (typed events, the SDK's stream helper), a ``previous_response_id`` chain
 that is one session reusing its cache, function calls and their outputs, retrieve / delete /
-input_items, forks and retries of continuations, ``store: false``, and the 400s for what the server
-does not support. Every body and event is also validated strictly by the SDK's pydantic models."""
+input_items, forks and retries of continuations, ``store: false``, the 400s for what the server
+does not support, and the OpenAI Agents SDK's default model running a tool. Bodies and events are
+also validated strictly by the SDK's pydantic models."""
 
 from __future__ import annotations
 
 import json
 
+import asyncio
+from typing import Literal
+
 import httpx
 import openai
 import pytest
 from agentrt_test_helpers import MODEL
+from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
 from httpx_sse import connect_sse
 from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from agentrt.errors import APIError
 from agentrt.generation import Delta
@@ -268,6 +273,50 @@ def test_second_child_forks_and_retries_replay(client, http):
     for rid in (root.id, a.id, b.id, c.id, d.id):
         assert client.responses.retrieve(rid).id == rid
     assert http.get(f"/v1/sessions/{session_of(root.id)}").json()["turns"] == 3
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+
+
+def test_openai_agents_sdk_runs_a_function_tool(agentrt_server):
+    """The OpenAI Agents SDK's default model (OpenAIResponsesModel) against this server: a run that calls a
+    function tool, a run on the history the SDK keeps itself, and a streamed run continuing a response."""
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        calls.append(city)
+        return f"18 C and sunny in {city}"
+
+    async def main() -> None:
+        set_tracing_disabled(True)
+        set_default_openai_client(openai.AsyncOpenAI(base_url=agentrt_server.url + "/v1", api_key="unused",
+                                                     max_retries=0, timeout=120), use_for_tracing=False)
+        weather = Agent(name="weather", instructions="Answer weather questions with the tool.", model=MODEL,
+                        tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                     temperature=0, max_tokens=64))
+        first = await Runner.run(weather, "What is the weather in Paris?", max_turns=2)
+        assert len(calls) == 1 and first.final_output == f"18 C and sunny in {calls[0]}"
+        assert [item.type for item in first.new_items] == ["tool_call_item", "tool_call_output_item"]
+
+        # The SDK treats an incomplete response as a failure: a structured answer ends on its own.
+        judge = Agent(name="judge", instructions="Answer yes or no.", model=MODEL, output_type=Verdict,
+                      model_settings=ModelSettings(temperature=0, max_tokens=32))
+        second = await Runner.run(judge, first.to_input_list() + [{"role": "user", "content": "Is it warm?"}])
+        assert isinstance(second.final_output, Verdict) and second.last_response_id.startswith("resp_")
+        assert second.raw_responses[0].usage.input_tokens > 0
+
+        streamed = Runner.run_streamed(judge, "And is it sunny?", previous_response_id=second.last_response_id)
+        kinds = {event.type async for event in streamed.stream_events()}
+        assert "raw_response_event" in kinds and isinstance(streamed.final_output, Verdict)
+        response = httpx.get(f"{agentrt_server.url}/v1/responses/{streamed.last_response_id}", timeout=30).json()
+        assert response["previous_response_id"] == second.last_response_id
+        assert response["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("body, param", [
