@@ -287,7 +287,11 @@ async def create_response(body: ResponseCreateRequest, request: Request, tenant:
 
 
 @api.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
+async def get_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                       stream: bool = Query(False)) -> dict:
+    if stream:
+        raise APIError(400, "streaming a stored response again is not supported; GET it without stream",
+                       param="stream")
     return await request.app.state.responses.retrieve(response_id, tenant)
 
 

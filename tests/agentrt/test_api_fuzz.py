@@ -18,7 +18,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-CASES_PER_OPERATION = 20  # x 2 modes x 15 operations, + 3 on a real session: about 560 cases
+CASES_PER_OPERATION = 20  # x 2 modes x 15 operations, + 3 on a real session: at most about 600 cases
 KEY = "fuzz-key"
 
 

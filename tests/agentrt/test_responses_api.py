@@ -202,6 +202,7 @@ def test_retrieve_input_items_and_delete(client, http):
         {"type": "message", "role": "developer", "content": "second"},
         {"role": "user", "content": "third"}])
     assert client.responses.retrieve(r.id).to_dict() == r.to_dict()
+    assert http.get(f"/v1/responses/{r.id}", params={"stream": "true"}).json()["error"]["param"] == "stream"
     items = client.responses.input_items.list(r.id)  # newest first, as OpenAI lists them
     assert [i.content[0].text for i in items.data] == ["third", "second", "first"]
     assert [i.role for i in items.data] == ["user", "developer", "user"] and not items.has_more
