@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
@@ -318,6 +319,20 @@ def test_openai_agents_sdk_runs_a_function_tool(agentrt_server):
         assert response["usage"]["input_tokens_details"]["cached_tokens"] > 0
 
     asyncio.run(main())
+
+
+def test_concurrent_continuations_of_one_response_both_run(client, http):
+    """Two continuations of one response sent at once: neither is refused (no 409 while the other runs,
+    whichever comes first): one takes the session's next turn, the other forks it."""
+    root = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input="Hello", max_output_tokens=2)
+    with ThreadPoolExecutor(2) as pool:
+        children = list(pool.map(lambda text: client.responses.create(
+            model=MODEL, instructions=INSTRUCTIONS, input=text, previous_response_id=root.id, max_output_tokens=12),
+            ["Left", "Right"]))
+    sessions = sorted(session_of(c.id) == session_of(root.id) for c in children)
+    assert sessions == [False, True] and all(c.previous_response_id == root.id for c in children)
+    for child in children:
+        assert client.responses.retrieve(child.id).output_text == child.output_text
 
 
 @pytest.mark.parametrize("body, param", [
