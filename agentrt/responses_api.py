@@ -557,6 +557,9 @@ class ResponseRun:
 
 
 class ResponsesService:
+    """``/v1/responses`` over ``sessions``: :meth:`start` a response (or replay a recorded one),
+    :meth:`retrieve`, :meth:`input_items` and :meth:`delete` stored ones, each for its tenant only."""
+
     def __init__(self, sessions: SessionManager) -> None:
         self.sessions = sessions
         self.gen = sessions.gen
