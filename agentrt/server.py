@@ -3,9 +3,9 @@
 ``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
 from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
 drains the engine. Streams are server-sent events (sse-starlette) ending with ``data: [DONE]``,
-with a ``: ping`` comment every 15 s (the Anthropic Messages API's streams: named events, ``ping``
-events, no ``[DONE]``); a client that disconnects cancels its stream, which aborts the engine
-request and frees its pages.
+with a ``: ping`` comment every 15 s (the Responses API's typed events instead go out named by their
+type, without ``[DONE]``; the Anthropic Messages API's too, with ``ping`` events); a client that
+disconnects cancels its stream, which aborts the engine request and frees its pages.
 
 Generations (chat completions, completions, session turns) answer once their request is placed
 (``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import AppStatus
@@ -42,6 +42,7 @@ from agentrt.metrics import CONTENT_TYPE, Metrics
 from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
                               TurnResponse)
+from agentrt.responses_api import ResponseCreateRequest, ResponseDeleted, ResponsesService
 from agentrt.service import OpenAIService
 from agentrt.sessions import SessionManager, TurnRun
 from agentrt.store import InMemorySessionStore, SessionStore
@@ -153,30 +154,33 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any], cleanup: 
 
 
 def sse_response(chunks: AsyncIterator[dict], close: Callable[[], Awaitable], retry_after_s: int,
-                 headers: dict[str, str] | None = None, *, anthropic: bool = False) -> EventSourceResponse:
+                 headers: dict[str, str] | None = None, *, named: bool = False,
+                 anthropic: bool = False) -> EventSourceResponse:
     """``chunks`` as ``data: {json}`` events, then ``data: [DONE]``. An exception from ``chunks`` becomes an
     error event (the headers are sent, as OpenAI does). ``close`` runs when the stream ends, however it
     ends: also when the client disconnects before the first chunk. ``headers``: more response headers.
-    ``anthropic``: Anthropic's framing instead: each event is named by its chunk's ``type``
-    (``event: message_start``), the keep-alive is an ``event: ping`` event, an error is an
-    ``event: error`` with Anthropic's error body, and no ``[DONE]``."""
-    def event(chunk: dict) -> str | ServerSentEvent:
+    ``named``: each event also carries ``event: <the chunk's type>`` (an error, ``event: error``) and no
+    ``[DONE]`` ends the stream, as the Responses API sends its typed events. ``anthropic``: named, with
+    Anthropic's error body and ``event: ping`` keep-alives (the Messages API)."""
+    named = named or anthropic
+
+    def event(chunk: dict, name: str) -> str | ServerSentEvent:
         data = json.dumps(chunk, ensure_ascii=False)
-        return ServerSentEvent(data, event=chunk["type"], sep="\n") if anthropic else data
+        return ServerSentEvent(data, event=name, sep="\n") if named else data
 
     async def events() -> AsyncIterator[str | ServerSentEvent]:
         try:
             async for chunk in chunks:
-                yield event(chunk)
+                yield event(chunk, chunk.get("type", "message"))
         except Exception as exc:
             error = from_exception(exc, retry_after_s)
-            yield event(error.anthropic_body() if anthropic else error.body())
+            yield event(error.anthropic_body() if anthropic else error.body(), "error")
         finally:
             await close()
-        if not anthropic:
+        if not named:
             yield "[DONE]"
 
-    ping = (lambda: event({"type": "ping"})) if anthropic else None
+    ping = (lambda: event({"type": "ping"}, "ping")) if anthropic else None
     return EventSourceResponse(events(), sep="\n", background=BackgroundTask(close), ping_message_factory=ping,
                                headers={"Cache-Control": "no-cache", **(headers or {})})
 
@@ -347,6 +351,38 @@ async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
     yield {"type": "turn.completed", "turn": SessionManager.turn_view(session_id, run.turn)}
 
 
+@api.post("/v1/responses")
+async def create_response(body: ResponseCreateRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
+    """OpenAI's Responses API; a ``previous_response_id`` chain is a session. Streaming sends typed events."""
+    svc: ResponsesService = request.app.state.responses
+    run = await svc.start(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
+    if body.stream:
+        return sse_response(run.events(), run.close, request.app.state.config.retry_after_s, named=True)
+    return await _unless_disconnected(request, run.collect(), run.close)
+
+
+@api.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                       stream: bool = Query(False)) -> dict:
+    if stream:
+        raise APIError(400, "streaming a stored response again is not supported; GET it without stream",
+                       param="stream")
+    return await request.app.state.responses.retrieve(response_id, tenant)
+
+
+@api.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
+async def delete_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
+    return await request.app.state.responses.delete(response_id, tenant)
+
+
+@api.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                               limit: int = Query(20), order: str = Query("desc"), after: str | None = None,
+                               before: str | None = None) -> dict:
+    return await request.app.state.responses.input_items(response_id, tenant, limit=limit, order=order,
+                                                         after=after, before=before)
+
+
 async def _one_event(event: dict) -> AsyncIterator[dict]:
     yield event
 
@@ -403,6 +439,7 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
     app.state.openai = OpenAIService(generator)
     app.state.anthropic = AnthropicService(generator)
     app.state.sessions = sessions
+    app.state.responses = ResponsesService(sessions)
     install_handlers(app, config.retry_after_s)
     app.include_router(open_routes)
     app.include_router(api)

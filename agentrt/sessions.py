@@ -14,6 +14,10 @@ reply is complete (``SessionStore.append_turn_once``). An error or a client that
 away leaves the session as it was. One turn runs at a time per session (409 otherwise): the
 lock is the store's (``SessionStore.lock_turn``), so with the router's Redis store it holds
 across replicas.
+
+``SessionManager.begin_turn`` is the turn path any API builds on: the session turns of
+``/v1/sessions`` (``start_turn``) and the OpenAI Responses API (``agentrt/responses_api.py``),
+whose chains of responses are sessions and which makes its own prompt (a ``TurnPlan``).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, not_found
-from agentrt.generation import Generation, Generator
+from agentrt.generation import Generation, Generator, Result
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
 from agentrt.service import message_dicts, tool_call_dicts
 from agentrt.store import (SessionDecodeError, SessionLimitReached, SessionNotFound, SessionRecord, SessionStore,
@@ -41,13 +46,13 @@ log = logging.getLogger("agentrt.sessions")
 class TurnRun:
     """A turn in progress: its generation, the session lock it holds, and how to record it."""
 
-    def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str,
-                 new_messages: list[dict[str, Any]], generation: Generation,
-                 lock: TurnLock, pin_ttl_s: float, tenant: Tenant) -> None:
+    def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str, plan: "TurnPlan",
+                 generation: Generation, lock: TurnLock, pin_ttl_s: float, tenant: Tenant) -> None:
         self.manager = manager
         self.record = record
         self.turn_id = turn_id
-        self.new_messages = new_messages
+        self.new_messages = plan.new_messages
+        self.describe = plan.describe
         self.generation = generation
         self.pin_ttl_s = pin_ttl_s
         self.tenant = tenant
@@ -81,6 +86,20 @@ class TurnRun:
             await self._lock.release()
 
 
+@dataclass
+class TurnPlan:
+    """What one turn sends and records: ``messages``, the whole prompt (system, history, then
+    ``new_messages``, which are appended to the history with the reply); the OpenAI-named sampling
+    ``fields``; the structured-output ``options`` (their tools are rendered into the prompt); and
+    ``describe``, which makes the turn record's ``response`` from the finished generation (None: none)."""
+
+    new_messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]
+    fields: dict[str, Any]
+    options: StructuredOutput
+    describe: Callable[[Result], dict[str, Any]] | None = None
+
+
 class SessionManager:
     def __init__(self, store: SessionStore, generator: Generator, config: ServerConfig) -> None:
         self.store = store
@@ -105,17 +124,27 @@ class SessionManager:
             pin_ttl_s=self._check_pin_ttl(req.pin_ttl_s), tenant=tenant.name)
         return await self._create(record, tenant)
 
-    async def fork(self, session_id: str, req: ForkRequest, tenant: Tenant) -> SessionRecord:
-        """A new session with the parent's history and turn records (the engine shares the prefix)."""
+    async def fork(self, session_id: str, req: ForkRequest, tenant: Tenant, at_turn: str | None = None
+                   ) -> SessionRecord:
+        """A new session with the parent's history and turn records (the engine shares the prefix);
+        ``at_turn``: only up to the end of that turn (404 if the parent has no such turn). Turns are
+        copied without their pins and responses (a response stays the parent's, the session its id names)."""
         parent = await self.get(session_id, tenant)
+        messages, turns = parent.messages, parent.turns
+        if at_turn is not None:
+            end = parent.find_turn(at_turn)
+            if end is None:
+                raise not_found(f"session '{session_id}' has no turn '{at_turn}'", param="turn_id",
+                                code="turn_not_found")
+            messages, turns = messages[:end.index + 1], [t for t in turns if t.index <= end.index]
         record = SessionRecord(
             id="sess_" + uuid.uuid4().hex, model=parent.model, system=parent.system, tools=parent.tools,
             sampling=dict(parent.sampling),
             metadata=dict(parent.metadata if req.metadata is None else req.metadata),
             idle_ttl_s=req.idle_ttl_s or parent.idle_ttl_s, pin_ttl_s=parent.pin_ttl_s, parent_id=parent.id,
-            messages=parent.messages, tenant=tenant.name,
+            messages=messages, tenant=tenant.name,
             # the parent keeps its pins: a fork's first turn must not release them
-            turns=[dataclasses.replace(t, pin_id=None, pin_expires_at=0.0) for t in parent.turns])
+            turns=[dataclasses.replace(t, pin_id=None, pin_expires_at=0.0, response=None) for t in turns])
         return await self._create(record, tenant)
 
     async def _create(self, record: SessionRecord, tenant: Tenant) -> SessionRecord:
@@ -207,18 +236,45 @@ class SessionManager:
         """A recorded turn (replay of ``turn_id``) or a running one holding the session's lock."""
         record = await self.get(session_id, tenant)
         new_messages = self._check_new_messages(req)
-        if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
+
+        def plan(record: SessionRecord) -> TurnPlan:
+            fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop",
+                                                                   "seed"}, exclude_none=True)}
+            structured = _structured_options(record.sampling, req)
+            options = StructuredOutput(structured["response_format"], record.tools, structured["tool_choice"],
+                                       structured["parallel_tool_calls"])
+            return TurnPlan(new_messages, self.history(record) + new_messages, fields, options)
+
+        started = await self.begin_turn(record, tenant, req.turn_id, plan)
+        assert started is not None  # begin_turn returns None only for a turn that must follow another
+        return started
+
+    async def begin_turn(self, record: SessionRecord, tenant: Tenant, turn_id: str | None,
+                         plan: Callable[[SessionRecord], TurnPlan], *, after: str | None = None
+                         ) -> TurnRun | TurnRecord | None:
+        """Start a turn on ``record``'s session (``record``: as just read for ``tenant``): the recorded
+        turn if ``turn_id`` is one (a replay), else a running turn holding the session's lock, its request
+        made by ``plan(record)`` from the record as it is once locked. 409 ``turn_in_progress`` while
+        another turn runs. ``after``: the turn must directly follow that turn; None (nothing started)
+        when it cannot now, because another turn runs or has followed it."""
+        if turn_id is not None and (done := record.find_turn(turn_id)) is not None:
             return done
+        session_id = record.id
         lock = await self.store.lock_turn(session_id)
         if lock is None:
+            if after is not None:
+                return None
             raise APIError(409, f"session '{session_id}' already has a turn in progress; wait for it to finish",
                            param="session_id", code="turn_in_progress")
         try:
             record = await self.get(session_id, tenant)
-            if req.turn_id is not None and (done := record.find_turn(req.turn_id)) is not None:
+            if turn_id is not None and (done := record.find_turn(turn_id)) is not None:
                 await lock.release()  # recorded by the turn that held the lock a moment ago
                 return done
-            run = await self._submit(record, req, new_messages, lock, tenant)
+            if after is not None and (record.last_turn is None or record.last_turn.turn_id != after):
+                await lock.release()
+                return None
+            run = await self._submit(record, plan(record), turn_id or "turn_" + uuid.uuid4().hex, lock, tenant)
         except BaseException:
             await lock.release()
             raise
@@ -234,25 +290,20 @@ class SessionManager:
                                   f"'{m.role}' messages", param=f"messages.{i}.role")
         return message_dicts(req.messages)
 
-    async def _submit(self, record: SessionRecord, req: TurnRequest, new_messages: list[dict[str, Any]],
-                lock: TurnLock, tenant: Tenant) -> TurnRun:
+    async def _submit(self, record: SessionRecord, plan: TurnPlan, turn_id: str, lock: TurnLock,
+                      tenant: Tenant) -> TurnRun:
         started = time.monotonic()
-        fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop", "seed"},
-                                                      exclude_none=True)}
-        structured = _structured_options(record.sampling, req)
-        options = StructuredOutput(structured["response_format"], record.tools, structured["tool_choice"],
-                                   structured["parallel_tool_calls"])
         pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
-        generation = await self.gen.start_chat(self._history(record) + new_messages, fields, options,
-                                               pin_ttl_s=pin_ttl, started_at=started,
-                                               session=SessionHint(record.id, record.last_worker), tenant=tenant)
-        return TurnRun(self, record, req.turn_id or "turn_" + uuid.uuid4().hex, new_messages, generation, lock,
-                       pin_ttl, tenant)
+        generation = await self.gen.start_chat(plan.messages, plan.fields, plan.options, pin_ttl_s=pin_ttl,
+                                               started_at=started, session=SessionHint(record.id, record.last_worker),
+                                               tenant=tenant)
+        return TurnRun(self, record, turn_id, plan, generation, lock, pin_ttl, tenant)
 
     @staticmethod
-    def _history(record: SessionRecord) -> list[dict[str, Any]]:
-        """The prompt's messages so far: system, history (replies as the model wrote them, for exact cache reuse)."""
-        history = list(record.messages)
+    def history(record: SessionRecord, upto: TurnRecord | None = None) -> list[dict[str, Any]]:
+        """The prompt's messages so far: system, history (replies as the model wrote them, for exact cache
+        reuse); ``upto``: only up to the end of that turn."""
+        history = list(record.messages) if upto is None else record.messages[:upto.index + 1]
         for t in record.turns:
             if t.raw_text is not None and 0 <= t.index < len(history):
                 history[t.index] = {"role": "assistant", "content": t.raw_text}
@@ -275,7 +326,7 @@ class SessionManager:
                           message=message, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
                           created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
-                          raw_text=result.text)
+                          raw_text=result.text, response=run.describe(result) if run.describe else None)
         try:
             record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn)
         except SessionNotFound:

@@ -39,6 +39,9 @@ class TurnRecord:
     pin_id: str | None = None
     pin_expires_at: float = 0.0
     raw_text: str | None = None  # the reply as the model wrote it: re-rendered verbatim for cache reuse
+    # The Responses API's record of this turn (``agentrt/responses_api.py``: the response object and its
+    # input items); None for a plain session turn, and once the response is deleted.
+    response: dict[str, Any] | None = None
 
 
 @dataclass
@@ -102,6 +105,25 @@ def apply_turn(record: SessionRecord, turn_id: str, new_messages: list[dict[str,
         turns=[*record.turns, copy.deepcopy(reply)],
         last_active_at=max(record.last_active_at, time.time()),
         last_worker=last_worker if last_worker is not None else record.last_worker)
+
+
+_FIXED_TURN_FIELDS = ("turn_id", "index")
+
+
+def apply_turn_update(record: SessionRecord, turn_id: str, changes: dict[str, Any]) -> SessionRecord | None:
+    """The record with ``changes`` (TurnRecord fields other than ``turn_id`` and ``index``) made to its
+    turn ``turn_id`` (every store's ``update_turn`` writes this); None if it has no such turn.
+    ``record`` is not changed; ``last_active_at`` is kept."""
+    changeable = {f.name for f in dataclasses.fields(TurnRecord)} - set(_FIXED_TURN_FIELDS)
+    bad = sorted(set(changes) - changeable)
+    if bad:
+        raise ValueError(f"cannot update turn fields {bad}")
+    turns = list(record.turns)
+    for i, turn in enumerate(turns):
+        if turn.turn_id == turn_id:
+            turns[i] = dataclasses.replace(turn, **copy.deepcopy(changes))
+            return dataclasses.replace(record, turns=turns)
+    return None
 
 
 class SessionStoreError(Exception):
@@ -179,6 +201,10 @@ class SessionStore(abc.ABC):
       stores :func:`apply_turn`'s record and returns ``(record, True)``. Raises
       :class:`SessionNotFound` if the session is gone, ValueError for a ``turn_id`` that is
       empty or not ``reply.turn_id``.
+    - ``update_turn(id, turn_id, **changes)`` atomically stores :func:`apply_turn_update`'s record
+      (the turn's fields, never its id or index, changed) and returns it; None if the session has no
+      turn ``turn_id``. Raises :class:`SessionNotFound` if the session is gone, ValueError for a
+      field that cannot change.
     - ``delete(id)`` removes it and returns the removed record (None if absent).
     - ``list(tenant, limit)`` returns the records (of ``tenant`` if given), most recently
       active first, at most ``limit`` of them (None: the store's own cap, if any).
@@ -201,6 +227,10 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
                                reply: TurnRecord) -> tuple[SessionRecord, bool]:
+        ...
+
+    @abc.abstractmethod
+    async def update_turn(self, session_id: str, turn_id: str, /, **changes: Any) -> SessionRecord | None:
         ...
 
     @abc.abstractmethod
@@ -268,6 +298,17 @@ class InMemorySessionStore(SessionStore):
                 return copy.deepcopy(record), False
             record = self._records[session_id] = apply_turn(record, turn_id, new_messages, reply)
             return copy.deepcopy(record), True
+
+    async def update_turn(self, session_id: str, turn_id: str, /, **changes: Any) -> SessionRecord | None:
+        async with self._lock:
+            record = self._records.get(session_id)
+            if record is None:
+                raise SessionNotFound(session_id)
+            updated = apply_turn_update(record, turn_id, changes)
+            if updated is None:
+                return None
+            self._records[session_id] = updated
+            return copy.deepcopy(updated)
 
     async def delete(self, session_id: str) -> SessionRecord | None:
         async with self._lock:

@@ -39,13 +39,13 @@ from redis.exceptions import WatchError
 
 from agentrt.store import (SessionDecodeError, SessionExists, SessionNotFound, SessionRecord, SessionStore,
                            SessionTooLarge, TenantSessionLimitReached, TurnLock, TurnRecord, apply_turn,
-                           check_tenant_limit)
+                           apply_turn_update, check_tenant_limit)
 from router.config import RouterConfig
 from router.core import retry_for
 
 log = logging.getLogger("router.redis_store")
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3  # 3: turns carry ``response`` (the Responses API's record); 2 (without it) is still read
 
 # KEYS[1]: session key, KEYS[2]: the sessions set, KEYS[3]: the tenant's sessions set.
 # ARGV[1]: the encoded record, ARGV[2]: now (ms), ARGV[3]: session id, ARGV[4]: the tenant's limit (0: none).
@@ -102,7 +102,7 @@ _FIELD_TYPES = {"id": str, "model": str, "system": _OPT_STR, "tools": (list, typ
                 "last_worker": _OPT_STR, "tenant": str}
 _TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
                "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": _OPT_STR,
-               "pin_expires_at": _NUM, "raw_text": _OPT_STR}
+               "pin_expires_at": _NUM, "raw_text": _OPT_STR, "response": (dict, type(None))}
 
 
 def _check(what: str, obj: dict, types: dict[str, type | tuple]) -> None:
@@ -123,9 +123,11 @@ def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise SessionDecodeError(f"session record is not msgpack: {e}") from None
-    if not isinstance(obj, dict) or obj.get("v") != RECORD_VERSION:
+    if not isinstance(obj, dict) or obj.get("v") not in (2, RECORD_VERSION):
         raise SessionDecodeError("session record is not a map of a known version")
-    obj.pop("v")
+    if obj.pop("v") == 2 and isinstance(obj.get("turns"), list):  # version 2 turns had no response
+        obj["turns"] = [{**t, "response": None} if isinstance(t, dict) and "response" not in t else t
+                        for t in obj["turns"]]
     _check("session record", obj, _FIELD_TYPES)
     for name in ("messages", "tools"):
         for i, item in enumerate(obj[name] or []):
@@ -336,8 +338,26 @@ class RedisSessionStore(SessionStore):
 
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
                                reply: TurnRecord) -> tuple[SessionRecord, bool]:
-        key = self.config.session_key(session_id)
         worker = self.worker_of(reply.pin_id) if reply.pin_id else None
+        recorded: list[SessionRecord] = []
+
+        def append(record: SessionRecord) -> SessionRecord | None:
+            if record.find_turn(turn_id) is not None:
+                recorded.append(record)
+                return None
+            return apply_turn(record, turn_id, new_messages, reply, last_worker=worker)
+
+        new = await self._update(session_id, append)
+        return (recorded[0], False) if new is None else (new, True)
+
+    async def update_turn(self, session_id: str, turn_id: str, /, **changes: Any) -> SessionRecord | None:
+        return await self._update(session_id, lambda record: apply_turn_update(record, turn_id, changes))
+
+    async def _update(self, session_id: str, change: Callable[[SessionRecord], SessionRecord | None]
+                      ) -> SessionRecord | None:
+        """Store ``change(record)`` in one WATCH/MULTI transaction (run again when another client wrote
+        the record meanwhile) and return it; None, with nothing written, when ``change`` returns None."""
+        key = self.config.session_key(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             for _ in range(self.max_retries):
                 try:
@@ -345,16 +365,15 @@ class RedisSessionStore(SessionStore):
                     raw = await pipe.get(key)
                     if raw is None:
                         raise SessionNotFound(session_id)
-                    record = self._decode(session_id, raw)
-                    if record.find_turn(turn_id) is not None:
+                    new = change(self._decode(session_id, raw))
+                    if new is None:
                         await pipe.unwatch()
-                        return record, False
-                    new = apply_turn(record, turn_id, new_messages, reply, last_worker=worker)
+                        return None
                     pipe.multi()
                     pipe.set(key, self._encode(new))
                     pipe.zadd(self.config.sessions_set_key, {session_id: _ms(new.last_active_at)})
                     await pipe.execute()
-                    return new, True
+                    return new
                 except WatchError:
                     continue
                 finally:

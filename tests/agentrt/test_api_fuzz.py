@@ -1,9 +1,9 @@
 """Fuzz the HTTP API of a real ``agentrt serve`` from its own OpenAPI schema (schemathesis):
 whatever the request, the server answers without a 5xx and keeps serving.
 
-Generated bodies may ask for long replies; ``max_tokens`` is capped at 4 before sending so
-the run stays short on CPU (the cap changes no validation path: the server checks the
-other fields the same way).
+Generated bodies may ask for long replies; ``max_tokens`` (and ``max_completion_tokens``,
+``max_output_tokens``) is capped at 4 before sending so the run stays short on CPU (the cap
+changes no validation path: the server checks the other fields the same way).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-CASES_PER_OPERATION = 20  # x 2 modes x 13 operations, + 3 on a real session: about 500 cases
+CASES_PER_OPERATION = 20  # x 2 modes x 17 operations, + 3 on a real session: at most about 700 cases
 KEY = "fuzz-key"
 
 
@@ -32,7 +32,7 @@ def fuzz_server(tmp_path_factory, start_agentrt_server):
 
 def cap_tokens(body) -> None:
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(name), int) and not isinstance(body.get(name), bool):
                 body[name] = min(body[name], 4)
         if isinstance(body.get("sampling"), dict):

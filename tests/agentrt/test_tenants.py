@@ -8,6 +8,7 @@ import json
 import uuid
 
 import httpx
+import openai
 import pytest
 from agentrt_test_helpers import MODEL
 
@@ -94,6 +95,30 @@ def test_every_session_endpoint_is_404_across_tenants(http):
     assert fork.status_code == 201 and fork.json()["turns"] == 1
     assert http.delete(f"/v1/sessions/{fork.json()['id']}", headers=auth("alpha")).status_code == 200
     assert http.delete(f"/v1/sessions/{sid}", headers=auth("alpha")).status_code == 200
+
+
+def test_responses_are_404_across_tenants(server):
+    """A stored response belongs to its tenant: retrieve, input_items, delete and continuing it are 404 for
+    any other, exactly as for a response that never existed; the owner keeps it untouched."""
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=TENANTS[tenant][0], max_retries=0, timeout=120)
+
+    with client("alpha") as alpha, client("beta") as beta:
+        mine = alpha.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        for call in (lambda: beta.responses.retrieve(mine.id), lambda: beta.responses.input_items.list(mine.id),
+                     lambda: beta.responses.delete(mine.id),
+                     lambda: beta.responses.create(model=MODEL, input="x", previous_response_id=mine.id),
+                     lambda: beta.responses.create(model=MODEL, input="x", previous_response_id=mine.id,
+                                                   store=False)):
+            with pytest.raises(openai.NotFoundError) as exc:
+                call()
+            assert exc.value.body["code"] == "response_not_found"
+            assert mine.id in exc.value.body["message"]
+        assert alpha.responses.retrieve(mine.id).to_dict() == mine.to_dict()
+        child = alpha.responses.create(model=MODEL, input="x", previous_response_id=mine.id, max_output_tokens=2)
+        assert child.previous_response_id == mine.id
+        alpha.responses.delete(child.id)
+        alpha.responses.delete(mine.id)
 
 
 def cached_tokens(http, tenant: str, prompt: str) -> tuple[int, int]:

@@ -4,10 +4,11 @@ One cluster per module (two workers, two router replicas, one Redis with AOF so 
 restarted); the tests run in file order and the destructive ones (Redis restart, SIGKILL)
 come last. Each checks a promise of docs/routing.md: registration and heartbeat expiry,
 KV events reaching every replica's index, a session staying on its worker through either
-replica, idempotent turns across replicas, tenant limits shared by replicas (two more routers
-with a tenants file, started by that test), a worker's SGLang ``/generate`` stream, Anthropic's
-Messages API through a router, malformed events counted and skipped, serving through a Redis
-restart, and failover after a worker is killed mid-session.
+replica, idempotent turns across replicas, a Responses API chain as one session through both
+replicas, tenant limits shared by replicas (two more routers with a tenants file, started by that
+test), a worker's SGLang ``/generate`` stream, Anthropic's Messages API through a router, malformed
+events counted and skipped, serving through a Redis restart, and failover after a worker is
+killed mid-session.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import anthropic
 import httpx
 import msgpack
+import openai
 import pytest
 import redis
 
@@ -169,6 +171,39 @@ def test_any_replica_releases_a_pin_another_made(cl):
     # Deleting the session through r0 releases r1's pin.
     assert cl.http.delete(cl.url("r0") + f"/v1/sessions/{sid}").status_code in (200, 204)
     c.wait_for(lambda: not pinned(second), what="r0 to release r1's pin on delete")
+
+
+def test_a_responses_chain_is_one_session_across_replicas(cl):
+    """The Responses API behind routers: a previous_response_id chain continued through either replica
+    is one session in Redis, on one worker, reusing its cache; any replica reads and deletes a response."""
+    clients = {name: openai.OpenAI(base_url=cl.url(name) + "/v1", api_key="unused", max_retries=0, timeout=120)
+               for name in ("r0", "r1")}
+    ask = dict(model="SmolLM2-135M-Instruct", instructions=SYSTEM, max_output_tokens=4, temperature=0)
+    previous, ids, workers = None, [], []
+    for t in range(4):
+        client = clients["r0" if t % 2 == 0 else "r1"]
+        r = client.responses.create(input=f"Step {t}: what next?", previous_response_id=previous and previous.id,
+                                    **ask)
+        sid = "sess_" + r.id[5:37]
+        workers.append(cl.last_worker(sid))
+        if previous is not None:
+            before = previous.usage.input_tokens + previous.usage.output_tokens
+            assert r.usage.input_tokens_details.cached_tokens >= 0.9 * before, (r.usage, previous.usage)
+        previous = r
+        ids.append(r.id)
+    assert len({"sess_" + i[5:37] for i in ids}) == 1 and len(set(workers)) == 1, (ids, workers)
+    record = decode_record(cl.redis().get(CFG.session_key("sess_" + ids[0][5:37])), CFG.session_max_bytes)
+    assert [t.turn_id for t in record.turns] == ids and all(t.response for t in record.turns)
+    streamed = list(clients["r1"].responses.create(input="Done?", previous_response_id=ids[0], stream=True, **ask))
+    fork = streamed[-1].response  # a second child of the first response: a fork of the session
+    assert "sess_" + fork.id[5:37] != "sess_" + ids[0][5:37]
+    assert clients["r0"].responses.retrieve(fork.id).output_text == fork.output_text
+    assert clients["r1"].responses.retrieve(ids[2]).to_dict() == clients["r0"].responses.retrieve(ids[2]).to_dict()
+    clients["r0"].responses.delete(ids[3])
+    with pytest.raises(openai.NotFoundError):
+        clients["r1"].responses.retrieve(ids[3])
+    for client in clients.values():
+        client.close()
 
 
 def test_concurrent_sessions_sharing_a_prompt_meet_on_one_worker(cl):

@@ -5,6 +5,7 @@ the consumers count what they reject."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import asdict
 
 import msgpack
@@ -155,9 +156,18 @@ def test_session_decoder_on_one_bad_field(data):
 
 
 def test_session_record_round_trip_and_limits():
-    record = decode_session(packed(good_record()))
+    good = good_record()
+    record = decode_session(packed(good))
     assert record.id == "sess_1" and record.turns[0].turn_id == "t1" and record.tenant == "default"
-    assert asdict(record.turns[0])["raw_text"] == "hi"
+    assert asdict(record.turns[0])["raw_text"] == "hi" and record.turns[0].response is None
+    # A version-2 record (before turns carried a response) still reads, without responses.
+    old = copy.deepcopy(good)
+    old["v"] = 2
+    for turn in old["turns"]:
+        del turn["response"]
+    assert decode_session(packed(old)) == record
+    with pytest.raises(SessionDecodeError):
+        decode_session(packed({**good_record(), "v": 1}))
     with pytest.raises(SessionDecodeError, match="exceeds"):
         decode_record(packed(good_record()), 10)
     with pytest.raises(SessionDecodeError):

@@ -62,6 +62,16 @@ def test_store_contract(kind, request):
                 await store.append_turn_once("s1", "t2", user, reply("t3"))
             with pytest.raises(SessionNotFound):
                 await store.append_turn_once("nope", "t1", user, reply("t1"))
+            updated = await store.update_turn("s1", "t1", response={"id": "resp_1"}, pin_id=None)
+            assert updated == await store.get("s1") and updated.find_turn("t1").response == {"id": "resp_1"}
+            assert updated.messages == again[0].messages and updated.last_active_at == again[0].last_active_at
+            assert await store.update_turn("s1", "nope", response=None) is None
+            for bad in ({"turn_id": "t9"}, {"index": 0}, {"unknown": 1}):
+                with pytest.raises(ValueError):
+                    await store.update_turn("s1", "t1", **bad)
+            with pytest.raises(SessionNotFound):
+                await store.update_turn("nope", "t1", response=None)
+            assert await store.update_turn("s1", "t1", response=None) == first[0]  # as it was
             await store.create(SessionRecord(id="s3", model="m"))
             assert [r.id for r in await store.list()] == ["s3", "s1"]  # most recently active first
             assert [r.id for r in await store.list(tenant="acme")] == ["s1"] and len(await store.list(limit=1)) == 1
