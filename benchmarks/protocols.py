@@ -1,0 +1,247 @@
+"""One agent workload through every API surface of one server: TTFT and cache reuse per surface.
+
+    python benchmarks/protocols.py --json out/protocols.json            # starts agentrt serve
+    python benchmarks/protocols.py --url http://127.0.0.1:8000 --quick  # against a running server
+
+The workload is the engine benchmark's (``benchmarks/workload.py``): S conversations share a
+long system prompt; every turn appends a ~200-token tool result and asks for a short reply at
+temperature 0; conversations run concurrently, turns one after another. It runs four times, one
+surface after the other, each as its clients use it:
+
+* ``chat``: Chat Completions, the client resending the whole history every turn (with
+  ``prompt_cache_key``, which a router would use to keep the conversation on one worker);
+* ``responses``: the Responses API, each turn continuing ``previous_response_id``;
+* ``messages``: the Anthropic Messages API, the client resending the history;
+* ``sessions``: agentrt's session API, the server keeping the history.
+
+Each surface gets its own seed (its own system prompt and tool results), so no surface reads
+another's conversations from the cache. TTFT is measured at the client, from sending the turn to
+the first streamed text. The figure to compare is TTFT p50 on turns 2+ of each surface against
+the session API's (the target: within 1.15x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agentrt.bench.text import system_prompt  # noqa: E402
+from benchmarks.api_sessions import load_tokenizer, percentile  # noqa: E402
+from benchmarks.workload import AgenticWorkload  # noqa: E402
+
+SURFACES = ("sessions", "chat", "responses", "messages")
+TARGET_RATIO = 1.15
+
+
+async def _sse(http: httpx.AsyncClient, path: str, body: dict) -> Any:
+    """``(event name, data)`` of each server-sent event of a streamed POST (``[DONE]`` ends it)."""
+    async with http.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"{path}: {resp.status_code} {resp.text[:300]}")
+        name = None
+        async for line in resp.aiter_lines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield name, json.loads(data)
+                name = None
+
+
+class Turn:
+    """One measured turn: TTFT at the first text, token counts from the surface's usage."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.text: list[str] = []
+        self.prompt = self.cached = self.completion = 0
+
+    def got(self, text: str) -> None:
+        if text and self.first is None:
+            self.first = time.perf_counter()
+        self.text.append(text)
+
+    def record(self, s: int, t: int) -> dict:
+        end = time.perf_counter()
+        return {"conversation": s, "turn": t, "ttft_s": (self.first or end) - self.start,
+                "latency_s": end - self.start, "prompt_tokens": self.prompt, "cached_tokens": self.cached,
+                "completion_tokens": self.completion}
+
+
+def _text(messages: list[dict]) -> str:
+    return "\n".join(m["content"] for m in messages)
+
+
+async def chat(http, wl, tok, system, s, model, records) -> None:
+    history = [{"role": "system", "content": system}]
+    for t in range(wl.turns):
+        history += wl.turn_messages(tok, s, t)
+        turn = Turn()
+        body = {"model": model, "messages": history, "max_tokens": wl.reply_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": f"bench-{s}"}
+        async for _, d in _sse(http, "/v1/chat/completions", body):
+            if d.get("choices"):
+                turn.got(d["choices"][0]["delta"].get("content") or "")
+            if d.get("usage"):
+                u = d["usage"]
+                turn.prompt, turn.completion = u["prompt_tokens"], u["completion_tokens"]
+                turn.cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        history.append({"role": "assistant", "content": "".join(turn.text)})
+        records.append(turn.record(s, t))
+
+
+async def responses(http, wl, tok, system, s, model, records) -> None:
+    previous = None
+    for t in range(wl.turns):
+        turn = Turn()
+        body = {"model": model, "instructions": system, "input": wl.turn_messages(tok, s, t),
+                "max_output_tokens": wl.reply_tokens, "temperature": 0, "stream": True,
+                **({"previous_response_id": previous} if previous else {})}
+        async for name, d in _sse(http, "/v1/responses", body):
+            if name == "response.output_text.delta":
+                turn.got(d["delta"])
+            elif name in ("response.completed", "response.incomplete"):  # incomplete: max_output_tokens
+                previous, u = d["response"]["id"], d["response"]["usage"]
+                turn.prompt, turn.completion = u["input_tokens"], u["output_tokens"]
+                turn.cached = u["input_tokens_details"]["cached_tokens"]
+        records.append(turn.record(s, t))
+
+
+async def messages(http, wl, tok, system, s, model, records) -> None:
+    history: list[dict] = []
+    for t in range(wl.turns):
+        history.append({"role": "user", "content": _text(wl.turn_messages(tok, s, t))})
+        turn = Turn()
+        body = {"model": model, "system": system, "messages": history, "max_tokens": wl.reply_tokens,
+                "temperature": 0, "stream": True}
+        async for name, d in _sse(http, "/v1/messages", body):
+            if name == "content_block_delta" and d["delta"].get("type") == "text_delta":
+                turn.got(d["delta"]["text"])
+            elif name == "message_start":
+                u = d["message"]["usage"]  # Anthropic's input_tokens exclude the tokens read from cache
+                turn.cached = u.get("cache_read_input_tokens") or 0
+                turn.prompt = u["input_tokens"] + turn.cached
+            elif name == "message_delta":
+                turn.completion = d["usage"]["output_tokens"]
+        history.append({"role": "assistant", "content": "".join(turn.text)})
+        records.append(turn.record(s, t))
+
+
+async def sessions(http, wl, tok, system, s, model, records) -> None:
+    created = (await http.post("/v1/sessions", json={
+        "model": model, "system": system, "sampling": {"temperature": 0, "max_tokens": wl.reply_tokens}})).json()
+    sid = created["id"]
+    try:
+        for t in range(wl.turns):
+            turn = Turn()
+            async for _, d in _sse(http, f"/v1/sessions/{sid}/turns",
+                                   {"messages": wl.turn_messages(tok, s, t), "stream": True}):
+                if d.get("type") == "turn.delta":
+                    turn.got(d["content"])
+                elif d.get("type") == "turn.completed":
+                    u = d["turn"]["usage"]
+                    turn.prompt, turn.cached, turn.completion = (u["prompt_tokens"], u["cached_tokens"],
+                                                                 u["completion_tokens"])
+            records.append(turn.record(s, t))
+    finally:
+        await http.delete(f"/v1/sessions/{sid}")
+
+
+DRIVERS: dict[str, Callable[..., Awaitable[None]]] = {
+    "sessions": sessions, "chat": chat, "responses": responses, "messages": messages}
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    later = [r for r in records if r["turn"] > 0]
+    return {"wall_s": wall_s,
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in records),
+            "ttft_p50_s_turns2plus": statistics.median(r["ttft_s"] for r in later),
+            "ttft_p99_s_turns2plus": percentile([r["ttft_s"] for r in later], 99),
+            "cached_fraction_turns2plus": sum(r["cached_tokens"] for r in later)
+            / max(1, sum(r["prompt_tokens"] for r in later)),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+            "completion_tokens": sum(r["completion_tokens"] for r in records),
+            "records": records}
+
+
+async def run(url: str, api_key: str | None, wl_args: dict, surfaces: list[str], model_path: str | None) -> dict:
+    tok = load_tokenizer(model_path)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        for i, name in enumerate(surfaces):
+            wl = AgenticWorkload(**wl_args, seed=1 + SURFACES.index(name))
+            system = system_prompt(tok, wl.system_tokens, seed=wl.seed)
+            records: list[dict] = []
+            print(f"{name} ...", flush=True)
+            start = time.perf_counter()
+            await asyncio.gather(*(DRIVERS[name](http, wl, tok, system, s, model, records)
+                                   for s in range(wl.sessions)))
+            out[name] = summarize(records, time.perf_counter() - start)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default=None, help="a running server (default: start agentrt serve)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--tool-result-tokens", type=int, default=200)
+    ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="4 conversations x 4 turns")
+    ap.add_argument("--surface", action="append", choices=SURFACES, help="only these (repeatable)")
+    ap.add_argument("--model-path", default=None, help="GGUF whose tokenizer sizes the text (default model)")
+    ap.add_argument("--serve-flag", action="append", default=[],
+                    help="extra flag for the server this starts (repeatable, e.g. --serve-flag=--dtype=float32)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sessions, args.turns = 4, 4
+    wl_args = {"sessions": args.sessions, "turns": args.turns, "system_tokens": args.system_tokens,
+               "tool_result_tokens": args.tool_result_tokens, "reply_tokens": args.reply_tokens}
+    surfaces = args.surface or list(SURFACES)
+    procs = None
+    url, flags = args.url, []
+    if url is None:
+        from agentrt.procs import Procs
+        procs = Procs(prefix="agentrt-protocols-", cwd=Path(__file__).resolve().parents[1])
+        flags = ["--log-level", "warning", "--kv-cache-tokens", "131072", *args.serve_flag]
+        url = procs.agentrt("serve", "serve", *flags).wait_ready().url
+    try:
+        results = asyncio.run(run(url, args.api_key, wl_args, surfaces, args.model_path))
+    finally:
+        if procs is not None:
+            procs.stop()
+    base = results.get("sessions", {}).get("ttft_p50_s_turns2plus")
+    print(f"\n{'surface':10s} {'TTFT p50 t2+':>13s} {'vs sessions':>12s} {'cached t2+':>11s} {'wall':>8s}")
+    for name, r in results.items():
+        ratio = r["ttft_p50_s_turns2plus"] / base if base else None
+        r["ttft_ratio_vs_sessions"] = ratio
+        print(f"{name:10s} {r['ttft_p50_s_turns2plus'] * 1000:10.0f} ms {ratio if ratio else float('nan'):11.3f}x "
+              f"{r['cached_fraction_turns2plus']:10.3f} {r['wall_s']:7.1f}s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"workload": wl_args, "server_flags": flags, "target_ratio": TARGET_RATIO,
+                                         "surfaces": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
