@@ -92,7 +92,7 @@ class Report(BaseModel):
     summary: str = Field(max_length=40)
 
 
-def _weather_agent(agentrt_server, output_type, final_step_choice):
+def _weather_agent(agentrt_server, output_type, final_step_choice, responses_api=False):
     """An agent whose first step must call get_weather and whose second must give the result.
 
     SmolLM2 left to choose keeps calling the tool (every call valid, but the run never
@@ -100,7 +100,7 @@ def _weather_agent(agentrt_server, output_type, final_step_choice):
     """
     from pydantic_ai import Agent
     from pydantic_ai.capabilities import AbstractCapability
-    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
     @dataclass
@@ -108,7 +108,8 @@ def _weather_agent(agentrt_server, output_type, final_step_choice):
         def get_model_settings(self):
             return lambda ctx: {"tool_choice": ["get_weather"] if ctx.run_step <= 1 else final_step_choice}
 
-    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=agentrt_server.url + "/v1", api_key="unused"))
+    model_cls = OpenAIResponsesModel if responses_api else OpenAIChatModel
+    model = model_cls(MODEL, provider=OpenAIProvider(base_url=agentrt_server.url + "/v1", api_key="unused"))
     agent = Agent(model, output_type=output_type, capabilities=[ToolThenAnswer()],
                   model_settings={"temperature": 0.0, "max_tokens": 128, "parallel_tool_calls": False})
     calls: list[str] = []
@@ -138,6 +139,20 @@ def test_pydantic_ai_agent_calls_a_function_tool_then_answers(agentrt_server, na
         Report.model_validate_json("".join(p.content for p in responses[1].parts if isinstance(p, TextPart)))
     else:       # the answer is a forced call of the output tool
         assert [p.tool_name for p in responses[1].parts] == ["final_result"]
+
+
+def test_pydantic_ai_responses_model_calls_a_function_tool_then_answers(agentrt_server):
+    """The same agent on pydantic-ai's ``OpenAIResponsesModel``: the Responses API end to end."""
+    from pydantic_ai import ModelResponse, ToolCallPart, UsageLimits
+
+    agent, calls = _weather_agent(agentrt_server, Report, ["final_result"], responses_api=True)
+    result = agent.run_sync("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=3))
+    assert calls and all(isinstance(c, str) and 0 < len(c) <= 100 for c in calls)
+    assert isinstance(result.output, Report)
+    responses = [m for m in result.all_messages() if isinstance(m, ModelResponse)]
+    assert len(responses) == 2
+    assert [p.tool_name for p in responses[0].parts if isinstance(p, ToolCallPart)] == ["get_weather"]
+    assert [p.tool_name for p in responses[1].parts if isinstance(p, ToolCallPart)] == ["final_result"]
 
 
 def test_session_defaults_constrain_every_turn(agentrt_server):
