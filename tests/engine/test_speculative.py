@@ -1,16 +1,58 @@
-"""Speculative decoding from the request's own context (engine/speculative.py): the drafter
-and the verification rule."""
+"""Speculative decoding from the request's own context (engine/speculative.py).
+
+The reference is the same engine with speculation off: greedy output must be token for token
+the same (drafts accepted or not, stops inside a verified draft, preemption), rollback must
+leave the radix cache and page pool as they would be without it, and sampled output must keep
+its distribution.
+"""
 
 import random
 from collections import Counter
 
+import pytest
 import torch
 
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.chat import encode_chat
 from engine.speculative import DraftLength, NgramDrafter, verify
-from engine.types import SamplingParams
+
+QUOTED = '''def alloc(self, n: int) -> list[int]:
+    if n > len(self._free):
+        raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+    out = [heapq.heappop(self._free) for _ in range(n)]
+    for p in out:
+        self._is_free[p] = False
+    return out
+'''
+QUOTED_2 = ("The deploy script reads the manifest, checks every service's health endpoint, drains the "
+            "old workers one by one and starts the new ones with the same ports and the same limits.")
+
+
+def chat(tok, text):
+    return encode_chat(tok, [{"role": "system", "content": "You are a careful assistant."},
+                             {"role": "user", "content": text}])
+
+
+def quote(tok, text):
+    return chat(tok, f"Repeat the following text exactly, with no change and no comment:\n\n{text}")
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    """The conftest default engine's configuration, speculation on."""
+    return LLMEngine(EngineConfig(kv_cache_tokens=32768, max_batched_tokens=256, speculative="ngram"))
+
+
+def spec_counts(engine):
+    st = engine.stats()
+    return st.spec_draft_tokens_total, st.spec_accepted_tokens_total, st.spec_verifications_total
+
 
 # -- the drafter ------------------------------------------------------------------------------------
-
 
 def reference_latest_match(tokens, max_ngram=4, min_ngram=2):
     """Brute force: (end of the latest earlier occurrence of the longest suffix n-gram, n)."""
@@ -91,7 +133,7 @@ def test_draft_length_adapts_to_acceptance_and_reprobes():
 
 def test_greedy_verify_takes_the_agreeing_prefix_and_the_models_next_token():
     logits = torch.tensor([[0., 5, 1], [9, 1, 1], [0, 0, 3]])
-    g = SamplingParams(max_tokens=8, temperature=0)
+    g = greedy(8)
     assert verify(logits, [1, 0], g, None) == ([1, 0, 2], 2)
     assert verify(logits, [2, 0], g, None) == ([1], 0)
     assert verify(logits, [1, 1], g, None) == ([1, 0], 1)
@@ -130,3 +172,116 @@ def test_sampled_verify_commits_tokens_distributed_as_the_model():
         assert chi2_pvalue([counts[t] for t in support], [n * float(p[t]) for t in support]) > 1e-3
     # acceptance as the standard rule has it: the first drafted token with probability p0(x)
     assert abs(accepted[0] / N - (1 - float(probs[0][draft[0]]))) < 0.02
+
+
+# -- the engine: speculation off is the reference ---------------------------------------------------
+
+def test_greedy_batch_is_token_for_token_the_same(default_engine, spec_engine, tokenizer):
+    """Requests that quote their context (drafts accepted) batched with ones that do not."""
+    prompts = [quote(tokenizer, QUOTED), chat(tokenizer, "Name three animals that live in the ocean."),
+               quote(tokenizer, QUOTED_2), chat(tokenizer, "What is the capital of France? Explain.")]
+    params = greedy(96)
+    before = spec_counts(spec_engine)
+    ref = default_engine.generate(prompts, params)
+    got = spec_engine.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [(r.text, r.finish_reason) for r in got] == [(r.text, r.finish_reason) for r in ref]
+    drafted, accepted, verifications = (a - b for a, b in zip(spec_counts(spec_engine), before))
+    assert accepted > 40 and verifications > 0            # the quoting requests really ran on drafts
+    assert accepted / drafted > 0.5
+    st = spec_engine.stats()
+    assert st.spec_acceptance_rate > 0 and st.spec_mean_accepted_length > 1
+    # a request with logprobs does not draft, and still matches
+    lp = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+    before = spec_counts(spec_engine)
+    r_off, r_on = default_engine.generate([prompts[0]], lp)[0], spec_engine.generate([prompts[0]], lp)[0]
+    assert r_on.token_ids == r_off.token_ids and len(r_on.logprobs) == 24
+    assert spec_counts(spec_engine) == before
+
+
+def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
+    """max_tokens at every length, stop strings and a stop token from the middle of a reply that
+    copies its prompt: tokens after a stop are dropped exactly as without speculation."""
+    prompt = quote(tokenizer, QUOTED)
+    ref = default_engine.generate([prompt], greedy(60))[0]
+    text = ref.text
+    assert len(text) > 80
+    stops = [text[40:46], text[70:73]]
+    params = ([greedy(m) for m in range(1, 21)]
+              + [greedy(60, stop=[s]) for s in stops]
+              + [greedy(60, stop_token_ids=[ref.token_ids[17]])])
+    before = spec_counts(spec_engine)
+    off = default_engine.generate([prompt] * len(params), params)
+    on = spec_engine.generate([prompt] * len(params), params)
+    assert [(r.token_ids, r.text, r.finish_reason) for r in on] == \
+        [(r.token_ids, r.text, r.finish_reason) for r in off]
+    assert [len(r.token_ids) for r in on[:20]] == list(range(1, 21))
+    assert all(r.finish_reason == "stop" for r in on[20:])
+    assert spec_counts(spec_engine)[1] > before[1]
+
+
+def test_preemption_with_a_tiny_pool():
+    cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8)
+    off, on = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, speculative="ngram"))
+    tok = off.tokenizer
+    prompts = [quote(tok, f"{i} apples, {i + 1} pears, {i + 2} plums, {i} apples, {i + 1} pears.") for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref, got = off.generate(prompts, params), on.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert all(len(r.token_ids) == 40 for r in got)
+    assert off.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions > 0
+    assert on.stats().spec_accepted_tokens_total > 0
+    st = on.stats()
+    assert st.running == 0 and st.pages_used == st.pages_cached
+
+
+def test_rollback_leaves_cache_and_pool_as_without_speculation(default_engine, spec_engine, tokenizer):
+    prompts = [quote(tokenizer, QUOTED), quote(tokenizer, QUOTED_2), chat(tokenizer, "Tell me about owls.")]
+    params = [greedy(70), greedy(50, stop=["limits"]), greedy(33)]
+    states = []
+    for engine in (default_engine, spec_engine):
+        engine.flush_cache()
+        engine.step()                                   # applies the flush
+        residue = set(engine.cache.all_hashes())        # anything pinned by earlier tests stays
+        free, cached = engine.pool.num_free, engine.cache.cached_pages
+        engine.generate(prompts, params)
+        hashes = sorted(set(engine.cache.all_hashes()) - residue)
+        states.append((hashes, free - engine.pool.num_free, engine.cache.cached_pages - cached,
+                       engine.pool.capacity - engine.pool.num_free - engine.cache.cached_pages))
+    assert states[0] == states[1]
+    assert states[0][0] and states[0][3] == 0           # pages went to the cache; nothing else held
+
+
+def test_sampled_output_keeps_its_distribution(default_engine, spec_engine, tokenizer):
+    """Seeded sampled runs with and without speculation: the token frequencies match (chi-square), and
+    since a verification draws one uniform per committed token, as sampling does, seeded requests
+    draw the same tokens."""
+    prompt = quote(tokenizer, QUOTED_2)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=s) for s in range(64)]
+    before = spec_counts(spec_engine)
+    off = default_engine.generate([prompt] * len(params), params)
+    on = spec_engine.generate([prompt] * len(params), params)
+    drafted, accepted, _ = (a - b for a, b in zip(spec_counts(spec_engine), before))
+    assert accepted > 50 and drafted > accepted           # drafts were accepted and rejected
+    same = sum(a.token_ids == b.token_ids for a, b in zip(off, on))
+    assert same >= 0.97 * len(params)
+    c_off = Counter(t for r in off for t in r.token_ids)
+    c_on = Counter(t for r in on for t in r.token_ids)
+    frequent = [t for t in c_off | c_on if c_off[t] + c_on[t] >= 10]
+    rows = [[c[t] for t in frequent] + [sum(c.values()) - sum(c[t] for t in frequent)] for c in (c_off, c_on)]
+    # two-sample chi-square (homogeneity), 2 x K
+    total = [a + b for a, b in zip(*rows)]
+    n = [sum(r) for r in rows]
+    stat = sum((rows[i][k] - n[i] * total[k] / sum(n)) ** 2 / (n[i] * total[k] / sum(n))
+               for i in range(2) for k in range(len(total)) if total[k])
+    df = sum(1 for t in total if t) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p > 1e-3, (stat, df)
+
+
+def test_speculative_settings_are_checked():
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer from 1 to 16"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
