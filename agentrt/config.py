@@ -22,7 +22,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, EngineConfig
+from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, SPECULATIVE, EngineConfig
 
 ENV_PREFIX = "AGENTRT_"
 # How long an idle HTTP connection stays open. Longer than clients keep idle connections (httpx,
@@ -205,7 +205,7 @@ _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 class ServerConfig(Settings):
     """How ``agentrt serve`` runs: the model, the listener, and the limits it enforces.
 
-    Engine settings (``model`` ... ``ep_redundant``) go to ``engine.EngineConfig``
+    Engine settings (``model`` ... ``num_speculative_tokens``) go to ``engine.EngineConfig``
     (:meth:`engine_config`; the engine validates them) and take its defaults, except three chosen
     for a server on a laptop: ``device`` cpu, ``dtype`` auto and a smaller KV pool. ``max_waiting``
     (requests) and ``max_waiting_tokens`` (their tokens) bound the engine's waiting queue: past
@@ -248,6 +248,11 @@ class ServerConfig(Settings):
     ep_placement: Literal[EP_PLACEMENTS] = Field(_ENGINE["ep_placement"], description="how experts are placed on "
                                                  "ranks: contiguous, balanced or locality")
     ep_redundant: int = Field(_ENGINE["ep_redundant"], description="extra expert slots for replicas of hot experts")
+    speculative: Literal[SPECULATIVE] = Field(_ENGINE["speculative"], description="speculative decoding: off, or "
+                                              "ngram (drafts from the request's own context, verified in the same "
+                                              "step; greedy output unchanged)")
+    num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
+                                        "request verifies per step with --speculative ngram")
     api_keys: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], NoDecode, Flag("--api-key", "KEY")] = Field(
         (), description="accept this API key (repeatable; default: no authentication)")
     tenants_file: str | None = Field(None, description="JSON or TOML file of tenants: hashed API keys, limits, "
@@ -295,7 +300,8 @@ class ServerConfig(Settings):
                             max_model_len=self.max_model_len, max_waiting=self.max_waiting,
                             max_waiting_tokens=self.max_waiting_tokens, enable_prefix_cache=self.enable_prefix_cache,
                             turn_coalesce_max_s=self.turn_coalesce_max_s, ep_size=self.ep, ep_nodes=self.ep_nodes,
-                            ep_placement=self.ep_placement, ep_redundant=self.ep_redundant)
+                            ep_placement=self.ep_placement, ep_redundant=self.ep_redundant,
+                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
 
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in its own registry (no module-level globals).
 
 Request counts and latency histograms are recorded as requests run; engine gauges
-(running, waiting requests and tokens, KV pages, pinned pages, prefix-cache hit tokens) are read from
+(running, waiting requests and tokens, KV pages, pinned pages, prefix-cache hit tokens, speculative
+decoding's draft and accepted tokens) are read from
 ``engine.stats()`` at scrape time, so they are never stale.
 """
 
@@ -48,13 +49,24 @@ class _EngineCollector:
                 ("agentrt_kv_pages_used", "KV cache pages in use (running requests and cached prefixes)",
                  s.pages_used),
                 ("agentrt_kv_pages_pinned", "KV cache pages pinned for sessions between turns", s.pages_pinned),
-                ("agentrt_kv_pins", "Session pins held by the engine", s.num_pins)):
+                ("agentrt_kv_pins", "Session pins held by the engine", s.num_pins),
+                ("agentrt_spec_acceptance_rate", "Speculative decoding: accepted over drafted tokens",
+                 s.spec_acceptance_rate),
+                ("agentrt_spec_mean_accepted_length",
+                 "Speculative decoding: tokens committed per verification (accepted draft tokens plus one)",
+                 s.spec_mean_accepted_length)):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
                 ("agentrt_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens_total),
                 ("agentrt_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                  s.cached_tokens_total),
-                ("agentrt_generation_tokens", "Tokens generated", s.generation_tokens_total)):
+                ("agentrt_generation_tokens", "Tokens generated", s.generation_tokens_total),
+                ("agentrt_spec_draft_tokens", "Speculative decoding: draft tokens proposed and verified",
+                 s.spec_draft_tokens_total),
+                ("agentrt_spec_accepted_tokens", "Speculative decoding: draft tokens the model accepted",
+                 s.spec_accepted_tokens_total),
+                ("agentrt_spec_verifications", "Speculative decoding: drafts verified (one per request and step)",
+                 s.spec_verifications_total)):
             yield CounterMetricFamily(name, doc, value=value)
 
 

@@ -9,6 +9,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
+SPECULATIVE = ("off", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,13 @@ class EngineConfig:
     turn ends, the next step may wait up to ``turn_coalesce_fraction`` of the recent prefill
     step time, at most ``turn_coalesce_max_s``, for the agent's next turn to arrive and join it.
     ``turn_coalesce_max_s=0`` turns it off.
+
+    Speculative decoding (engine/speculative.py): ``speculative="ngram"`` drafts up to
+    ``num_speculative_tokens`` tokens per decoding request and step from the request's own
+    context (prompt lookup, no draft model) and verifies them in the same forward pass; greedy
+    output is token for token the output without it, sampled output has the same distribution.
+    Requests with a grammar constraint or logprobs do not draft. On every attention backend a
+    verification is a short extend chunk (as a prefill chunk over a cached prefix is).
 
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
@@ -59,6 +68,8 @@ class EngineConfig:
     ep_nodes: int = 1
     ep_placement: str = "contiguous"
     ep_redundant: int = 0
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -84,6 +95,12 @@ class EngineConfig:
                              f"got {self.turn_coalesce_max_s} and {self.turn_coalesce_fraction}")
         if self.max_waiting_tokens is not None and self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        if not isinstance(self.num_speculative_tokens, int) or \
+                not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens!r}")
         self._validate_expert_parallel()
 
     def _validate_expert_parallel(self) -> None:

@@ -31,6 +31,7 @@ from engine.radix_cache import RadixCache
 from engine.request import Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
+from engine.speculative import SpeculativeState, verify
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams)
@@ -76,6 +77,9 @@ class LLMEngine:
         # how long a serving loop holds its next step for agents coming back (engine/coalesce.py)
         self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+        self.spec_draft_tokens_total = self.spec_accepted_tokens_total = self.spec_verifications_total = 0
+        if config.speculative == "ngram":
+            self.scheduler.propose = self._propose
         self._snapshot()
 
     def _build_expert_parallel(self, mcfg, state, dtype):
@@ -220,7 +224,10 @@ class LLMEngine:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions, page_size=self.config.page_size,
-            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit)
+            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit,
+            spec_draft_tokens_total=self.spec_draft_tokens_total,
+            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
+            spec_verifications_total=self.spec_verifications_total)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
@@ -254,15 +261,22 @@ class LLMEngine:
         returning = 0
         if sample_idx:
             reqs = [batch.requests[i] for i in sample_idx]
+            drafts = [batch.drafts.get(i, []) for i in sample_idx]
             with torch.inference_mode():  # constraints mask the (inference-mode) logits in place
-                tokens, lps = sample(logits, reqs)
+                if batch.drafts:
+                    tokens, lps, verified = self._verify(logits, reqs, drafts)
+                else:
+                    (tokens, lps), verified = sample(logits, reqs), None
             now = time.monotonic()
-            for req, tok, lp in zip(reqs, tokens, lps):
+            for j, (req, tok, lp) in enumerate(zip(reqs, tokens, lps)):
                 if req.first_token_time is None:
                     req.first_token_time = now
                     self.prompt_tokens_total += len(req.prompt_ids)
                     self.cached_tokens_total += req.cached_tokens or 0
-                self._append_token(req, tok, lp)
+                if drafts[j]:
+                    self._commit_verified(req, drafts[j], *verified[j])
+                else:
+                    self._append_token(req, tok, lp)
                 if req.finished:
                     self.scheduler.finish(req)
                     if req.pin_ttl_s and req.finish_reason in ("stop", "length"):
@@ -272,6 +286,58 @@ class LLMEngine:
         if returning:
             self.coalescer.on_finish(returning)
         return outputs
+
+    # -- speculative decoding (engine/speculative.py) --------------------------
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """The scheduler's ``propose``: a draft for a decoding request, at most ``room`` tokens and
+        never past ``max_tokens`` or the context window. Requests with a constraint or logprobs
+        do not draft (their tokens are sampled one at a time, as without speculation)."""
+        p = req.params
+        if req.constraint is not None or p.logprobs is not None:
+            return []
+        limit = min(room, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        if limit <= 0:
+            return []
+        if req.speculative is None:
+            req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens)
+        return req.speculative.propose(req.output_ids, limit)
+
+    def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]):
+        """Sample the requests without a draft (one logits row each) as ``sample`` does and verify
+        the drafts (``1 + len(draft)`` rows each). Returns (tokens, logprobs, verified): for a
+        request with a draft, ``verified[j]`` is (tokens to commit, drafted tokens accepted)."""
+        firsts, row = [], 0
+        for d in drafts:
+            firsts.append(row)
+            row += 1 + len(d)
+        plain = [j for j, d in enumerate(drafts) if not d]
+        tokens: list[int] = [0] * len(reqs)
+        lps: list = [None] * len(reqs)
+        if plain:
+            toks, plps = sample(logits[[firsts[j] for j in plain]], [reqs[j] for j in plain])
+            for j, t, lp in zip(plain, toks, plps):
+                tokens[j], lps[j] = t, lp
+        verified: list = [None] * len(reqs)
+        for j, d in enumerate(drafts):
+            if d:
+                verified[j] = verify(logits[firsts[j]:firsts[j] + 1 + len(d)], d, reqs[j].params,
+                                     reqs[j].generator)
+        return tokens, lps, verified
+
+    def _commit_verified(self, req: Request, draft: list[int], tokens: list[int], accepted: int) -> None:
+        """Append a verified draft's tokens one at a time (the stop conditions apply to each; tokens
+        after a stop are dropped), then give back the pages of the rejected draft slots."""
+        self.spec_draft_tokens_total += len(draft)
+        self.spec_accepted_tokens_total += accepted
+        self.spec_verifications_total += 1
+        req.speculative.length.update(len(draft), accepted)
+        for tok in tokens:
+            self._append_token(req, tok, None)
+            if req.finished:
+                break
+        # K/V is computed for the last token and the accepted draft tokens: all but the newest token
+        req.num_computed = req.num_tokens - 1
+        self.scheduler.rollback(req)
 
     def _append_token(self, req: Request, tok: int, lp) -> None:
         p = req.params

@@ -17,25 +17,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Returns (logits (S, V) float32, indices into the batch of the S sampling requests).
+        """Returns (logits (S, V) float32, indices into the batch of the requests that sample).
 
         A request samples when this step reaches the end of its tokens (its prefill
-        completes, or it is decoding); a mid-prompt chunk only fills the cache.
+        completes, or it is decoding); a mid-prompt chunk only fills the cache. A request
+        with a draft (``batch.drafts``) gets ``1 + len(draft)`` consecutive logits rows: after
+        its last token and after each draft token.
         """
         ids, pos, slots, q_lens, kv_lens, tables, sample_rows, samplers = [], [], [], [], [], [], [], []
         row = 0
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new)):
             start = req.num_computed
-            tokens = req.all_ids[start:start + n]
-            ids.extend(tokens)
-            pos.extend(range(start, start + n))
-            slots.extend(req.pages[p // self.P] * self.P + p % self.P for p in range(start, start + n))
-            q_lens.append(n)
-            kv_lens.append(start + n)
+            draft = batch.drafts.get(i, ())
+            m = n + len(draft)
+            ids.extend(req.token_slice(start, start + n))
+            ids.extend(draft)
+            pos.extend(range(start, start + m))
+            slots.extend(req.pages[p // self.P] * self.P + p % self.P for p in range(start, start + m))
+            q_lens.append(m)
+            kv_lens.append(start + m)
             tables.append(req.pages)
-            row += n
+            row += m
             if start + n == req.num_tokens:
-                sample_rows.append(row - 1)
+                sample_rows.extend(range(row - 1 - len(draft), row))
                 samplers.append(i)
         dev = self.device
         layout = BatchLayout(q_lens, kv_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev))

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.constraints import TokenConstraint
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.speculative import SpeculativeState
 
 
 class Status(enum.Enum):
@@ -42,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     queued_tokens: int = 0         # what it adds to the scheduler's ``waiting_tokens`` while waiting
     generator: torch.Generator | None = None
+    speculative: SpeculativeState | None = None  # its drafter, once it drafted (engine/speculative.py)
 
     # output text: ``text`` is all decoded text, ``sent`` how much was streamed
     text: str = ""
@@ -56,6 +61,13 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids`` (a decode step reads one token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - n)]
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,12 @@
 """Sampling the next token of each request from its logits row.
 
 Per row, in order: the request's constraint masks disallowed tokens; greedy rows
-take the argmax; other rows apply temperature, top-k and top-p, then draw with
-the request's own generator (so a seed makes a request reproducible whatever it
-is batched with). Log-probabilities are of the model's distribution.
+take the argmax; other rows apply temperature, top-k and top-p (``probabilities``),
+then draw by inverse CDF with one uniform from the request's own generator (``draw``),
+so a seed makes a request reproducible whatever it is batched with, and the n-th
+token of a request is a function of its n-th uniform and its distribution alone
+(speculative verification, engine/speculative.py, relies on that). Log-probabilities
+are of the model's distribution.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.types import TokenLogprob
+from engine.types import SamplingParams, TokenLogprob
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -27,6 +30,22 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: a (V,) logits row after temperature, top-k
+    and top-p."""
+    return torch.softmax(_top_k_top_p(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` (V,) by inverse CDF: exactly one uniform from ``generator``."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.full((1,), u, dtype=torch.float64, device=cdf.device), right=True))
+    if i >= probs.shape[0]:  # u rounded up to the total: the last token that has probability
+        i = int(torch.nonzero(probs).max())
+    return i
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -45,10 +64,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
     for i, r in enumerate(requests):
         if r.params.greedy:
             continue
-        p = r.params
-        row = _top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator).item())
+        tokens[i] = draw(probabilities(logits[i], r.params), r.generator)
     lps: list[TokenLogprob | None] = [None] * len(requests)
     for i, r in enumerate(requests):
         if want_lp[i]:

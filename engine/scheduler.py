@@ -7,6 +7,11 @@ Each step, under a token budget (``max_batched_tokens``):
    matched (and locked) in the radix cache, and the next chunk is scheduled. A request
    whose next pages a running request is still prefilling (same prompt prefix) waits
    for them to reach the cache instead of computing them a second time.
+Then, with ``propose`` set (speculative decoding, engine/speculative.py), decoding
+requests in the batch may add draft tokens to verify, within what is left of the budget
+and of the free pages: a draft never evicts, unpins or preempts, so everything else is
+scheduled as without speculation. After verification the engine calls ``rollback``,
+which frees the pages of rejected draft slots.
 Pages come from the free pool; when it runs dry the scheduler evicts unlocked
 cache, then releases session pins (earliest expiry first), then preempts the
 youngest running request: its computed pages go into the cache (so resuming is
@@ -24,7 +29,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.kv_pool import PagePool
 from engine.radix_cache import Node, RadixCache
@@ -41,6 +47,8 @@ class Pin:
 class ScheduledBatch:
     requests: list[Request]
     num_new: list[int]      # tokens computed for each request this step
+    # batch index -> draft tokens computed after that (decoding) request's last token, to verify
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -62,6 +70,8 @@ class Scheduler:
         self.pins: dict[str, Pin] = {}
         self.num_preemptions = 0
         self.failed: list[Request] = []   # finished by the scheduler; the engine reports them
+        # (decoding request, most tokens) -> a draft to verify this step; None: no speculation
+        self.propose: Callable[[Request, int], list[int]] | None = None
 
     # -- the waiting queue ----------------------------------------------------
     def enqueue(self, req: Request) -> None:
@@ -237,7 +247,32 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new.append(n)
             budget -= n
+        if self.propose is not None:
+            self._add_drafts(batch, budget)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Give decoding requests drafts to verify, from the budget and free pages left over."""
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new)):
+            if budget <= 0:
+                return
+            if n != 1 or req.remaining_prefill != 1 or not req.output_ids:
+                continue
+            room = (len(req.pages) + self.pool.num_free) * self.P - req.num_tokens
+            draft = self.propose(req, min(budget, room))
+            if draft:
+                req.pages.extend(self.pool.alloc(self._pages_for(req, req.num_tokens + len(draft))))
+                batch.drafts[i] = draft
+                budget -= len(draft)
+
+    def rollback(self, req: Request) -> None:
+        """Free the pages past the request's computed tokens: those held only for draft tokens that
+        verification rejected. Their slots' K/V is never read (attention stops at the computed
+        length) and the radix cache only ever receives computed, committed tokens."""
+        keep = -(-req.num_computed // self.P)
+        if len(req.pages) > keep:
+            self.pool.free(req.pages[keep:])
+            del req.pages[keep:]
 
     def _shares_a_running_prefill(self, req: Request) -> bool:
         """True when a running request is still prefilling the next pages ``req`` would compute

@@ -122,3 +122,21 @@ class EngineStats:
     page_size: int
     waiting_tokens: int = 0        # KV demand queued for admission (see EngineConfig.max_waiting_tokens)
     waiting_tokens_limit: int = 0
+    # speculative decoding (EngineConfig.speculative): draft tokens proposed and verified, those of
+    # them the model accepted, and the verifications (one per request per step that had a draft)
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verifications_total: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted ones (0 before any draft)."""
+        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens committed per verification: the accepted draft tokens plus the model's own next
+        token (1 would be no gain; 0 before any verification). Stop conditions cutting a verified
+        run short are not counted against it."""
+        v = self.spec_verifications_total
+        return (self.spec_accepted_tokens_total + v) / v if v else 0.0

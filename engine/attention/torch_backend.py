@@ -17,7 +17,12 @@ scored plus slots copied) is taken:
   their log-sum-exp, as cascade attention does. A step costs O(shared prefix x
   batch + the sum of each row's own context).
 
-Prefill chunks: per sequence, the keys are gathered (one copy) and attended with
+A short extend over a cached prefix (at most ``_DECODE_MAX_Q`` new tokens: a speculative
+verification, the last few prompt tokens after a cache hit) joins the decode plans as one
+decode row per query, each seeing the keys up to its own position; the cascade then scores
+the sequence's context once for all of its queries.
+
+Longer prefill chunks: per sequence, the keys are gathered (one copy) and attended with
 a bottom-right causal mask, or SDPA's ``is_causal`` when nothing was cached
 before the chunk.
 
@@ -41,6 +46,8 @@ _GROUP_SLACK = 1.25
 # cascade: a row whose own pages are one range of at least this many slots is read in place, alone
 # (no copy; its few extra kernel launches cost less than copying that much KV)
 _VIEW_MIN_SLOTS = 256
+# an extend of at most this many queries over a cached prefix is served as that many decode rows
+_DECODE_MAX_Q = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -57,10 +64,12 @@ class TorchAttentionBackend(AttentionBackend):
         row = 0
         for ql, kl, pages in zip(layout.q_lens, layout.kv_lens, layout.page_tables):
             n_pages = -(-kl // P)
-            if ql == 1 and kl > 1:
-                rows.append(row)
-                dec_pages.append(pages[:n_pages])
-                dec_lens.append(kl)
+            if kl > ql and ql <= _DECODE_MAX_Q:   # decode, or a short extend: a decode row per query
+                for i in range(ql):
+                    n = kl - ql + 1 + i
+                    rows.append(row + i)
+                    dec_pages.append(pages[:-(-n // P)])
+                    dec_lens.append(n)
             else:
                 idx = _slots_of(pages[:n_pages], kl, P)
                 mask = None

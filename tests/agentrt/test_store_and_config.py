@@ -9,7 +9,8 @@ import pytest
 
 from agentrt.cli import build_parser
 from agentrt.config import ConfigError, ServerConfig
-from engine import EngineConfig
+from agentrt.metrics import Metrics
+from engine import EngineConfig, EngineStats
 from router.commands import CONNECTION, ROUTER_FIELDS, WORKER_FIELDS
 from router.config import RouterConfig, WorkerSettings
 from agentrt.store import InMemorySessionStore, SessionLimitReached, SessionNotFound, SessionRecord, TurnRecord
@@ -68,6 +69,28 @@ def test_max_waiting_tokens_from_env_and_flag_reaches_the_engine():
     assert args.max_waiting_tokens == 77
     with pytest.raises(ValueError, match="max_waiting_tokens must be >= 1"):
         ServerConfig(max_waiting_tokens=0).engine_config()
+
+
+def test_speculative_settings_reach_the_engine_and_metrics():
+    assert ServerConfig().engine_config().speculative == "off"
+    cfg = ServerConfig.from_sources(environ={"AGENTRT_SPECULATIVE": "ngram", "AGENTRT_NUM_SPECULATIVE_TOKENS": "6"})
+    assert (cfg.engine_config().speculative, cfg.engine_config().num_speculative_tokens) == ("ngram", 6)
+    args = build_parser().parse_args(["serve", "--speculative", "ngram", "--num-speculative-tokens", "3"])
+    assert (args.speculative, args.num_speculative_tokens) == ("ngram", 3)
+    with pytest.raises(ConfigError, match="speculative"):
+        ServerConfig.from_sources({"speculative": "draft-model"}, environ={})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer from 1 to 16"):
+        ServerConfig(num_speculative_tokens=17)
+    metrics = Metrics()
+    metrics.attach_engine(lambda: EngineStats(
+        running=0, waiting=0, pages_total=8, pages_used=0, pages_free=8, pages_cached=0, pages_pinned=0, num_pins=0,
+        prompt_tokens_total=0, cached_tokens_total=0, generation_tokens_total=30, num_preemptions=0, page_size=16,
+        spec_draft_tokens_total=40, spec_accepted_tokens_total=30, spec_verifications_total=10))
+    text = metrics.render().decode()
+    for line in ("agentrt_spec_draft_tokens_total 40.0", "agentrt_spec_accepted_tokens_total 30.0",
+                 "agentrt_spec_verifications_total 10.0", "agentrt_spec_acceptance_rate 0.75",
+                 "agentrt_spec_mean_accepted_length 4.0"):
+        assert line in text, line
 
 
 def _subparsers():

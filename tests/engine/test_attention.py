@@ -163,3 +163,18 @@ def test_unknown_backend_and_layout():
         create_backend("nope")
     with pytest.raises(ValueError, match="layout"):
         KVCache(1, 8, P, HKV, D, torch.float32, "cpu", layout="XYZ")
+
+
+@pytest.mark.parametrize("plan", ["union", "cascade"])
+def test_short_extends_join_the_decode_plans(plan):
+    """Speculative verifications (a request's last token and its draft over its cached context) are
+    served as one decode row per query, each seeing the keys up to its own position."""
+    rng = random.Random(11)
+    torch.manual_seed(4)
+    kv, backend = random_backend(1, 200, plan=plan)
+    layout = make_batch(rng, 200, [(5, 40), (1, 30), (3, 17), (16, 60), (6, 6), (17, 50)], shared_prefix_pages=2)
+    out, ref = run_against_reference(kv, backend, layout, 0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    rows = (backend.decode[0] if plan == "union" else backend.cascade.rows).tolist()
+    assert len(rows) == 5 + 1 + 3 + 16                   # not the fresh prefill, not the 17-token extend
+    assert [start for start, _, _, _ in backend.prefills] == [5 + 1 + 3 + 16, 5 + 1 + 3 + 16 + 6]

@@ -1,0 +1,287 @@
+"""Speculative decoding from the request's own context (engine/speculative.py).
+
+The reference is the same engine with speculation off: greedy output must be token for token
+the same (drafts accepted or not, stops inside a verified draft, preemption), rollback must
+leave the radix cache and page pool as they would be without it, and sampled output must keep
+its distribution.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.chat import encode_chat
+from engine.speculative import DraftLength, NgramDrafter, verify
+
+QUOTED = '''def alloc(self, n: int) -> list[int]:
+    if n > len(self._free):
+        raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+    out = [heapq.heappop(self._free) for _ in range(n)]
+    for p in out:
+        self._is_free[p] = False
+    return out
+'''
+QUOTED_2 = ("The deploy script reads the manifest, checks every service's health endpoint, drains the "
+            "old workers one by one and starts the new ones with the same ports and the same limits.")
+
+
+def chat(tok, text):
+    return encode_chat(tok, [{"role": "system", "content": "You are a careful assistant."},
+                             {"role": "user", "content": text}])
+
+
+def quote(tok, text):
+    return chat(tok, f"Repeat the following text exactly, with no change and no comment:\n\n{text}")
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    """The conftest default engine's configuration, speculation on."""
+    return LLMEngine(EngineConfig(kv_cache_tokens=32768, max_batched_tokens=256, speculative="ngram"))
+
+
+def spec_counts(engine):
+    st = engine.stats()
+    return st.spec_draft_tokens_total, st.spec_accepted_tokens_total, st.spec_verifications_total
+
+
+# -- the drafter ------------------------------------------------------------------------------------
+
+def reference_latest_match(tokens, max_ngram=4, min_ngram=2):
+    """Brute force: (end of the latest earlier occurrence of the longest suffix n-gram, n)."""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        for e in range(L - 1, n - 1, -1):
+            if tokens[e - n:e] == tokens[L - n:]:
+                return e, n
+    return None
+
+
+def test_drafter_proposes_what_followed_the_longest_latest_match():
+    d = NgramDrafter([5, 1, 2, 3, 9, 8, 2, 3, 7, 1, 2, 3])
+    assert d.propose(3) == [9, 8, 2]           # (1, 2, 3) beats the later (2, 3)
+    d.extend([4, 4])                            # suffix (3, 4, 4) / (4, 4) never occurred before
+    assert d.propose(3) == []
+    d.extend([1, 2])
+    assert d.propose(2) == [3, 4]               # (1, 2): its latest earlier occurrence is followed by 3, 4
+    assert NgramDrafter([7, 7, 7]).propose(5) == [7, 7, 7, 7, 7]    # a repeating run continues itself
+    assert NgramDrafter([1, 2]).propose(3) == []
+    assert NgramDrafter([1, 2, 1, 2]).propose(0) == []
+
+
+def test_drafter_keeps_following_the_place_it_copies():
+    """A file whose 4-gram (1 2 3 4) occurs twice, copied from its start: at the second occurrence
+    the latest earlier match is the reply's own copy of the first one (followed by 10), but the
+    copy goes on from where it is in the file (20)."""
+    source = [1, 2, 3, 4, 10, 11, 12, 13, 14, 1, 2, 3, 4, 20, 21, 22, 23]
+    d = NgramDrafter(source + [0, 9, 1, 2, 3, 4, 10])   # the reply has copied "1 2 3 4 10"
+    assert d.propose(3) == [11, 12, 13]
+    d.extend([11, 12])
+    assert d.propose(3) == [13, 14, 1]
+    d.extend([13, 14, 1, 2, 3, 4])                      # copying on, through the repeated 4-gram
+    assert d.latest_match() == (len(source) + 6, 4)     # the reply's own "1 2 3 4", followed by 10
+    assert d.propose(2) == [20, 21]
+    d.extend([99])                                      # the reply departs from the source
+    assert d.propose(2) == []
+
+
+def test_drafter_index_kept_incrementally_equals_brute_force():
+    rng = random.Random(0)
+    for trial in range(40):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        d = NgramDrafter(tokens)
+        for _ in range(25):
+            assert d.latest_match() == reference_latest_match(tokens), (trial, tokens)
+            k = rng.randrange(1, 6)
+            draft = d.propose(k)
+            assert len(draft) == (k if reference_latest_match(tokens) else 0)
+            new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            tokens += new
+            d.extend(new)
+
+
+def test_draft_length_adapts_to_acceptance_and_reprobes():
+    ln = DraftLength(4)
+    assert ln.limit() == 4
+    for _ in range(3):                    # nothing accepted: 4 -> 2 -> 1 -> 0
+        ln.update(ln.limit(), 0)
+    assert ln.k == 0
+    limits = [ln.limit() for _ in range(DraftLength.PROBE_AFTER * 2 * 2)]
+    # a first probe after a back-off of twice PROBE_AFTER (doubled when the length reached 0)
+    probes = [i for i, n in enumerate(limits) if n]
+    assert probes == [2 * DraftLength.PROBE_AFTER - 1, 4 * DraftLength.PROBE_AFTER - 1]
+    ln.update(1, 0)                       # a failed probe: the back-off doubles again
+    assert ln.probe_after == 4 * DraftLength.PROBE_AFTER
+    ln.update(1, 1)                       # a probe accepted: drafting resumes and grows
+    assert ln.k == 2 and ln.probe_after == DraftLength.PROBE_AFTER
+    ln.update(2, 2)
+    ln.update(3, 3)
+    ln.update(4, 4)
+    assert ln.limit() == 4                # capped at the configured length
+    ln.update(4, 1)                       # partly accepted: kept at least the accepted length + 1
+    assert ln.k == 4
+
+
+# -- verification -----------------------------------------------------------------------------------
+
+def test_greedy_verify_takes_the_agreeing_prefix_and_the_models_next_token():
+    logits = torch.tensor([[0., 5, 1], [9, 1, 1], [0, 0, 3]])
+    g = greedy(8)
+    assert verify(logits, [1, 0], g, None) == ([1, 0, 2], 2)
+    assert verify(logits, [2, 0], g, None) == ([1], 0)
+    assert verify(logits, [1, 1], g, None) == ([1, 0], 1)
+
+
+def chi2_pvalue(observed, expected):
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_verify_commits_tokens_distributed_as_the_model():
+    """The first committed token is distributed as p0 whatever the draft; after an accepted first
+    token, the second as p1: chi-square against the exact (temperature, top-k processed) probabilities."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=6)
+    probs = [torch.softmax(torch.where(row >= torch.topk(row, 6).values[-1], row / 0.8,
+                                       torch.tensor(float("-inf"))), -1) for row in logits]
+    g = torch.Generator().manual_seed(1)
+    draft = [int(torch.argmax(probs[0])), int(torch.argsort(probs[1])[-2])]  # likely, then less likely
+    firsts, seconds, accepted = Counter(), Counter(), Counter()
+    N = 12000
+    for _ in range(N):
+        out, a = verify(logits, draft, params, g)
+        assert len(out) == a + 1 and out[:a] == draft[:a]
+        firsts[out[0]] += 1
+        accepted[a] += 1
+        if out[0] == draft[0]:
+            seconds[out[1]] += 1
+    for counts, p in ((firsts, probs[0]), (seconds, probs[1])):
+        n = sum(counts.values())
+        support = [t for t in range(8) if p[t] > 0]
+        assert set(counts) <= set(support)         # never a token top-k removed
+        assert chi2_pvalue([counts[t] for t in support], [n * float(p[t]) for t in support]) > 1e-3
+    # acceptance as the standard rule has it: the first drafted token with probability p0(x)
+    assert abs(accepted[0] / N - (1 - float(probs[0][draft[0]]))) < 0.02
+
+
+# -- the engine: speculation off is the reference ---------------------------------------------------
+
+def test_greedy_batch_is_token_for_token_the_same(default_engine, spec_engine, tokenizer):
+    """Requests that quote their context (drafts accepted) batched with ones that do not."""
+    prompts = [quote(tokenizer, QUOTED), chat(tokenizer, "Name three animals that live in the ocean."),
+               quote(tokenizer, QUOTED_2), chat(tokenizer, "What is the capital of France? Explain.")]
+    params = greedy(96)
+    before = spec_counts(spec_engine)
+    ref = default_engine.generate(prompts, params)
+    got = spec_engine.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [(r.text, r.finish_reason) for r in got] == [(r.text, r.finish_reason) for r in ref]
+    drafted, accepted, verifications = (a - b for a, b in zip(spec_counts(spec_engine), before))
+    assert accepted > 40 and verifications > 0            # the quoting requests really ran on drafts
+    assert accepted / drafted > 0.5
+    st = spec_engine.stats()
+    assert st.spec_acceptance_rate > 0 and st.spec_mean_accepted_length > 1
+    # a request with logprobs does not draft, and still matches
+    lp = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+    before = spec_counts(spec_engine)
+    r_off, r_on = default_engine.generate([prompts[0]], lp)[0], spec_engine.generate([prompts[0]], lp)[0]
+    assert r_on.token_ids == r_off.token_ids and len(r_on.logprobs) == 24
+    assert spec_counts(spec_engine) == before
+
+
+def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
+    """max_tokens at every length, stop strings and a stop token from the middle of a reply that
+    copies its prompt: tokens after a stop are dropped exactly as without speculation."""
+    prompt = quote(tokenizer, QUOTED)
+    ref = default_engine.generate([prompt], greedy(60))[0]
+    text = ref.text
+    assert len(text) > 80
+    stops = [text[40:46], text[70:73]]
+    params = ([greedy(m) for m in range(1, 21)]
+              + [greedy(60, stop=[s]) for s in stops]
+              + [greedy(60, stop_token_ids=[ref.token_ids[17]])])
+    before = spec_counts(spec_engine)
+    off = default_engine.generate([prompt] * len(params), params)
+    on = spec_engine.generate([prompt] * len(params), params)
+    assert [(r.token_ids, r.text, r.finish_reason) for r in on] == \
+        [(r.token_ids, r.text, r.finish_reason) for r in off]
+    assert [len(r.token_ids) for r in on[:20]] == list(range(1, 21))
+    assert all(r.finish_reason == "stop" for r in on[20:])
+    assert spec_counts(spec_engine)[1] > before[1]
+
+
+def test_preemption_with_a_tiny_pool():
+    cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8)
+    off, on = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, speculative="ngram"))
+    tok = off.tokenizer
+    prompts = [quote(tok, f"{i} apples, {i + 1} pears, {i + 2} plums, {i} apples, {i + 1} pears.") for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref, got = off.generate(prompts, params), on.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert all(len(r.token_ids) == 40 for r in got)
+    assert off.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions > 0
+    assert on.stats().spec_accepted_tokens_total > 0
+    st = on.stats()
+    assert st.running == 0 and st.pages_used == st.pages_cached
+
+
+def test_rollback_leaves_cache_and_pool_as_without_speculation(default_engine, spec_engine, tokenizer):
+    prompts = [quote(tokenizer, QUOTED), quote(tokenizer, QUOTED_2), chat(tokenizer, "Tell me about owls.")]
+    params = [greedy(70), greedy(50, stop=["limits"]), greedy(33)]
+    states = []
+    for engine in (default_engine, spec_engine):
+        engine.flush_cache()
+        engine.step()                                   # applies the flush
+        residue = set(engine.cache.all_hashes())        # anything pinned by earlier tests stays
+        free, cached = engine.pool.num_free, engine.cache.cached_pages
+        engine.generate(prompts, params)
+        hashes = sorted(set(engine.cache.all_hashes()) - residue)
+        states.append((hashes, free - engine.pool.num_free, engine.cache.cached_pages - cached,
+                       engine.pool.capacity - engine.pool.num_free - engine.cache.cached_pages))
+    assert states[0] == states[1]
+    assert states[0][0] and states[0][3] == 0           # pages went to the cache; nothing else held
+
+
+def test_sampled_output_keeps_its_distribution(default_engine, spec_engine, tokenizer):
+    """Seeded sampled runs with and without speculation: the token frequencies match (chi-square), and
+    since a verification draws one uniform per committed token, as sampling does, seeded requests
+    draw the same tokens."""
+    prompt = quote(tokenizer, QUOTED_2)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=s) for s in range(64)]
+    before = spec_counts(spec_engine)
+    off = default_engine.generate([prompt] * len(params), params)
+    on = spec_engine.generate([prompt] * len(params), params)
+    drafted, accepted, _ = (a - b for a, b in zip(spec_counts(spec_engine), before))
+    assert accepted > 50 and drafted > accepted           # drafts were accepted and rejected
+    same = sum(a.token_ids == b.token_ids for a, b in zip(off, on))
+    assert same >= 0.97 * len(params)
+    c_off = Counter(t for r in off for t in r.token_ids)
+    c_on = Counter(t for r in on for t in r.token_ids)
+    frequent = [t for t in c_off | c_on if c_off[t] + c_on[t] >= 10]
+    rows = [[c[t] for t in frequent] + [sum(c.values()) - sum(c[t] for t in frequent)] for c in (c_off, c_on)]
+    # two-sample chi-square (homogeneity), 2 x K
+    total = [a + b for a, b in zip(*rows)]
+    n = [sum(r) for r in rows]
+    stat = sum((rows[i][k] - n[i] * total[k] / sum(n)) ** 2 / (n[i] * total[k] / sum(n))
+               for i in range(2) for k in range(len(total)) if total[k])
+    df = sum(1 for t in total if t) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p > 1e-3, (stat, df)
+
+
+def test_speculative_settings_are_checked():
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer from 1 to 16"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
