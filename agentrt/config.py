@@ -213,7 +213,8 @@ class ServerConfig(Settings):
     (generations in flight, the HTTP admission limit). ``tenants_file`` (``agentrt/tenants.py``)
     replaces ``api_keys``; neither means no authentication. ``turn_coalesce_max_s`` is
     engine/coalesce.py's cap. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
-    turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for.
+    turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for;
+    ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
     """
 
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -268,6 +269,10 @@ class ServerConfig(Settings):
     pin_ttl_tool_s: float = Field(120.0, gt=0, description="seconds the prefix stays pinned when the reply ended "
                                   "in a tool call")
     max_pin_ttl_s: float = Field(600.0, gt=0, description="the longest pin a session may ask for, in seconds")
+    affinity_turns: bool = Field(True, description="treat a request that names its conversation (prompt_cache_key, "
+                                 "a session header) as a session turn: its prefix stays pinned for pin_ttl_s until "
+                                 "the conversation's next request, and the engine holds its next step for that "
+                                 "request")
     sweep_interval_s: float = Field(1.0, gt=0, description="seconds between sweeps for idle sessions and expired "
                                     "pins")
     shutdown_timeout_s: float = Field(10.0, gt=0, description="seconds a graceful shutdown waits for requests in "

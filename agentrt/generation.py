@@ -21,6 +21,7 @@ from engine.chat import StreamingToolCallParser, ToolCall, encode_chat
 from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
 from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 
+from agentrt.affinity import AffinityPins
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
@@ -58,8 +59,9 @@ class Generation:
 
     def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *, parse_tools: bool,
                  parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
-                 tenant: Tenant | None = None, reservation: Any = None) -> None:
+                 tenant: Tenant | None = None, reservation: Any = None, affinity_turn: bool = False) -> None:
         self.gen = generator
+        self.affinity_turn = affinity_turn  # pinned as its conversation's latest turn (Generator.start)
         self.tenant = tenant
         self._reservation = reservation
         self.request_id = request_id
@@ -177,6 +179,8 @@ class Generation:
         reason = "tool_calls" if (self._calls and out.finish_reason == "stop") else out.finish_reason
         self.result.content, self.result.tool_calls = content, list(self._calls)
         self.result.finish_reason = reason or "stop"
+        if self.affinity_turn and reason == "tool_calls":  # the agent comes back after running the tool
+            self.gen.engine.extend_pin(self.request_id, self.gen.config.pin_ttl_tool_s)
         return tail
 
     def _record(self, out: RequestOutput) -> None:
@@ -208,6 +212,7 @@ class Generator:
         self.in_flight = 0
         self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
         self.tenant_limits = tenant_limits if tenant_limits is not None else TenantLimits()
+        self.affinity_pins = AffinityPins(config.max_sessions)
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
@@ -278,7 +283,16 @@ class Generator:
                     cache_salt: str | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
-        prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker)."""
+        prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker).
+
+        A request that names its conversation (``session.remember``: an affinity key) and asks for no pin
+        of its own is that conversation's latest turn, when ``affinity_turns`` is on: the engine pins it
+        for ``pin_ttl_s`` when it ends (``pin_ttl_tool_s`` after a tool call) and holds its next step for
+        the agent's return as it does for a session turn; the conversation's next request releases it."""
+        affinity_turn = (pin_ttl_s is None and session is not None and session.remember
+                         and self.config.affinity_turns)
+        if affinity_turn:
+            pin_ttl_s = self.config.pin_ttl_s
         if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
             raise draining(self.config.retry_after_s)
         if self.in_flight >= self.config.max_concurrent_requests:
@@ -304,10 +318,14 @@ class Generator:
             if reservation is not None:
                 await self.tenant_limits.release(tenant, reservation, 0)
             raise self._submit_error(exc) from None
+        if affinity_turn:  # this request now holds the conversation's prefix: the last turn's pin is done
+            previous = self.affinity_pins.replace(session.session_id, request_id)
+            if previous is not None:
+                self.engine.unpin(previous)
         return Generation(self, stream, request_id, parse_tools=parse_tools,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic(),
-                          tenant=tenant, reservation=reservation)
+                          tenant=tenant, reservation=reservation, affinity_turn=affinity_turn)
 
     async def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> Any:
         """Reserve the tenant's share (None: no tenant); 429 with Retry-After past its limits."""

@@ -3,8 +3,11 @@ what order the body field and the headers count, and the tenant-scoped routing h
 
 from __future__ import annotations
 
+import asyncio
+
 import pydantic
 import pytest
+from engine.types import RequestOutput
 from starlette.datastructures import Headers
 
 from agentrt.affinity import AFFINITY_HEADERS, affinity_hint, affinity_key
@@ -73,12 +76,18 @@ def test_prompt_cache_key_is_a_string_field_of_chat_and_completions():
 
 
 class _RecordingEngine:
-    """An engine client that records each request's session hint and finishes it at once."""
+    """An engine client that records each request's session hint, pin TTL and the pin calls made, and
+    finishes each request at once with ``reply`` (empty: no output at all)."""
 
     max_model_len = 2048
 
-    def __init__(self) -> None:
+    def __init__(self, reply: str = "") -> None:
         self.hints: list = []
+        self.pin_ttls: list = []
+        self.request_ids: list[str] = []
+        self.unpins: list[str] = []
+        self.extended: list[tuple[str, float]] = []
+        self.reply = reply
 
     def constraint(self, options):
         return None
@@ -86,20 +95,38 @@ class _RecordingEngine:
     def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", pin_ttl_s=None,
                session=None):
         self.hints.append(session)
-        return _Closed()
+        self.pin_ttls.append(pin_ttl_s)
+        self.request_ids.append(request_id)
+        return _Closed(request_id, self.reply)
+
+    def unpin(self, pin_id, worker=None):
+        self.unpins.append(pin_id)
+
+    def extend_pin(self, pin_id, ttl_s, worker=None):
+        self.extended.append((pin_id, ttl_s))
 
 
 class _Closed:
+    def __init__(self, request_id: str, reply: str) -> None:
+        self.outputs = [RequestOutput(request_id, reply, [1], finished=True, finish_reason="stop", prompt_tokens=3,
+                                      completion_tokens=1)] if reply else []
+
     async def placed(self):
         return None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.outputs:
+            raise StopAsyncIteration
+        return self.outputs.pop(0)
 
     async def aclose(self):
         return None
 
 
-def test_chat_and_completions_submit_the_tenants_hint():
-    import asyncio
-
+def _openai_service(engine, **config):
     from agentrt.config import ServerConfig
     from agentrt.generation import Generator
     from agentrt.metrics import Metrics
@@ -107,11 +134,15 @@ def test_chat_and_completions_submit_the_tenants_hint():
     from router.model_info import load_router_model
 
     model = load_router_model(None)
+    return OpenAIService(Generator(engine, model, ServerConfig(**config), Metrics())), model.model_id
+
+
+def test_chat_and_completions_submit_the_tenants_hint():
     engine = _RecordingEngine()
-    svc = OpenAIService(Generator(engine, model, ServerConfig(), Metrics()))
+    svc, model_id = _openai_service(engine)
     alice = Tenant("alice")
-    chat = ChatCompletionRequest(model=model.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    completion = CompletionRequest(model=model.model_id, prompt="hi", max_tokens=2)
+    chat = ChatCompletionRequest(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    completion = CompletionRequest(model=model_id, prompt="hi", max_tokens=2)
 
     async def body():
         for start, req in ((svc.start_chat, chat), (svc.start_completion, completion)):
@@ -122,3 +153,68 @@ def test_chat_and_completions_submit_the_tenants_hint():
     asyncio.run(body())
     hint = affinity_hint(alice, "conv-1")
     assert engine.hints == [hint, None, hint, None]
+
+
+def _chat(model_id: str, text: str = "hi", tools: list | None = None) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=model_id, messages=[{"role": "user", "content": text}], max_tokens=4,
+                                 tools=tools)
+
+
+def test_a_keyed_request_is_pinned_until_its_conversations_next_request():
+    """An affinity-keyed request is submitted with the server's pin TTL (so the engine pins it and holds
+    its next step for the agent, engine/coalesce.py); the same conversation's next request releases that
+    pin, other conversations' and other tenants' requests do not, and an unkeyed request is not pinned."""
+    engine = _RecordingEngine()
+    svc, model_id = _openai_service(engine, pin_ttl_s=25.0)
+    alice, bob = Tenant("alice"), Tenant("bob")
+
+    async def body():
+        for tenant, key in ((alice, "conv-1"), (alice, "conv-2"), (bob, "conv-1"), (alice, None),
+                            (alice, "conv-1"), (alice, "conv-1")):
+            generation = await svc.start_chat(_chat(model_id), tenant, key)
+            await generation.close()
+
+    asyncio.run(body())
+    ids = engine.request_ids
+    assert engine.pin_ttls == [25.0, 25.0, 25.0, None, 25.0, 25.0]
+    # alice's conv-1: its third request released its second's pin, which had released its first's
+    assert engine.unpins == [ids[0], ids[4]]
+    assert len(svc.gen.affinity_pins) == 3   # alice conv-1 and conv-2, bob conv-1
+
+
+def test_affinity_turns_off_pins_nothing_and_a_request_with_its_own_pin_keeps_it():
+    engine = _RecordingEngine()
+    svc, model_id = _openai_service(engine, affinity_turns=False)
+
+    async def body(start):
+        for _ in range(2):
+            generation = await start()
+            await generation.close()
+
+    asyncio.run(body(lambda: svc.start_chat(_chat(model_id), Tenant("alice"), "conv-1")))
+    assert engine.pin_ttls == [None, None] and engine.unpins == []
+
+    # a request that asks for its own pin (an Anthropic cache_control breakpoint) is not a turn to release
+    engine = _RecordingEngine()
+    svc, model_id = _openai_service(engine)
+    prompt = svc.gen.chat_prompt([{"role": "user", "content": "hi"}], None)
+    from engine.types import SamplingParams
+    hint = affinity_hint(Tenant("alice"), "conv-1")
+    asyncio.run(body(lambda: svc.gen.start(prompt, SamplingParams(max_tokens=2), pin_ttl_s=300.0, session=hint)))
+    assert engine.pin_ttls == [300.0, 300.0] and engine.unpins == []
+
+
+def test_a_keyed_reply_that_calls_a_tool_keeps_its_pin_for_the_tool_ttl():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for key, reply, extended in (("conv-1", call, True), ("conv-1", "It is sunny.", False), (None, call, False)):
+        engine = _RecordingEngine(reply)
+        svc, model_id = _openai_service(engine, pin_ttl_tool_s=90.0)
+
+        async def body():
+            req = _chat(model_id, "Weather in Paris?", tools)
+            return await svc.chat(req, await svc.start_chat(req, Tenant("alice"), key))
+
+        answer = asyncio.run(body())
+        assert answer["choices"][0]["finish_reason"] == ("tool_calls" if reply == call else "stop")
+        assert engine.extended == ([(engine.request_ids[0], 90.0)] if extended else []), (key, reply)
