@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -107,6 +108,8 @@ class RouterCore:
         self._seeds: dict[str, bytes] = {}
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # worker id -> when this replica's last mark_dead reached Redis (inf: still on its way)
+        self._marked_dead: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -144,7 +147,12 @@ class RouterCore:
         for a while (hung, partitioned) comes back with its cache, and may publish no event for a
         long time (its sessions' prefixes are already cached), so waiting for one would leave its
         index empty and steer its sessions elsewhere."""
+        started = time.monotonic()
         live = {w.worker_id: w for w in await self.registry.live_workers()}
+        # A worker marked dead while this read was on its way may still be in it: keep it out, or this
+        # refresh would route to it again until the next one (and each failed request marks it again).
+        for wid in [wid for wid in live if self._marked_dead.get(wid, -1.0) >= started]:
+            del live[wid]
         for wid in set(self.workers) - set(live):
             log.info("worker %s left (heartbeat expired or unregistered)", wid)
             self._forget(wid)
@@ -169,11 +177,14 @@ class RouterCore:
     async def mark_dead(self, worker_id: str) -> None:
         """A connection to the worker failed: route around it now, and tell the other replicas."""
         log.warning("worker %s unreachable: marked dead", worker_id)
+        self._marked_dead[worker_id] = math.inf  # a refresh reading Redis meanwhile may still find it live
         self._forget(worker_id)
         try:
             await self.registry.mark_dead(worker_id)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("could not mark %s dead in Redis: %s", worker_id, exc)
+        finally:
+            self._marked_dead[worker_id] = time.monotonic()  # refreshes reading from now on do not
 
     # ------------------------------------------------------------ routing
 

@@ -257,3 +257,43 @@ def test_affinity_tolerates_redis_failures_and_can_be_turned_off(redis_url):
         await client.aclose()
 
     asyncio.run(body())
+
+
+def test_a_refresh_in_flight_when_a_worker_is_marked_dead_does_not_bring_it_back(redis_url):
+    """A refresh that read the live workers just before a request found one dead must not put it
+    back: until the next refresh the router would send requests to a dead worker (each failing over
+    and marking it dead again). It is live again once it heartbeats."""
+    cfg = RouterConfig(redis_url=redis_url)
+
+    async def body():
+        (a,) = await _replicas(cfg, 1)
+        client = aioredis.Redis.from_url(redis_url)
+        real = a.registry.live_workers
+        read, resume = asyncio.Event(), asyncio.Event()
+
+        async def read_then_wait():
+            live = await real()
+            read.set()
+            await resume.wait()
+            return live
+        try:
+            a.registry.live_workers = read_then_wait
+            refresh = asyncio.create_task(a.refresh())
+            await read.wait()                       # the refresh found w1 live ...
+            await a.mark_dead("w1")                 # ... then a request to it failed
+            assert not await client.exists(cfg.heartbeat_key("w1"))
+            resume.set()
+            await refresh
+            assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
+            a.registry.live_workers = real
+            await a.refresh()
+            assert "w1" not in a.workers
+            await WorkerRegistry(client, cfg).heartbeat("w1")  # it was only unreachable, and is back
+            await a.refresh()
+            assert "w1" in a.workers
+        finally:
+            resume.set()
+            await client.aclose()
+            await a.stop()
+
+    asyncio.run(body())
