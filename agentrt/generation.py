@@ -127,9 +127,8 @@ class Generation:
         self.gen.release()
         if self.result is not None:  # counted here, once the tool calls (if any) are known
             self.gen.metrics.observe_finished(self.result)
-        try:
-            if self.result is None:
-                await self._stream.aclose()
+        try:  # aborts a running request; a finished one's stream lets go of what it holds (a worker's response)
+            await self._stream.aclose()
         finally:  # the tenant's share is freed however the abort went (the release may await Redis)
             if self.tenant is not None and self._reservation is not None:
                 used = self.result.prompt_tokens + self.result.completion_tokens if self.result else \

@@ -152,14 +152,16 @@ class RemoteEngine:
             await self.core.dispatched(route)
             stream.worker = route.worker.worker_id
             self._remember(request_id, route.worker.worker_id)
-            produced = finished = False
+            produced = completed = False
             try:
                 if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
                     await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
                     session = dataclasses.replace(session, last_worker=route.worker.worker_id)
                 async for out in self._send(route, body):
                     produced = True
-                    finished = out.finished and out.error is None
+                    if out.finished:  # accounted now: a consumer need not iterate past the last output
+                        completed = True
+                        self.core.completed(route, ok=out.error is None)
                     yield out
                 return
             except _CONNECTION_ERRORS as exc:
@@ -170,7 +172,8 @@ class RemoteEngine:
                 self.failovers += 1
                 await self.core.mark_dead(route.worker.worker_id)
             finally:
-                self.core.completed(route, ok=finished)
+                if not completed:
+                    self.core.completed(route, ok=False)
         raise APIError(503, f"{len(failed)} workers failed for this request; giving up", type="server_error")
 
     async def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,

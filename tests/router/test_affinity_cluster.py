@@ -146,6 +146,25 @@ def test_streams_answer_errors_before_their_first_byte_as_json_and_name_their_wo
         r.close()
 
 
+def test_finished_requests_leave_nothing_in_flight(cl):
+    """A replica counts each request it sent to a worker until the request ends (its load estimate):
+    by the time a reply has reached the client, streamed or not, it is no longer counted. (A finished
+    reply whose stream its consumer did not close used to stay counted until garbage collection.)"""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    for router in ("r0", "r1"):
+        url = cl.procs[router].url
+        assert cl.http.post(url + "/v1/chat/completions", json=body).status_code == 200
+        with cl.http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as streamed:
+            assert [line for line in streamed.iter_lines() if line][-1] == "data: [DONE]"
+        assert cl.http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+                            ).status_code == 200
+        sid = cl.http.post(url + "/v1/sessions", json={"system": "Be brief."}).json()["id"]
+        turn = cl.http.post(url + f"/v1/sessions/{sid}/turns",
+                            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert turn.status_code == 200, turn.text
+        assert {w["id"]: w["in_flight"] for w in cl.state(router)["workers"]} == {"w0": 0, "w1": 0}
+
+
 def test_a_conversation_named_by_a_header_stays_and_moves_when_its_worker_dies(cl):
     session = str(uuid.uuid4())
     conv = Conversation(cl, "The search indexer", extra_headers={"X-Claude-Code-Session-Id": session})
