@@ -9,9 +9,11 @@ temperature 0; conversations run concurrently, turns one after another. It runs 
 surface after the other, each as its clients use it:
 
 * ``chat``: Chat Completions, the client resending the whole history every turn (with
-  ``prompt_cache_key``, which a router would use to keep the conversation on one worker);
+  ``prompt_cache_key``, which keeps the conversation on one worker behind a router and makes
+  each call a pinned turn, ``--affinity-turns``);
 * ``responses``: the Responses API, each turn continuing ``previous_response_id``;
-* ``messages``: the Anthropic Messages API, the client resending the history;
+* ``messages``: the Anthropic Messages API, the client resending the history (with the
+  ``X-Claude-Code-Session-Id`` header Claude Code sends, an affinity key as above);
 * ``sessions``: agentrt's session API, the server keeping the history.
 
 Each surface gets its own seed (its own system prompt and tool results), so no surface reads
@@ -43,9 +45,9 @@ SURFACES = ("sessions", "chat", "responses", "messages")
 TARGET_RATIO = 1.15
 
 
-async def _sse(http: httpx.AsyncClient, path: str, body: dict) -> Any:
+async def _sse(http: httpx.AsyncClient, path: str, body: dict, headers: dict | None = None) -> Any:
     """``(event name, data)`` of each server-sent event of a streamed POST (``[DONE]`` ends it)."""
-    async with http.stream("POST", path, json=body) as resp:
+    async with http.stream("POST", path, json=body, headers=headers) as resp:
         if resp.status_code != 200:
             await resp.aread()
             raise RuntimeError(f"{path}: {resp.status_code} {resp.text[:300]}")
@@ -92,7 +94,7 @@ async def chat(http, wl, tok, system, s, model, records) -> None:
         history += wl.turn_messages(tok, s, t)
         turn = Turn()
         body = {"model": model, "messages": history, "max_tokens": wl.reply_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": f"bench-{s}"}
+                "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": f"bench-{wl.seed}-{s}"}
         async for _, d in _sse(http, "/v1/chat/completions", body):
             if d.get("choices"):
                 turn.got(d["choices"][0]["delta"].get("content") or "")
@@ -128,7 +130,8 @@ async def messages(http, wl, tok, system, s, model, records) -> None:
         turn = Turn()
         body = {"model": model, "system": system, "messages": history, "max_tokens": wl.reply_tokens,
                 "temperature": 0, "stream": True}
-        async for name, d in _sse(http, "/v1/messages", body):
+        # the conversation named as Claude Code names it (agentrt/affinity.py)
+        async for name, d in _sse(http, "/v1/messages", body, {"x-claude-code-session-id": f"bench-{wl.seed}-{s}"}):
             if name == "content_block_delta" and d["delta"].get("type") == "text_delta":
                 turn.got(d["delta"]["text"])
             elif name == "message_start":
