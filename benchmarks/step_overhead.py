@@ -36,23 +36,34 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 
-SHAPES = {"b1_ctx64": (1, 64), "b16_ctx64": (16, 64), "b64_ctx64": (64, 64), "b64_ctx2048": (64, 2048),
-          "b256_ctx64": (256, 64)}
+# name -> (batch, context tokens, tokens of it every sequence shares: an agent's system prompt)
+SHAPES = {"b1_ctx64": (1, 64, 0), "b16_ctx64": (16, 64, 0), "b64_ctx64": (64, 64, 0),
+          "b64_ctx2048": (64, 2048, 0), "b256_ctx64": (256, 64, 0),
+          "b4_shared1536_ctx2048": (4, 2048, 1536), "b8_shared1536_ctx2048": (8, 2048, 1536),
+          "b16_shared1536_ctx2048": (16, 2048, 1536)}
 
 
-def decode_batch(engine: LLMEngine, batch: int, ctx: int) -> ScheduledBatch:
-    """``batch`` sequences of ``ctx`` tokens, each at its last token (to decode), on pages of its own."""
+def decode_batch(engine: LLMEngine, batch: int, ctx: int, shared: int = 0) -> ScheduledBatch:
+    """``batch`` sequences of ``ctx`` tokens, each at its last token (to decode): the first ``shared``
+    tokens (whole pages) on pages all of them share, as a cached system prompt is, the rest on pages of
+    its own."""
     P = engine.config.page_size
     gen = torch.Generator().manual_seed(batch * 100_003 + ctx)
     vocab = engine.model_config.vocab_size
+    common = torch.randint(0, vocab, (shared,), generator=gen).tolist()
+    common_pages = engine.pool.alloc(shared // P)
     requests = []
     for i in range(batch):
-        ids = torch.randint(0, vocab, (ctx,), generator=gen).tolist()
+        ids = common + torch.randint(0, vocab, (ctx - shared,), generator=gen).tolist()
         req = Request(f"bench-{i}", ids, SamplingParams(max_tokens=1), detok=None)
-        req.pages = engine.pool.alloc(-(-ctx // P))
+        req.pages = common_pages + engine.pool.alloc(-(-(ctx - shared) // P))
         req.num_computed = ctx - 1
         requests.append(req)
     return ScheduledBatch(requests, [1] * batch)
+
+
+def free_batch(engine: LLMEngine, batch: ScheduledBatch) -> None:
+    engine.pool.free(sorted({p for req in batch.requests for p in req.pages}))
 
 
 class ForwardTimer:
@@ -108,7 +119,7 @@ def main() -> None:
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     P = EngineConfig.page_size
-    need = max(b * -(-c // P) * P for b, c in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
+    need = max(b * -(-c // P) * P for b, c, _ in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=need + P))
     backend = engine.runner.attn
     print(f"device {engine.device}, dtype {args.dtype}, backend {engine.backend_name}, torch threads "
@@ -122,9 +133,8 @@ def main() -> None:
         for name in shapes:
             batch = decode_batch(engine, *SHAPES[name])
             results.setdefault(plan, {})[name] = r = measure(engine, batch, args.steps)
-            for req in batch.requests:
-                engine.pool.free(req.pages)
-            print(f"{plan:8s} {name:12s} step {r['step_ms']:9.1f} ms  forward {r['forward_ms']:9.1f} ms  "
+            free_batch(engine, batch)
+            print(f"{plan:8s} {name:22s} step {r['step_ms']:9.1f} ms  forward {r['forward_ms']:9.1f} ms  "
                   f"host {r['host_ms']:7.2f} ms", flush=True)
     if args.profile:
         backend_plan = getattr(backend, "force_decode_plan", None)
