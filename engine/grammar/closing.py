@@ -11,12 +11,12 @@ finds one on a fork of the matcher, so the request's own matcher never moves:
    free string is open (``~`` is allowed: in compact JSON it appears only inside
    strings) the preference is ``"`` (end the string), then filler letters; elsewhere
    it is ``}`` ``]`` (close), ``,`` (end a number, go on to a required property),
-   ``0`` (the shortest number), ``"`` (a string, closed next), ``null`` / ``true`` /
-   ``false``, ``[`` / ``{`` (closed next), other digits, then any printable ASCII
-   character and finally any byte (the rest of a multi-byte character). Every choice
-   is one the matcher accepted, so the text is always a valid continuation. Where the
-   printable fallback decides (a tool name, an enum value), each accepted character is
-   tried (up to six of them) and the one whose greedy completion is shortest is taken. A grammar
+   ``0`` (the shortest number), ``"`` (a string, closed next), other digits, then any
+   printable ASCII character and finally any byte (the rest of a multi-byte character).
+   Where the printable fallback decides (``null`` / ``true`` / ``false`` / ``[`` / ``{``,
+   a tool name, an enum value), each accepted character is tried (up to six of them) and
+   the one whose greedy completion is shortest is taken. Every choice is one the matcher
+   accepted, so the text is always a valid continuation. A grammar
    whose shortest completion is longer than ``max_bytes`` (``minItems: 1000``) gives
    None.
 2. **Tokens** (:func:`closing_tokens`): the engine tokenizer's encoding of that text
@@ -40,8 +40,7 @@ MAX_CLOSING_BYTES = 4096  # give up beyond this: the grammar cannot be closed wi
 
 _IN_STRING_PROBE = "~"
 _STRING_PREFERENCE = ('"', "a", "0", "A")
-_STRUCTURAL_PREFERENCE = ("}", "]", ",", "0", '"', "n", "t", "f", "[", "{", "1", "2", "3", "4", "5", "6",
-                          "7", "8", "9", "-")
+_STRUCTURAL_PREFERENCE = ("}", "]", ",", "0", '"', "1", "2", "3", "4", "5", "6", "7", "8", "9", "-")
 _ANY_ASCII = tuple(string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation + " ")
 _ANY_BYTE = tuple(bytes([b]) for b in range(256))
 _MAX_BRANCHES = 6
