@@ -439,6 +439,7 @@ class LLMEngine:
                     r.logprobs.extend(out.logprobs)
                 if out.finished:
                     r.finish_reason, r.cached_tokens, r.error = out.finish_reason, out.cached_tokens, out.error
+                    r.stop_reason = out.stop_reason
                     finished += 1
             return finished
 

@@ -109,6 +109,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     ttft_s: float | None = None
+    stop_reason: str | int | None = None  # as RequestOutput.stop_reason
 
 
 @dataclass
