@@ -22,12 +22,13 @@ class TokenConstraint:
       then ends the request with ``finish_reason="stop"``.
     - ``rollback(n)`` undoes the last ``n`` accepted tokens.
     - Closing within a token budget (optional: ``closes_outputs`` says whether it is
-      implemented; the defaults below do nothing): ``closing_plan()`` is a list of tokens that completes the output from the current
-      state (``[]``: it may end now), or None when none was found. ``fit_budget(token_id, budget)``
-      is called with each sampled token and the tokens the request may still emit, that one
-      included, and returns the token to emit: the sampled one while a valid completion still
-      fits after it, else the first of a closing it then forces step by step, after which
-      ``is_terminated()`` is True. ``closed_by_budget`` is True once it forced one.
+      implemented; the defaults below do nothing). ``closing_plan()`` is a list of tokens
+      that completes the output from the current state (``[]``: it may end now), or None
+      when none was found. ``fit_budget(token_id, budget)`` is called with each sampled
+      token and the tokens the request may still emit, that one included, and returns the
+      token to emit: the sampled one while a valid completion still fits after it, else the
+      first of a closing it then forces step by step, after which ``is_terminated()`` is
+      True. ``closed_by_budget`` is True once it forced one.
     """
 
     closes_outputs: bool = False

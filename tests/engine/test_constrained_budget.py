@@ -33,7 +33,8 @@ NOTE = {"type": "object",
 NOTE_FORMAT = {"type": "json_schema", "json_schema": {"name": "note", "schema": NOTE, "strict": True}}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 32}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 32},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "search", "parameters": {
         "type": "object", "properties": {"query": {"type": "string", "maxLength": 48},
