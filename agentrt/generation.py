@@ -354,7 +354,7 @@ class Generator:
         if isinstance(exc, EngineOverloaded):
             return from_exception(exc, self.config.retry_after_s)
         if isinstance(exc, InvalidRequest):
-            return bad_request(str(exc))
+            return bad_request(str(exc), param=exc.param)
         if isinstance(exc, RuntimeError):
             return APIError(503, f"the engine is not accepting requests: {exc}", type="server_error")
         return exc

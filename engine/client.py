@@ -141,6 +141,7 @@ def check_closing(constraint: Any, max_tokens: int, context_left: int) -> None:
                              f"of characters); relax the schema so that a short reply is valid")
     if len(plan) > context_left:
         raise InvalidRequest(f"the shortest valid reply to this request's {what} is {len(plan)} tokens but only "
-                             f"{context_left} tokens of the context window are left after the prompt")
+                             f"{context_left} tokens of the context window are left after the prompt",
+                             param="messages")
     raise InvalidRequest(f"max_tokens is {max_tokens} but the shortest valid reply to this request's {what} is "
-                         f"{len(plan)} tokens; use max_tokens >= {len(plan)}")
+                         f"{len(plan)} tokens; use max_tokens >= {len(plan)}", param="max_tokens")

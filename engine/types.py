@@ -13,7 +13,12 @@ CLOSED_BY_BUDGET = "max_tokens_closed"
 
 
 class InvalidRequest(ValueError):
-    """A request the engine cannot serve; the message says what was wrong and what is allowed."""
+    """A request the engine cannot serve; the message says what was wrong and what is allowed, and
+    ``param`` names the request field at fault when one is (``"max_tokens"``), for the HTTP error."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass

@@ -40,7 +40,7 @@ def test_max_tokens_below_the_shortest_valid_reply_is_a_400(client, shortest):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=LONG_ASK, response_format=ANSWER_FORMAT,
                                        max_tokens=n - 1)
-    assert info.value.status_code == 400
+    assert info.value.status_code == 400 and info.value.param == "max_tokens"
     assert f"max_tokens is {n - 1} but the shortest valid reply to this request's json_schema is {n} tokens" \
         in info.value.message
     with pytest.raises(openai.BadRequestError, match=f"is {shortest['tool']} tokens"):
