@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 
 from engine.chat import StreamingToolCallParser, ToolCall, encode_chat
 from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
-from engine.types import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
+from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams,
+                          TokenLogprob)
 
 from agentrt.affinity import AffinityPins
 from agentrt.config import ServerConfig
@@ -38,7 +39,9 @@ class Delta:
 
 @dataclass
 class Result:
-    """A finished generation (``stop_sequence``: the stop string that ended it, if one did)."""
+    """A finished generation (``stop_sequence``: the stop string that ended it, if one did;
+    ``closed_by_budget``: constrained output that the engine closed early to fit ``max_tokens``,
+    its stop reason ``engine.types.CLOSED_BY_BUDGET``)."""
 
     text: str
     content: str | None
@@ -50,6 +53,7 @@ class Result:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     stop_sequence: str | None = None
+    closed_by_budget: bool = False
 
 
 class Generation:
@@ -187,12 +191,14 @@ class Generation:
         if self._first_token_at is not None and out.completion_tokens > 1:
             self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
         text = "".join(self._text)
+        closed = out.stop_reason == CLOSED_BY_BUDGET
         self.result = Result(
             text=text, content=text, tool_calls=[], finish_reason=out.finish_reason or "stop",
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
             completion_tokens=out.completion_tokens, token_ids=list(self._token_ids),
             logprobs=self._logprobs if self._want_logprobs else None,
-            stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) else None)
+            stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) and not closed else None,
+            closed_by_budget=closed)
 
 
 class Generator:
@@ -347,7 +353,7 @@ class Generator:
         if isinstance(exc, EngineOverloaded):
             return from_exception(exc, self.config.retry_after_s)
         if isinstance(exc, InvalidRequest):
-            return bad_request(str(exc))
+            return bad_request(str(exc), param=exc.param)
         if isinstance(exc, RuntimeError):
             return APIError(503, f"the engine is not accepting requests: {exc}", type="server_error")
         return exc

@@ -84,6 +84,9 @@ class Metrics:
                                registry=self.registry)
         self.finished = Counter("agentrt_requests_finished", "Finished generations by finish reason",
                                 ["finish_reason"], registry=self.registry)
+        self.closed = Counter("agentrt_requests_closed_by_budget",
+                              "Constrained generations closed early (the shortest valid completion forced) "
+                              "to fit max_tokens", registry=self.registry)
         self.sessions = Gauge("agentrt_sessions", "Sessions held by this server", registry=self.registry)
         self.turns = Counter("agentrt_session_turns", "Session turns by outcome (new, replayed)",
                              ["outcome"], registry=self.registry)
@@ -99,6 +102,8 @@ class Metrics:
 
     def observe_finished(self, result: Any) -> None:
         self.finished.labels(result.finish_reason).inc()
+        if result.closed_by_budget:
+            self.closed.inc()
 
     def set_in_flight(self, n: int) -> None:
         self.in_flight.set(n)

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 
 from engine.chat import ToolCall, content_text
 from engine.client import StructuredOutput
+from engine.types import CLOSED_BY_BUDGET
 
 from agentrt.affinity import affinity_hint
 from agentrt.errors import bad_request
@@ -49,6 +50,12 @@ def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def closed_mark(result: Result) -> dict[str, Any]:
+    """The non-standard ``stop_reason`` a chat choice carries when its constrained output was closed
+    early to fit ``max_tokens`` (vLLM's choices carry ``stop_reason`` too); nothing otherwise."""
+    return {"stop_reason": CLOSED_BY_BUDGET} if result.closed_by_budget else {}
 
 
 class OpenAIService:
@@ -87,7 +94,7 @@ class OpenAIService:
         if result.tool_calls:
             message["tool_calls"] = tool_call_dicts(result.tool_calls)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": result.finish_reason,
-                                  "logprobs": None}
+                                  "logprobs": None, **closed_mark(result)}
         if result.logprobs is not None:
             choice["logprobs"] = {"content": self._chat_logprobs(result.logprobs)}
         return {"id": "chatcmpl-" + generation.request_id, "object": "chat.completion", "created": int(time.time()),
@@ -117,7 +124,9 @@ class OpenAIService:
                 yield chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": call.arguments}}]})
                 n_calls += 1
         result = generation.result
-        yield chunk({}, finish=result.finish_reason)
+        last = chunk({}, finish=result.finish_reason)
+        last["choices"][0].update(closed_mark(result))
+        yield last
         if include_usage:
             yield {**base, "choices": [],
                    "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}

@@ -101,8 +101,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
 
+    # The schema cannot complete within the run's tokens on purpose (the batch stays full), so the
+    # engine must not refuse it or close it early: closing is off (benchmarks/constrained_budget.py measures it).
     engine = LLMEngine(EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-                                    enable_prefix_cache=False))
+                                    enable_prefix_cache=False, close_constrained_outputs=False))
     tok = engine.tokenizer
     prompts = [encode_chat(tok, [{"role": "user", "content": f"List people number {i} as JSON records."}])
                for i in range(args.batch)]

@@ -131,7 +131,9 @@ def _parse_block(body: str) -> ToolCall | None:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Split model text into (content, tool calls). Malformed blocks stay in the content."""
+    """Split model text into (content, tool calls). Malformed closed blocks stay in the content; an
+    unclosed block at the end is a call if it is complete JSON, else it is dropped (a partial call,
+    cut off by ``max_tokens``, is never content)."""
     calls: list[ToolCall] = []
     content: list[str] = []
     pos = 0
@@ -144,7 +146,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         body_end = end if end >= 0 else len(text)
         call = _parse_block(text[start + len(TOOL_CALL_START):body_end].strip())
         if call is None:
-            content.append(text[pos:] if end < 0 else text[pos:end + len(TOOL_CALL_END)])
+            content.append(text[pos:start] if end < 0 else text[pos:end + len(TOOL_CALL_END)])
             if end < 0:
                 break
         else:
@@ -161,8 +163,11 @@ class StreamingToolCallParser:
 
     ``push(delta)`` returns ``(content_delta, finished_tool_calls)``. Text that might
     be the start of a ``<tool_call>`` tag is held back until it is decided; a tool
-    call is emitted once its closing tag arrives. ``finish()`` flushes the rest
-    (an unterminated block is parsed if it is complete JSON, else returned as text).
+    call is emitted once its closing tag arrives. ``finish()`` flushes the rest: an
+    unterminated block is parsed if it is complete JSON, else dropped, and so is a
+    held-back start of the tag two characters or longer (``<t``, ``<tool_call``): a
+    partial tool call, cut off by ``max_tokens``, never reaches the client as content.
+    A lone ``<`` is text.
     """
 
     def __init__(self) -> None:
@@ -202,7 +207,9 @@ class StreamingToolCallParser:
         if self.in_call:
             self.in_call = False
             call = _parse_block(rest.strip())
-            return ("", [call]) if call else (TOOL_CALL_START + rest, [])
+            return ("", [call]) if call else ("", [])
+        if len(rest) >= 2 and _partial_tag_suffix(rest, TOOL_CALL_START) == len(rest):
+            return "", []
         return rest, []
 
 

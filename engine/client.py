@@ -124,3 +124,24 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, *, ma
                              f"tokens) exceeds the context window of {max_model_len} tokens; "
                              f"use max_tokens <= {max_model_len - len(prompt)}")
     return prompt
+
+
+def check_closing(constraint: Any, max_tokens: int, context_left: int) -> None:
+    """``InvalidRequest`` unless the constraint's output can be completed within ``max_tokens``
+    (and ``context_left``): its closing plan from the current state (the shortest valid reply the
+    closer finds, engine/grammar/closing.py) must fit. Free text has an empty plan."""
+    plan = constraint.closing_plan()
+    budget = min(max_tokens, context_left)
+    if plan is not None and len(plan) <= budget:
+        return
+    what = getattr(constraint, "label", "the constraint")
+    if plan is None:
+        raise InvalidRequest(f"max_tokens is {max_tokens} but no valid reply to this request's {what} short "
+                             f"enough to generate was found (a schema's minItems or minLength asks for thousands "
+                             f"of characters); relax the schema so that a short reply is valid")
+    if len(plan) > context_left:
+        raise InvalidRequest(f"the shortest valid reply to this request's {what} is {len(plan)} tokens but only "
+                             f"{context_left} tokens of the context window are left after the prompt",
+                             param="messages")
+    raise InvalidRequest(f"max_tokens is {max_tokens} but the shortest valid reply to this request's {what} is "
+                         f"{len(plan)} tokens; use max_tokens >= {len(plan)}", param="max_tokens")

@@ -42,6 +42,14 @@ class EngineConfig:
     Requests with a grammar constraint or logprobs do not draft. On every attention backend a
     verification is a short extend chunk (as a prefill chunk over a cached prefix is).
 
+    Closing constrained outputs (docs/structured_outputs.md): with ``close_constrained_outputs``
+    (the default) a request with a grammar constraint always ends with complete, valid output
+    within ``max_tokens`` and the context window: when the budget left reaches what closing the
+    structure takes, the shortest closing found is forced, and a ``max_tokens`` too small for any
+    valid output is refused (``InvalidRequest``). Off, such output is cut at ``max_tokens``
+    (``finish_reason="length"``), as before; it exists for comparisons (benchmarks/constrained_budget.py)
+    and for benchmarks that decode grammars which cannot complete in their budget.
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -70,6 +78,7 @@ class EngineConfig:
     ep_redundant: int = 0
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    close_constrained_outputs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

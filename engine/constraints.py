@@ -21,7 +21,18 @@ class TokenConstraint:
     - ``is_terminated()`` is True once the constrained output is complete; the engine
       then ends the request with ``finish_reason="stop"``.
     - ``rollback(n)`` undoes the last ``n`` accepted tokens.
+    - Closing within a token budget (optional: ``closes_outputs`` says whether it is
+      implemented; the defaults below do nothing). ``closing_plan()`` is a list of tokens
+      that completes the output from the current state (``[]``: it may end now), or None
+      when none was found. ``fit_budget(token_id, budget)`` is called with each sampled
+      token and the tokens the request may still emit, that one included, and returns the
+      token to emit: the sampled one while a valid completion still fits after it, else the
+      first of a closing it then forces step by step, after which ``is_terminated()`` is
+      True. ``closed_by_budget`` is True once it forced one.
     """
+
+    closes_outputs: bool = False
+    closed_by_budget: bool = False
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor | None:
         raise NotImplementedError
@@ -44,3 +55,9 @@ class TokenConstraint:
 
     def rollback(self, n: int) -> None:
         raise NotImplementedError
+
+    def closing_plan(self) -> list[int] | None:
+        return None
+
+    def fit_budget(self, token_id: int, budget: int) -> int:
+        return token_id

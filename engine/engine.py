@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import backend_class
 from engine.coalesce import TurnCoalescer
-from engine.client import check_request
+from engine.client import check_closing, check_request
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import make_seed
@@ -33,7 +33,7 @@ from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeState, verify
 from engine.tokenizer import IncrementalDetokenizer
-from engine.types import (EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
+from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,6 +117,8 @@ class LLMEngine:
         if len(prompt) > pool_tokens:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the KV cache holds only "
                                  f"{pool_tokens} tokens; send a shorter prompt")
+        if constraint is not None and constraint.closes_outputs and self.config.close_constrained_outputs:
+            check_closing(constraint, params.max_tokens, self.max_model_len - len(prompt))
         self._admit(len(prompt))
         rid = request_id or uuid.uuid4().hex
         req = Request(rid, prompt, params, IncrementalDetokenizer(self.tokenizer), constraint,
@@ -266,7 +268,7 @@ class LLMEngine:
                 if batch.drafts:
                     tokens, lps, verified = self._verify(logits, reqs, drafts)
                 else:
-                    (tokens, lps), verified = sample(logits, reqs), None
+                    (tokens, lps), verified = sample(logits, reqs, self._budgets(reqs)), None
             now = time.monotonic()
             for j, (req, tok, lp) in enumerate(zip(reqs, tokens, lps)):
                 if req.first_token_time is None:
@@ -286,6 +288,14 @@ class LLMEngine:
         if returning:
             self.coalescer.on_finish(returning)
         return outputs
+
+    def _budgets(self, reqs: list[Request]) -> list[int | None] | None:
+        """Per request, the tokens it may still emit (this step's included) when its constraint is
+        to close within them: ``max_tokens`` left and context left. None when no request closes."""
+        if not self.config.close_constrained_outputs or all(r.constraint is None for r in reqs):
+            return None
+        return [None if r.constraint is None else
+                min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.num_tokens) for r in reqs]
 
     # -- speculative decoding (engine/speculative.py) --------------------------
     def _propose(self, req: Request, room: int) -> list[int]:
@@ -314,7 +324,8 @@ class LLMEngine:
         tokens: list[int] = [0] * len(reqs)
         lps: list = [None] * len(reqs)
         if plain:
-            toks, plps = sample(logits[[firsts[j] for j in plain]], [reqs[j] for j in plain])
+            plain_reqs = [reqs[j] for j in plain]
+            toks, plps = sample(logits[[firsts[j] for j in plain]], plain_reqs, self._budgets(plain_reqs))
             for j, t, lp in zip(plain, toks, plps):
                 tokens[j], lps[j] = t, lp
         verified: list = [None] * len(reqs)
@@ -368,6 +379,9 @@ class LLMEngine:
         if req.finished:
             req.text += req.detok.flush()
             self._check_stop_strings(req)
+            if req.finish_reason == "stop" and req.stop_reason is None and req.constraint is not None \
+                    and req.constraint.closed_by_budget:
+                req.stop_reason = CLOSED_BY_BUDGET
 
     def _check_stop_strings(self, req: Request) -> bool:
         stops = req.params.stop
@@ -425,6 +439,7 @@ class LLMEngine:
                     r.logprobs.extend(out.logprobs)
                 if out.finished:
                     r.finish_reason, r.cached_tokens, r.error = out.finish_reason, out.cached_tokens, out.error
+                    r.stop_reason = out.stop_reason
                     finished += 1
             return finished
 

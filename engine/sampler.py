@@ -5,8 +5,10 @@ take the argmax; other rows apply temperature, top-k and top-p (``probabilities`
 then draw by inverse CDF with one uniform from the request's own generator (``draw``),
 so a seed makes a request reproducible whatever it is batched with, and the n-th
 token of a request is a function of its n-th uniform and its distribution alone
-(speculative verification, engine/speculative.py, relies on that). Log-probabilities
-are of the model's distribution.
+(speculative verification, engine/speculative.py, relies on that). A constrained row
+closing within its token budget may then have its token replaced by the constraint's
+closing (``fit_budget``). Log-probabilities are of the model's distribution, for the
+token emitted.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return i
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: (B, V) float32, one row per request -> (token ids, logprobs or None)."""
+def sample(logits: torch.Tensor, requests: list[Request], budgets: list[int | None] | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: (B, V) float32, one row per request -> (token ids, logprobs or None).
+
+    ``budgets[i]``: the tokens request ``i`` may still emit, this one included, when its
+    constraint is to close its output within them (``TokenConstraint.fit_budget`` may then
+    replace the sampled token); None for the rows (or all of them) without closing."""
     want_lp = [r.params.logprobs is not None for r in requests]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     for i, r in enumerate(requests):
@@ -65,6 +72,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
         if r.params.greedy:
             continue
         tokens[i] = draw(probabilities(logits[i], r.params), r.generator)
+    if budgets is not None:
+        for i, r in enumerate(requests):
+            if budgets[i] is not None:
+                tokens[i] = r.constraint.fit_budget(tokens[i], budgets[i])
     lps: list[TokenLogprob | None] = [None] * len(requests)
     for i, r in enumerate(requests):
         if want_lp[i]:

@@ -7,9 +7,18 @@ from dataclasses import dataclass, field
 
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
+# ``RequestOutput.stop_reason`` of a constrained output that its constraint closed (completed with
+# the shortest closing it found) because the token budget was running out; finish_reason is "stop".
+CLOSED_BY_BUDGET = "max_tokens_closed"
+
 
 class InvalidRequest(ValueError):
-    """A request the engine cannot serve; the message says what was wrong and what is allowed."""
+    """A request the engine cannot serve; the message says what was wrong and what is allowed, and
+    ``param`` names the request field at fault when one is (``"max_tokens"``), for the HTTP error."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -64,8 +73,10 @@ class TokenLogprob:
 class RequestOutput:
     """One streamed update of a request: the text and tokens new since the last update.
 
-    ``finish_reason`` is one of ``"stop"`` (EOS, stop token or stop string),
-    ``"length"`` (max_tokens or the context window), ``"abort"`` or ``"error"``.
+    ``finish_reason`` is one of ``"stop"`` (EOS, stop token or stop string, or constrained
+    output complete), ``"length"`` (max_tokens or the context window), ``"abort"`` or ``"error"``.
+    ``stop_reason`` says more of a ``"stop"``: the stop string or stop token id that ended it,
+    ``CLOSED_BY_BUDGET`` for constrained output closed early to fit the budget, else None.
     Token counts are totals so far.
     """
 
@@ -103,6 +114,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     ttft_s: float | None = None
+    stop_reason: str | int | None = None  # as RequestOutput.stop_reason
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import xgrammar as xgr
 from tokenizers import decoders
 
+from engine.grammar.closing import TokenCodec
 from engine.tokenizer import Tokenizer
 from engine.types import InvalidRequest
 
@@ -60,6 +61,18 @@ def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int | None = None) ->
                              stop_token_ids=list(tokenizer.eos_token_ids), add_prefix_space=prefix_space)
 
 
+def build_token_codec(tokenizer: Tokenizer, info: xgr.TokenizerInfo) -> TokenCodec:
+    """The closer's view of ``tokenizer`` (engine/grammar/closing.py): its encoder, and the token of
+    each byte that has a single-byte token. It holds the ``tokenizers`` object, not ``tokenizer``
+    itself, so the registry below can still let ``tokenizer`` go."""
+    hf = tokenizer.hf
+    byte_tokens: dict[int, int] = {}
+    for i, raw in enumerate(info.decoded_vocab):
+        if len(raw) == 1:
+            byte_tokens.setdefault(raw[0], i)
+    return TokenCodec(encode=lambda text: hf.encode(text, add_special_tokens=False).ids, byte_tokens=byte_tokens)
+
+
 def xgrammar_error_text(exc: BaseException) -> str:
     """The useful first line of an xgrammar error, without the C++ file and line."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -67,7 +80,8 @@ def xgrammar_error_text(exc: BaseException) -> str:
 
 
 class GrammarCompilerCache:
-    """One per tokenizer: xgrammar's ``TokenizerInfo`` + ``GrammarCompiler`` + an LRU of results.
+    """One per tokenizer: xgrammar's ``TokenizerInfo`` + ``GrammarCompiler`` + an LRU of results, and the
+    tokenizer's ``codec`` the constraints close their outputs with.
 
     Thread-safe: the HTTP layer compiles while the engine thread matches. Two
     threads that miss on the same key at once both compile; one result is kept.
@@ -80,6 +94,7 @@ class GrammarCompilerCache:
         self.info = build_tokenizer_info(tokenizer, vocab_size)
         self.vocab_size = self.info.vocab_size
         self.stop_token_ids = tuple(self.info.stop_token_ids)
+        self.codec = build_token_codec(tokenizer, self.info)
         # Our own LRU replaces xgrammar's cache, so that it is bounded by entries and observable.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self._max_entries = max_entries

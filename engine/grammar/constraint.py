@@ -16,6 +16,14 @@ End of output: the matcher allows EOS only where the grammar may end. Once the
 grammar is complete and nothing but EOS may follow (a closed JSON object, the
 last tool call), ``is_terminated()`` is True at once, so the engine stops without
 spending a decode step on sampling a forced EOS.
+
+Closing within the budget (``fit_budget``): the invariant is that a verified closing
+plan (engine/grammar/closing.py) of at most ``budget`` tokens exists from the current
+state. The plan from the state after the sampled token is computed on a fork; if it
+does not fit in what is left after that token, the sampled token is replaced by the
+first token of the current state's plan and the rest of that plan is forced, one token
+a step, after which ``is_terminated()`` is True. The plan from the state after an
+accepted token is kept, so the current state's plan is never computed twice.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 import xgrammar as xgr
 
 from engine.constraints import TokenConstraint
+from engine.grammar.closing import TokenCodec, closing_tokens, completes
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -95,12 +104,15 @@ class XGrammarConstraint(TokenConstraint):
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int],
-                 label: str = "grammar") -> None:
+                 label: str = "grammar", codec: TokenCodec | None = None) -> None:
         self.label = label  # what the request asked for ("json_schema", "tool_choice=required", ...)
         self._compiled = compiled
         self._matcher = xgr.GrammarMatcher(compiled)
         self._vocab_size = vocab_size
         self._stop_ids = tuple(int(t) for t in stop_token_ids)
+        self._codec = codec            # None: this constraint cannot close its output (fit_budget is a no-op)
+        self.reuse_plans = True        # False: compute every plan afresh (the reference path)
+        self._reset_closing()
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V/32)) int32, CPU
         self._mask_state = -1       # number of accepted tokens the bitmask was filled at (-1: stale)
         self._mask_is_full = False  # the last fill allowed every token
@@ -117,7 +129,7 @@ class XGrammarConstraint(TokenConstraint):
 
     def clone(self) -> "XGrammarConstraint":
         """An independent constraint in the same state (for ``n > 1`` samples of one prompt)."""
-        twin = XGrammarConstraint(self._compiled, self._vocab_size, self._stop_ids, self.label)
+        twin = XGrammarConstraint(self._compiled, self._vocab_size, self._stop_ids, self.label, self._codec)
         twin._matcher = self._matcher.fork()
         twin._num_accepted = self._num_accepted
         return twin
@@ -163,16 +175,97 @@ class XGrammarConstraint(TokenConstraint):
             with torch.inference_mode():
                 logits[self._vocab_size:] = float("-inf")
 
+    # -- closing within the budget ------------------------------------------------------
+    def _reset_closing(self) -> None:
+        self._plan: list[int] | None = None   # closing plan from the state after ``_plan_at`` tokens
+        self._plan_at = -1
+        self._next: tuple[int, list[int] | None] | None = None  # (sampled token, plan after it)
+        self._forced: list[int] | None = None  # committed closing: tokens still to emit (None: free)
+        self.closed_by_budget = False
+
+    @property
+    def closes_outputs(self) -> bool:
+        return self._codec is not None
+
+    def closing_plan(self) -> list[int] | None:
+        """Token ids that complete the output from the current state (``[]``: it may end now), or
+        None if none was found (no codec, or longer than the closer's limit). Cached per state."""
+        if self._plan_at != self._num_accepted:
+            self._plan = self._plan_from(self._matcher)
+            self._plan_at = self._num_accepted
+        return self._plan
+
+    def _plan_from(self, matcher: xgr.GrammarMatcher) -> list[int] | None:
+        if self._codec is None:
+            return None
+        if matcher.is_terminated():
+            return []
+        return closing_tokens(matcher, self._codec)
+
+    def _plan_after(self, token_id: int, budget: int) -> list[int] | None:
+        """A closing plan from the state after ``token_id`` (None if it is refused or none is found).
+
+        The fast path reuses the current state's plan (its tail when ``token_id`` is its first
+        token): inside a string most tokens leave it valid, and checking it on a fork costs a few
+        µs. It is taken when it is valid and fits ``budget``; otherwise the closer runs afresh
+        (``reuse_plans = False`` always does: the reference the fast path is tested against).
+        """
+        fork = self._matcher.fork()
+        if not fork.accept_token(int(token_id)):
+            return None
+        plan = self._plan if self.reuse_plans and self._plan_at == self._num_accepted else None
+        if plan is not None:
+            reused = plan[1:] if plan and plan[0] == token_id else plan
+            if len(reused) <= budget and completes(fork, reused):
+                return reused
+        return self._plan_from(fork)
+
+    def _shortest_plan(self) -> list[int] | None:
+        """The current state's plan, or a fresh one if that is shorter (a reused plan may not be)."""
+        plan = self.closing_plan()
+        if self.reuse_plans and plan:
+            fresh = self._plan_from(self._matcher)
+            if fresh is not None and len(fresh) < len(plan):
+                plan = self._plan = fresh
+        return plan
+
+    def fit_budget(self, token_id: int, budget: int) -> int:
+        """The token to emit instead of the sampled ``token_id`` so that the output can still be
+        completed with at most ``budget`` tokens, this one included (see the module docstring).
+        Unchanged when no closing is possible (no codec, or no plan fits ``budget``)."""
+        if self._forced is not None:
+            return self._forced[0] if self._forced else self._stop_ids[0]
+        after = self._plan_after(token_id, budget - 1)
+        if after is not None and len(after) <= budget - 1:
+            self._next = (int(token_id), after)
+            return token_id
+        plan = self._shortest_plan()
+        if plan is None or len(plan) > budget:
+            return token_id
+        self._forced, self.closed_by_budget = list(plan), True
+        return plan[0] if plan else self._stop_ids[0]  # may end now: end it
+
     # -- state -------------------------------------------------------------------------
     def accept(self, token_id: int) -> bool:
         if not self._matcher.accept_token(int(token_id)):
             return False
         self._num_accepted += 1
+        if self._forced:
+            if self._forced[0] == token_id:
+                self._forced.pop(0)
+            else:  # something else was appended (an engine bug): the plan no longer applies
+                self._forced = None
+        elif self._next is not None and self._next[0] == token_id:
+            self._plan, self._plan_at = self._next[1], self._num_accepted
+        self._next = None
         return True
 
     def is_terminated(self) -> bool:
-        """True once the output is complete: EOS was accepted, or only EOS may come next."""
+        """True once the output is complete: EOS was accepted, only EOS may come next, or a
+        closing forced by ``fit_budget`` has been emitted."""
         if self._matcher.is_terminated():
+            return True
+        if self._forced == [] and self._matcher.is_completed():
             return True
         if not self._matcher.is_completed():
             return False
@@ -189,6 +282,7 @@ class XGrammarConstraint(TokenConstraint):
             self._matcher.rollback(n)
             self._num_accepted -= n
             self._mask_state = -1
+            self._reset_closing()
 
 
 def apply_constraints(logits: torch.Tensor, constraints: Sequence[TokenConstraint | None]) -> None:

@@ -202,4 +202,4 @@ def constraint_for_request(tokenizer: Tokenizer | GrammarCompilerCache, response
         label, compiled = "json_schema", cache.json_schema(fmt[1])
     else:
         return None
-    return XGrammarConstraint(compiled, cache.vocab_size, cache.stop_token_ids, label)
+    return XGrammarConstraint(compiled, cache.vocab_size, cache.stop_token_ids, label, cache.codec)

@@ -1,0 +1,42 @@
+"""engine.chat's tool-call parsers: a partial call at the end of a reply is never content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.chat import StreamingToolCallParser, format_tool_call, parse_tool_calls
+
+CALL = format_tool_call("get_weather", {"city": "Oslo"})
+
+
+def _stream(text: str, step: int = 3) -> tuple[str, list]:
+    parser, content, calls = StreamingToolCallParser(), [], []
+    for i in range(0, len(text), step):
+        c, k = parser.push(text[i:i + step])
+        content.append(c), calls.extend(k)
+    c, k = parser.finish()
+    return "".join(content) + c, calls + k
+
+
+@pytest.mark.parametrize("tail", ['<tool_call>\n{"name": "final_answer", "arguments": ',
+                                  "<tool_call>", "<tool_call>\n", "<tool_c", "<t"])
+def test_a_partial_call_at_the_end_is_dropped(tail):
+    for step in (1, 3, 100):
+        content, calls = _stream("Let me answer. " + tail, step)
+        assert (content, calls) == ("Let me answer. ", [])
+    # the whole-text parser holds nothing back: only a started block is a partial call there
+    expected = "Let me answer. " if "<tool_call>" in tail else "Let me answer. " + tail
+    assert parse_tool_calls("Let me answer. " + tail) == (expected, [])
+
+
+def test_an_unclosed_but_complete_call_is_a_call_and_text_stays_text():
+    content, calls = _stream(CALL[:-len("</tool_call>")])
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo"}
+    assert _stream("a < b and c <")[0] == "a < b and c <"          # a lone "<" is text
+    assert _stream("x " + CALL + " y")[0] == "x  y"
+    bad = "<tool_call>\nnot json\n</tool_call>"
+    assert _stream("x " + bad)[0] == "x " + bad                     # a closed malformed block stays content
+    assert parse_tool_calls("x " + bad) == ("x " + bad, [])
