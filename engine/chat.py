@@ -130,6 +130,21 @@ def _parse_block(body: str) -> ToolCall | None:
     return ToolCall(id=new_tool_call_id(), name=obj["name"], arguments=args_text)
 
 
+def _close_block(text: str, body_start: int) -> tuple[ToolCall | None, int]:
+    """The tool call whose body starts at ``body_start`` and the index of the end tag that closes it.
+
+    A call's JSON may hold the end tag itself inside a string (a model quoting its own format), so
+    the block ends at the first end tag before which the body parses as a call; if none does, it
+    ends at the first end tag and is malformed (None). ``-1``: no end tag follows."""
+    first = end = text.find(TOOL_CALL_END, body_start)
+    while end >= 0:
+        call = _parse_block(text[body_start:end].strip())
+        if call is not None:
+            return call, end
+        end = text.find(TOOL_CALL_END, end + len(TOOL_CALL_END))
+    return None, first
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """Split model text into (content, tool calls). Malformed closed blocks stay in the content; an
     unclosed block at the end is a call if it is complete JSON, else it is dropped (a partial call,
@@ -142,18 +157,19 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         if start < 0:
             content.append(text[pos:])
             break
-        end = text.find(TOOL_CALL_END, start)
-        body_end = end if end >= 0 else len(text)
-        call = _parse_block(text[start + len(TOOL_CALL_START):body_end].strip())
+        body_start = start + len(TOOL_CALL_START)
+        call, end = _close_block(text, body_start)
+        if end < 0:  # unclosed: a call if its JSON is complete, else a partial call (dropped)
+            call = _parse_block(text[body_start:].strip())
+            content.append(text[pos:start])
+            if call is not None:
+                calls.append(call)
+            break
         if call is None:
-            content.append(text[pos:start] if end < 0 else text[pos:end + len(TOOL_CALL_END)])
-            if end < 0:
-                break
+            content.append(text[pos:end + len(TOOL_CALL_END)])
         else:
             content.append(text[pos:start])
             calls.append(call)
-        if end < 0:
-            break
         pos = end + len(TOOL_CALL_END)
     return "".join(content).strip() if calls else "".join(content), calls
 
@@ -163,38 +179,42 @@ class StreamingToolCallParser:
 
     ``push(delta)`` returns ``(content_delta, finished_tool_calls)``. Text that might
     be the start of a ``<tool_call>`` tag is held back until it is decided; a tool
-    call is emitted once its closing tag arrives. ``finish()`` flushes the rest: an
-    unterminated block is parsed if it is complete JSON, else dropped, and so is a
-    held-back start of the tag two characters or longer (``<t``, ``<tool_call``): a
-    partial tool call, cut off by ``max_tokens``, never reaches the client as content.
-    A lone ``<`` is text.
+    call is emitted once an end tag arrives before which its JSON is complete (an end
+    tag inside one of its strings does not end it); a block no end tag has closed
+    validly yet is held. ``finish()`` settles the rest as :func:`parse_tool_calls`
+    does: a malformed closed block is content, an unterminated block is a call if it
+    is complete JSON, else dropped, and so is a held-back start of the tag two
+    characters or longer (``<t``, ``<tool_call``): a partial tool call, cut off by
+    ``max_tokens``, never reaches the client as content. A lone ``<`` is text.
     """
 
     def __init__(self) -> None:
         self.buf = ""
         self.in_call = False
+        self._scanned = 0  # in a call: end tags before this offset of ``buf`` did not close it validly
 
     def push(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buf += delta
         content, calls = [], []
         while True:
             if self.in_call:
-                end = self.buf.find(TOOL_CALL_END)
+                end = self.buf.find(TOOL_CALL_END, self._scanned)
                 if end < 0:
+                    self._scanned = max(self._scanned, len(self.buf) - len(TOOL_CALL_END) + 1)
                     break
                 call = _parse_block(self.buf[:end].strip())
-                if call is None:
-                    content.append(TOOL_CALL_START + self.buf[:end + len(TOOL_CALL_END)])
-                else:
-                    calls.append(call)
+                if call is None:  # an end tag inside the JSON, or a malformed block: wait for more
+                    self._scanned = end + len(TOOL_CALL_END)
+                    continue
+                calls.append(call)
                 self.buf = self.buf[end + len(TOOL_CALL_END):]
-                self.in_call = False
+                self.in_call, self._scanned = False, 0
             else:
                 start = self.buf.find(TOOL_CALL_START)
                 if start >= 0:
                     content.append(self.buf[:start])
                     self.buf = self.buf[start + len(TOOL_CALL_START):]
-                    self.in_call = True
+                    self.in_call, self._scanned = True, 0
                     continue
                 keep = _partial_tag_suffix(self.buf, TOOL_CALL_START)
                 content.append(self.buf[:len(self.buf) - keep])
@@ -205,9 +225,8 @@ class StreamingToolCallParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self.buf = self.buf, ""
         if self.in_call:
-            self.in_call = False
-            call = _parse_block(rest.strip())
-            return ("", [call]) if call else ("", [])
+            self.in_call, self._scanned = False, 0
+            return parse_tool_calls(TOOL_CALL_START + rest)
         if len(rest) >= 2 and _partial_tag_suffix(rest, TOOL_CALL_START) == len(rest):
             return "", []
         return rest, []

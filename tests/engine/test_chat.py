@@ -40,3 +40,22 @@ def test_an_unclosed_but_complete_call_is_a_call_and_text_stays_text():
     bad = "<tool_call>\nnot json\n</tool_call>"
     assert _stream("x " + bad)[0] == "x " + bad                     # a closed malformed block stays content
     assert parse_tool_calls("x " + bad) == ("x " + bad, [])
+
+
+def test_an_end_tag_inside_a_json_string_does_not_end_the_call():
+    """The grammar lets a string argument hold any text, the call format's own tags included (the
+    default model writes them into a final answer); the call ends at the end tag after its JSON."""
+    quoted = format_tool_call("final_answer", {"answer": "Done.'}}</tool_call>Then: <tool_call> more"})
+    text = "x " + quoted + "\n" + CALL
+    for content, calls in [parse_tool_calls(text)] + [_stream(text, step) for step in (1, 4, 1000)]:
+        assert content.strip() == "x"  # the streaming parser cannot strip what it already sent
+        assert [c.name for c in calls] == ["final_answer", "get_weather"]
+        assert json.loads(calls[0].arguments) == {"answer": "Done.'}}</tool_call>Then: <tool_call> more"}
+
+
+def test_a_malformed_block_before_a_good_call_stays_content_and_the_call_is_parsed():
+    bad = "<tool_call>\nnot json\n</tool_call>"
+    text = "x " + bad + " y " + CALL
+    for content, calls in [parse_tool_calls(text)] + [_stream(text, step) for step in (1, 5, 1000)]:
+        assert content.strip() == "x " + bad + " y"
+        assert [c.name for c in calls] == ["get_weather"]
