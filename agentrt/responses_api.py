@@ -473,6 +473,11 @@ class ResponseRun:
         self.final: dict[str, Any] = {}  # the response object, once complete
         self._closed = False
 
+    @property
+    def running(self) -> Generation | None:
+        """The generation this response runs (None: a recorded response, replayed)."""
+        return self.turn.generation if self.turn is not None else self.generation
+
     def describe(self, result: Result) -> dict[str, Any]:
         """The stored record of this response, made when its turn is recorded."""
         return {"response": self._final(result), "input_items": self.input_items}

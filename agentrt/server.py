@@ -352,13 +352,21 @@ async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
 
 
 @api.post("/v1/responses")
-async def create_response(body: ResponseCreateRequest, request: Request, tenant: Tenant = Depends(_auth)) -> Any:
-    """OpenAI's Responses API; a ``previous_response_id`` chain is a session. Streaming sends typed events."""
+async def create_response(body: ResponseCreateRequest, request: Request, response: Response,
+                          tenant: Tenant = Depends(_auth)) -> Any:
+    """OpenAI's Responses API; a ``previous_response_id`` chain is a session. Streaming sends typed events.
+    Like a chat completion, a response that runs answers once placed, naming its worker behind a router."""
     svc: ResponsesService = request.app.state.responses
     run = await svc.start(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
+    generation = run.running
     if body.stream:
-        return sse_response(run.events(), run.close, request.app.state.config.retry_after_s, named=True)
-    return await _unless_disconnected(request, run.collect(), run.close)
+        headers = {} if generation is None else await _placed(request, generation, run.close)
+        if isinstance(headers, Response):
+            return headers
+        return sse_response(run.events(), run.close, request.app.state.config.retry_after_s, headers, named=True)
+    if generation is None:
+        return await _unless_disconnected(request, run.collect(), run.close)
+    return await _json_reply(request, response, generation, run.collect(), run.close)
 
 
 @api.get("/v1/responses/{response_id}")
