@@ -7,7 +7,7 @@ with a ``: ping`` comment every 15 s (the Responses API's typed events instead g
 type, without ``[DONE]``; the Anthropic Messages API's too, with ``ping`` events); a client that
 disconnects cancels its stream, which aborts the engine request and frees its pages.
 
-Generations (chat completions, completions, session turns) answer once their request is placed
+Generations (chat completions, completions, messages, responses, session turns) answer once their request is placed
 (``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
 errors before that are JSON errors with their status, and a router's responses name the worker
 that served them in the ``x-agentrt-worker`` header (``agentrt serve`` sends none). Chat
