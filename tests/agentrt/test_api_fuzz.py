@@ -17,9 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.errors import InvalidSchema
 
 CASES_PER_OPERATION = 20  # x 2 modes x 17 operations, + 3 on a real session: at most about 700 cases
 KEY = "fuzz-key"
+# Operations whose *invalid* bodies the generator may fail to build ("Cannot generate an array with 1
+# demanded elements": schemathesis' negative mutations, which derandomize does not fix, against the
+# recursive, tagged content blocks of Anthropic messages). Their valid-shaped bodies are always fuzzed;
+# any other operation failing to generate fails the test.
+NEGATIVE_GENERATION_MAY_FAIL = {"POST /v1/messages", "POST /v1/messages/count_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +75,11 @@ def test_no_server_errors(fuzz_server):
         except Unsatisfiable:  # nothing to make invalid (GET /health has no inputs)
             if mode is GenerationMode.POSITIVE:
                 raise
+        except InvalidSchema as exc:
+            name = f"{operation.method.upper()} {operation.path}"
+            if mode is GenerationMode.POSITIVE or name not in NEGATIVE_GENERATION_MAY_FAIL:
+                raise
+            print(f"fuzz: negative cases of {name} stopped by the generator: {exc}")
     print("fuzz status counts:", seen)
     assert sum(seen.values()) >= 250, seen
     assert any(code.startswith("2") for code in seen) and any(code.startswith("4") for code in seen), seen
