@@ -20,7 +20,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 import redis
 
@@ -56,13 +55,7 @@ class Cluster:
 
     def worker_pid(self, worker_id: str) -> int:
         """The pid of ``agentrt up``'s child with this worker id."""
-        for child in psutil.Process(self.up.pid).children():
-            try:
-                if worker_id in child.cmdline():
-                    return child.pid
-            except psutil.Error:
-                continue
-        raise LookupError(f"no child of agentrt up runs {worker_id}")
+        return c.up_worker_pid(self.up, worker_id)
 
     def record(self, sid: str):
         client = redis.Redis.from_url(self.server.url)

@@ -18,7 +18,6 @@ import uuid
 
 import anthropic
 import openai
-import psutil
 import pytest
 
 from tests.router import cluster as c
@@ -40,13 +39,6 @@ def up(tmp_path_factory):
         yield proc
     finally:
         group.stop(timeout_s=60.0)
-
-
-def _worker_pid(up, worker_id: str) -> int:
-    for child in psutil.Process(up.pid).children():
-        if worker_id in child.cmdline():
-            return child.pid
-    raise LookupError(f"no child of agentrt up runs {worker_id}")
 
 
 class Turns:
@@ -129,7 +121,7 @@ def test_a_conversation_stays_on_its_worker_and_moves_with_its_history_when_it_d
     victim = conv.workers[0]
     survivor = ({"worker-0", "worker-1"} - {victim}).pop()
 
-    os.kill(_worker_pid(up, victim), signal.SIGKILL)
+    os.kill(c.up_worker_pid(up, victim), signal.SIGKILL)
     for t in (6, 7):  # no retry by the client: the router fails over at once
         conv.turn(f"Step {t} of the pipeline failed too; why?")
     assert conv.workers[6:] == [survivor, survivor], conv.workers

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import psutil
+
 from agentrt.procs import Proc, Procs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,3 +47,14 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1, what: 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def up_worker_pid(up: Proc, worker_id: str) -> int:
+    """The pid of ``agentrt up``'s child (``up``) that runs the worker ``worker_id``."""
+    for child in psutil.Process(up.pid).children():
+        try:
+            if worker_id in child.cmdline():
+                return child.pid
+        except psutil.Error:
+            continue
+    raise LookupError(f"no child of agentrt up runs {worker_id}")
