@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 # The values EngineConfig accepts (public: settings layered on the engine offer the same choices).
@@ -50,6 +51,12 @@ class EngineConfig:
     (``finish_reason="length"``), as before; it exists for comparisons (benchmarks/constrained_budget.py)
     and for benchmarks that decode grammars which cannot complete in their budget.
 
+    KV tiers (engine/kv_tier.py, docs/kv_tiers.md): pages the radix cache evicts go to a host
+    memory tier of ``kv_host_tokens`` tokens, then to a disk tier of ``kv_disk_tokens`` tokens (one
+    file per page under ``kv_disk_path``, default a new directory under the system's temp directory,
+    logged at start; emptied at shutdown unless ``kv_disk_keep``), and come back from there instead
+    of being recomputed. 0 turns a tier off (the engine library's default: both off).
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -79,6 +86,10 @@ class EngineConfig:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     close_constrained_outputs: bool = True
+    kv_host_tokens: int = 0
+    kv_disk_tokens: int = 0
+    kv_disk_path: str | None = None
+    kv_disk_keep: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -110,6 +121,15 @@ class EngineConfig:
                 not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens!r}")
+        for name in ("kv_host_tokens", "kv_disk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: no such tier), got {value!r}")
+            if 0 < value < self.page_size:
+                raise ValueError(f"{name} must be 0 or at least one page ({self.page_size} tokens), got {value}")
+        if self.kv_disk_path is not None and os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
+            raise ValueError(f"kv_disk_path must be a directory (it is created if missing), got the file "
+                             f"{self.kv_disk_path!r}")
         self._validate_expert_parallel()
 
     def _validate_expert_parallel(self) -> None:

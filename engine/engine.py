@@ -7,6 +7,7 @@ the scheduler's state is only ever touched by the thread running ``step()``.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import queue
@@ -22,8 +23,9 @@ from engine.coalesce import TurnCoalescer
 from engine.client import check_closing, check_request
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
-from engine.hashing import make_seed
+from engine.hashing import block_hashes, make_seed
 from engine.kv_pool import KVCache, PagePool
+from engine.kv_tier import DiskTier, HostTier, KVTiers, page_shape
 from engine.loader import load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
@@ -61,9 +63,11 @@ class LLMEngine:
         backend_cls = backend_class(self.backend_name)
         self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
                           dtype, self.device, layout=backend_cls.kv_layout)
+        self.on_kv_event = on_kv_event
         self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
+        self.tiers = self._build_tiers(mcfg, dtype, backend_cls.kv_layout)
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim)
         self.runner = ModelRunner(self.model, attn, P, self.device)
@@ -82,6 +86,39 @@ class LLMEngine:
             self.scheduler.propose = self._propose
         self._snapshot()
 
+    def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
+        """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
+        cfg = self.config
+        if not (cfg.kv_host_tokens or cfg.kv_disk_tokens) or not cfg.enable_prefix_cache:
+            return None
+        shape = page_shape(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, layout)
+        host = disk = None
+        if cfg.kv_host_tokens:
+            host = HostTier(cfg.kv_host_tokens // cfg.page_size, shape, dtype,
+                            pin=self.device.startswith("cuda"))
+        if cfg.kv_disk_tokens:
+            disk = DiskTier(cfg.kv_disk_path, cfg.kv_disk_tokens // cfg.page_size, shape, dtype,
+                            keep=cfg.kv_disk_keep, on_event=self._tier_event)
+        tiers = KVTiers(host, disk, on_event=self._tier_event)
+        self.cache.on_evict = self._offload
+        self.scheduler.tiers, self.scheduler.write_page = tiers, self.kv.write_page
+        if disk is not None:
+            disk.announce()
+            atexit.register(tiers.close)   # the directory is emptied even if close() is never called
+        return tiers
+
+    def _tier_event(self, kind: str, hashes: list[int], medium: str) -> None:
+        if self.on_kv_event is not None:
+            self.on_kv_event(kind, hashes, None, medium=medium)
+
+    def _offload(self, hashes: list[int], pages: list[int]) -> None:
+        """The radix cache is evicting these pages: copy each one into the tiers first."""
+        for h, page in zip(hashes, pages):
+            if self.tiers.holds(h) is None:
+                self.tiers.offload(h, self.kv.read_page(page))
+            else:
+                self.tiers.offload(h, None)   # already there: only its LRU position changes
+
     def _build_expert_parallel(self, mcfg, state, dtype):
         """This process is rank 0; the other ranks start here and stop in ``close``."""
         from engine.models.moe_model import build_moe_model
@@ -99,6 +136,8 @@ class LLMEngine:
         (they also stop at interpreter exit)."""
         if self.ep is not None:
             self.ep.close()
+        if self.tiers is not None:
+            self.tiers.close()   # the disk tier's files go, unless kv_disk_keep
 
     def _seed(self, salt: str) -> bytes:
         seed = self._seeds.get(salt)
@@ -194,6 +233,8 @@ class LLMEngine:
                     self._pending -= 1
                     self._pending_tokens -= len(arg.prompt_ids)
                     self.scheduler.enqueue(arg)
+                if self.tiers is not None:
+                    self._prefetch(arg)
             elif kind == "abort":
                 req = self._requests.get(arg)
                 if req is not None and not req.finished:
@@ -207,11 +248,24 @@ class LLMEngine:
             elif kind == "unpin":
                 self.scheduler.unpin(arg)
             elif kind == "flush":
+                self.cache.on_evict = None   # a flush drops the tiers' copies too
                 self.cache.reset()
+                if self.tiers is not None:
+                    self.cache.on_evict = self._offload
+                    self.tiers.clear()
             elif kind == "snapshot":
                 fut, extra = arg
                 hashes = self.cache.all_hashes()
                 fut.set_result((hashes, extra()) if extra else hashes)
+
+    def _prefetch(self, req: Request) -> None:
+        """A request arrived: start reading its disk-tier pages past the device match now, so they are
+        in memory by the time the scheduler reaches it (it admits other requests meanwhile)."""
+        limit = ((req.num_tokens - 1) // self.config.page_size) * self.config.page_size
+        pages, node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
+        hashes = block_hashes(req.all_ids[len(pages) * self.config.page_size:limit], self.config.page_size,
+                              self._seed(req.cache_salt), parent=node.last_hash)
+        self.tiers.prefetch(hashes[:len(self.tiers.match(hashes))])
 
     # -- the step (one thread) ------------------------------------------------
     def _snapshot(self) -> None:
@@ -229,7 +283,8 @@ class LLMEngine:
             waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
-            spec_verifications_total=self.spec_verifications_total)
+            spec_verifications_total=self.spec_verifications_total,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {})
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
@@ -244,6 +299,8 @@ class LLMEngine:
         self.scheduler.failed.clear()
         if batch:
             outputs.extend(self._run(batch))
+        elif self.tiers is not None and self.scheduler.waiting and self.tiers.loading():
+            self.tiers.wait_for_load(0.01)   # nothing can run until a disk read lands
         self._snapshot()
         return outputs
 
@@ -407,6 +464,7 @@ class LLMEngine:
             request_id=req.request_id, text=req.text[req.sent:end], token_ids=req.pending_ids,
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens or 0,
+            cached_tokens_by_tier=_by_tier(req),
             completion_tokens=len(req.output_ids),
             logprobs=req.pending_logprobs if req.params.logprobs is not None else None, error=req.error)
         req.sent = end
@@ -439,6 +497,7 @@ class LLMEngine:
                     r.logprobs.extend(out.logprobs)
                 if out.finished:
                     r.finish_reason, r.cached_tokens, r.error = out.finish_reason, out.cached_tokens, out.error
+                    r.cached_tokens_by_tier = out.cached_tokens_by_tier
                     r.stop_reason = out.stop_reason
                     finished += 1
             return finished
@@ -467,6 +526,15 @@ class LLMEngine:
     def pin_active(self, pin_id: str) -> bool:
         """Whether a pin still holds (it may have expired or given way to memory pressure)."""
         return pin_id in self._pin_ids
+
+
+def _by_tier(req: Request) -> dict[str, int]:
+    """The request's cached prompt tokens by where they were found: the device pool, or loaded back
+    from the host or disk tier (they add up to ``cached_tokens``)."""
+    cached = req.cached_tokens or 0
+    host = min(req.tier_tokens.get("host", 0), cached)
+    disk = min(req.tier_tokens.get("disk", 0), cached - host)
+    return {"device": cached - host - disk, "host": host, "disk": disk}
 
 
 def _path_pages(node) -> list[int]:

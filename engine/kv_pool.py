@@ -87,3 +87,19 @@ class KVCache:
         kf = self.k[layer].flatten(0, 1)
         vf = self.v[layer].flatten(0, 1)
         return kf.index_select(0, slots).transpose(0, 1), vf.index_select(0, slots).transpose(0, 1)
+
+    # -- whole pages, for the KV tiers (engine/kv_tier.py) ------------------------------------------------
+    def _page_view(self, t: torch.Tensor, page: int) -> torch.Tensor:
+        P = self.page_size
+        return t[:, page * P:(page + 1) * P] if self.layout == "HSD" else t[page]
+
+    def read_page(self, page: int) -> torch.Tensor:
+        """A CPU copy of one page's K and V in every layer: ``[2, layers, *page]`` (see kv_tier.page_shape)."""
+        out = torch.stack([torch.stack([self._page_view(t, page) for t in kv]) for kv in (self.k, self.v)])
+        return out.to("cpu") if out.device.type != "cpu" else out
+
+    def write_page(self, page: int, data: torch.Tensor) -> None:
+        """Copy ``data`` (as :meth:`read_page` returns it) into ``page``: bit for bit."""
+        for i, kv in enumerate((self.k, self.v)):
+            for layer, t in enumerate(kv):
+                self._page_view(t, page).copy_(data[i, layer])

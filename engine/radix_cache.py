@@ -18,6 +18,9 @@ Contracts:
   first, and returns how many it freed.
 - ``on_event(kind, hashes, parent)`` (contract 2) is called with ``"stored"`` when
   pages are added and ``"removed"`` when they are evicted.
+- ``on_evict(hashes, pages)``, when set, is called with a leaf's block hashes and page ids
+  just before ``evict`` returns its pages to the pool: the last moment their K/V can be
+  copied out (the KV tiers, engine/kv_tier.py).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class RadixCache:
         self.page_size = page_size
         self.seed_fn = seed_fn
         self.on_event = on_event
+        self.on_evict: Callable[[list[int], list[int]], None] | None = None
         self._roots: dict[str, Node] = {}
         self._clock = itertools.count(1)
         self.cached_pages = 0      # pages owned by the tree
@@ -188,6 +192,8 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
+            if self.on_evict is not None:
+                self.on_evict(leaf.hashes, leaf.pages)
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             self.cached_pages -= len(leaf.pages)

@@ -43,6 +43,7 @@ class Request:
     tree_node: object | None = None
     num_computed: int = 0          # tokens whose K/V are in ``pages``
     cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of which loaded from a KV tier, by medium
     num_preemptions: int = 0
     queued_tokens: int = 0         # what it adds to the scheduler's ``waiting_tokens`` while waiting
     generator: torch.Generator | None = None

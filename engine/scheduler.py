@@ -12,6 +12,11 @@ requests in the batch may add draft tokens to verify, within what is left of the
 and of the free pages: a draft never evicts, unpins or preempts, so everything else is
 scheduled as without speculation. After verification the engine calls ``rollback``,
 which frees the pages of rejected draft slots.
+With KV tiers (``tiers``, engine/kv_tier.py) a request's match continues past the device
+pool: the block hashes after the device match that a tier holds are loaded into fresh pages
+and inserted in the radix cache, so the request computes only what no tier has. A request
+whose tier pages are still being read from disk stays in the queue and the scheduler admits
+the requests behind it meanwhile; it is admitted once they are in (``KVTiers.ready``).
 Pages come from the free pool; when it runs dry the scheduler evicts unlocked
 cache, then releases session pins (earliest expiry first), then preempts the
 youngest running request: its computed pages go into the cache (so resuming is
@@ -32,7 +37,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
+from engine.hashing import block_hashes
 from engine.kv_pool import PagePool
+from engine.kv_tier import PENDING, KVTiers
 from engine.radix_cache import Node, RadixCache
 from engine.request import Request, Status
 
@@ -72,6 +81,9 @@ class Scheduler:
         self.failed: list[Request] = []   # finished by the scheduler; the engine reports them
         # (decoding request, most tokens) -> a draft to verify this step; None: no speculation
         self.propose: Callable[[Request, int], list[int]] | None = None
+        # KV tiers below the pool and how to copy a page back into it (LLMEngine sets both)
+        self.tiers: KVTiers | None = None
+        self.write_page: Callable[[int, torch.Tensor], None] | None = None
 
     # -- the waiting queue ----------------------------------------------------
     def enqueue(self, req: Request) -> None:
@@ -146,17 +158,66 @@ class Scheduler:
             self.unpin(pin_id)
 
     # -- cache hand-over ------------------------------------------------------
-    def _match(self, req: Request) -> None:
-        """Start a (re)admitted request from the longest cached prefix."""
+    def _match(self, req: Request) -> bool:
+        """Start a (re)admitted request from the longest cached prefix: the device pool's, then the
+        tiers'. False (nothing held) while tier pages it needs are still being read."""
+        limit = ((req.num_tokens - 1) // self.P) * self.P  # at least one token must be computed for logits
         if self.enable_prefix_cache:
-            # at least one token must be computed to produce logits
-            limit = ((req.num_tokens - 1) // self.P) * self.P
             pages, node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
         else:
             pages, node = [], self.cache.root(req.cache_salt)
         self.cache.lock(node)
         req.tree_node, req.pages, req.num_tree_pages = node, list(pages), len(pages)
         req.num_computed = len(pages) * self.P
+        if self.tiers is not None and self.enable_prefix_cache and not self._load_from_tiers(req, limit):
+            self.release(req)
+            return False
+        return True
+
+    def tier_hashes(self, req: Request, limit: int | None = None) -> list[int]:
+        """Block hashes of the request's full blocks past its device match (``req.tree_node``)."""
+        limit = ((req.num_tokens - 1) // self.P) * self.P if limit is None else limit
+        start = req.num_tree_pages * self.P
+        return block_hashes(req.all_ids[start:limit], self.P, self.cache.seed_fn(req.cache_salt),
+                            parent=req.tree_node.last_hash)
+
+    def _load_from_tiers(self, req: Request, limit: int) -> bool:
+        """Continue the device match into the tiers: copy the pages they hold into fresh pool pages and
+        insert them in the radix cache. False when some are still being read from disk."""
+        hashes = self.tier_hashes(req, limit)
+        media = self.tiers.match(hashes)
+        if not media:
+            return True
+        if not self.tiers.ready(hashes[:len(media)]):
+            return False
+        data = []
+        for h in hashes[:len(media)]:
+            page = self.tiers.take(h)
+            if page is None or page is PENDING:   # gone or corrupt: recompute from here
+                break
+            data.append(page)
+        n = len(data)
+        if not n or not self._free_up(n):   # the device match is locked: freeing cannot evict it
+            return True
+        new = self.pool.alloc(n)
+        for page, tensor in zip(new, data):
+            self.write_page(page, tensor)
+        first = req.num_tree_pages
+        tokens = req.all_ids[:(first + n) * self.P]
+        _, dups = self.cache.insert(tokens, req.pages + new, req.cache_salt)
+        if dups:
+            self.pool.free(dups)
+        pages, node = self.cache.match_prefix(tokens, req.cache_salt)
+        self.cache.lock(node)
+        self.cache.unlock(req.tree_node)
+        req.tree_node, req.pages, req.num_tree_pages = node, list(pages), len(pages)
+        req.num_computed = len(pages) * self.P
+        for medium in set(media[:n]):
+            count = media[:n].count(medium)
+            self.tiers.count_hit(medium, count, count * self.P)
+            if req.cached_tokens is None:   # the first admission's cached tokens say where they came from
+                req.tier_tokens[medium] = req.tier_tokens.get(medium, 0) + count * self.P
+        return True
 
     def cache_request(self, req: Request) -> Node:
         """Hand the request's full computed pages to the radix cache and adopt the tree's pages."""
@@ -227,7 +288,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            self._match(req)
+            if not self._match(req):
+                continue  # its tier pages are on their way from disk: the requests behind it go first
             if self._shares_a_running_prefill(req):
                 self.release(req)  # wait a step or two: that prefill will hand its pages over
                 continue

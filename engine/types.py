@@ -91,6 +91,8 @@ class RequestOutput:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # cached_tokens by where they were found: {"device", "host", "disk"} (engine/kv_tier.py)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class EngineOverloaded(RuntimeError):
@@ -115,6 +117,7 @@ class GenerationResult:
     error: str | None = None
     ttft_s: float | None = None
     stop_reason: str | int | None = None  # as RequestOutput.stop_reason
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # as RequestOutput's
 
 
 @dataclass
@@ -139,6 +142,9 @@ class EngineStats:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verifications_total: int = 0
+    # KV tiers (engine/kv_tier.py): per medium ("host", "disk") its TierStats as a dict: pages,
+    # hit_tokens, loads, load_time_s, bytes_written, bytes_read, corrupt, dropped, errors, enabled
+    kv_tiers: dict = field(default_factory=dict)
 
     @property
     def spec_acceptance_rate(self) -> float:
