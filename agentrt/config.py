@@ -215,6 +215,8 @@ class ServerConfig(Settings):
     engine/coalesce.py's cap. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
     turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for;
     ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
+    KV tiers (``kv_host_tokens``, ``kv_disk_tokens``, ``kv_disk_path``, ``kv_disk_keep``;
+    docs/kv_tiers.md): the server keeps a bounded disk tier by default, the engine library none.
     """
 
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -254,6 +256,16 @@ class ServerConfig(Settings):
                                               "step; greedy output unchanged)")
     num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
                                         "request verifies per step with --speculative ngram")
+    kv_host_tokens: int = Field(_ENGINE["kv_host_tokens"], ge=0, description="tokens of KV the host memory tier "
+                                "below the pool holds (pinned CPU memory; for a GPU pool; 0: off)")
+    kv_disk_tokens: int = Field(65536, ge=0, description="tokens of KV the disk tier below the pool holds: evicted "
+                                "pages are kept there and loaded back instead of recomputed (one file per page, at "
+                                "most half the disk's free space; 0: off; docs/kv_tiers.md says why this default, "
+                                f"where the engine library's is {_ENGINE['kv_disk_tokens']})")
+    kv_disk_path: str | None = Field(_ENGINE["kv_disk_path"], description="directory of the disk tier's files "
+                                     "(default: a new one under the system temp directory, logged at start)")
+    kv_disk_keep: bool = Field(_ENGINE["kv_disk_keep"], description="keep the disk tier's files at shutdown (the "
+                               "next start with the same --kv-disk-path serves them; default: deleted)")
     api_keys: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], NoDecode, Flag("--api-key", "KEY")] = Field(
         (), description="accept this API key (repeatable; default: no authentication)")
     tenants_file: str | None = Field(None, description="JSON or TOML file of tenants: hashed API keys, limits, "
@@ -306,7 +318,9 @@ class ServerConfig(Settings):
                             max_waiting_tokens=self.max_waiting_tokens, enable_prefix_cache=self.enable_prefix_cache,
                             turn_coalesce_max_s=self.turn_coalesce_max_s, ep_size=self.ep, ep_nodes=self.ep_nodes,
                             ep_placement=self.ep_placement, ep_redundant=self.ep_redundant,
-                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
+                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                            kv_host_tokens=self.kv_host_tokens, kv_disk_tokens=self.kv_disk_tokens,
+                            kv_disk_path=self.kv_disk_path, kv_disk_keep=self.kv_disk_keep)
 
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:

@@ -54,6 +54,7 @@ class Result:
     logprobs: list[TokenLogprob] | None
     stop_sequence: str | None = None
     closed_by_budget: bool = False
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # {"device", "host", "disk"}
 
 
 class Generation:
@@ -195,6 +196,7 @@ class Generation:
         self.result = Result(
             text=text, content=text, tool_calls=[], finish_reason=out.finish_reason or "stop",
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+            cached_tokens_by_tier=dict(out.cached_tokens_by_tier),
             completion_tokens=out.completion_tokens, token_ids=list(self._token_ids),
             logprobs=self._logprobs if self._want_logprobs else None,
             stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) and not closed else None,

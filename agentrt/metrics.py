@@ -68,6 +68,37 @@ class _EngineCollector:
                 ("agentrt_spec_verifications", "Speculative decoding: drafts verified (one per request and step)",
                  s.spec_verifications_total)):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _tier_metrics(getattr(s, "kv_tiers", None) or {})
+
+
+# KV tiers (engine/kv_tier.py): one series per tier ("host", "disk") of each
+_TIER_GAUGES = (("pages", "agentrt_kv_tier_pages", "KV pages the tier holds"),
+                ("capacity_pages", "agentrt_kv_tier_capacity_pages", "KV pages the tier may hold"),
+                ("enabled", "agentrt_kv_tier_enabled", "1 while the tier is on (a disk error turns it off)"))
+_TIER_COUNTERS = (("hit_tokens", "agentrt_kv_tier_hit_tokens", "Prompt tokens loaded back from the tier"),
+                  ("loads", "agentrt_kv_tier_loads", "KV pages loaded back from the tier into the pool"),
+                  ("load_time_s", "agentrt_kv_tier_load_seconds", "Time spent reading and checking tier pages"),
+                  ("bytes_written", "agentrt_kv_tier_written_bytes", "Bytes written to the tier"),
+                  ("bytes_read", "agentrt_kv_tier_read_bytes", "Bytes read from the tier"),
+                  ("corrupt", "agentrt_kv_tier_corrupt_pages",
+                   "Tier pages found missing, stale or failing their checksum (recomputed instead)"),
+                  ("dropped", "agentrt_kv_tier_dropped_pages", "Evicted pages the tier could not take"),
+                  ("errors", "agentrt_kv_tier_errors", "I/O errors of the tier (each turns a disk tier off)"))
+
+
+def _tier_metrics(tiers: dict) -> Iterable[Any]:
+    if not tiers:
+        return
+    for key, name, doc in _TIER_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["tier"])
+        for medium, t in tiers.items():
+            family.add_metric([medium], float(t[key]))
+        yield family
+    for key, name, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["tier"])
+        for medium, t in tiers.items():
+            family.add_metric([medium], float(t[key]))
+        yield family
 
 
 class Metrics:

@@ -325,7 +325,7 @@ class SessionManager:
         turn = TurnRecord(turn_id=run.turn_id, index=len(run.record.messages) + len(run.new_messages),
                           message=message, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
-                          created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
+                          cached_tokens_by_tier=result.cached_tokens_by_tier or None, created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
                           raw_text=result.text, response=run.describe(result) if run.describe else None)
         try:
             record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn)
@@ -355,6 +355,8 @@ class SessionManager:
     def turn_view(session_id: str, turn: TurnRecord, replayed: bool = False) -> dict[str, Any]:
         usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": turn.completion_tokens,
                  "cached_tokens": turn.cached_tokens, "total_tokens": turn.prompt_tokens + turn.completion_tokens}
+        if turn.cached_tokens_by_tier is not None:   # where the cached tokens came from (KV tiers)
+            usage["cached_tokens_by_tier"] = dict(turn.cached_tokens_by_tier)
         return {"id": turn.turn_id, "object": "session.turn", "session_id": session_id, "index": turn.index,
                 "message": turn.message, "finish_reason": turn.finish_reason, "usage": usage,
                 "replayed": replayed, "created_at": turn.created_at}

@@ -42,6 +42,9 @@ class TurnRecord:
     # The Responses API's record of this turn (``agentrt/responses_api.py``: the response object and its
     # input items); None for a plain session turn, and once the response is deleted.
     response: dict[str, Any] | None = None
+    # ``cached_tokens`` by where the engine found them: {"device", "host", "disk"} (KV tiers,
+    # engine/kv_tier.py); None when not reported (a record written before tiers existed)
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass

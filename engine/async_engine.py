@@ -182,3 +182,5 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        if self.engine.tiers is not None:   # a disk tier's files go now, unless kv_disk_keep
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.tiers.close)

@@ -103,7 +103,6 @@ class LLMEngine:
         self.cache.on_evict = self._offload
         self.scheduler.tiers, self.scheduler.write_page = tiers, self.kv.write_page
         if disk is not None:
-            disk.announce()
             atexit.register(tiers.close)   # the directory is emptied even if close() is never called
         return tiers
 
@@ -220,6 +219,13 @@ class LLMEngine:
         self._command("snapshot", (fut, extra))
         return fut
 
+    def request_tier_snapshot(self) -> "concurrent.futures.Future":
+        """The block hashes each KV tier holds (``{"host": [...], "disk": [...]}``; empty without
+        tiers), read by the engine thread at its next step."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command("tier_snapshot", fut)
+        return fut
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
         while True:
@@ -253,6 +259,8 @@ class LLMEngine:
                 if self.tiers is not None:
                     self.cache.on_evict = self._offload
                     self.tiers.clear()
+            elif kind == "tier_snapshot":
+                arg.set_result(self.tiers.snapshot() if self.tiers is not None else {})
             elif kind == "snapshot":
                 fut, extra = arg
                 hashes = self.cache.all_hashes()

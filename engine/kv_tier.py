@@ -402,12 +402,6 @@ class DiskTier:
         if found:
             log.info("KV disk tier: %d kept pages found in %s", len(found), self.path)
 
-    def announce(self) -> None:
-        """Publish ``stored`` for every page (after a start that adopted kept pages)."""
-        hashes = self.hashes()
-        if hashes:
-            self._emit("stored", hashes)
-
     def close(self) -> None:
         if self._closed:
             return

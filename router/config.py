@@ -118,6 +118,10 @@ class RouterConfig(Settings):
     def snapshot_key(self, worker_id: str) -> str:
         return f"{self.key_prefix}worker:{worker_id}:blocks"
 
+    def snapshot_tier_key(self, worker_id: str, medium: str) -> str:
+        """The worker's blocks held in a KV tier below its device pool (``medium`` host or disk)."""
+        return f"{self.key_prefix}worker:{worker_id}:blocks:{medium}"
+
     def snapshot_seq_key(self, worker_id: str) -> str:
         return f"{self.key_prefix}worker:{worker_id}:blocks_seq"
 

@@ -219,9 +219,11 @@ class RouterCore:
         states = []
         for w in candidates:
             load = self.loads.get(w.worker_id, LoadReport())
+            tiers = self.index.tier_blocks(w.worker_id, req.hashes[:known.get(w.worker_id, 0)])
             states.append(WorkerState(w.worker_id, matched.get(w.worker_id, 0), load.running, load.waiting,
                                       load.pages_used, load.pages_free, self.inflight.count(w.worker_id),
-                                      self.inflight.tokens(w.worker_id)))
+                                      self.inflight.tokens(w.worker_id), tiers.get("host", 0),
+                                      tiers.get("disk", 0)))
         decision = self.policy.select(req, states)
         wid = decision.worker_id
         if matched.get(wid, 0) > known.get(wid, 0):
@@ -264,6 +266,7 @@ class RouterCore:
                        "gaps": stats.gaps, "resyncs": stats.resyncs, "per_kind": dict(stats.per_kind),
                        "last_id": stats.last_id},
             "workers": [{"id": wid, "url": w.url, "indexed_blocks": self.index.blocks_of(wid),
+                         "indexed_blocks_by_medium": self.index.blocks_by_medium(wid),
                          "in_flight": self.inflight.count(wid),
                          "load": None if (l := self.loads.get(wid)) is None else
                          {"running": l.running, "waiting": l.waiting, "waiting_tokens": l.waiting_tokens,

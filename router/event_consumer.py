@@ -22,18 +22,22 @@ from typing import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from router.config import RouterConfig
-from router.events import EventDecodeError, KVEvent, decode_event, unpack_hash
+from router.events import MEDIA, EventDecodeError, KVEvent, decode_event, unpack_hash
 from router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
+TIER_MEDIA = MEDIA[1:]   # the KV tiers below a worker's device pool
+
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A worker's cached block hashes as of event ``seq`` (-1: before any event)."""
+    """A worker's cached block hashes as of event ``seq`` (-1: before any event): on its device, and
+    per KV tier below it (``tiers``: medium -> hashes)."""
 
     seq: int
     hashes: tuple[int, ...]
+    tiers: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 SnapshotSource = Callable[[str], Awaitable[Snapshot]]
@@ -49,9 +53,13 @@ class RedisSnapshotSource:
         pipe = self._redis.pipeline(transaction=True)
         pipe.smembers(self._config.snapshot_key(worker_id))
         pipe.get(self._config.snapshot_seq_key(worker_id))
-        members, seq = await pipe.execute()
+        for medium in TIER_MEDIA:
+            pipe.smembers(self._config.snapshot_tier_key(worker_id, medium))
+        members, seq, *tiers = await pipe.execute()
         return Snapshot(-1 if seq is None else int(seq),
-                        tuple(sorted(unpack_hash(m) for m in members)))
+                        tuple(sorted(unpack_hash(m) for m in members)),
+                        {medium: tuple(sorted(unpack_hash(m) for m in held))
+                         for medium, held in zip(TIER_MEDIA, tiers) if held})
 
 
 @dataclass
@@ -93,6 +101,8 @@ class KVEventConsumer:
         ``max(snapshot.seq + 1, min_next_seq)`` are skipped from now on."""
         snap = await self.snapshot_source(worker_id)
         self.index.replace_worker(worker_id, snap.hashes)
+        for medium, held in snap.tiers.items():
+            self.index.stored(worker_id, held, medium=medium)
         if self.on_blocks is not None:
             self.on_blocks(worker_id, snap.hashes)
         self._next_seq[worker_id] = max(snap.seq + 1, min_next_seq)
@@ -152,10 +162,12 @@ class KVEventConsumer:
             if event.seq < self._next_seq[event.worker]:
                 self.stats.skipped += 1
                 return
-        if event.kind == "stored":
-            self.index.stored(event.worker, event.hashes)
+        if event.medium not in MEDIA:   # a tier this router does not know: its blocks are not counted
+            self.stats.skipped += 1
+        elif event.kind == "stored":
+            self.index.stored(event.worker, event.hashes, medium=event.medium)
         else:
-            self.index.removed(event.worker, event.hashes)
+            self.index.removed(event.worker, event.hashes, medium=event.medium)
         if self.on_blocks is not None:
             self.on_blocks(event.worker, tuple(event.hashes))
         self._next_seq[event.worker] = event.seq + 1

@@ -1,7 +1,9 @@
 """KV events (contract 2): the msgpack codec and the worker-side publisher.
 
 An event is ``{"worker": id, "seq": n, "kind": "stored"|"removed"|"cleared",
-"hashes": [...], "parent": hash|None, "ts": ms}``. ``seq`` is per worker and
+"hashes": [...], "parent": hash|None, "ts": ms}``, plus the optional ``"medium":
+"device"|"host"|"disk"`` (absent: device), the KV tier that now holds (``stored``) or no longer
+holds (``removed``) the blocks (engine/kv_tier.py). ``seq`` is per worker and
 monotonic. ``decode_event`` is the only way a router reads one: bounded size, strict
 types, msgpack only (no pickle, no ext types); anything else raises
 ``EventDecodeError`` and the consumer counts, logs and skips it. Unknown extra keys
@@ -9,7 +11,8 @@ are ignored so a newer worker can add fields without blinding older routers.
 
 Snapshot (for resynchronisation): in the same Redis transaction as each event, the
 publisher keeps the set of the worker's cached block hashes (8-byte little-endian
-members) at ``config.snapshot_key(worker)`` and the seq it reflects at
+members) at ``config.snapshot_key(worker)`` (device) and ``config.snapshot_tier_key(worker,
+medium)`` (each tier below it) and the seq it reflects at
 ``config.snapshot_seq_key(worker)``. A router that sees a gap reads
 both atomically (``router.event_consumer.RedisSnapshotSource``) and skips events with
 ``seq <= snapshot seq``.
@@ -35,6 +38,7 @@ from router.config import RouterConfig
 log = logging.getLogger(__name__)
 
 KINDS = ("stored", "removed", "cleared")
+MEDIA = ("device", "host", "disk")  # engine.kv_tier.MEDIA; the router does not import the engine's torch
 _U64 = 1 << 64
 _MAX_WORKER_ID = 256
 
@@ -59,9 +63,13 @@ class KVEvent:
     hashes: tuple[int, ...]
     parent: int | None
     ts: int
+    medium: str = "device"
 
     def __post_init__(self) -> None:
         _check_event(self.worker, self.seq, self.kind, self.hashes, self.parent, self.ts)
+        if not isinstance(self.medium, str) or not 0 < len(self.medium) <= 32:
+            # a medium this router does not know (a newer worker's) decodes: the consumer skips the event
+            raise EventDecodeError(f"medium must be a short string ({', '.join(MEDIA)}), got {self.medium!r}")
 
 
 def _is_int(x) -> bool:
@@ -84,8 +92,11 @@ def _check_event(worker, seq, kind, hashes, parent, ts) -> None:
 
 
 def encode_event(event: KVEvent) -> bytes:
-    return msgpack.packb({"worker": event.worker, "seq": event.seq, "kind": event.kind,
-                          "hashes": list(event.hashes), "parent": event.parent, "ts": event.ts})
+    obj = {"worker": event.worker, "seq": event.seq, "kind": event.kind,
+           "hashes": list(event.hashes), "parent": event.parent, "ts": event.ts}
+    if event.medium != "device":   # absent means device: events of a worker without tiers are unchanged
+        obj["medium"] = event.medium
+    return msgpack.packb(obj)
 
 
 def decode_event(data: bytes, max_bytes: int = 1 << 20, max_hashes: int = 65_536) -> KVEvent:
@@ -109,7 +120,8 @@ def decode_event(data: bytes, max_bytes: int = 1 << 20, max_hashes: int = 65_536
     if not isinstance(hashes, list):
         raise EventDecodeError(f"hashes must be a list, got {type(hashes).__name__}")
     _check_event(obj["worker"], obj["seq"], obj["kind"], hashes, obj["parent"], obj["ts"])
-    return KVEvent(obj["worker"], obj["seq"], obj["kind"], tuple(hashes), obj["parent"], obj["ts"])
+    return KVEvent(obj["worker"], obj["seq"], obj["kind"], tuple(hashes), obj["parent"], obj["ts"],
+                   obj.get("medium", "device"))
 
 
 def pack_hash(h: int) -> bytes:
@@ -177,14 +189,16 @@ class KVEventPublisher:
         with self._lock:
             return self._seq - 1
 
-    def publish(self, kind: str, hashes: list[int], parent: int | None) -> None:
+    def publish(self, kind: str, hashes: list[int], parent: int | None, medium: str = "device") -> None:
         if not self._started:
             raise RuntimeError("call start() before publishing (it announces `cleared` first)")
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if medium not in MEDIA:
+            raise ValueError(f"medium must be one of {MEDIA}, got {medium!r}")
         with self._lock:
             event = KVEvent(self.worker_id, self._seq, kind, tuple(hashes), parent,
-                            int(time.time() * 1000))
+                            int(time.time() * 1000), medium)
             self._seq += 1
             self._queue.put(event)
 
@@ -299,12 +313,13 @@ class KVEventPublisher:
         cfg, snap = self.config, self.config.snapshot_key(self.worker_id)
         pipe = self._redis.pipeline(transaction=True)
         for e in events:
+            key = snap if e.medium == "device" else cfg.snapshot_tier_key(self.worker_id, e.medium)
             if e.kind == "cleared":
-                pipe.delete(snap)
+                pipe.delete(snap, *(cfg.snapshot_tier_key(self.worker_id, m) for m in MEDIA[1:]))
             elif e.kind == "stored" and e.hashes:
-                pipe.sadd(snap, *map(pack_hash, e.hashes))
+                pipe.sadd(key, *map(pack_hash, e.hashes))
             elif e.kind == "removed" and e.hashes:
-                pipe.srem(snap, *map(pack_hash, e.hashes))
+                pipe.srem(key, *map(pack_hash, e.hashes))
             pipe.xadd(cfg.events_stream_key, {"e": encode_event(e)},
                       maxlen=cfg.events_maxlen, approximate=True)
         pipe.set(cfg.snapshot_seq_key(self.worker_id), events[-1].seq)

@@ -55,6 +55,8 @@ class WorkerState:
     load report (may be a few hundred ms stale). ``in_flight``: requests this router
     replica sent and has not seen finish; ``in_flight_tokens``: this router's estimate of
     the work they still represent, in prefill-token equivalents (see ``InFlightTracker``).
+    ``host_blocks``/``disk_blocks``: of the ``cached_blocks``, those the worker holds only in a KV
+    tier below its device pool (contract 2's ``medium``): a hit that costs a load, not a recompute.
     """
 
     worker_id: str
@@ -65,6 +67,8 @@ class WorkerState:
     pages_free: int = 0
     in_flight: int = 0
     in_flight_tokens: float = 0.0
+    host_blocks: int = 0
+    disk_blocks: int = 0
 
     def cached_tokens(self, request: RouteRequest) -> int:
         return min(self.cached_blocks * request.block_size, request.num_tokens)

@@ -102,7 +102,8 @@ _FIELD_TYPES = {"id": str, "model": str, "system": _OPT_STR, "tools": (list, typ
                 "last_worker": _OPT_STR, "tenant": str}
 _TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
                "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": _OPT_STR,
-               "pin_expires_at": _NUM, "raw_text": _OPT_STR, "response": (dict, type(None))}
+               "pin_expires_at": _NUM, "raw_text": _OPT_STR, "response": (dict, type(None)),
+               "cached_tokens_by_tier": (dict, type(None))}
 
 
 def _check(what: str, obj: dict, types: dict[str, type | tuple]) -> None:
@@ -136,6 +137,7 @@ def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
     for i, turn in enumerate(obj["turns"]):
         if not isinstance(turn, dict):
             raise SessionDecodeError(f"session field turns[{i}] has type {type(turn).__name__}")
+        turn.setdefault("cached_tokens_by_tier", None)   # written before KV tiers: not reported
         _check(f"turns[{i}]", turn, _TURN_TYPES)
     try:
         return SessionRecord(**{**obj, "turns": [TurnRecord(**t) for t in obj["turns"]]})

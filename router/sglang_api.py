@@ -55,7 +55,7 @@ async def get_load(request: Request) -> list[dict]:
     return [{"num_tokens": s.pages_used * s.page_size, "num_reqs": s.running + s.waiting, "running": s.running,
              "waiting": s.waiting, "pages_used": s.pages_used, "pages_free": s.pages_free,
              "pages_total": s.pages_total, "prompt_tokens_total": s.prompt_tokens_total,
-             "cached_tokens_total": s.cached_tokens_total}]
+             "cached_tokens_total": s.cached_tokens_total, "kv_tiers": s.kv_tiers}]
 
 
 @sglang_routes.post("/flush_cache")

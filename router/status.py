@@ -1,7 +1,8 @@
-"""``agentrt status``: workers (alive, load, cached blocks, hit rate) and sessions, read from Redis.
+"""``agentrt status``: workers (alive, load, cached blocks, hit rate, KV tiers) and sessions.
 
-Hit rates come from each live worker's ``/get_load`` (prompt and cached token totals since
-it started); everything else from the Redis keys of contract 3.
+Hit rates and KV tier metrics (engine/kv_tier.py: pages, hit tokens, loads, load time, bytes
+written and read, per tier) come from each live worker's ``/get_load`` (totals since it
+started); everything else from the Redis keys of contract 3.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ async def _totals(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
     try:
         load = (await http.get(url + "/get_load")).json()[0]
         prompt, cached = int(load["prompt_tokens_total"]), int(load["cached_tokens_total"])
+        tiers = load.get("kv_tiers") or {}
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return {"reachable": False}
     return {"reachable": True, "prompt_tokens_total": prompt, "cached_tokens_total": cached,
-            "hit_rate": cached / prompt if prompt else None}
+            "hit_rate": cached / prompt if prompt else None, "kv_tiers": tiers}
 
 
 def _fmt(value: Any) -> str:
@@ -73,4 +75,15 @@ def format_status(status: dict[str, Any]) -> str:
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)) for r in rows]
     if not status["workers"]:
         lines.append("(no worker registered)")
+    tiers = [(w["id"], medium, t) for w in status["workers"] for medium, t in (w.get("kv_tiers") or {}).items()]
+    if tiers:
+        header = ("worker", "tier", "on", "pages", "hit tokens", "loads", "load s", "written MB", "read MB",
+                  "corrupt", "errors")
+        rows = [header] + [(wid, medium, "yes" if t.get("enabled", True) else "OFF",
+                            f"{t['pages']}/{t['capacity_pages']}", str(t["hit_tokens"]), str(t["loads"]),
+                            f"{t['load_time_s']:.3f}", f"{t['bytes_written'] / 1e6:.1f}",
+                            f"{t['bytes_read'] / 1e6:.1f}", str(t["corrupt"]), str(t["errors"]))
+                           for wid, medium, t in tiers]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines += ["", "KV tiers"] + ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)) for r in rows]
     return "\n".join(lines)

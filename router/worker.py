@@ -68,6 +68,7 @@ class WorkerRuntime:
 
     async def start(self) -> None:
         self.publisher.start()  # announces `cleared`: a returning worker's stale entries vanish
+        await self._publish_tiers()  # a kept disk tier's pages (kv_disk_keep) are there from the start
         await self.registry.register(self.info)
         await self.registry.heartbeat(self.settings.worker_id, self.load())
         self._task = asyncio.create_task(self._beat_forever(), name="worker-heartbeat")
@@ -103,7 +104,16 @@ class WorkerRuntime:
         hashes, _ = await cache_snapshot(self.llm, self.publisher)
         if hashes:
             self.publisher.publish("stored", hashes, None)
+        await self._publish_tiers()
         log.warning("republished the KV cache of %s (%d blocks)", self.settings.worker_id, len(hashes))
+
+    async def _publish_tiers(self) -> None:
+        """``stored`` with its medium for every block in the engine's KV tiers (engine/kv_tier.py)."""
+        if getattr(self.llm, "tiers", None) is None:
+            return
+        for medium, hashes in (await asyncio.wrap_future(self.llm.request_tier_snapshot())).items():
+            if hashes:
+                self.publisher.publish("stored", hashes, None, medium=medium)
 
     async def drain(self, app: FastAPI, timeout_s: float) -> int:
         """Accept nothing new, leave the routing table, wait for requests in flight; returns those

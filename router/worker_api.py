@@ -85,6 +85,7 @@ def output_to_wire(out: RequestOutput) -> bytes:
     d = {"text": out.text, "token_ids": list(out.token_ids), "finished": out.finished,
          "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "prompt_tokens": out.prompt_tokens,
          "cached_tokens": out.cached_tokens, "completion_tokens": out.completion_tokens, "error": out.error,
+         "cached_tokens_by_tier": out.cached_tokens_by_tier,
          "logprobs": None if out.logprobs is None else
          [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs]}
     return (json.dumps(d, ensure_ascii=False) + "\n").encode()
@@ -100,7 +101,9 @@ def output_from_wire(line: str, request_id: str) -> RequestOutput:
                              finished=bool(d["finished"]), finish_reason=d["finish_reason"],
                              stop_reason=_stop_reason(d.get("stop_reason")),
                              prompt_tokens=int(d["prompt_tokens"]), cached_tokens=int(d["cached_tokens"]),
-                             completion_tokens=int(d["completion_tokens"]), logprobs=logprobs, error=d["error"])
+                             completion_tokens=int(d["completion_tokens"]), logprobs=logprobs, error=d["error"],
+                             cached_tokens_by_tier={str(k): int(v) for k, v in
+                                                    (d.get("cached_tokens_by_tier") or {}).items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed generate line from worker: {exc}") from None
 

@@ -2,10 +2,13 @@
 
 For every live worker ``w`` (all quantities in prefill-token equivalents):
 
-    cost(w) = (prompt_tokens - cached_tokens(w)) + load_weight * load(w)
+    cost(w) = (prompt_tokens - cached_tokens(w)) + host_load_weight * host_tokens(w)
+              + disk_load_weight * disk_tokens(w) + load_weight * load(w)
 
 ``cached_tokens`` comes from the global prefix index (exact: built from the workers' KV
-events, contract 2). ``load(w)`` is the larger of the router's own in-flight work on
+events, contract 2); it counts blocks in the worker's KV tiers too, and ``host_tokens`` /
+``disk_tokens`` are the part of it that must be loaded back from a tier (docs/routing.md
+explains the weights: a load costs more than a device hit, far less than a recompute). ``load(w)`` is the larger of the router's own in-flight work on
 ``w`` and the worker's reported queue times ``tokens_per_queued_request`` (which covers
 requests other router replicas sent). ``load_weight`` (default 0.1) prices a queued
 token at a tenth of a prefill token: a queue drains in seconds, while a session moved
@@ -46,13 +49,19 @@ class AgentrtPolicy(RoutingPolicy):
     def __init__(self, load_weight: float = 0.1, overload_rel: float = 1.5,
                  overload_abs_tokens: float = 131072.0, affinity_min_fraction: float = 0.9,
                  min_match_tokens: int = 1024, tokens_per_queued_request: float = 4096.0,
-                 min_match_fraction: float = 0.25) -> None:
+                 min_match_fraction: float = 0.25, host_load_weight: float = 0.01,
+                 disk_load_weight: float = 0.05) -> None:
         if load_weight < 0 or overload_abs_tokens < 0 or min_match_tokens < 0:
             raise ValueError("load_weight, overload_abs_tokens and min_match_tokens must be >= 0")
         if overload_rel < 1.0:
             raise ValueError(f"overload_rel must be >= 1, got {overload_rel}")
         if not 0.0 <= affinity_min_fraction <= 1.0:
             raise ValueError(f"affinity_min_fraction must be in [0, 1], got {affinity_min_fraction}")
+        if not 0.0 <= host_load_weight <= disk_load_weight <= 1.0:
+            raise ValueError(f"need 0 <= host_load_weight <= disk_load_weight <= 1 (a load costs no more than a "
+                             f"recompute), got {host_load_weight} and {disk_load_weight}")
+        self.host_load_weight = host_load_weight
+        self.disk_load_weight = disk_load_weight
         if tokens_per_queued_request < 0:
             raise ValueError("tokens_per_queued_request must be >= 0")
         if not 0.0 <= min_match_fraction <= 1.0:
@@ -88,7 +97,9 @@ class AgentrtPolicy(RoutingPolicy):
             return RouteDecision(*self._least_loaded(ok, load), "fallback")
 
         def cost(w: WorkerState) -> tuple[float, str]:
-            return (request.num_tokens - cached[w.worker_id] + self.load_weight * load[w.worker_id],
+            tiered = (self.host_load_weight * w.host_blocks + self.disk_load_weight * w.disk_blocks) \
+                * request.block_size
+            return (request.num_tokens - cached[w.worker_id] + tiered + self.load_weight * load[w.worker_id],
                     w.worker_id)
 
         w = min(ok, key=cost)
