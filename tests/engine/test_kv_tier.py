@@ -1,0 +1,194 @@
+"""KV tiers below the pool (engine/kv_tier.py), without a model: pages round-trip bit for bit, a
+damaged page (flipped bytes, truncated, deleted, another block's) is never served, a full disk
+turns the disk tier off without an exception reaching the engine, tiers stay within their bounds
+and the disk tier's directory is emptied at shutdown unless kept."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+import pytest
+import torch
+
+from engine.kv_tier import PENDING, DiskTier, HostTier, KVTiers, page_shape
+
+SHAPE = page_shape(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, layout="HSD")
+
+
+def page(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def settle(tier: DiskTier, timeout_s: float = 10.0) -> None:
+    """Wait until the writer thread has written every page put so far."""
+    deadline = time.monotonic() + timeout_s
+    while tier._staged:
+        assert time.monotonic() < deadline, "the disk tier's writer did not catch up"
+        time.sleep(0.01)
+
+
+def take(tiers: KVTiers, h: int, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while (got := tiers.take(h)) is PENDING:
+        assert time.monotonic() < deadline, "the loader did not finish"
+        tiers.wait_for_load(0.05)
+    return got
+
+
+@pytest.fixture
+def events():
+    return []
+
+
+@pytest.fixture
+def disk(tmp_path, events):
+    tier = DiskTier(str(tmp_path / "tier"), 8, SHAPE, torch.float32, on_event=lambda *e: events.append(e))
+    yield tier
+    tier.close()
+
+
+def test_pages_round_trip_bit_for_bit_through_both_tiers(tmp_path, events):
+    disk = DiskTier(str(tmp_path / "t"), 8, SHAPE, torch.bfloat16, on_event=lambda *e: events.append(e))
+    tiers = KVTiers(HostTier(2, SHAPE, torch.bfloat16, pin=False), disk, on_event=lambda *e: events.append(e))
+    pages = {h: page(h, torch.bfloat16) for h in (11, 12, 13)}
+    for h, p in pages.items():
+        tiers.offload(h, p)
+    # the host tier holds two pages: the oldest went one tier down
+    assert [tiers.holds(h) for h in (11, 12, 13)] == ["disk", "host", "host"]
+    assert ("removed", [11], "host") in events and ("stored", [11], "disk") in events
+    settle(disk)
+    assert os.path.getsize(disk._file(11)) > pages[11].numel() * 2
+    assert tiers.match([12, 13, 11, 99, 12]) == ["host", "host", "disk"]
+    for h, p in pages.items():
+        got = take(tiers, h)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, p)
+    stats = tiers.stats()
+    assert stats["disk"]["bytes_read"] > 0 and stats["disk"]["pages"] == 1 and stats["host"]["pages"] == 2
+    tiers.close()
+    assert not os.path.exists(tmp_path / "t")   # emptied and removed: the tier created it
+
+
+def damage_flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def damage_truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def damage_delete(path: str) -> None:
+    os.unlink(path)
+
+
+@pytest.mark.parametrize("damage", [damage_flip, damage_truncate, damage_delete])
+def test_a_damaged_page_is_detected_and_forgotten(disk, events, damage):
+    tiers = KVTiers(None, disk)
+    tiers.offload(5, page(5))
+    tiers.offload(6, page(6))
+    settle(disk)
+    damage(disk._file(5))
+    assert take(tiers, 5) is None
+    assert disk.stats.corrupt == 1 and 5 not in disk and tiers.holds(5) is None
+    assert ("removed", [5], "disk") in events
+    assert torch.equal(take(tiers, 6), page(6))   # the other page is untouched
+
+
+def test_a_file_holding_another_block_is_stale(disk):
+    tiers = KVTiers(None, disk)
+    tiers.offload(7, page(7))
+    tiers.offload(8, page(8))
+    settle(disk)
+    os.replace(disk._file(8), disk._file(7))   # 7's file now holds block 8's page
+    assert take(tiers, 7) is None and disk.stats.corrupt == 1
+    assert take(tiers, 8) is None and disk.stats.corrupt == 2   # and 8's file is gone
+
+
+def test_lru_bound_and_pages_served_before_they_are_written(disk, events):
+    for h in range(1, 12):
+        disk.put(h, page(h))
+        assert torch.equal(disk.read(h), page(h))   # from memory or from its file, the same bytes
+    assert len(disk.hashes()) == 8 and disk.hashes() == list(range(4, 12))
+    assert ("removed", [1], "disk") in events
+    settle(disk)
+    time.sleep(0.1)   # the writer deletes evicted files after writing the newer ones
+    files = sorted(f for f in os.listdir(disk.path) if f.endswith(".kvpage"))
+    assert files == sorted(f"{h:016x}.kvpage" for h in range(4, 12))
+
+
+def test_a_full_disk_turns_the_tier_off_and_nothing_raises(disk, events):
+    """RLIMIT_FSIZE stands in for a full filesystem: writes past it fail (EFBIG) as they would with ENOSPC."""
+    one = os.path.getsize(_written(disk, 1))
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (one // 2, old_limit[1]))
+    try:
+        assert disk.put(2, page(2))   # accepted: the write fails later, on the writer thread
+        deadline = time.monotonic() + 10
+        while disk.enabled:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert disk.stats.errors == 1 and not disk.stats.enabled and disk.stats.pages == 0
+    assert disk.hashes() == [] and ("removed", [1, 2], "disk") in events
+    assert not disk.put(3, page(3)) and disk.stats.dropped == 1   # off: pages are dropped, not queued
+    assert not [f for f in os.listdir(disk.path) if f.endswith(".kvpage")]   # its files freed the space
+
+
+def _written(disk: DiskTier, h: int) -> str:
+    disk.put(h, page(h))
+    settle(disk)
+    return disk._file(h)
+
+
+def test_kept_pages_are_found_again_and_checked_on_load(tmp_path):
+    path = str(tmp_path / "kept")
+    first = DiskTier(path, 8, SHAPE, torch.float32, keep=True)
+    first.put(21, page(21))
+    first.put(22, page(22))
+    settle(first)
+    first.close()
+    assert sorted(os.listdir(path)) == ["0000000000000015.kvpage", "0000000000000016.kvpage"]
+    damage_flip(os.path.join(path, "0000000000000016.kvpage"))
+    kept = DiskTier(path, 8, SHAPE, torch.float32, keep=True)
+    assert sorted(kept.hashes()) == [21, 22]
+    assert torch.equal(kept.read(21), page(21)) and kept.read(22) is None
+    kept.close()
+    again = DiskTier(path, 8, SHAPE, torch.float32)   # not kept this time: it starts empty and cleans up
+    assert again.hashes() == []
+    again.close()
+    assert not [f for f in os.listdir(path) if f.endswith(".kvpage")]
+
+
+def test_a_page_of_another_shape_or_dtype_is_refused(tmp_path):
+    path = str(tmp_path / "kept")
+    first = DiskTier(path, 4, SHAPE, torch.float32, keep=True)
+    first.put(31, page(31))
+    settle(first)
+    first.close()
+    other = DiskTier(path, 4, SHAPE, torch.bfloat16, keep=True)
+    assert 31 in other and other.read(31) is None and other.stats.corrupt == 1
+    other.close()
+
+
+def test_host_tier_checksum_catches_a_changed_slot():
+    host = HostTier(2, SHAPE, torch.float32, pin=False)
+    host.put(1, page(1))
+    slot, _ = host._slots[1]
+    host.slab[slot].view(-1)[3] += 1.0
+    assert host.get(1) is None and host.stats.corrupt == 1 and 1 not in host
+
+
+def test_bounds_are_validated(tmp_path):
+    with pytest.raises(ValueError, match="at least 1 page"):
+        HostTier(0, SHAPE, torch.float32, pin=False)
+    with pytest.raises(ValueError, match="at least 1 page"):
+        DiskTier(str(tmp_path), 0, SHAPE, torch.float32)
