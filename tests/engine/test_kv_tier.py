@@ -192,3 +192,38 @@ def test_bounds_are_validated(tmp_path):
         HostTier(0, SHAPE, torch.float32, pin=False)
     with pytest.raises(ValueError, match="at least 1 page"):
         DiskTier(str(tmp_path), 0, SHAPE, torch.float32)
+
+
+def test_tier_settings_are_validated_and_reach_the_engine(tmp_path):
+    from agentrt.config import ConfigError, ServerConfig
+    from engine import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_disk_tokens must be 0 or at least one page"):
+        EngineConfig(kv_disk_tokens=8)
+    with pytest.raises(ValueError, match="kv_host_tokens must be an integer >= 0"):
+        EngineConfig(kv_host_tokens=-16)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="kv_disk_path must be a directory"):
+        EngineConfig(kv_disk_tokens=64, kv_disk_path=str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="--kv-disk-tokens -1"):
+        ServerConfig.from_sources({"kv_disk_tokens": -1}, environ={})
+    cfg = ServerConfig.from_sources({"kv_disk_path": str(tmp_path)}, environ={"AGENTRT_KV_HOST_TOKENS": "256"})
+    engine = cfg.engine_config()
+    assert (engine.kv_disk_tokens, engine.kv_host_tokens, engine.kv_disk_path, engine.kv_disk_keep) == \
+        (65536, 256, str(tmp_path), False)
+
+
+def test_a_turns_tier_breakdown_survives_the_session_store():
+    from agentrt.sessions import SessionManager
+    from agentrt.store import SessionRecord, TurnRecord
+    from router.redis_store import decode_record, encode_record
+
+    by_tier = {"device": 16, "host": 0, "disk": 32}
+    turn = TurnRecord("t1", 1, {"role": "assistant", "content": "ok"}, "stop", 60, 2, 48, 0.0,
+                      cached_tokens_by_tier=by_tier)
+    record = SessionRecord(id="s", model="m", turns=[turn])
+    again = decode_record(encode_record(record), 1 << 20)
+    assert again.turns[0].cached_tokens_by_tier == by_tier
+    assert SessionManager.turn_view("s", again.turns[0])["usage"]["cached_tokens_by_tier"] == by_tier
+    old = TurnRecord("t0", 0, {"role": "assistant", "content": "ok"}, "stop", 10, 2, 0, 0.0)
+    assert "cached_tokens_by_tier" not in SessionManager.turn_view("s", old)["usage"]

@@ -1,0 +1,64 @@
+"""Through a router with two real workers: a prompt whose KV sits only in one worker's disk tier (its
+device pool, sized for one prompt, evicted it) is still routed to that worker, which loads it back.
+The router's ``/router/state`` shows the blocks by medium."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.router import cluster as c
+
+MODEL = "SmolLM2-135M-Instruct"
+FIRST = "List the three slowest tests of the checkout service and the file each one lives in. " * 2
+OTHER = "Summarise the flaky network errors seen by the payments integration job this week. " * 2
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiers")
+    group = c.procs(tmp)
+    try:
+        redis_server = group.redis(appendonly=False)
+        # wa's pool holds one of these prompts at a time (5 usable pages); wb has the usual pool
+        wa = c.worker(group, redis_server.url, "wa", "--kv-cache-tokens", "96", "--kv-disk-tokens", "4096",
+                      "--kv-disk-path", str(tmp / "wa-tier"))
+        wb = c.worker(group, redis_server.url, "wb", "--kv-disk-tokens", "0")
+        wa.wait_ready()
+        wb.wait_ready()
+        router = c.router(group, redis_server.url, "r0")
+        router.wait_ready()
+        yield {"wa": wa, "wb": wb, "r0": router}
+    finally:
+        group.stop()
+
+
+def chat(http: httpx.Client, url: str, text: str) -> httpx.Response:
+    resp = http.post(url + "/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": text}]})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def test_a_prompt_held_only_in_a_disk_tier_is_routed_to_its_worker(cl):
+    http = httpx.Client(timeout=120.0)
+    state = lambda: http.get(cl["r0"].url + "/router/state").json()  # noqa: E731
+    media = lambda wid: next(w for w in state()["workers"] if w["id"] == wid)["indexed_blocks_by_medium"]  # noqa: E731
+
+    first = chat(http, cl["wa"].url, FIRST).json()          # straight to wa: its device holds the prompt
+    blocks = first["usage"]["prompt_tokens"] // 16
+    assert blocks >= 3
+    chat(http, cl["wa"].url, OTHER)                           # wa's pool needs the room: FIRST goes to disk
+    c.wait_for(lambda: media("wa")["disk"] >= blocks, what="the router to index wa's disk tier")
+    seen = media("wa")
+    print("router state of wa:", seen)                        # e.g. {'device': 5, 'host': 0, 'disk': 5}
+    assert media("wb") == {"device": 0, "host": 0, "disk": 0}
+
+    before = state()["decisions"].get("prefix", 0)
+    for _ in range(2):   # without the tier's blocks both would be fallbacks, and those alternate workers
+        resp = chat(http, cl["r0"].url, FIRST)
+        assert resp.headers["x-agentrt-worker"] == "wa"
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= blocks * 16
+    assert state()["decisions"].get("prefix", 0) >= before + 1
+    tiers = http.get(cl["wa"].url + "/get_load").json()[0]["kv_tiers"]
+    assert tiers["disk"]["hit_tokens"] >= blocks * 16 and tiers["disk"]["corrupt"] == 0
