@@ -461,7 +461,8 @@ class KVTiers:
 
     # -- engine thread ------------------------------------------------------------------
     def offload(self, block_hash: int, page: torch.Tensor) -> None:
-        """An evicted device page: keep it (host first, else disk). ``page`` is a CPU copy."""
+        """An evicted device page: keep it (host first, else disk). ``page`` is a CPU copy; it may be None
+        when the tiers already hold the block (only its LRU position moves)."""
         medium = self.holds(block_hash)
         if medium == "host":
             self.host.touch(block_hash)
@@ -471,9 +472,9 @@ class KVTiers:
             return
         if self.host is not None:
             for old, old_page in self.host.put(block_hash, page):
-                self._emit("removed", [old], "host")
                 if self.disk is not None and old not in self.disk:
-                    self.disk.put(old, old_page)
+                    self.disk.put(old, old_page)   # stored on disk before it leaves the host: never unindexed
+                self._emit("removed", [old], "host")
             self._emit("stored", [block_hash], "host")
         elif self.disk is not None:
             self.disk.put(block_hash, page)
