@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     try:
         for name, disk, host in (("tier_off", 0, 0), ("tier_on", args.disk_tokens, args.host_tokens)):
             cfg = dict(dtype=args.dtype, max_batched_tokens=512, kv_disk_tokens=disk, kv_host_tokens=host,
+                       max_waiting_tokens=1 << 30,   # every session queues its turn: no 429s here
                        kv_disk_path=os.path.join(tier_dir, name))
             engine = LLMEngine(EngineConfig(kv_cache_tokens=results["pool_tokens"], **cfg))
             print(f"{name}: pool {results['pool_tokens']} tokens for ~{results['live_context_tokens']} live", flush=True)

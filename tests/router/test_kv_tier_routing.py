@@ -90,3 +90,19 @@ def test_a_tier_hit_costs_between_a_device_hit_and_a_recompute():
     assert d.worker_id == "a"
     with pytest.raises(ValueError, match="host_load_weight"):
         AgentrtPolicy(host_load_weight=0.5, disk_load_weight=0.1)
+
+
+def test_status_shows_each_workers_tiers():
+    from router.status import format_status
+
+    tier = {"capacity_pages": 4096, "pages": 12, "hit_tokens": 480, "loads": 30, "load_time_s": 0.05,
+            "bytes_written": 8_847_360, "bytes_read": 22_118_400, "corrupt": 1, "dropped": 0, "errors": 0,
+            "enabled": True}
+    status = {"redis": "redis://x", "deployment": "default", "sessions": 0, "events_in_stream": 3, "hit_rate": 0.5,
+              "workers": [{"id": "w0", "alive": True, "url": "http://w0", "running": 0, "waiting": 0,
+                           "pages_used": 1, "pages_free": 9, "cached_blocks": 4, "hit_rate": 0.5,
+                           "kv_tiers": {"disk": tier}}]}
+    text = format_status(status)
+    assert "KV tiers" in text
+    row = next(line for line in text.splitlines() if line.startswith("w0") and "disk" in line).split()
+    assert row == ["w0", "disk", "yes", "12/4096", "480", "30", "0.050", "8.8", "22.1", "1", "0"]
