@@ -216,7 +216,7 @@ class ServerConfig(Settings):
     turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for;
     ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
     KV tiers (``kv_host_tokens``, ``kv_disk_tokens``, ``kv_disk_path``, ``kv_disk_keep``;
-    docs/kv_tiers.md): the server keeps a bounded disk tier by default, the engine library none.
+    docs/kv_tiers.md): off by default, as in the engine library (docs/kv_tiers.md says why).
     """
 
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -258,10 +258,10 @@ class ServerConfig(Settings):
                                         "request verifies per step with --speculative ngram")
     kv_host_tokens: int = Field(_ENGINE["kv_host_tokens"], ge=0, description="tokens of KV the host memory tier "
                                 "below the pool holds (pinned CPU memory; for a GPU pool; 0: off)")
-    kv_disk_tokens: int = Field(65536, ge=0, description="tokens of KV the disk tier below the pool holds: evicted "
-                                "pages are kept there and loaded back instead of recomputed (one file per page, at "
-                                "most half the disk's free space; 0: off; docs/kv_tiers.md says why this default, "
-                                f"where the engine library's is {_ENGINE['kv_disk_tokens']})")
+    kv_disk_tokens: int = Field(_ENGINE["kv_disk_tokens"], ge=0, description="tokens of KV the disk tier below the "
+                                "pool holds: evicted pages are kept there and loaded back instead of recomputed (one "
+                                "file per page, at most half the disk's free space; 0: off, the default until a "
+                                "measurement shows it wins, docs/kv_tiers.md)")
     kv_disk_path: str | None = Field(_ENGINE["kv_disk_path"], description="directory of the disk tier's files "
                                      "(default: a new one under the system temp directory, logged at start)")
     kv_disk_keep: bool = Field(_ENGINE["kv_disk_keep"], description="keep the disk tier's files at shutdown (the "

@@ -188,6 +188,12 @@ class Scheduler:
         media = self.tiers.match(hashes)
         if not media:
             return True
+        # Load only what the request can hold with its first chunk: pages loaded for a request that then
+        # cannot be admitted would be evicted again (and read again) before it runs.
+        chunk = min(req.num_tokens - req.num_computed - len(media) * self.P, self.max_batched_tokens)
+        room = self.pool.num_free + self.cache.evictable_pages
+        if room < len(media) + max(0, -(-chunk // self.P)):
+            return True
         if not self.tiers.ready(hashes[:len(media)]):
             return False
         data = []

@@ -207,10 +207,12 @@ def test_tier_settings_are_validated_and_reach_the_engine(tmp_path):
         EngineConfig(kv_disk_tokens=64, kv_disk_path=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="--kv-disk-tokens -1"):
         ServerConfig.from_sources({"kv_disk_tokens": -1}, environ={})
-    cfg = ServerConfig.from_sources({"kv_disk_path": str(tmp_path)}, environ={"AGENTRT_KV_HOST_TOKENS": "256"})
+    assert ServerConfig.from_sources({}, environ={}).engine_config().kv_disk_tokens == 0
+    cfg = ServerConfig.from_sources({"kv_disk_path": str(tmp_path), "kv_disk_tokens": 4096},
+                                    environ={"AGENTRT_KV_HOST_TOKENS": "256", "AGENTRT_KV_DISK_KEEP": "true"})
     engine = cfg.engine_config()
     assert (engine.kv_disk_tokens, engine.kv_host_tokens, engine.kv_disk_path, engine.kv_disk_keep) == \
-        (65536, 256, str(tmp_path), False)
+        (4096, 256, str(tmp_path), True)
 
 
 def test_a_turns_tier_breakdown_survives_the_session_store():

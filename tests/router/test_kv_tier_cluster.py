@@ -23,7 +23,7 @@ def cl(tmp_path_factory):
         # wa's pool holds one of these prompts at a time (5 usable pages); wb has the usual pool
         wa = c.worker(group, redis_server.url, "wa", "--kv-cache-tokens", "96", "--kv-disk-tokens", "4096",
                       "--kv-disk-path", str(tmp / "wa-tier"))
-        wb = c.worker(group, redis_server.url, "wb", "--kv-disk-tokens", "0")
+        wb = c.worker(group, redis_server.url, "wb")
         wa.wait_ready()
         wb.wait_ready()
         router = c.router(group, redis_server.url, "r0")
