@@ -190,6 +190,7 @@ class Generation:
         now = time.monotonic()
         if self._first_token_at is not None and out.completion_tokens > 1:
             self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
+        self.gen.metrics.observe_prompt(out.prompt_tokens, out.cached_tokens)
         text = "".join(self._text)
         closed = out.stop_reason == CLOSED_BY_BUDGET
         self.result = Result(

@@ -1,9 +1,11 @@
 """Prometheus metrics of one server, in its own registry (no module-level globals).
 
 Request counts and latency histograms are recorded as requests run; engine gauges
-(running, waiting requests and tokens, KV pages, pinned pages, prefix-cache hit tokens, speculative
-decoding's draft and accepted tokens) are read from
-``engine.stats()`` at scrape time, so they are never stale.
+(running, waiting requests and tokens, KV pages, cached and pinned pages, prefix-cache hit tokens,
+speculative decoding's draft and accepted tokens) are read from
+``engine.stats()`` at scrape time, so they are never stale. The same observations of TTFT and
+of each finished request's prompt and cached tokens also feed ``timeline`` (``agentrt/timeline.py``),
+the last minutes per time slice that the dashboard charts.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agentrt.timeline import Timeline
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -48,6 +52,9 @@ class _EngineCollector:
                 ("agentrt_kv_pages_total", "KV cache pages in the pool", s.pages_total),
                 ("agentrt_kv_pages_used", "KV cache pages in use (running requests and cached prefixes)",
                  s.pages_used),
+                ("agentrt_kv_pages_cached",
+                 "KV cache pages held by the prefix cache: full blocks, each one a block hash of the KV events",
+                 s.pages_cached),
                 ("agentrt_kv_pages_pinned", "KV cache pages pinned for sessions between turns", s.pages_pinned),
                 ("agentrt_kv_pins", "Session pins held by the engine", s.num_pins),
                 ("agentrt_spec_acceptance_rate", "Speculative decoding: accepted over drafted tokens",
@@ -71,8 +78,9 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.timeline = timeline if timeline is not None else Timeline()
         self.requests = Counter("agentrt_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=self.registry)
         self.ttft = Histogram("agentrt_time_to_first_token_seconds", "Time from admission to the first token",
@@ -96,6 +104,11 @@ class Metrics:
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.timeline.observe_ttft(seconds)
+
+    def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request finished: its prompt tokens and those of them the prefix cache served."""
+        self.timeline.observe_request(prompt_tokens, cached_tokens)
 
     def observe_tpot(self, seconds: float) -> None:
         self.tpot.observe(seconds)

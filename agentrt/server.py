@@ -11,7 +11,8 @@ Generations (chat completions, completions, messages, responses, session turns) 
 (``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
 errors before that are JSON errors with their status, and a router's responses name the worker
 that served them in the ``x-agentrt-worker`` header (``agentrt serve`` sends none). Chat
-completions and completions route by the client's affinity key (``agentrt/affinity.py``).
+completions and completions route by the client's affinity key (``agentrt/affinity.py``). ``/dashboard`` and the JSON
+it polls are ``agentrt/dashboard.py``'s routes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine.client import EngineClient
 from agentrt.anthropic_api import (AnthropicErrorResponse, AnthropicService, CountTokensRequest, MessagesRequest,
                                    TokenCount)
 from agentrt.affinity import affinity_key
+from agentrt.dashboard import LocalStatus, dashboard_routes
 from agentrt.config import ServerConfig
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
@@ -448,10 +450,12 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
     app.state.anthropic = AnthropicService(generator)
     app.state.sessions = sessions
     app.state.responses = ResponsesService(sessions)
+    app.state.dashboard = LocalStatus(app.state)  # the router puts its own fleet view here
     install_handlers(app, config.retry_after_s)
     app.include_router(open_routes)
     app.include_router(api)
     app.include_router(anthropic_routes)
+    app.include_router(dashboard_routes(_auth), responses={401: {"model": ErrorResponse}})
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
     return app
 

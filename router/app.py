@@ -8,7 +8,7 @@ request through ``RouterCore`` and streams it from a worker, and sessions in Red
 Redis, so any number of replicas run side by side and agree (contract 3).
 ``GET /router/state`` shows this replica's view: live workers, their load and indexed
 blocks, KV event counters, how many decisions each policy rule made, and the tenant leases
-it holds.
+it holds. ``GET /dashboard`` shows the fleet (``router/dashboard.py``'s ``RouterStatus``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
 def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     from agentrt.server import assemble_app
     from router.core import RouterCore
+    from router.dashboard import RouterStatus, install_router_metrics
     from router.model_info import load_router_model
     from router.redis_store import RedisSessionStore
     from router.remote import RemoteEngine
@@ -60,6 +61,8 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     app = assemble_app(config, remote, model, store, title="agentrt router",
                        tenant_limits=limits)
     app.state.core = core
+    app.state.dashboard = RouterStatus(app.state, core)
+    install_router_metrics(app.state.metrics.registry, core)
     app.include_router(router_routes)
     app.add_exception_handler(RedisError, _redis_unavailable)
     inner = app.router.lifespan_context

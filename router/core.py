@@ -9,7 +9,8 @@ replica dispatched and no worker has reported yet (``TentativeIndex``, short-TTL
 and asks the routing policy. ``dispatched`` records the new tentative entries; ``completed``
 shortens them (the worker's ``stored`` events are due) or, for a failed request, drops them.
 ``affinity`` (``AffinityMap``) keeps, in Redis, the worker of each conversation its client names
-by an affinity key; ``RemoteEngine`` reads and writes it.
+by an affinity key; ``RemoteEngine`` reads and writes it. ``decision_log`` (``router/decisions.py``)
+keeps the last decisions with their kind (prefix, load, affinity, failover) for the dashboard.
 
 A dead worker (heartbeat expired, or a failed connection reported through ``mark_dead``)
 leaves the live set at once; its index entries are dropped. When it comes back it
@@ -35,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from engine.hashing import block_hashes, make_seed
 from router.affinity import AffinityMap
 from router.config import RouterConfig
+from router.decisions import DecisionLog
 from router.event_consumer import KVEventConsumer
 from router.index import PrefixIndex
 from router.inflight import InFlightTracker
@@ -76,6 +78,8 @@ class Route:
     request: RouteRequest
     decision: RouteDecision
     known_blocks: int = 0  # prompt blocks the real index (not tentative entries) says the worker holds
+    excluded: frozenset[str] = frozenset()  # workers an earlier attempt of this request failed on
+    cache_salt: str = ""
 
     @property
     def tentative_hashes(self) -> tuple[int, ...]:
@@ -104,6 +108,7 @@ class RouterCore:
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
+        self.decision_log = DecisionLog()  # the last decisions and their kinds, for the dashboard
         self.tentative_routes = 0  # decisions where tentative entries lengthened the chosen worker's match
         self._seeds: dict[str, bytes] = {}
         self._task: asyncio.Task | None = None
@@ -226,7 +231,7 @@ class RouterCore:
         wid = decision.worker_id
         if matched.get(wid, 0) > known.get(wid, 0):
             self.tentative_routes += 1
-        return Route(self.workers[wid], req, decision, known.get(wid, 0))
+        return Route(self.workers[wid], req, decision, known.get(wid, 0), exclude, cache_salt)
 
     async def dispatched(self, route: Route) -> None:
         """The request goes to ``route.worker`` now: count it in flight and record its prompt as tentative
@@ -237,6 +242,10 @@ class RouterCore:
         self.inflight.dispatched(route.request.request_id, route.worker.worker_id, route.uncached_tokens,
                                  route.request.est_output_tokens)
         self.decisions[route.decision.reason] = self.decisions.get(route.decision.reason, 0) + 1
+        req = route.request
+        self.decision_log.record(req.request_id, req.session_id, len(req.hashes), route.worker.worker_id,
+                                 route.decision.cached_blocks, route.decision.reason, route.excluded,
+                                 route.cache_salt)
         await self.tentative.publish(route.worker.worker_id, route.tentative_hashes)
 
     def completed(self, route: Route, ok: bool = True) -> None:

@@ -9,6 +9,8 @@
   pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
   it holds.
 * ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
+* ``GET /internal/status``: the worker's block of the dashboard's status (``agentrt.dashboard.engine_worker``:
+  load, KV use per tier, cached blocks, prompt and cached token totals), read by routers' dashboards.
 
 Routes are open like ``/health``: workers sit on a private network behind routers, which
 hold the API keys (docs/deploy.md).
@@ -28,6 +30,7 @@ from starlette.background import BackgroundTask
 from engine.client import StructuredOutput
 from engine.types import RequestOutput, SamplingParams, TokenLogprob
 
+from agentrt.dashboard import engine_worker
 from agentrt.errors import bad_request, draining
 from router.events import cache_snapshot
 
@@ -162,3 +165,14 @@ async def kv_snapshot(request: Request) -> JSONResponse:
     runtime = request.app.state.worker
     hashes, seq = await cache_snapshot(request.app.state.llm, runtime.publisher)
     return JSONResponse({"worker": runtime.settings.worker_id, "seq": seq, "hashes": hashes})
+
+
+@worker_routes.get("/internal/status")
+async def internal_status(request: Request) -> dict:
+    """This worker as a router's dashboard shows it (its state: ``up``, or ``draining`` once told to stop)."""
+    state = request.app.state
+    worker = engine_worker(state.worker.settings.worker_id,
+                           "draining" if state.stopping or state.generator.draining else "up",
+                           state.llm.stats(), state.worker.settings.advertise_url)
+    worker["load"]["in_flight"] = state.generator.in_flight
+    return worker
