@@ -102,7 +102,9 @@ class AgentrtPolicy(RoutingPolicy):
                     w.worker_id)
 
         w = min(ok, key=cost)
-        spilled = any(cached[h.worker_id] == best for h in workers if h not in ok)
+        # (by id: ``h not in ok`` compared dataclasses, O(workers^2) per decision)
+        spilled = len(ok) < len(workers) and any(
+            cached[h.worker_id] == best for h in workers if load[h.worker_id] > bound)
         reason = "spill" if spilled else ("prefix" if cached[w.worker_id] == best else "cost")
         return RouteDecision(w.worker_id, w.cached_blocks, reason)
 
