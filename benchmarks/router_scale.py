@@ -199,11 +199,12 @@ async def feed(consumer: KVEventConsumer, payloads: list[bytes], cfg: RouterConf
         await apply(decode_event(p, max_bytes, max_hashes))
 
 
-def churn(fleet: list[SimWorker], seqs: dict[str, int], n_events: int, rng: random.Random,
+def churn(fleet: list[SimWorker], seqs: dict[str, int], n_events: int, n_blocks: int, rng: random.Random,
           one_block: bool) -> tuple[list[bytes], int]:
-    """``n_events`` events: a worker evicts one of its own insertions, then stores it again."""
+    """At least ``n_events`` events and ``n_blocks`` blocks: a worker evicts one of its own
+    insertions (or, ``one_block``, its last block), then stores it again."""
     out, blocks = [], 0
-    while len(out) < n_events:
+    while len(out) < n_events or blocks < n_blocks:
         w = rng.choice(fleet)
         hashes = tuple(rng.choice(w.own_events))
         if one_block:
@@ -339,9 +340,11 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
     del payloads
 
     seqs = {w.worker_id: w.n_events for w in fleet}
+    phase = time.perf_counter()
     rates = {}
     for label, one in (("trace", False), ("1block", True)):
-        stream, blocks = churn(fleet, seqs, args.churn_events, rng, one)
+        stream, blocks = churn(fleet, seqs, 2 if not one else args.churn_events,
+                               args.churn_blocks if not one else 0, rng, one)
         gc.collect()
         c0, t0 = time.process_time(), time.perf_counter()
         asyncio.run(feed(consumer, stream, cfg))
@@ -350,7 +353,10 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
     if sum(index.blocks_of(w.worker_id) for w in fleet) != expected:
         raise RuntimeError("churn changed the number of cached pairs")
 
+    churn_s = time.perf_counter() - phase
+    phase = time.perf_counter()
     dec = decisions(index, fleet, args.decisions, rng)
+    decisions_s = time.perf_counter() - phase
 
     w = fleet[0]
     snapshots[w.worker_id] = Snapshot(seqs[w.worker_id] - 1, tuple(sorted(w.blocks)))
@@ -382,7 +388,8 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
             "build_events": build_events, "build_s": round(build_s, 2), "build_blocks_per_s": round(pairs / build_s),
             "resync_warm_ms": round(warm * 1000, 2), "resync_cold_ms": round(cold * 1000, 2),
             "resync_cold_cpu_ms": round(cold_cpu * 1000, 2),
-            "resync_blocks": len(w.blocks), "generate_s": round(gen_s, 2)}
+            "resync_blocks": len(w.blocks), "generate_s": round(gen_s, 2),
+            "churn_s": round(churn_s, 1), "decisions_s": round(decisions_s, 1)}
 
 
 def shared_pairs(index) -> int:
@@ -398,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-fraction", type=float, default=0.5,
                    help="share of each worker's blocks taken from the trace's common prefixes")
     p.add_argument("--decisions", type=int, default=2000)
-    p.add_argument("--churn-events", type=int, default=100_000, help="events per churn stream")
+    p.add_argument("--churn-events", type=int, default=100_000, help="events in the one-block churn stream")
+    p.add_argument("--churn-blocks", type=int, default=2_000_000,
+                   help="blocks in the trace-size churn stream (its events carry ~500 blocks each)")
     p.add_argument("--tokenize", type=int, default=50, help="8k-prompt tokenize+hash repetitions (0: skip)")
     p.add_argument("--index", choices=("bitset", "reference"), default="bitset")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -415,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--blocks-per-worker must be >= {PROMPT_TOKENS // BLOCK}")
     if not 0.0 <= args.shared_fraction < 1.0:
         p.error("--shared-fraction must be in [0, 1)")
-    if min(args.decisions, args.churn_events) < 2:
-        p.error("--decisions and --churn-events must be >= 2")
+    if min(args.decisions, args.churn_events, args.churn_blocks) < 2:
+        p.error("--decisions, --churn-events and --churn-blocks must be >= 2")
     if not args.trace.is_file():
         p.error(f"trace not found: {args.trace}")
     started = time.perf_counter()
@@ -439,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
               f" {r['resync_warm_ms']:9.1f}/{r['resync_cold_ms']:.1f}", flush=True)
         gc.unfreeze()
         gc.collect()
+        if args.json:  # after every run: a long run interrupted keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
     out["elapsed_s"] = round(time.perf_counter() - started, 1)
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"elapsed {out['elapsed_s']} s; load average {out['loadavg_start']} -> {out['loadavg_end']}")
