@@ -221,6 +221,7 @@ class LLMEngine:
             running=len(s.running), waiting=len(s.waiting),
             pages_total=self.pool.capacity, pages_used=self.pool.capacity - self.pool.num_free,
             pages_free=self.pool.num_free, pages_cached=self.cache.cached_pages,
+            pages_evictable=self.cache.evictable_pages,
             pages_pinned=len({p for pin in s.pins.values() for p in _path_pages(pin.node)}),
             num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
