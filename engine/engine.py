@@ -459,11 +459,15 @@ class LLMEngine:
         return [acc[i] for i in ids]
 
     def stats(self) -> EngineStats:
-        """As of the end of the last step (safe to call from any thread)."""
+        """As of the end of the last step, waiting requests and tokens as of now (safe from any thread)."""
         st = self._stats
-        with self._pending_lock:  # waiting tokens as of now: inbox plus the scheduler's queue
-            pending, tokens = self._pending, self._pending_tokens + self.scheduler.waiting_tokens
-        return dataclasses.replace(st, waiting=st.waiting + pending, waiting_tokens=tokens)
+        # Waiting requests and tokens as of now: inbox plus the scheduler's queue, read under the lock a
+        # request holds while it moves from one to the other (_admit counts the same way). The step's
+        # snapshot of the queue would miss a request that left the inbox after it was taken.
+        with self._pending_lock:
+            waiting = self._pending + len(self.scheduler.waiting)
+            tokens = self._pending_tokens + self.scheduler.waiting_tokens
+        return dataclasses.replace(st, waiting=waiting, waiting_tokens=tokens)
 
     def pin_active(self, pin_id: str) -> bool:
         """Whether a pin still holds (it may have expired or given way to memory pressure)."""

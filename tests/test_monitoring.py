@@ -122,14 +122,38 @@ def _sample_names(text: str) -> set[str]:
     return names
 
 
+def _router_exposition() -> str:
+    """A router's /metrics: agentrt's HTTP metrics and ``RouterCollector`` over a real ``RouterCore`` (it
+    reaches Redis only when started) with two decisions and one worker in flight recorded."""
+    core = RouterCore(RouterConfig(redis_url="redis://127.0.0.1:1/0"), "m")
+    core.decisions.update({"prefix": 2, "fallback": 1})
+    core.workers["w0"] = None  # only the ids are read
+    core.inflight.dispatched("r1", "w0", 32, 8)
+    router = Metrics()
+    router.attach(RouterCollector(core, type("Remote", (), {"failovers": 3})()))
+    return router.render().decode()
+
+
 @pytest.fixture(scope="module")
 def exposed() -> set[str]:
     server = Metrics()
     server.attach_engine(_stats)
-    router = Metrics()
-    router.attach(RouterCollector(RouterCore(RouterConfig(redis_url="redis://127.0.0.1:1/0"), "m"),
-                                  type("Remote", (), {"failovers": 0})()))
-    return _sample_names(server.render().decode()) | _sample_names(router.render().decode())
+    return _sample_names(server.render().decode()) | _sample_names(_router_exposition())
+
+
+def test_router_metrics_have_help_and_read_the_core():
+    families = {f.name: f for f in text_string_to_metric_families(_router_exposition())}
+    for name, family in families.items():
+        assert len(family.documentation) >= 25 and family.documentation != name, name
+    router = {n for n in families if n.startswith("agentrt_router_")}
+    assert len(router) >= 12
+    assert not any(n.startswith(("agentrt_engine_", "agentrt_kv_", "vllm:")) for n in families)  # workers' only
+    decisions = {s.labels["reason"]: s.value for s in families["agentrt_router_decisions"].samples}
+    assert decisions == {"prefix": 2.0, "fallback": 1.0}
+    assert families["agentrt_router_failovers"].samples[0].value == 3.0
+    assert families["agentrt_router_workers_live"].samples[0].value == 1.0
+    (in_flight,) = families["agentrt_router_worker_in_flight"].samples
+    assert (in_flight.labels, in_flight.value) == ({"worker": "w0"}, 1.0)
 
 
 def test_dashboard_follows_grafana_json_model():
