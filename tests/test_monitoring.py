@@ -233,3 +233,17 @@ def test_promtool_accepts_the_scrape_config():
     out = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_docs_table_lists_every_exposed_metric(exposed):
+    """docs/deploy.md's "Metrics" table names every family serve, worker and router expose."""
+    text = (DEPLOY.parent / "docs" / "deploy.md").read_text()
+    table = text[text.index("## Metrics"):text.index("## Model server protocol")]
+    server = Metrics()
+    server.attach_engine(_stats)
+    names = {f.name + ("_total" if f.type == "counter" else "")
+             for text in (server.render().decode(), _router_exposition())
+             for f in text_string_to_metric_families(text)}
+    assert len(names) > 40
+    missing = sorted(n for n in names if f"`{n}`" not in table)
+    assert not missing, missing
