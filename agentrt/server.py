@@ -413,16 +413,19 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
 
 
 def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store: SessionStore | None = None,
-                 title: str = "agentrt", tenant_limits: TenantLimiter | None = None) -> FastAPI:
+                 title: str = "agentrt", tenant_limits: TenantLimiter | None = None,
+                 metrics: Metrics | None = None) -> FastAPI:
     """The app over ``backend``, an ``engine.client.EngineClient``: the in-process ``engine.AsyncEngine``
     or the router's remote engine. ``model`` gives ``tokenizer``, ``max_model_len`` and ``model_id``.
-    ``tenant_limits``: where tenants' concurrency and tokens per minute are counted (None: in this process)."""
+    ``tenant_limits``: where tenants' concurrency and tokens per minute are counted (None: in this process).
+    ``metrics``: the registry ``/metrics`` serves (None: a model server's, with ``backend``'s engine stats)."""
     # A SIGTERM must not cut streams: uvicorn's graceful shutdown lets them finish (sse-starlette's default
     # cancels every stream of the process as soon as any server in it is told to exit).
     AppStatus.disable_automatic_graceful_drain()
     tenants = TenantRegistry.from_config(config.tenants_file, config.api_keys)
-    metrics = Metrics()
-    metrics.attach_engine(backend.stats)
+    if metrics is None:
+        metrics = Metrics()
+        metrics.attach_engine(backend.stats)
     generator = Generator(backend, model, config, metrics, tenant_limits)
     sessions = SessionManager(store or InMemorySessionStore(config.max_sessions), generator, config)
 

@@ -221,6 +221,7 @@ class LLMEngine:
             running=len(s.running), waiting=len(s.waiting),
             pages_total=self.pool.capacity, pages_used=self.pool.capacity - self.pool.num_free,
             pages_free=self.pool.num_free, pages_cached=self.cache.cached_pages,
+            pages_evictable=self.cache.evictable_pages,
             pages_pinned=len({p for pin in s.pins.values() for p in _path_pages(pin.node)}),
             num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
@@ -458,11 +459,15 @@ class LLMEngine:
         return [acc[i] for i in ids]
 
     def stats(self) -> EngineStats:
-        """As of the end of the last step (safe to call from any thread)."""
+        """As of the end of the last step, waiting requests and tokens as of now (safe from any thread)."""
         st = self._stats
-        with self._pending_lock:  # waiting tokens as of now: inbox plus the scheduler's queue
-            pending, tokens = self._pending, self._pending_tokens + self.scheduler.waiting_tokens
-        return dataclasses.replace(st, waiting=st.waiting + pending, waiting_tokens=tokens)
+        # Waiting requests and tokens as of now: inbox plus the scheduler's queue, read under the lock a
+        # request holds while it moves from one to the other (_admit counts the same way). The step's
+        # snapshot of the queue would miss a request that left the inbox after it was taken.
+        with self._pending_lock:
+            waiting = self._pending + len(self.scheduler.waiting)
+            tokens = self._pending_tokens + self.scheduler.waiting_tokens
+        return dataclasses.replace(st, waiting=waiting, waiting_tokens=tokens)
 
     def pin_active(self, pin_id: str) -> bool:
         """Whether a pin still holds (it may have expired or given way to memory pressure)."""

@@ -17,19 +17,18 @@ page and the JSON). For each worker registered in Redis (contract 3):
 part is read at most once per ``cache_s`` whoever asks, so many open dashboards cost the workers one
 poll each per interval.
 
-``install_router_metrics`` adds this replica's per-worker figures to its ``/metrics``:
-``agentrt_router_indexed_blocks{worker}`` and ``agentrt_router_in_flight{worker}``.
+The same per-worker figures are on the router's ``/metrics`` (``router/metrics.py``):
+``agentrt_router_worker_indexed_blocks{worker}`` and ``agentrt_router_worker_in_flight{worker}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
-from prometheus_client.core import GaugeMetricFamily
 
 from agentrt.dashboard import session_summary, sees_all, status_body
 from agentrt.tenants import Tenant
@@ -113,26 +112,3 @@ class RouterStatus:
         sessions = await session_summary(s.sessions.store, s.tenants, tenant)
         return status_body("router", s.generator.model_name, tenant, s.tenants, workers, sessions,
                            self.routing(tenant), s.metrics.timeline)
-
-
-class _RouterCollector:
-    def __init__(self, core: RouterCore) -> None:
-        self.core = core
-
-    def collect(self) -> Iterable[Any]:
-        core = self.core
-        workers = sorted(core.workers)
-        blocks = GaugeMetricFamily("agentrt_router_indexed_blocks",
-                                   "Blocks the router's prefix index holds for each live worker (from its KV events)",
-                                   labels=["worker"])
-        flight = GaugeMetricFamily("agentrt_router_in_flight", "Requests this router sent each live worker, unfinished",
-                                   labels=["worker"])
-        for wid in workers:
-            blocks.add_metric([wid], core.index.blocks_of(wid))
-            flight.add_metric([wid], core.inflight.count(wid))
-        yield blocks
-        yield flight
-
-
-def install_router_metrics(registry: Any, core: RouterCore) -> None:
-    registry.register(_RouterCollector(core))

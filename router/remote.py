@@ -257,7 +257,7 @@ class RemoteEngine:
     # ------------------------------------------------------------ the rest of the EngineClient
 
     def stats(self) -> EngineStats:
-        """The live workers' last load reports, summed (for /metrics)."""
+        """The live workers' last load reports, summed (per worker they are in /metrics: router/metrics.py)."""
         loads = [self.core.loads[w] for w in self.core.workers if w in self.core.loads]
         used = sum(l.pages_used for l in loads)
         free = sum(l.pages_free for l in loads)

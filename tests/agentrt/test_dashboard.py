@@ -94,7 +94,7 @@ def test_status_reports_what_metrics_and_usage_report(server, traffic):
     assert w["load"] == {"running": 0, "waiting": 0, "waiting_tokens": 0, "in_flight": 0}
     dev = w["kv"]["device"]
     assert set(w["kv"]) == {"device"}
-    assert dev["pages_total"] == metric(server.url, "agentrt_kv_pages_total")
+    assert dev["pages_total"] == metric(server.url, "agentrt_kv_pages_capacity")
     assert dev["pages_used"] == metric(server.url, "agentrt_kv_pages_used") > 0
     assert dev["pages_pinned"] == metric(server.url, "agentrt_kv_pages_pinned") > 0  # the session's pin
     assert dev["pages_used"] + dev["pages_free"] == dev["pages_total"] and dev["page_size"] == 16

@@ -85,7 +85,7 @@ def _quiet_figures(router: str, urls: dict[str, str]) -> dict[str, dict[str, flo
         m = _metrics(url)
         if m["agentrt_engine_running"] or m["agentrt_engine_waiting"]:
             return None
-        indexed = rm.get(f'agentrt_router_indexed_blocks{{worker="{w}"}}')
+        indexed = rm.get(f'agentrt_router_worker_indexed_blocks{{worker="{w}"}}')
         if indexed != m["agentrt_kv_pages_cached"]:
             return None
         out[w] = {"cached": m["agentrt_kv_pages_cached"], "indexed": indexed,

@@ -17,8 +17,9 @@ from agentrt.tenants import Tenant, TenantRegistry, hash_key
 from agentrt.timeline import Timeline, quantile
 from router.config import RouterConfig
 from router.core import RouterCore
-from router.dashboard import RouterStatus, install_router_metrics
+from router.dashboard import RouterStatus
 from router.decisions import KINDS, DecisionLog, classify
+from router.metrics import RouterCollector
 from router.policies.agentrt import AgentrtPolicy
 from router.policy import RouteRequest, WorkerState, make_policy
 from router.registry import WorkerInfo, WorkerRegistry
@@ -156,10 +157,10 @@ def test_router_fleet_view_and_metrics_show_down_and_unreachable_workers(redis_u
             assert workers["w2"]["kv"] == {} and workers["w2"]["load"] is None
 
             registry = CollectorRegistry()
-            install_router_metrics(registry, core)
+            registry.register(RouterCollector(core, types.SimpleNamespace(failovers=0)))
             text = generate_latest(registry).decode()
-            assert 'agentrt_router_indexed_blocks{worker="w0"} 3.0' in text
-            assert 'agentrt_router_indexed_blocks{worker="w1"} 0.0' in text and 'worker="w2"' not in text
+            assert 'agentrt_router_worker_indexed_blocks{worker="w0"} 3.0' in text
+            assert 'agentrt_router_worker_indexed_blocks{worker="w1"} 0.0' in text and 'worker="w2"' not in text
 
             tenants = TenantRegistry([Tenant("a", key_sha256=(hash_key("ka"),)),
                                       Tenant("b", key_sha256=(hash_key("kb"),), share_cache=True)])
