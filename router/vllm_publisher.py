@@ -8,7 +8,8 @@ radix-cache hook (``router/worker.py``), so they see the same events in the same
 Frames are ``[topic, seq, payload]`` on a PUB socket, ``seq`` counting batches from 0 (8 bytes,
 big-endian), one ``EventBatch`` per cache event: ``BlockStored`` with ``block_hashes`` = our
 contract-1 chain hashes, ``parent_block_hash`` = our parent's, ``token_ids`` and ``block_size`` =
-our page size, ``medium`` "GPU"; ``BlockRemoved``; ``AllBlocksCleared`` first, at seq 0, so a
+our page size, ``medium`` "GPU", ``extra_keys`` marking blocks of a salted tenant (their hashes are
+seeded by the salt, contract 1; the salt itself is not sent); ``BlockRemoved``; ``AllBlocksCleared`` first, at seq 0, so a
 consumer drops what it had from an earlier run of this worker. Because the hashes are our chain
 hashes, a consumer that recomputes them from ``token_ids`` (ours does) gets the same values.
 
@@ -34,18 +35,9 @@ from typing import Sequence
 import zmq
 
 from router.vllm_wire import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Encoding, Event, END_SEQ,
-                              encode_batch, pack_seq)
+                              encode_batch, pack_seq, zmq_endpoint)
 
 log = logging.getLogger(__name__)
-
-
-def zmq_endpoint(url: str) -> str:
-    """``zmq://host:port`` as ZMQ's ``tcp://host:port``; ``tcp://``, ``ipc://`` and ``inproc://`` as they are."""
-    if url.startswith("zmq://"):
-        return "tcp://" + url.removeprefix("zmq://")
-    if url.startswith(("tcp://", "ipc://", "inproc://")):
-        return url
-    raise ValueError(f"a KV-event endpoint is zmq://HOST:PORT (or tcp://, ipc://, inproc://), got {url!r}")
 
 
 class ZmqKVEventPublisher:
@@ -92,13 +84,18 @@ class ZmqKVEventPublisher:
                  self.replay_endpoint, self.topic.decode(), self.encoding)
 
     def publish(self, kind: str, hashes: Sequence[int], parent: int | None,
-                token_ids: Sequence[int] | None = None) -> None:
+                token_ids: Sequence[int] | None = None, salt: str = "") -> None:
         if kind == "stored":
             if token_ids is None or len(token_ids) != len(hashes) * self.block_size:
                 raise ValueError(f"a stored event needs {len(hashes) * self.block_size} token ids "
                                  f"({len(hashes)} blocks of {self.block_size}); got "
                                  f"{None if token_ids is None else len(token_ids)}")
-            event: Event = BlockStored(tuple(hashes), parent, tuple(token_ids), self.block_size, medium=MEDIUM_GPU)
+            # A tenant's cache salt seeds its hashes (contract 1): say so per block, as vLLM puts a
+            # request's cache_salt in extra_keys, so no consumer takes them for unsalted token prefixes.
+            # The salt itself stays here.
+            extra = tuple(("cache_salt",) for _ in hashes) if salt else None
+            event: Event = BlockStored(tuple(hashes), parent, tuple(token_ids), self.block_size, medium=MEDIUM_GPU,
+                                       extra_keys=extra)
         elif kind == "removed":
             event = BlockRemoved(tuple(hashes), medium=MEDIUM_GPU)
         elif kind == "cleared":

@@ -104,6 +104,15 @@ def is_device_medium(medium: str | None) -> bool:
 # ------------------------------------------------------------------ frames
 
 
+def zmq_endpoint(url: str) -> str:
+    """``zmq://host:port`` as ZMQ's ``tcp://host:port``; ``tcp://``, ``ipc://`` and ``inproc://`` as they are."""
+    if url.startswith("zmq://"):
+        return "tcp://" + url.removeprefix("zmq://")
+    if url.startswith(("tcp://", "ipc://", "inproc://")):
+        return url
+    raise ValueError(f"a KV-event endpoint is zmq://HOST:PORT (or tcp://, ipc://, inproc://), got {url!r}")
+
+
 def pack_seq(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
@@ -165,9 +174,11 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     extra = f.get("extra_keys")
     if extra is not None and not isinstance(extra, list):
         raise VllmDecodeError("extra_keys must be a list or None")
+    if extra is not None:  # one entry per block: None, or the keys (a list on the wire) mixed into its hash
+        extra = tuple(tuple(k) if isinstance(k, list) else k for k in extra)
     return BlockStored(hashes, None if parent is None else _hash(parent, "parent_block_hash"), tuple(tokens), size,
                        _opt(f.get("lora_id"), int, "lora_id"), _opt(f.get("medium"), str, "medium"),
-                       _opt(f.get("lora_name"), str, "lora_name"), None if extra is None else tuple(extra),
+                       _opt(f.get("lora_name"), str, "lora_name"), extra,
                        _opt(f.get("group_idx"), int, "group_idx"))
 
 
@@ -254,7 +265,10 @@ def _event_fields(event: Event) -> tuple[str, dict[str, Any]]:
             "block_hashes": [_wire_hash(h) for h in event.block_hashes],
             "parent_block_hash": None if event.parent is None else _wire_hash(event.parent),
             "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": event.lora_id,
-            "medium": event.medium, "lora_name": event.lora_name}
+            "medium": event.medium, "lora_name": event.lora_name,
+            # omitted at its default (None), as msgspec's omit_defaults does
+            **({} if event.extra_keys is None else {"extra_keys": [None if k is None else list(k)
+                                                                   for k in event.extra_keys]})}
     if isinstance(event, BlockRemoved):
         return "BlockRemoved", {"block_hashes": [_wire_hash(h) for h in event.block_hashes], "medium": event.medium}
     return "AllBlocksCleared", {}

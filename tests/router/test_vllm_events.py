@@ -24,9 +24,9 @@ from engine.hashing import block_hashes, make_seed
 from router.index import PrefixIndex
 from router.vllm_consumer import VllmEventFollower
 from router.vllm_hashmap import ChainMapper
-from router.vllm_publisher import ZmqKVEventPublisher, zmq_endpoint
+from router.vllm_publisher import ZmqKVEventPublisher
 from router.vllm_wire import (AllBlocksCleared, BlockRemoved, BlockStored, VllmDecodeError, decode_batch,
-                              encode_batch)
+                              encode_batch, zmq_endpoint)
 
 SEED = make_seed("test-model")
 B = 4  # our block size in these tests
@@ -111,7 +111,7 @@ def test_decode_rejects(payload, why):
 
 def test_encode_round_trips_both_encodings():
     events = [BlockStored(((1 << 64) - 1, 7), None, (1, 2, 3, 4), 2, medium="GPU"), BlockRemoved((7,), "GPU"),
-              AllBlocksCleared()]
+              AllBlocksCleared(), BlockStored((9,), 7, (5, 6), 2, medium="GPU", extra_keys=(("cache_salt",),))]
     for enc in ("array", "map"):
         raw = msgpack.unpackb(encode_batch(events, 2.0, enc))
         assert raw[0] == 2.0
@@ -367,6 +367,11 @@ def test_round_trip_our_publisher_to_our_consumer(encoding):
             pub.flush()
             await until(lambda: f.next_seq == pub.last_seq + 1)
             assert pairs(index) == set()
+            # a salted tenant's blocks are marked (extra_keys) and not taken for unsalted prefixes
+            pub.publish("stored", [12345], None, toks[:B], salt="tenant-a")
+            pub.flush()
+            await until(lambda: f.next_seq == pub.last_seq + 1)
+            assert pairs(index) == set() and f.mapper.stats.foreign == 1
             with pytest.raises(ValueError, match="token ids"):
                 pub.publish("stored", [h[0]], None, toks[:3])
         finally:
