@@ -84,6 +84,11 @@ class Generation:
         self.prompt_tokens = self.cached_tokens = 0
         self.result: Result | None = None
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The reply's token ids so far (the engine's outputs observed up to now)."""
+        return self._token_ids
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's outputs, the last one finished (an error or abort is an output here, not an
         exception: a worker hands them on to its router as they are)."""

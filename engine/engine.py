@@ -40,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, on_kv_event=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, on_kv_event=None, kv_event_tokens: bool = False) -> None:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         dtype = _DTYPES[config.resolved_dtype()]
@@ -61,7 +61,7 @@ class LLMEngine:
         backend_cls = backend_class(self.backend_name)
         self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
                           dtype, self.device, layout=backend_cls.kv_layout)
-        self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event)
+        self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event, event_tokens=kv_event_tokens)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,

@@ -17,7 +17,8 @@ from router.config import RouterConfig, WorkerSettings
 CONNECTION = ("redis_url", "key_prefix", "deployment", "heartbeat_ttl_s", "heartbeat_interval_s")
 WORKER_FIELDS = CONNECTION + ("events_maxlen",)
 ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_max_bytes", "tentative_ttl_s",
-                              "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options")
+                              "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options",
+                              "vllm_workers", "vllm_events_topic", "vllm_health_interval_s")
 
 
 def _serve(app, config: ServerConfig) -> None:

@@ -14,6 +14,11 @@ conversation by an affinity key) has its last worker looked up in the ``Affinity
 (``router/affinity.py``, in Redis) before routing, and the worker each attempt goes to is
 recorded there, so every replica keeps the conversation on one worker while the policy allows.
 
+Workers of kind vllm (``--vllm-worker``, ``router/openai_worker.py``) get the same routing decision
+from the same index, and the request as ``/v1/completions`` with the token ids as its prompt; what
+they cannot run as agentrt workers do (a grammar constraint, logprobs, a pin) goes to agentrt
+workers only.
+
 Placement: ``submit`` returns a ``RemoteStream``, whose ``placed()`` waits for the worker's first
 output and names the worker (the router's responses carry it in ``x-agentrt-worker``).
 
@@ -42,6 +47,7 @@ from engine.types import EngineStats, RequestOutput, SamplingParams
 
 from agentrt.errors import APIError
 from router.core import Route, RouterCore
+from router.openai_worker import CompletionStreamError, completion_body, stream_completion
 from router.policy import NoWorkerAvailable
 from router.worker_api import output_from_wire, sampling_to_wire, structured_to_wire
 
@@ -137,18 +143,22 @@ class RemoteEngine:
                 "constraint": None if constraint is None else structured_to_wire(constraint),
                 "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
         stream = RemoteStream()
-        stream._attach(self._stream(stream, body, prompt, params.max_tokens, session, cache_salt))
+        # What only agentrt workers run: their own grammar, logprobs by token id (vllm-kind workers get neither)
+        agentrt_only = constraint is not None or params.logprobs is not None
+        stream._attach(self._stream(stream, body, prompt, params, session, cache_salt, agentrt_only))
         return stream
 
-    async def _stream(self, stream: RemoteStream, body: dict, prompt: list[int], est_output: int,
-                      session: SessionHint | None, cache_salt: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, stream: RemoteStream, body: dict, prompt: list[int], params: SamplingParams,
+                      session: SessionHint | None, cache_salt: str,
+                      agentrt_only: bool = False) -> AsyncIterator[RequestOutput]:
         request_id = body["request_id"]
+        est_output = params.max_tokens
         failed: set[str] = set()
         remembered = session is not None and session.remember and self.core.affinity.enabled
         if remembered and session.last_worker is None:
             session = dataclasses.replace(session, last_worker=await self.core.affinity.worker_of(session.session_id))
         for _ in range(self.max_attempts):
-            route = await self._route(request_id, prompt, est_output, session, failed, cache_salt)
+            route = await self._route(request_id, prompt, est_output, session, failed, cache_salt, agentrt_only)
             await self.core.dispatched(route)
             stream.worker = route.worker.worker_id
             self._remember(request_id, route.worker.worker_id)
@@ -157,7 +167,9 @@ class RemoteEngine:
                 if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
                     await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
                     session = dataclasses.replace(session, last_worker=route.worker.worker_id)
-                async for out in self._send(route, body):
+                sent = self._send_openai(route, body, params) if self._is_vllm(route.worker.worker_id) else \
+                    self._send(route, body)
+                async for out in sent:
                     produced = True
                     if out.finished:  # accounted now: a consumer need not iterate past the last output
                         completed = True
@@ -176,20 +188,31 @@ class RemoteEngine:
                     self.core.completed(route, ok=False)
         raise APIError(503, f"{len(failed)} workers failed for this request; giving up", type="server_error")
 
+    def _is_vllm(self, worker_id: str) -> bool:
+        return self.core.vllm is not None and worker_id in self.core.vllm
+
     async def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,
-                     failed: set[str], cache_salt: str) -> Route:
+                     failed: set[str], cache_salt: str, agentrt_only: bool = False) -> Route:
         """The worker for this attempt. With no live worker, a first attempt waits up to
         ``no_worker_wait_s`` for one to register (the router re-reads the registry every
-        ``refresh_interval_s``) before 503 ``no_worker_available``; a retry after a worker failed does not."""
+        ``refresh_interval_s``) before 503 ``no_worker_available``; a retry after a worker failed does not.
+        ``agentrt_only``: not to a vllm-kind worker (a grammar constraint or logprobs)."""
         deadline = time.monotonic() + (0.0 if failed else self.no_worker_wait_s)
+        exclude = frozenset(failed)
+        if agentrt_only and self.core.vllm is not None:
+            exclude |= frozenset(self.core.vllm.states)
         while True:
             try:
-                return await self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed),
+                return await self.core.choose(request_id, prompt, est_output, exclude=exclude,
                                               cache_salt=cache_salt, session_id=session.session_id if session else None,
                                               last_worker=session.last_worker if session else None)
             except NoWorkerAvailable as exc:
                 if time.monotonic() >= deadline:
-                    raise APIError(503, str(exc), type="server_error", code="no_worker_available") from None
+                    why = str(exc)
+                    if agentrt_only and self.core.vllm is not None:
+                        why += ("; tools, response_format and logprobs run on agentrt workers only, not on the "
+                                "vLLM-kind workers (--vllm-worker)")
+                    raise APIError(503, why, type="server_error", code="no_worker_available") from None
             await asyncio.sleep(0.05)
 
     async def _send(self, route: Route, body: dict) -> AsyncIterator[RequestOutput]:
@@ -218,6 +241,28 @@ class RemoteEngine:
                     return
         raise httpx.RemoteProtocolError(f"worker {route.worker.worker_id} ended the stream before the reply finished")
 
+    async def _send_openai(self, route: Route, body: dict, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request to a vllm-kind worker's ``/v1/completions`` (``router/openai_worker.py``)."""
+        wid = route.worker.worker_id
+        model = self.core.vllm.states[wid].served_model or self.core.model_id
+        request = completion_body(model, body["prompt_token_ids"], params, body["cache_salt"])
+        try:
+            resp = await asyncio.wait_for(self.http.send(self.http.build_request(
+                "POST", route.worker.url + "/v1/completions", json=request), stream=True), self.header_timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
+        async with contextlib.aclosing(resp):
+            if resp.status_code != 200:
+                error = await _worker_error(resp, wid)
+                if error.code == "worker_draining" or resp.status_code == 503:
+                    raise WorkerUnavailable(f"worker {wid} answered 503")
+                raise error
+            try:
+                async for out in stream_completion(resp, body["request_id"], len(body["prompt_token_ids"])):
+                    yield out
+            except CompletionStreamError as exc:
+                raise APIError(502, f"worker {wid}: {exc}", type="server_error") from None
+
     def _remember(self, request_id: str, worker_id: str) -> None:
         self._ran_on[request_id] = worker_id
         self._ran_on.move_to_end(request_id)
@@ -239,6 +284,8 @@ class RemoteEngine:
 
     def _to_worker_of(self, pin_id: str, path: str, body: dict, worker_id: str | None = None) -> None:
         wid = worker_id or self.worker_of(pin_id)
+        if wid is not None and self._is_vllm(wid):  # vllm-kind workers hold no pins; their caches evict by LRU
+            return
         worker = self.core.workers.get(wid or "")
         if worker is None:
             if wid is not None:
