@@ -81,11 +81,14 @@ class AgentrtPolicy(RoutingPolicy):
 
     def select(self, request: RouteRequest, workers: list[WorkerState]) -> RouteDecision:
         require_workers(workers)
-        load = {w.worker_id: self.load(w) for w in workers}
+        # ``load`` and ``WorkerState.cached_tokens`` inlined: this runs once per live worker per decision.
+        tpq = self.tokens_per_queued_request
+        load = {w.worker_id: max(w.in_flight_tokens, (w.running + w.waiting) * tpq) for w in workers}
         mean = sum(load.values()) / len(load)
         bound = max(self.overload_rel * mean, mean + self.overload_abs_tokens)
         ok = [w for w in workers if load[w.worker_id] <= bound] or list(workers)
-        cached = {w.worker_id: w.cached_tokens(request) for w in workers}
+        bs, n = request.block_size, request.num_tokens
+        cached = {w.worker_id: min(w.cached_blocks * bs, n) for w in workers}
         best = max(cached.values())
 
         last = next((w for w in ok if w.worker_id == request.last_worker), None)
