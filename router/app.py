@@ -58,7 +58,7 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     store = RedisSessionStore(core.redis, rconfig, remote.worker_of)
     limits = RedisTenantLimits(core.redis, rconfig, retry_after_s=config.retry_after_s)
     app = assemble_app(config, remote, model, store, title="agentrt router",
-                       tenant_limits=limits)
+                       tenant_limits=limits, role="router")
     app.state.core = core
     app.include_router(router_routes)
     app.add_exception_handler(RedisError, _redis_unavailable)
