@@ -318,7 +318,9 @@ class Generator:
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
         trace = tracing.current()  # the request's server span (None: not traced)
-        tracing.annotate(trace, {"agentrt.request_id": request_id, "agentrt.tenant": tenant.name if tenant else None})
+        if trace is not None:
+            tracing.annotate(trace, {"agentrt.request_id": request_id,
+                                     "agentrt.tenant": tenant.name if tenant else None})
         try:
             stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
                                         cache_salt=cache_salt, session=session, trace=trace)
