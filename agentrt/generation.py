@@ -4,7 +4,8 @@ Chat completions, completions, session turns and a worker's ``/internal/generate
 through :meth:`Generator.start`: the draining check, the server's and the tenant's admission,
 and the submission to the engine client (``engine.client.EngineClient``: the engine in this
 process, or the router's fleet of workers), where the request is checked
-(``engine.client.check_request``). :class:`Generation` turns the engine's outputs into
+(``engine.client.check_request``), with the request's trace context when it is traced
+(``agentrt/tracing.py``). :class:`Generation` turns the engine's outputs into
 content deltas and parsed tool calls (or hands them on as they are, for a worker's wire),
 records TTFT and TPOT, and releases its admission slot exactly once, however it ends
 (finished, failed, or abandoned by a client that went away).
@@ -22,6 +23,7 @@ from engine.client import EngineClient, OutputStream, SessionHint, StructuredOut
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams,
                           TokenLogprob)
 
+from agentrt import tracing
 from agentrt.affinity import AffinityPins
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
@@ -321,9 +323,13 @@ class Generator:
         request_id = request_id or "req-" + uuid.uuid4().hex
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
+        trace = tracing.current()  # the request's server span (None: not traced)
+        if trace is not None:
+            tracing.annotate(trace, {"agentrt.request_id": request_id,
+                                     "agentrt.tenant": tenant.name if tenant else None})
         try:
             stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
-                                        cache_salt=cache_salt, session=session)
+                                        cache_salt=cache_salt, session=session, trace=trace)
         except BaseException as exc:
             self.release()
             if reservation is not None:

@@ -3,6 +3,11 @@
 Thread model: ``add_request``/``abort_request``/``pin``/``unpin`` may be called
 from any thread; they enqueue commands that ``step()`` applies at its start, so
 the scheduler's state is only ever touched by the thread running ``step()``.
+
+A request may carry an opaque ``trace`` (``add_request``): when it finishes, the engine thread
+hands it to ``on_finished`` with its phase timestamps set (arrival, first admission, first
+token, finish), and the serving layer's tracing emits its spans from those (agentrt/tracing.py);
+no span is held open across threads, and a request without ``trace`` costs nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -69,6 +74,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attn, P, self.device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
+        # called in the engine thread with each finished request that carries a ``trace``; must not raise
+        self.on_finished: Callable[[Request], None] | None = None
         self._pending = 0                      # requests in the inbox, for admission control
         self._pending_tokens = 0               # and their prompt tokens
         self._pending_lock = threading.Lock()  # held while a request moves from the inbox to the scheduler
@@ -109,7 +116,9 @@ class LLMEngine:
     # -- commands (any thread) -------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, constraint: TokenConstraint | None = None,
-                    cache_salt: str = "", pin_ttl_s: float | None = None) -> str:
+                    cache_salt: str = "", pin_ttl_s: float | None = None, trace: object | None = None) -> str:
+        """Check and enqueue a request; returns its id. ``trace``: an opaque context handed back with the
+        finished request to ``on_finished`` (the serving layer's trace parent)."""
         params = params or SamplingParams()
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
                                vocab_size=self.model_config.vocab_size)
@@ -122,7 +131,7 @@ class LLMEngine:
         self._admit(len(prompt))
         rid = request_id or uuid.uuid4().hex
         req = Request(rid, prompt, params, IncrementalDetokenizer(self.tokenizer), constraint,
-                      cache_salt, pin_ttl_s)
+                      cache_salt, pin_ttl_s, trace=trace)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
@@ -414,6 +423,9 @@ class LLMEngine:
         req.pending_ids, req.pending_logprobs = [], []
         if req.finished:
             self._requests.pop(req.request_id, None)
+            req.finished_at = time.monotonic()
+            if req.trace is not None and self.on_finished is not None:
+                self.on_finished(req)
         return out
 
     # -- conveniences ---------------------------------------------------------

@@ -64,7 +64,7 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     metrics = Metrics()
     metrics.attach(RouterCollector(core, remote))
     app = assemble_app(config, remote, model, store, title="agentrt router",
-                       tenant_limits=limits, metrics=metrics)
+                       tenant_limits=limits, metrics=metrics, role="router")
     app.state.core = core
     app.state.dashboard = RouterStatus(app.state, core)
     app.include_router(router_routes)

@@ -85,6 +85,7 @@ class Route:
     known_blocks: int = 0  # prompt blocks the real index (not tentative entries) says the worker holds
     excluded: frozenset[str] = frozenset()  # workers an earlier attempt of this request failed on
     cache_salt: str = ""
+    candidates: tuple[WorkerState, ...] = ()  # the workers the policy chose among, as it saw them
 
     @property
     def tentative_hashes(self) -> tuple[int, ...]:
@@ -257,7 +258,7 @@ class RouterCore:
         wid = decision.worker_id
         if matched.get(wid, 0) > known.get(wid, 0):
             self.tentative_routes += 1
-        return Route(self.workers[wid], req, decision, known.get(wid, 0), exclude, cache_salt)
+        return Route(self.workers[wid], req, decision, known.get(wid, 0), exclude, cache_salt, tuple(states))
 
     async def dispatched(self, route: Route) -> None:
         """The request goes to ``route.worker`` now: count it in flight and record its prompt as tentative

@@ -22,6 +22,11 @@ workers only.
 Placement: ``submit`` returns a ``RemoteStream``, whose ``placed()`` waits for the worker's first
 output and names the worker (the router's responses carry it in ``x-agentrt-worker``).
 
+Tracing (``agentrt/tracing.py``): a traced request's context comes in ``submit(trace=)``; each routing
+decision is set on that span (``agentrt.route.*``: worker, reason, policy, matched prefix, candidates)
+and recorded as an ``agentrt.route`` event (a failover makes several), and the worker gets the
+context as a W3C ``traceparent`` header, so its span is the child of the router's.
+
 Failover: if the connection to the chosen worker fails, the worker sends no response
 headers within ``header_timeout_s`` (hung), or it answers 503 ``worker_draining``, before the
 worker produced any output, the worker is marked dead (``RouterCore.mark_dead``) and the request is sent at
@@ -45,6 +50,7 @@ import httpx
 from engine.client import SessionHint, StructuredOutput, check_request
 from engine.types import EngineStats, RequestOutput, SamplingParams
 
+from agentrt import tracing
 from agentrt.errors import APIError
 from router.core import Route, RouterCore
 from router.openai_worker import CompletionStreamError, completion_body, stream_completion
@@ -136,8 +142,9 @@ class RemoteEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                constraint: StructuredOutput | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None) -> RemoteStream:
-        """Check now (``InvalidRequest``), route and stream when iterated (or placed)."""
+               session: SessionHint | None = None, trace: Any = None) -> RemoteStream:
+        """Check now (``InvalidRequest``), route and stream when iterated (or placed). ``trace``: the
+        request's trace context (``agentrt.tracing``), annotated with the routing and sent on."""
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
                 "constraint": None if constraint is None else structured_to_wire(constraint),
@@ -145,21 +152,25 @@ class RemoteEngine:
         stream = RemoteStream()
         # What only agentrt workers run: their own grammar, logprobs by token id (vllm-kind workers get neither)
         agentrt_only = constraint is not None or params.logprobs is not None
-        stream._attach(self._stream(stream, body, prompt, params, session, cache_salt, agentrt_only))
+        stream._attach(self._stream(stream, body, prompt, params, session, cache_salt, agentrt_only, trace))
         return stream
 
     async def _stream(self, stream: RemoteStream, body: dict, prompt: list[int], params: SamplingParams,
                       session: SessionHint | None, cache_salt: str,
-                      agentrt_only: bool = False) -> AsyncIterator[RequestOutput]:
+                      agentrt_only: bool = False, trace: Any = None) -> AsyncIterator[RequestOutput]:
         request_id = body["request_id"]
         est_output = params.max_tokens
         failed: set[str] = set()
         remembered = session is not None and session.remember and self.core.affinity.enabled
         if remembered and session.last_worker is None:
             session = dataclasses.replace(session, last_worker=await self.core.affinity.worker_of(session.session_id))
-        for _ in range(self.max_attempts):
+        for attempt in range(1, self.max_attempts + 1):
             route = await self._route(request_id, prompt, est_output, session, failed, cache_salt, agentrt_only)
             await self.core.dispatched(route)
+            if trace is not None:
+                decision = route_attributes(route, self.core.policy.name, attempt)
+                tracing.annotate(trace, decision)
+                tracing.add_event(trace, "agentrt.route", decision)
             stream.worker = route.worker.worker_id
             self._remember(request_id, route.worker.worker_id)
             produced = completed = False
@@ -167,8 +178,8 @@ class RemoteEngine:
                 if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
                     await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
                     session = dataclasses.replace(session, last_worker=route.worker.worker_id)
-                sent = self._send_openai(route, body, params) if self._is_vllm(route.worker.worker_id) else \
-                    self._send(route, body)
+                sent = self._send_openai(route, body, params, trace) if self._is_vllm(route.worker.worker_id) else \
+                    self._send(route, body, trace)
                 async for out in sent:
                     produced = True
                     if out.finished:  # accounted now: a consumer need not iterate past the last output
@@ -182,6 +193,8 @@ class RemoteEngine:
                                         "retry the request", type="server_error") from None
                 failed.add(route.worker.worker_id)
                 self.failovers += 1
+                tracing.add_event(trace, "agentrt.failover", {"agentrt.route.worker": route.worker.worker_id,
+                                                              "error.type": type(exc).__name__})
                 await self.core.mark_dead(route.worker.worker_id)
             finally:
                 if not completed:
@@ -215,12 +228,12 @@ class RemoteEngine:
                     raise APIError(503, why, type="server_error", code="no_worker_available") from None
             await asyncio.sleep(0.05)
 
-    async def _send(self, route: Route, body: dict) -> AsyncIterator[RequestOutput]:
+    async def _send(self, route: Route, body: dict, trace: Any = None) -> AsyncIterator[RequestOutput]:
         url = route.worker.url + "/internal/generate"
         wid = route.worker.worker_id
+        request = self.http.build_request("POST", url, json=body, headers=tracing.inject(trace))
         try:
-            resp = await asyncio.wait_for(self.http.send(self.http.build_request("POST", url, json=body), stream=True),
-                                          self.header_timeout_s)
+            resp = await asyncio.wait_for(self.http.send(request, stream=True), self.header_timeout_s)
         except asyncio.TimeoutError:
             raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
         async with contextlib.aclosing(resp):
@@ -241,14 +254,16 @@ class RemoteEngine:
                     return
         raise httpx.RemoteProtocolError(f"worker {route.worker.worker_id} ended the stream before the reply finished")
 
-    async def _send_openai(self, route: Route, body: dict, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _send_openai(self, route: Route, body: dict, params: SamplingParams,
+                           trace: Any = None) -> AsyncIterator[RequestOutput]:
         """The request to a vllm-kind worker's ``/v1/completions`` (``router/openai_worker.py``)."""
         wid = route.worker.worker_id
         model = self.core.vllm.states[wid].served_model or self.core.model_id
         request = completion_body(model, body["prompt_token_ids"], params, body["cache_salt"])
         try:
             resp = await asyncio.wait_for(self.http.send(self.http.build_request(
-                "POST", route.worker.url + "/v1/completions", json=request), stream=True), self.header_timeout_s)
+                "POST", route.worker.url + "/v1/completions", json=request, headers=tracing.inject(trace)),
+                stream=True), self.header_timeout_s)
         except asyncio.TimeoutError:
             raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
         async with contextlib.aclosing(resp):
@@ -323,6 +338,22 @@ class RemoteEngine:
         while len(self.core.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.http.aclose()
+
+
+def route_attributes(route: Route, policy: str, attempt: int) -> dict[str, Any]:
+    """A routing decision as span attributes: the chosen worker, why (the policy's rule), the prompt
+    tokens it is believed to hold (index and tentative entries), and every candidate as the policy saw
+    it (parallel lists: id, cached blocks, queued requests)."""
+    request, decision = route.request, route.decision
+    return {"agentrt.route.worker": route.worker.worker_id, "agentrt.route.reason": decision.reason,
+            "agentrt.route.policy": policy, "agentrt.route.attempt": attempt,
+            "agentrt.route.prompt_tokens": request.num_tokens,
+            "agentrt.route.cached_blocks": decision.cached_blocks,
+            "agentrt.route.matched_tokens": min(decision.cached_blocks * request.block_size, request.num_tokens),
+            "agentrt.route.session_id": request.session_id, "agentrt.route.last_worker": request.last_worker,
+            "agentrt.route.candidates": [w.worker_id for w in route.candidates],
+            "agentrt.route.candidate_cached_blocks": [w.cached_blocks for w in route.candidates],
+            "agentrt.route.candidate_queue": [w.queue for w in route.candidates]}
 
 
 async def _worker_error(resp: httpx.Response, worker_id: str) -> APIError:

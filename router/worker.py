@@ -183,7 +183,7 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
     if llm.config.page_size != rconfig.block_size:
         raise ValueError(f"the engine's page size {llm.config.page_size} must equal the deployment's block "
                          f"size {rconfig.block_size} (contract 1)")
-    app = create_app(config, engine=llm)
+    app = create_app(config, engine=llm, role="worker")
     runtime = WorkerRuntime(rconfig, settings, llm, publisher, zmq_publisher)
     app.state.llm = llm
     app.state.worker = runtime

@@ -2,8 +2,9 @@
 
 * ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
   constraint *options* (the worker builds the grammar: a constraint object does not travel),
-  a pin TTL. Errors found before generation starts are ordinary JSON errors (400, 429,
-  503); otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
+  a pin TTL; a traced request's W3C ``traceparent`` header (its span continues the router's
+  trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
+  otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
 * ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
   pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
@@ -30,6 +31,7 @@ from starlette.background import BackgroundTask
 from engine.client import StructuredOutput
 from engine.types import RequestOutput, SamplingParams, TokenLogprob
 
+from agentrt import tracing
 from agentrt.dashboard import engine_worker
 from agentrt.errors import bad_request, draining
 from router.events import cache_snapshot
@@ -124,6 +126,7 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     outputs streamed as they come."""
     state = request.app.state
     gen = state.generator
+    tracing.annotate(tracing.current(), {"agentrt.worker.id": state.worker.settings.worker_id})
     if state.stopping:  # draining or shutting down: the router sends this request elsewhere
         raise draining(gen.config.retry_after_s)
     params = sampling_from_wire(body.sampling)
