@@ -30,6 +30,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from agentrt import tracing
     from agentrt.server import create_app
 
     try:
@@ -39,13 +40,18 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.otlp_endpoint:
+        tracing.setup(config.otlp_endpoint, config.otel_service_name, "agentrt")
     try:
-        app = create_app(config)
-    except ValueError as exc:  # a model the settings cannot serve (e.g. --ep with a dense model)
-        print(f"agentrt serve: {exc}", file=sys.stderr)
-        return 2
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1, timeout_keep_alive=KEEP_ALIVE_S)
+        try:
+            app = create_app(config)
+        except ValueError as exc:  # a model the settings cannot serve (e.g. --ep with a dense model)
+            print(f"agentrt serve: {exc}", file=sys.stderr)
+            return 2
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                    timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1, timeout_keep_alive=KEEP_ALIVE_S)
+    finally:
+        tracing.shutdown()  # the last spans go out
     return 0
 
 

@@ -24,6 +24,8 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, SPECULATIVE, EngineConfig
 
+from agentrt import tracing
+
 ENV_PREFIX = "AGENTRT_"
 # How long an idle HTTP connection stays open. Longer than clients keep idle connections (httpx,
 # so the official openai client: 5 s), so a client never sends a request on a connection the
@@ -217,6 +219,8 @@ class ServerConfig(Settings):
     ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
     KV tiers (``kv_host_tokens``, ``kv_disk_tokens``, ``kv_disk_path``, ``kv_disk_keep``;
     docs/kv_tiers.md): off by default, as in the engine library (docs/kv_tiers.md says why).
+    ``otlp_endpoint`` switches request tracing on (``agentrt/tracing.py``); without the ``agentrt[otel]``
+    packages it is a configuration error saying to install them.
     """
 
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -291,6 +295,12 @@ class ServerConfig(Settings):
                                       "flight")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="how much the server logs: critical, error, warning, info, debug or trace")
+    otlp_endpoint: str | None = Field(None, description="trace requests with OpenTelemetry, sending the spans to "
+                                      "this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (needs the agentrt[otel] "
+                                      "extra; default: no tracing)")
+    otel_service_name: str | None = Field(None, min_length=1, description="service.name of this process's traces "
+                                          "(default: OTEL_SERVICE_NAME, else agentrt, agentrt-worker or "
+                                          "agentrt-router)")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -298,6 +308,15 @@ class ServerConfig(Settings):
         """``AGENTRT_API_KEYS=a,b`` (spaces around a key are dropped)."""
         if isinstance(value, str):
             return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _tracing_available(cls, value: str | None) -> str | None:
+        """An http(s) URL, and the OpenTelemetry packages to send to it installed (agentrt[otel])."""
+        if value is not None:
+            tracing.traces_url(value)
+            tracing.check_available()
         return value
 
     @model_validator(mode="after")

@@ -4,7 +4,8 @@ Chat completions, completions, session turns and a worker's ``/internal/generate
 through :meth:`Generator.start`: the draining check, the server's and the tenant's admission,
 and the submission to the engine client (``engine.client.EngineClient``: the engine in this
 process, or the router's fleet of workers), where the request is checked
-(``engine.client.check_request``). :class:`Generation` turns the engine's outputs into
+(``engine.client.check_request``), with the request's trace context when it is traced
+(``agentrt/tracing.py``). :class:`Generation` turns the engine's outputs into
 content deltas and parsed tool calls (or hands them on as they are, for a worker's wire),
 records TTFT and TPOT, and releases its admission slot exactly once, however it ends
 (finished, failed, or abandoned by a client that went away).
@@ -22,6 +23,7 @@ from engine.client import EngineClient, OutputStream, SessionHint, StructuredOut
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams,
                           TokenLogprob)
 
+from agentrt import tracing
 from agentrt.affinity import AffinityPins
 from agentrt.config import ServerConfig
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
@@ -84,6 +86,11 @@ class Generation:
         self._closed = False
         self.prompt_tokens = self.cached_tokens = 0
         self.result: Result | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The reply's token ids so far (the engine's outputs observed up to now)."""
+        return self._token_ids
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's outputs, the last one finished (an error or abort is an output here, not an
@@ -191,6 +198,7 @@ class Generation:
         now = time.monotonic()
         if self._first_token_at is not None and out.completion_tokens > 1:
             self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
+        self.gen.metrics.observe_prompt(out.prompt_tokens, out.cached_tokens)
         text = "".join(self._text)
         closed = out.stop_reason == CLOSED_BY_BUDGET
         self.result = Result(
@@ -317,9 +325,13 @@ class Generator:
         request_id = request_id or "req-" + uuid.uuid4().hex
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
+        trace = tracing.current()  # the request's server span (None: not traced)
+        if trace is not None:
+            tracing.annotate(trace, {"agentrt.request_id": request_id,
+                                     "agentrt.tenant": tenant.name if tenant else None})
         try:
             stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
-                                        cache_salt=cache_salt, session=session)
+                                        cache_salt=cache_salt, session=session, trace=trace)
         except BaseException as exc:
             self.release()
             if reservation is not None:

@@ -1,22 +1,60 @@
 """Prometheus metrics of one server, in its own registry (no module-level globals).
 
 Request counts and latency histograms are recorded as requests run; engine gauges
-(running, waiting requests and tokens, KV pages, pinned pages, prefix-cache hit tokens, speculative
+(running, waiting requests and tokens, KV pages, cached and pinned pages, prefix-cache hit tokens, speculative
 decoding's draft and accepted tokens) are read from
-``engine.stats()`` at scrape time, so they are never stale.
+``engine.stats()`` at scrape time, so they are never stale. The same observations of TTFT and
+of each finished request's prompt and cached tokens also feed ``timeline`` (``agentrt/timeline.py``),
+the last minutes per time slice that the dashboard charts.
+
+A model server (``agentrt serve``, ``agentrt worker``) also exposes the gauges of the Gateway API
+Inference Extension's model server protocol, under the names its endpoint picker reads by default
+(``PROTOCOL_METRICS``; docs/deploy.md, "Model server protocol"), so an InferencePool's picker
+scores our workers with no flags. The router's own metrics are in ``router/metrics.py``.
+
+Every HELP line says what the series counts and in which unit: the dashboards and the docs'
+metric table are written from them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agentrt.timeline import Timeline
+
+# No `*_created` series: each would be one more family per counter and histogram, a start timestamp whose
+# HELP repeats its parent's (what it counts would be wrong), and Prometheus reads counter resets anyway.
+# (A process-wide switch of prometheus_client; agentrt's registries are all built here and in router/metrics.py.)
+disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+# The model server protocol (gateway-api-inference-extension, docs/proposals/003-model-server-protocol):
+# its metric -> the name we expose it under, which is vLLM's, the endpoint picker's default
+# (--total-queued-requests-metric, --total-running-requests-metric, --kv-cache-usage-percentage-metric,
+# --cache-info-metric). No LoRA adapters are served, so vllm:lora_requests_info is not exposed.
+PROTOCOL_METRICS = {
+    "TotalQueuedRequests": "vllm:num_requests_waiting",
+    "TotalRunningRequests": "vllm:num_requests_running",
+    "KVCacheUtilization": "vllm:kv_cache_usage_perc",
+    "BlockSize, NumGPUBlocks": "vllm:cache_config_info",
+}
+
+
+def kv_utilization(s: Any) -> float:
+    """The fraction (0..1) of KV pages that cannot be reclaimed: held by running requests or pins.
+    Cached prefixes no request holds are evicted on demand, so they count as free (as vLLM's
+    ``kv_cache_usage_perc`` and SGLang's ``token_usage`` count them); 0 for an empty pool."""
+    if s.pages_total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (s.pages_used - s.pages_evictable) / s.pages_total))
 
 
 class _EngineCollector:
@@ -38,34 +76,70 @@ class _EngineCollector:
     def collect(self) -> Iterable[Any]:
         s = self._read()
         for name, doc, value in (
-                ("agentrt_engine_running", "Requests in the engine's running batch", s.running),
-                ("agentrt_engine_waiting", "Requests waiting for admission in the engine", s.waiting),
+                ("agentrt_engine_running", "Requests in the engine's running batch (decoding or prefilling), now",
+                 s.running),
+                ("agentrt_engine_waiting", "Requests queued for admission to the engine's batch, now", s.waiting),
                 ("agentrt_engine_waiting_tokens",
-                 "Tokens of the requests waiting for admission (the KV demand admission control bounds)",
-                 s.waiting_tokens),
+                 "Tokens (prompt tokens not yet cached) of the requests queued for admission, now: the KV demand "
+                 "admission control bounds", s.waiting_tokens),
                 ("agentrt_engine_waiting_tokens_limit",
-                 "Waiting tokens past which new requests get 429 (max_waiting_tokens)", s.waiting_tokens_limit),
-                ("agentrt_kv_pages_total", "KV cache pages in the pool", s.pages_total),
-                ("agentrt_kv_pages_used", "KV cache pages in use (running requests and cached prefixes)",
+                 "Queued tokens past which a new request gets 429 (--max-waiting-tokens), in tokens",
+                 s.waiting_tokens_limit),
+                ("agentrt_kv_pages_capacity",
+                 f"KV cache pages in the pool that requests can use (one page holds {s.page_size} tokens)",
+                 s.pages_total),
+                ("agentrt_kv_pages_used",
+                 "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or not)",
                  s.pages_used),
-                ("agentrt_kv_pages_pinned", "KV cache pages pinned for sessions between turns", s.pages_pinned),
-                ("agentrt_kv_pins", "Session pins held by the engine", s.num_pins),
-                ("agentrt_spec_acceptance_rate", "Speculative decoding: accepted over drafted tokens",
+                ("agentrt_kv_pages_cached",
+                 "KV cache pages held by the prefix cache, now: full blocks, each one a block hash of the KV events",
+                 s.pages_cached),
+                ("agentrt_kv_pages_evictable",
+                 "KV cache pages of cached prefixes that no request or pin holds, now (reclaimed on demand)",
+                 s.pages_evictable),
+                ("agentrt_kv_pages_pinned", "KV cache pages held by session pins between turns, now", s.pages_pinned),
+                ("agentrt_kv_pins", "Session pins the engine holds, now", s.num_pins),
+                ("agentrt_spec_acceptance_rate",
+                 "Speculative decoding: accepted draft tokens over drafted ones since start (ratio 0..1)",
                  s.spec_acceptance_rate),
                 ("agentrt_spec_mean_accepted_length",
-                 "Speculative decoding: tokens committed per verification (accepted draft tokens plus one)",
-                 s.spec_mean_accepted_length)):
+                 "Speculative decoding: tokens committed per verification since start (accepted draft tokens "
+                 "plus one; 0 before any)", s.spec_mean_accepted_length),
+                # the model server protocol's gauges (PROTOCOL_METRICS)
+                ("vllm:num_requests_waiting",
+                 "Model server protocol TotalQueuedRequests: requests queued for admission, now (as "
+                 "agentrt_engine_waiting)", s.waiting),
+                ("vllm:num_requests_running",
+                 "Model server protocol TotalRunningRequests: requests in the running batch, now (as "
+                 "agentrt_engine_running)", s.running),
+                ("vllm:kv_cache_usage_perc",
+                 "Model server protocol KVCacheUtilization: fraction 0..1 of KV cache pages held by running "
+                 "requests and pins, now (evictable cached prefixes count as free)", kv_utilization(s))):
             yield GaugeMetricFamily(name, doc, value=value)
+        info = GaugeMetricFamily("vllm:cache_config_info",
+                                 "Model server protocol BlockSize and NumGPUBlocks: the KV cache's block size in "
+                                 "tokens and its number of blocks, as labels (value always 1)",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(s.page_size), str(s.pages_total)], 1.0)
+        yield info
         for name, doc, value in (
-                ("agentrt_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens_total),
-                ("agentrt_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                ("agentrt_prompt_tokens", "Prompt tokens submitted to the engine since start, in tokens",
+                 s.prompt_tokens_total),
+                ("agentrt_prefix_cache_hit_tokens",
+                 "Prompt tokens served from the prefix cache (not recomputed) since start, in tokens",
                  s.cached_tokens_total),
-                ("agentrt_generation_tokens", "Tokens generated", s.generation_tokens_total),
-                ("agentrt_spec_draft_tokens", "Speculative decoding: draft tokens proposed and verified",
+                ("agentrt_generation_tokens", "Tokens generated since start, in tokens", s.generation_tokens_total),
+                ("agentrt_engine_preemptions",
+                 "Running requests preempted (KV pages taken back, recomputed later) since start",
+                 s.num_preemptions),
+                ("agentrt_spec_draft_tokens",
+                 "Speculative decoding: draft tokens proposed and verified since start, in tokens",
                  s.spec_draft_tokens_total),
-                ("agentrt_spec_accepted_tokens", "Speculative decoding: draft tokens the model accepted",
+                ("agentrt_spec_accepted_tokens",
+                 "Speculative decoding: draft tokens the model accepted since start, in tokens",
                  s.spec_accepted_tokens_total),
-                ("agentrt_spec_verifications", "Speculative decoding: drafts verified (one per request and step)",
+                ("agentrt_spec_verifications",
+                 "Speculative decoding: drafts verified since start (one per request and step)",
                  s.spec_verifications_total)):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _tier_metrics(getattr(s, "kv_tiers", None) or {})
@@ -102,31 +176,48 @@ def _tier_metrics(tiers: dict) -> Iterable[Any]:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("agentrt_http_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=self.registry)
-        self.ttft = Histogram("agentrt_time_to_first_token_seconds", "Time from admission to the first token",
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.requests = Counter("agentrt_http_requests",
+                                "HTTP requests answered, by route template and status code", ["route", "status"],
+                                registry=self.registry)
+        self.ttft = Histogram("agentrt_time_to_first_token_seconds",
+                              "Time to first token: from the moment this server began a generation (its request "
+                              "parsed) to its first output token, in seconds",
                               buckets=_TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("agentrt_time_per_output_token_seconds",
-                              "Mean time between output tokens of a request, after the first",
+                              "Time per output token: a generation's mean time between output tokens after the "
+                              "first, in seconds (one observation per generation)",
                               buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("agentrt_requests_in_flight", "Generations admitted by the HTTP layer",
-                               registry=self.registry)
-        self.finished = Counter("agentrt_requests_finished", "Finished generations by finish reason",
+        self.in_flight = Gauge("agentrt_requests_in_flight",
+                               "Generations the HTTP layer admitted and has not finished, now", registry=self.registry)
+        self.finished = Counter("agentrt_requests_finished", "Generations finished, by finish reason",
                                 ["finish_reason"], registry=self.registry)
         self.closed = Counter("agentrt_requests_closed_by_budget",
                               "Constrained generations closed early (the shortest valid completion forced) "
                               "to fit max_tokens", registry=self.registry)
-        self.sessions = Gauge("agentrt_sessions", "Sessions held by this server", registry=self.registry)
-        self.turns = Counter("agentrt_session_turns", "Session turns by outcome (new, replayed)",
+        self.sessions = Gauge("agentrt_sessions", "Sessions this server holds (created and not yet expired or "
+                              "deleted), now", registry=self.registry)
+        self.turns = Counter("agentrt_session_turns",
+                             "Session turns, by outcome: new (generated) or replayed (a turn_id seen before)",
                              ["outcome"], registry=self.registry)
 
     def attach_engine(self, stats: Callable[[], Any]) -> None:
+        """A model server's engine gauges and counters, and the model server protocol's gauges."""
         self.registry.register(_EngineCollector(stats))
+
+    def attach(self, collector: Any) -> None:
+        """Another collector read at scrape time (the router's, ``router/metrics.py``)."""
+        self.registry.register(collector)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.timeline.observe_ttft(seconds)
+
+    def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request finished: its prompt tokens and those of them the prefix cache served."""
+        self.timeline.observe_request(prompt_tokens, cached_tokens)
 
     def observe_tpot(self, seconds: float) -> None:
         self.tpot.observe(seconds)

@@ -96,6 +96,9 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     user: str | None = None
     prompt_cache_key: str | None = None  # as in chat completions
+    # vLLM's extension: each choice also carries the reply's token ids (a stream's chunks: the new ones).
+    # A router reaching this server as a vllm-kind worker asks for them (router/openai_worker.py).
+    return_token_ids: bool = False
 
 
 class Usage(BaseModel):

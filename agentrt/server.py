@@ -11,7 +11,12 @@ Generations (chat completions, completions, messages, responses, session turns) 
 (``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
 errors before that are JSON errors with their status, and a router's responses name the worker
 that served them in the ``x-agentrt-worker`` header (``agentrt serve`` sends none). Chat
-completions and completions route by the client's affinity key (``agentrt/affinity.py``).
+completions and completions route by the client's affinity key (``agentrt/affinity.py``). ``/dashboard`` and the JSON
+it polls are ``agentrt/dashboard.py``'s routes.
+
+With tracing on (``--otlp-endpoint``, ``agentrt/tracing.py``) every request but probes gets a server
+span (``TracingMiddleware``, outermost, so it times 413s and auth failures too) and the engine's
+requests their phase spans.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from engine.client import EngineClient
 
 from agentrt.anthropic_api import (AnthropicErrorResponse, AnthropicService, CountTokensRequest, MessagesRequest,
                                    TokenCount)
+from agentrt import tracing
 from agentrt.affinity import affinity_key
+from agentrt.dashboard import LocalStatus, dashboard_routes
 from agentrt.config import ServerConfig
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
@@ -402,25 +409,33 @@ async def _nothing() -> None:
 # ------------------------------------------------------------ app
 
 
-def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | None = None) -> FastAPI:
-    """The app around ``engine`` (an ``engine.LLMEngine``; built from ``config`` when None)."""
+def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | None = None,
+               role: str = "serve") -> FastAPI:
+    """The app around ``engine`` (an ``engine.LLMEngine``; built from ``config`` when None). ``role``
+    names the process in its traces (serve, worker)."""
     from engine import AsyncEngine, LLMEngine
 
     llm = engine if engine is not None else LLMEngine(config.engine_config())
-    return assemble_app(config, AsyncEngine(llm), llm, store)
+    if tracing.enabled():
+        llm.on_finished = tracing.record_engine_phases
+    return assemble_app(config, AsyncEngine(llm), llm, store, role=role)
 
 
 def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store: SessionStore | None = None,
-                 title: str = "agentrt", tenant_limits: TenantLimiter | None = None) -> FastAPI:
+                 title: str = "agentrt", tenant_limits: TenantLimiter | None = None,
+                 metrics: Metrics | None = None, role: str = "serve") -> FastAPI:
     """The app over ``backend``, an ``engine.client.EngineClient``: the in-process ``engine.AsyncEngine``
     or the router's remote engine. ``model`` gives ``tokenizer``, ``max_model_len`` and ``model_id``.
-    ``tenant_limits``: where tenants' concurrency and tokens per minute are counted (None: in this process)."""
+    ``tenant_limits``: where tenants' concurrency and tokens per minute are counted (None: in this process).
+    ``metrics``: the registry ``/metrics`` serves (None: a model server's, with ``backend``'s engine stats).
+    ``role``: serve, worker or router, the ``agentrt.role`` of its server spans when tracing is on."""
     # A SIGTERM must not cut streams: uvicorn's graceful shutdown lets them finish (sse-starlette's default
     # cancels every stream of the process as soon as any server in it is told to exit).
     AppStatus.disable_automatic_graceful_drain()
     tenants = TenantRegistry.from_config(config.tenants_file, config.api_keys)
-    metrics = Metrics()
-    metrics.attach_engine(backend.stats)
+    if metrics is None:
+        metrics = Metrics()
+        metrics.attach_engine(backend.stats)
     generator = Generator(backend, model, config, metrics, tenant_limits)
     sessions = SessionManager(store or InMemorySessionStore(config.max_sessions), generator, config)
 
@@ -448,11 +463,15 @@ def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store:
     app.state.anthropic = AnthropicService(generator)
     app.state.sessions = sessions
     app.state.responses = ResponsesService(sessions)
+    app.state.dashboard = LocalStatus(app.state)  # the router puts its own fleet view here
     install_handlers(app, config.retry_after_s)
     app.include_router(open_routes)
     app.include_router(api)
     app.include_router(anthropic_routes)
+    app.include_router(dashboard_routes(_auth), responses={401: {"model": ErrorResponse}})
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=metrics)
+    if tracing.enabled():
+        app.add_middleware(tracing.TracingMiddleware, role=role)
     return app
 
 

@@ -178,18 +178,30 @@ class OpenAIService:
         return {"id": "cmpl-" + generation.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.gen.model_name,
                 "choices": [{"index": 0, "text": result.text, "finish_reason": result.finish_reason,
-                             "logprobs": self._completion_logprobs(result.logprobs)}],
+                             "logprobs": self._completion_logprobs(result.logprobs),
+                             **({"token_ids": result.token_ids} if req.return_token_ids else {})}],
                 "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
 
     async def completion_chunks(self, req: CompletionRequest, generation: Generation) -> AsyncIterator[dict]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {"id": "cmpl-" + generation.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.gen.model_name}
+        sent = 0  # token ids already in a chunk (return_token_ids): each chunk carries the new ones
+
+        def new_ids() -> dict[str, list[int]]:
+            nonlocal sent
+            if not req.return_token_ids:
+                return {}
+            ids = generation.token_ids[sent:]
+            sent += len(ids)
+            return {"token_ids": ids}
+
         async for d in generation.deltas():
             yield {**base, "choices": [{"index": 0, "text": d.content, "finish_reason": None,
-                                        "logprobs": self._completion_logprobs(d.logprobs)}]}
+                                        "logprobs": self._completion_logprobs(d.logprobs), **new_ids()}]}
         result: Result = generation.result
-        yield {**base, "choices": [{"index": 0, "text": "", "finish_reason": result.finish_reason, "logprobs": None}]}
+        yield {**base, "choices": [{"index": 0, "text": "", "finish_reason": result.finish_reason, "logprobs": None,
+                                    **new_ids()}]}
         if include_usage:
             yield {**base, "choices": [],
                    "usage": usage_dict(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}

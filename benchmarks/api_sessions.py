@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agentrt  # noqa: E402
+from agentrt.bench.progress import bar  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 
@@ -50,7 +51,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run_session(client: agentrt.AsyncClient, wl: AgenticWorkload, tokenizer, system: str, s: int,
-                      records: list[dict]) -> None:
+                      records: list[dict], progress=None) -> None:
     session = await client.sessions.create(system=system, sampling={"temperature": 0, "max_tokens": wl.reply_tokens,
                                                                      "ignore_eos": True},
                                            metadata={"benchmark": "api_sessions"})
@@ -68,6 +69,8 @@ async def run_session(client: agentrt.AsyncClient, wl: AgenticWorkload, tokenize
             records.append({"session": s, "turn": t, "ttft_s": (first or end) - start, "latency_s": end - start,
                             "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
                             "completion_tokens": usage.completion_tokens})
+            if progress is not None:
+                progress.update(1)
     finally:
         await session.close()
 
@@ -107,7 +110,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     async with agentrt.AsyncClient(args.url, api_key=args.api_key, timeout=600) as client:
         await client.health()
         start = time.perf_counter()
-        await asyncio.gather(*(run_session(client, wl, tokenizer, system, s, records) for s in range(wl.sessions)))
+        with bar(wl.sessions * wl.turns, "HTTP sessions", unit="turn") as progress:
+            await asyncio.gather(*(run_session(client, wl, tokenizer, system, s, records, progress)
+                                   for s in range(wl.sessions)))
         wall = time.perf_counter() - start
     return summarize(records, wl, wall)
 

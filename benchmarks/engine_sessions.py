@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agentrt.bench.progress import bar  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -54,6 +55,7 @@ def run_engine(engine: LLMEngine, wl: AgenticWorkload, system: str) -> dict:
         live[rid] = (s, time.perf_counter(), prompt, [])
 
     start = time.perf_counter()
+    progress = bar(wl.sessions * wl.turns, "engine", unit="turn")
     for s in range(wl.sessions):
         submit(s)
     while live:
@@ -74,9 +76,11 @@ def run_engine(engine: LLMEngine, wl: AgenticWorkload, system: str) -> dict:
             generated += len(ids)
             history[s].append({"role": "assistant", "content": tok.decode(ids)})
             turn[s] += 1
+            progress.update(1)
             if turn[s] < wl.turns:
                 submit(s)
     wall = time.perf_counter() - start
+    progress.close()
     return summarize(ttft, wl, wall, generated, prompt_total, computed, served) | {"_replies": replies}
 
 
@@ -98,7 +102,7 @@ def run_baseline(hf_model, tok, wl: AgenticWorkload, system: str) -> dict:
     replies: dict[tuple[int, int], list[int]] = {}
     generated = prompt_total = 0
     start = time.perf_counter()
-    for t in range(wl.turns):
+    for t in bar(range(wl.turns), "baseline", unit="turn"):
         prompts = []
         for s in range(wl.sessions):
             history[s].extend(wl.turn_messages(tok, s, t))

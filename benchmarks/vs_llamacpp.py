@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agentrt.bench.driver import CallFailed, stream_chat_completion  # noqa: E402
+from agentrt.bench.progress import bar  # noqa: E402
 from agentrt.bench.summary import percentile  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 
@@ -274,7 +275,7 @@ def build_conversations(wl: AgenticWorkload, tokenizer) -> tuple[str, list[list[
 
 
 async def run_sessions(http, url: str, model: str, system: str, turns: list[list[list[dict]]], reply_tokens: int,
-                       concurrency: int) -> tuple[list[dict], float]:
+                       concurrency: int, label: str = "sessions") -> tuple[list[dict], float]:
     """Every session through all its turns, ``concurrency`` sessions at a time; ``(records, wall_s)``."""
     pending = list(range(len(turns)))
     records: list[dict] = []
@@ -288,9 +289,11 @@ async def run_sessions(http, url: str, model: str, system: str, turns: list[list
                 res = await stream_chat(http, url, chat_body(model, history, reply_tokens))
                 history.append({"role": "assistant", "content": res.pop("reply")})
                 records.append({"session": s, "turn": t, **res})
+                progress.update(1)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    with bar(sum(len(x) for x in turns), label, unit="turn") as progress:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records, time.perf_counter() - start
 
 

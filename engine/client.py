@@ -79,10 +79,12 @@ class EngineClient(Protocol):
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *,
                constraint: Any = None, cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None) -> OutputStream:
+               session: SessionHint | None = None, trace: Any = None) -> OutputStream:
         """Check (:func:`check_request`: ``InvalidRequest`` at once) and enqueue; the stream yields
         ``RequestOutput`` deltas, the last one finished. ``pin_ttl_s``: pin the finished sequence
-        (prompt + reply) under ``request_id`` for that long (a session turn)."""
+        (prompt + reply) under ``request_id`` for that long (a session turn). ``trace``: the caller's
+        trace context (opaque here; agentrt/tracing.py), or None: the in-process engine hands it back
+        with the finished request for its phase spans, a remote client forwards it to the worker."""
         ...
 
     def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:

@@ -3,6 +3,11 @@
 Thread model: ``add_request``/``abort_request``/``pin``/``unpin`` may be called
 from any thread; they enqueue commands that ``step()`` applies at its start, so
 the scheduler's state is only ever touched by the thread running ``step()``.
+
+A request may carry an opaque ``trace`` (``add_request``): when it finishes, the engine thread
+hands it to ``on_finished`` with its phase timestamps set (arrival, first admission, first
+token, finish), and the serving layer's tracing emits its spans from those (agentrt/tracing.py);
+no span is held open across threads, and a request without ``trace`` costs nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,7 +47,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, on_kv_event=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, on_kv_event=None, kv_event_tokens: bool = False) -> None:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         dtype = _DTYPES[config.resolved_dtype()]
@@ -64,7 +69,7 @@ class LLMEngine:
         self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
                           dtype, self.device, layout=backend_cls.kv_layout)
         self.on_kv_event = on_kv_event
-        self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event)
+        self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event, event_tokens=kv_event_tokens)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
         self.tiers = self._build_tiers(mcfg, dtype, backend_cls.kv_layout)
@@ -73,6 +78,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attn, P, self.device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
+        # called in the engine thread with each finished request that carries a ``trace``; must not raise
+        self.on_finished: Callable[[Request], None] | None = None
         self._pending = 0                      # requests in the inbox, for admission control
         self._pending_tokens = 0               # and their prompt tokens
         self._pending_lock = threading.Lock()  # held while a request moves from the inbox to the scheduler
@@ -147,7 +154,9 @@ class LLMEngine:
     # -- commands (any thread) -------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, constraint: TokenConstraint | None = None,
-                    cache_salt: str = "", pin_ttl_s: float | None = None) -> str:
+                    cache_salt: str = "", pin_ttl_s: float | None = None, trace: object | None = None) -> str:
+        """Check and enqueue a request; returns its id. ``trace``: an opaque context handed back with the
+        finished request to ``on_finished`` (the serving layer's trace parent)."""
         params = params or SamplingParams()
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
                                vocab_size=self.model_config.vocab_size)
@@ -160,7 +169,7 @@ class LLMEngine:
         self._admit(len(prompt))
         rid = request_id or uuid.uuid4().hex
         req = Request(rid, prompt, params, IncrementalDetokenizer(self.tokenizer), constraint,
-                      cache_salt, pin_ttl_s)
+                      cache_salt, pin_ttl_s, trace=trace)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
@@ -283,6 +292,7 @@ class LLMEngine:
             running=len(s.running), waiting=len(s.waiting),
             pages_total=self.pool.capacity, pages_used=self.pool.capacity - self.pool.num_free,
             pages_free=self.pool.num_free, pages_cached=self.cache.cached_pages,
+            pages_evictable=self.cache.evictable_pages,
             pages_pinned=len({p for pin in s.pins.values() for p in _path_pages(pin.node)}),
             num_pins=len(s.pins), prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
@@ -479,6 +489,9 @@ class LLMEngine:
         req.pending_ids, req.pending_logprobs = [], []
         if req.finished:
             self._requests.pop(req.request_id, None)
+            req.finished_at = time.monotonic()
+            if req.trace is not None and self.on_finished is not None:
+                self.on_finished(req)
         return out
 
     # -- conveniences ---------------------------------------------------------
@@ -525,11 +538,15 @@ class LLMEngine:
         return [acc[i] for i in ids]
 
     def stats(self) -> EngineStats:
-        """As of the end of the last step (safe to call from any thread)."""
+        """As of the end of the last step, waiting requests and tokens as of now (safe from any thread)."""
         st = self._stats
-        with self._pending_lock:  # waiting tokens as of now: inbox plus the scheduler's queue
-            pending, tokens = self._pending, self._pending_tokens + self.scheduler.waiting_tokens
-        return dataclasses.replace(st, waiting=st.waiting + pending, waiting_tokens=tokens)
+        # Waiting requests and tokens as of now: inbox plus the scheduler's queue, read under the lock a
+        # request holds while it moves from one to the other (_admit counts the same way). The step's
+        # snapshot of the queue would miss a request that left the inbox after it was taken.
+        with self._pending_lock:
+            waiting = self._pending + len(self.scheduler.waiting)
+            tokens = self._pending_tokens + self.scheduler.waiting_tokens
+        return dataclasses.replace(st, waiting=waiting, waiting_tokens=tokens)
 
     def pin_active(self, pin_id: str) -> bool:
         """Whether a pin still holds (it may have expired or given way to memory pressure)."""

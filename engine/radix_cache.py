@@ -17,7 +17,10 @@ Contracts:
 - ``evict(n)`` frees up to ``n`` pages from unlocked leaves, least recently used
   first, and returns how many it freed.
 - ``on_event(kind, hashes, parent)`` (contract 2) is called with ``"stored"`` when
-  pages are added and ``"removed"`` when they are evicted.
+  pages are added and ``"removed"`` when they are evicted. With ``event_tokens`` a
+  ``"stored"`` call also passes the stored blocks' token ids and the tree's cache salt,
+  ``on_event("stored", hashes, parent, tokens, salt)``: vLLM's event format carries the
+  tokens (``router/vllm_publisher.py``).
 - ``on_evict(hashes, pages)``, when set, is called with a leaf's block hashes and page ids
   just before ``evict`` returns its pages to the pool: the last moment their K/V can be
   copied out (the KV tiers, engine/kv_tier.py).
@@ -32,7 +35,7 @@ from typing import Callable, Sequence
 from engine.hashing import block_hashes
 from engine.kv_pool import PagePool
 
-EventCallback = Callable[[str, list[int], "int | None"], None]
+EventCallback = Callable[..., None]  # (kind, hashes, parent[, tokens, salt]): see the module docstring
 
 
 class Node:
@@ -55,8 +58,9 @@ class Node:
 
 class RadixCache:
     def __init__(self, pool: PagePool, page_size: int, seed_fn: Callable[[str], bytes],
-                 on_event: EventCallback | None = None) -> None:
+                 on_event: EventCallback | None = None, event_tokens: bool = False) -> None:
         self.pool = pool
+        self.event_tokens = event_tokens
         self.page_size = page_size
         self.seed_fn = seed_fn
         self.on_event = on_event
@@ -147,7 +151,9 @@ class RadixCache:
             leaf.last_access = now
             node.children[leaf.key[:P]] = leaf
             self.cached_pages += len(new_pages)
-            if self.on_event:
+            if self.on_event and self.event_tokens:
+                self.on_event("stored", hashes, node.last_hash, leaf.key, salt)
+            elif self.on_event:
                 self.on_event("stored", hashes, node.last_hash)
             node = leaf
         return node, dups

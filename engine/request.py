@@ -57,7 +57,16 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    # Phase timestamps (time.monotonic()): ``arrival`` when submitted, ``admitted_at`` at its first
+    # admission by the scheduler, ``first_token_time`` at its first sampled token, ``finished_at``
+    # when it finished (however: done, aborted, failed). The serving layer's tracing turns them into
+    # queue / prefill / decode spans once the request finished (agentrt/tracing.py).
+    admitted_at: float | None = None
     first_token_time: float | None = None
+    finished_at: float | None = None
+    # An opaque trace context from the serving layer (the OpenTelemetry context of its HTTP span),
+    # handed back with the request to ``LLMEngine.on_finished``; None when nothing traces it.
+    trace: object | None = None
 
     @property
     def all_ids(self) -> list[int]:

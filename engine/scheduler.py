@@ -308,8 +308,9 @@ class Scheduler:
                     continue
                 break
             self._unqueue(req)
-            if req.cached_tokens is None:
+            if req.cached_tokens is None:  # its first admission
                 req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
+                req.admitted_at = time.monotonic()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.requests.append(req)

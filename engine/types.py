@@ -137,6 +137,9 @@ class EngineStats:
     page_size: int
     waiting_tokens: int = 0        # KV demand queued for admission (see EngineConfig.max_waiting_tokens)
     waiting_tokens_limit: int = 0
+    # cached pages no running request or pin holds: the radix cache evicts them when a request needs
+    # room, so they count as free for utilisation (pages_used - pages_evictable cannot be reclaimed)
+    pages_evictable: int = 0
     # speculative decoding (EngineConfig.speculative): draft tokens proposed and verified, those of
     # them the model accepted, and the verifications (one per request per step that had a draft)
     spec_draft_tokens_total: int = 0

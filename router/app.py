@@ -6,9 +6,10 @@ request through ``RouterCore`` and streams it from a worker, and sessions in Red
 (``RedisSessionStore``), and tenants' concurrency and tokens per minute counted in Redis
 (``RedisTenantLimits``), so they hold across replicas. Everything it routes on comes from
 Redis, so any number of replicas run side by side and agree (contract 3).
-``GET /router/state`` shows this replica's view: live workers, their load and indexed
+Its ``/metrics`` carries agentrt's HTTP metrics and the router's own (``router/metrics.py``), not
+the workers' engine gauges. ``GET /router/state`` shows this replica's view: live workers, their load and indexed
 blocks, KV event counters, how many decisions each policy rule made, and the tenant leases
-it holds.
+it holds. ``GET /dashboard`` shows the fleet (``router/dashboard.py``'s ``RouterStatus``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
 
 
 def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
+    from agentrt.metrics import Metrics
     from agentrt.server import assemble_app
     from router.core import RouterCore
+    from router.dashboard import RouterStatus
+    from router.metrics import RouterCollector
     from router.model_info import load_router_model
     from router.redis_store import RedisSessionStore
     from router.remote import RemoteEngine
@@ -57,9 +61,12 @@ def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
     remote = RemoteEngine(core, model.max_model_len, vocab_size=model.tokenizer.vocab_size)
     store = RedisSessionStore(core.redis, rconfig, remote.worker_of)
     limits = RedisTenantLimits(core.redis, rconfig, retry_after_s=config.retry_after_s)
+    metrics = Metrics()
+    metrics.attach(RouterCollector(core, remote))
     app = assemble_app(config, remote, model, store, title="agentrt router",
-                       tenant_limits=limits)
+                       tenant_limits=limits, metrics=metrics, role="router")
     app.state.core = core
+    app.state.dashboard = RouterStatus(app.state, core)
     app.include_router(router_routes)
     app.add_exception_handler(RedisError, _redis_unavailable)
     inner = app.router.lifespan_context

@@ -17,7 +17,8 @@ from router.config import RouterConfig, WorkerSettings
 CONNECTION = ("redis_url", "key_prefix", "deployment", "heartbeat_ttl_s", "heartbeat_interval_s")
 WORKER_FIELDS = CONNECTION + ("events_maxlen",)
 ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_max_bytes", "tentative_ttl_s",
-                              "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options")
+                              "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options",
+                              "vllm_workers", "vllm_events_topic", "vllm_health_interval_s")
 
 
 def _serve(app, config: ServerConfig) -> None:
@@ -32,6 +33,20 @@ def _logging(config: ServerConfig) -> None:
 
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _tracing(config: ServerConfig, service: str) -> None:
+    """Tracing on when ``--otlp-endpoint`` is given (agentrt/tracing.py); ``service``: the default service.name."""
+    if config.otlp_endpoint:
+        from agentrt import tracing
+
+        tracing.setup(config.otlp_endpoint, config.otel_service_name, service)
+
+
+def _stop_tracing() -> None:
+    from agentrt import tracing
+
+    tracing.shutdown()  # the last spans go out
 
 
 # ------------------------------------------------------------ worker
@@ -54,7 +69,11 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"agentrt worker: {exc}", file=sys.stderr)
         return 2
     _logging(config)
-    serve_worker(create_worker_app(config, rconfig, settings), config)
+    _tracing(config, "agentrt-worker")
+    try:
+        serve_worker(create_worker_app(config, rconfig, settings), config)
+    finally:
+        _stop_tracing()
     return 0
 
 
@@ -81,7 +100,11 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"agentrt router: {exc}", file=sys.stderr)
         return 2
     _logging(config)
-    _serve(create_router_app(config, rconfig), config)
+    _tracing(config, "agentrt-router")
+    try:
+        _serve(create_router_app(config, rconfig), config)
+    finally:
+        _stop_tracing()
     return 0
 
 
@@ -95,7 +118,7 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router and workers listen on")
     parser.add_argument("--port", type=int, default=8000, help="router port (workers get free ports)")
     # Passed on to each worker (and the router) when given; unset, the children's environment and defaults apply.
-    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "log_level"))
+    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "log_level", "otlp_endpoint"))
     add_flags(parser, RouterConfig, ("policy",))
 
 
@@ -105,6 +128,12 @@ def run_up(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("agentrt up: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.otlp_endpoint is not None:  # checked here too: the children would each fail with it
+        try:
+            ServerConfig.from_sources({"otlp_endpoint": args.otlp_endpoint})
+        except ValueError as exc:
+            print(f"agentrt up: {exc}", file=sys.stderr)
+            return 2
     return LocalCluster(args).run()
 
 

@@ -3,14 +3,48 @@ with its default and description, its ``AGENTRT_<FIELD>`` environment variable a
 
 from __future__ import annotations
 
+import re
 import socket
-from typing import Annotated, Any, Self
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from agentrt.config import Flag, ServerConfig, Settings
 from engine.hashing import DEFAULT_BLOCK_SIZE
+from router.vllm_wire import zmq_endpoint
+
+
+@dataclass(frozen=True)
+class VllmWorkerSpec:
+    """A vLLM/SGLang-style worker a router follows by its KV events (``router/vllm_consumer.py``) and
+    reaches by its OpenAI endpoint (``router/openai_worker.py``): ``[ID=]URL,EVENTS[,REPLAY]``."""
+
+    worker_id: str
+    url: str                    # OpenAI base URL, without /v1
+    events: str                 # ZMQ endpoint of its PUB socket (tcp://...)
+    replay: str | None = None   # ZMQ endpoint of its replay ROUTER socket
+
+    @classmethod
+    def parse(cls, text: str) -> "VllmWorkerSpec":
+        form = "[ID=]URL,EVENTS[,REPLAY], e.g. gpu0=http://10.0.0.5:8000,zmq://10.0.0.5:5557,zmq://10.0.0.5:5558"
+        wid, sep, rest = text.strip().partition("=")
+        if not sep or "://" in wid:
+            wid, rest = "", text.strip()
+        parts = [p.strip() for p in rest.split(",")]
+        if not 2 <= len(parts) <= 3 or not all(parts):
+            raise ValueError(f"a vLLM worker is {form}; got {text!r}")
+        url = parts[0].rstrip("/").removesuffix("/v1")
+        split = urlsplit(url)
+        if split.scheme not in ("http", "https") or not split.hostname:
+            raise ValueError(f"a vLLM worker's URL must be http(s)://HOST[:PORT] (its OpenAI server); got {parts[0]!r}")
+        events, replay = zmq_endpoint(parts[1]), zmq_endpoint(parts[2]) if len(parts) == 3 else None
+        wid = wid or f"vllm-{split.hostname}-{split.port or (443 if split.scheme == 'https' else 80)}"
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", wid):
+            raise ValueError(f"a vLLM worker's id must be 1..128 letters, digits, '.', '_' or '-'; got {wid!r}")
+        return cls(wid, url, events, replay)
 
 
 class RouterConfig(Settings):
@@ -55,6 +89,13 @@ class RouterConfig(Settings):
     policy_options: Annotated[dict[str, int | float], NoDecode, Flag("--policy-option", "NAME=NUMBER")] = Field(
         {}, description="a keyword argument of the policy, e.g. tokens_per_queued_request=1024 (repeatable; "
         "default: the policy's own)")
+    vllm_workers: Annotated[tuple[VllmWorkerSpec, ...], NoDecode, Flag("--vllm-worker", "[ID=]URL,EVENTS[,REPLAY]")] = \
+        Field((), description="a worker of kind vllm (vLLM, SGLang, or agentrt worker --kv-events): its OpenAI "
+              "base URL, the ZMQ endpoint of its KV events and optionally of its replay socket; followed by its "
+              "events and reached by /v1/completions (repeatable; the variable separates workers with ';')")
+    vllm_events_topic: str = Field("", description="ZMQ topic of the vLLM-format KV events to follow ('': all)")
+    vllm_health_interval_s: float = Field(2.0, gt=0, description="seconds between health probes (GET /v1/models) "
+                                          "of each vLLM worker")
 
     @field_validator("redis_url")
     @classmethod
@@ -96,6 +137,20 @@ class RouterConfig(Settings):
                 raise ValueError(f"policy options are NAME=NUMBER, got {item!r}")
             options[name] = int(number) if number.is_integer() and "." not in text else number
         return options
+
+    @field_validator("vllm_workers", mode="before")
+    @classmethod
+    def _vllm_workers(cls, value: Any) -> Any:
+        """``[ID=]URL,EVENTS[,REPLAY]`` items (repeated flags, or ';'-separated in the environment)."""
+        if isinstance(value, str):
+            value = [item for item in value.split(";") if item.strip()]
+        if not isinstance(value, (list, tuple)):
+            return value
+        specs = [item if isinstance(item, VllmWorkerSpec) else VllmWorkerSpec.parse(str(item)) for item in value]
+        ids = [s.worker_id for s in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"vLLM worker ids must be unique, got {ids}")
+        return tuple(specs)
 
     @model_validator(mode="after")
     def _heartbeat(self) -> Self:
@@ -176,6 +231,27 @@ class WorkerSettings(Settings):
     worker_id: str | None = Field(None, min_length=1, description="id in Redis (default: <hostname>-<port>)")
     advertise_url: str | None = Field(None, min_length=1, description="URL routers use to reach this worker "
                                       "(default: http://<host>:<port>)")
+    kv_events: Annotated[str | None, Flag("--kv-events", "zmq://HOST:PORT")] = Field(
+        None, description="also publish KV events in vLLM's format on this ZMQ endpoint (bound; zmq://*:PORT for "
+        "every interface), for Dynamo, llm-d or an agentrt router's --vllm-worker")
+    kv_events_replay: Annotated[str | None, Flag("--kv-events-replay", "zmq://HOST:PORT")] = Field(
+        None, description="ZMQ endpoint of the replay socket for those events (needs --kv-events)")
+    kv_events_topic: str = Field("", description="ZMQ topic of those events")
+    kv_events_encoding: Literal["array", "map"] = Field(
+        "array", description="msgpack layout of those events: array (older vLLM, SGLang, llm-d) or map (events "
+        "as maps with 'type', newer vLLM)")
+    kv_events_buffer: int = Field(10_000, gt=0, description="event batches kept for replay")
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else zmq_endpoint(value)
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> Self:
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events (the replay socket serves those events)")
+        return self
 
     def resolve(self, config: ServerConfig) -> "WorkerSettings":
         """Both set: the defaults from ``config``'s listen address where unset."""

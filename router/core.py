@@ -9,7 +9,13 @@ replica dispatched and no worker has reported yet (``TentativeIndex``, short-TTL
 and asks the routing policy. ``dispatched`` records the new tentative entries; ``completed``
 shortens them (the worker's ``stored`` events are due) or, for a failed request, drops them.
 ``affinity`` (``AffinityMap``) keeps, in Redis, the worker of each conversation its client names
-by an affinity key; ``RemoteEngine`` reads and writes it.
+by an affinity key; ``RemoteEngine`` reads and writes it. ``decision_log`` (``router/decisions.py``)
+keeps the last decisions with their kind (prefix, load, affinity, failover) for the dashboard.
+
+Workers of kind vllm (``--vllm-worker``: vLLM, SGLang, or an agentrt worker publishing vLLM-format
+events) are not in Redis: ``vllm`` (``VllmWorkers``, ``router/openai_worker.py``) follows their KV
+events into the same index and probes their health; the live ones join ``workers`` at each refresh,
+and one that comes back has its entries refilled from what its follower knows.
 
 A dead worker (heartbeat expired, or a failed connection reported through ``mark_dead``)
 leaves the live set at once; its index entries are dropped. When it comes back it
@@ -35,6 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from engine.hashing import block_hashes, make_seed
 from router.affinity import AffinityMap
 from router.config import RouterConfig
+from router.decisions import DecisionLog
 from router.event_consumer import KVEventConsumer
 from router.index import PrefixIndex
 from router.inflight import InFlightTracker
@@ -76,6 +83,9 @@ class Route:
     request: RouteRequest
     decision: RouteDecision
     known_blocks: int = 0  # prompt blocks the real index (not tentative entries) says the worker holds
+    excluded: frozenset[str] = frozenset()  # workers an earlier attempt of this request failed on
+    cache_salt: str = ""
+    candidates: tuple[WorkerState, ...] = ()  # the workers the policy chose among, as it saw them
 
     @property
     def tentative_hashes(self) -> tuple[int, ...]:
@@ -99,11 +109,17 @@ class RouterCore:
         self.tentative = TentativeIndex(self.redis, config)
         self.affinity = AffinityMap(self.redis, config)
         self.consumer = KVEventConsumer(self.redis, config, self.index, on_blocks=self.tentative.confirmed)
+        self.vllm = None
+        if config.vllm_workers:
+            from router.openai_worker import VllmWorkers
+
+            self.vllm = VllmWorkers(config, model_id, self.index, on_blocks=self.tentative.confirmed)
         self.policy = make_policy(config.policy, **config.policy_options)
         self.inflight = InFlightTracker(decode_token_weight)
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
+        self.decision_log = DecisionLog()  # the last decisions and their kinds, for the dashboard
         self.tentative_routes = 0  # decisions where tentative entries lengthened the chosen worker's match
         self._seeds: dict[str, bytes] = {}
         self._task: asyncio.Task | None = None
@@ -115,9 +131,11 @@ class RouterCore:
 
     async def start(self) -> None:
         """Read the live workers and their snapshots, then follow events and registrations."""
+        if self.vllm is not None:
+            await self.vllm.start()
         try:
             await self.refresh(resync_joined=False)  # bootstrap loads every snapshot
-            await self.consumer.bootstrap(list(self.workers))
+            await self.consumer.bootstrap([w for w in self.workers if self.vllm is None or w not in self.vllm])
         except (aioredis.RedisError, OSError) as exc:
             log.warning("Redis unreachable at start (%s); the router retries in the background", exc)
         self.consumer.start()
@@ -129,6 +147,8 @@ class RouterCore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.consumer.stop()
+        if self.vllm is not None:
+            await self.vllm.stop()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.redis.aclose()
@@ -153,6 +173,13 @@ class RouterCore:
         # refresh would route to it again until the next one (and each failed request marks it again).
         for wid in [wid for wid in live if self._marked_dead.get(wid, -1.0) >= started]:
             del live[wid]
+        if self.vllm is not None:
+            for wid, info in self.vllm.live().items():
+                if wid in live:
+                    log.warning("worker id %s is both in Redis and a --vllm-worker; routing to the latter", wid)
+                live[wid] = info
+                if wid not in self.workers:  # (re)joined: its entries from what its events told us
+                    self.index.replace_worker(wid, self.vllm.held(wid))
         for wid in set(self.workers) - set(live):
             log.info("worker %s left (heartbeat expired or unregistered)", wid)
             self._forget(wid)
@@ -160,9 +187,10 @@ class RouterCore:
         for wid in wrong:
             log.warning("worker %s serves %r, this router %r: not routing to it", wid, live.pop(wid).model,
                         self.model_id)
-        joined = [wid for wid in live if not self.consumer.has_baseline(wid)]  # retried until a resync lands
+        joined = [wid for wid in live if not self.consumer.has_baseline(wid)  # retried until a resync lands
+                  and (self.vllm is None or wid not in self.vllm)]
         self.workers = live
-        self.loads = await self.registry.loads(list(live))
+        self.loads = await self.registry.loads([wid for wid in live if self.vllm is None or wid not in self.vllm])
         if resync_joined:
             for wid in joined:
                 await self.consumer.resync(wid)
@@ -179,6 +207,10 @@ class RouterCore:
         log.warning("worker %s unreachable: marked dead", worker_id)
         self._marked_dead[worker_id] = math.inf  # a refresh reading Redis meanwhile may still find it live
         self._forget(worker_id)
+        if self.vllm is not None and worker_id in self.vllm:  # not in Redis: live again once a probe succeeds
+            self.vllm.mark_dead(worker_id)
+            self._marked_dead[worker_id] = time.monotonic()
+            return
         try:
             await self.registry.mark_dead(worker_id)
         except (aioredis.RedisError, OSError) as exc:
@@ -228,7 +260,7 @@ class RouterCore:
         wid = decision.worker_id
         if matched.get(wid, 0) > known.get(wid, 0):
             self.tentative_routes += 1
-        return Route(self.workers[wid], req, decision, known.get(wid, 0))
+        return Route(self.workers[wid], req, decision, known.get(wid, 0), exclude, cache_salt, tuple(states))
 
     async def dispatched(self, route: Route) -> None:
         """The request goes to ``route.worker`` now: count it in flight and record its prompt as tentative
@@ -239,6 +271,10 @@ class RouterCore:
         self.inflight.dispatched(route.request.request_id, route.worker.worker_id, route.uncached_tokens,
                                  route.request.est_output_tokens)
         self.decisions[route.decision.reason] = self.decisions.get(route.decision.reason, 0) + 1
+        req = route.request
+        self.decision_log.record(req.request_id, req.session_id, len(req.hashes), route.worker.worker_id,
+                                 route.decision.cached_blocks, route.decision.reason, route.excluded,
+                                 route.cache_salt)
         await self.tentative.publish(route.worker.worker_id, route.tentative_hashes)
 
     def completed(self, route: Route, ok: bool = True) -> None:
@@ -273,4 +309,5 @@ class RouterCore:
                           "pages_used": l.pages_used,
                           "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None}}
                         for wid, w in sorted(self.workers.items())],
+            "vllm_workers": [] if self.vllm is None else self.vllm.state(),
         }

@@ -6,105 +6,215 @@ plain in-process state that any router replica rebuilds from the event stream an
 workers' snapshots (contract 3); it is not thread-safe, callers serialise access (the
 consumer applies events from one task and ``match`` runs on the same event loop).
 
+Layout, sized for a fleet (hundreds of workers, 10^5-10^6 cached blocks each; figures in
+docs/routing.md, "Scale"): worker ids are interned to small slots, and each block maps to
+one Python int used as a bitset of its holders' slots. A block held by one worker points
+at that worker's shared ``1 << slot`` object, so it costs one dict entry and its hash; a
+shared block costs one extra int for all its holders. ``match`` walks the prompt's block
+hashes ANDing masks: O(blocks in the prompt + workers that match), and a dict lookup and an
+int AND per block whatever the fleet size. Per worker a set of its hashes (the reverse map)
+makes ``removed``/``clear_worker``/``replace_worker`` cost O(that worker's blocks).
+A per-pair attribute (say the KV tier holding it) belongs in a side mapping beside
+``_by_worker``, so the common device-only case stays this compact.
+
 KV tiers (contract 2's optional ``medium``): a worker may hold a block on its device, in host
 memory or on disk below it (engine/kv_tier.py). Every medium counts as holding the block for
-``match``; a small separate map, ``_media``, keeps the media of the blocks a worker holds in a
-tier (a block absent from it is on the device only), so ``removed`` from one medium keeps the
-block while another still has it, and ``tier_blocks`` tells the cost model how much of a match
-must be loaded rather than being a device hit.
+``match``; the side map ``_media`` keeps the media of the blocks a worker holds in a tier (a
+block absent from it is on the device only), so ``removed`` from one medium keeps the block
+while another still has it, and ``tier_blocks`` tells the cost model how much of a match must
+be loaded rather than being a device hit. A device-only fleet never creates an entry in it.
+
+``ReferencePrefixIndex`` is the plain dict-of-sets version this one replaced; the tests
+drive both with the same random event sequences and compare every query.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+import heapq
+from typing import Iterable, Iterator, Mapping, Sequence
 
 _BIT = {"device": 1, "host": 2, "disk": 4}
 _ORDER = ("device", "host", "disk")   # best first
 
 
 class PrefixIndex:
-    """hash -> set of worker ids, plus the reverse map so a worker can be dropped in O(its blocks)."""
+    """hash -> bitset of worker slots, plus each worker's set of hashes (the reverse map)."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
-        self._by_worker: dict[str, set[int]] = {}
+        self._holders: dict[int, int] = {}        # block hash -> bitset of holder slots
+        self._slot: dict[str, int] = {}           # worker id -> slot
+        self._ids: list[str | None] = []          # slot -> worker id (None: free)
+        self._bits: list[int] = []                # slot -> 1 << slot, one shared object per slot
+        self._by_worker: list[set[int] | None] = []  # slot -> hashes the worker holds
+        self._free: list[int] = []                # free slots (heap: lowest reused first, masks stay narrow)
         self._media: dict[str, dict[int, int]] = {}  # worker -> hash -> bits of _BIT, for tier-held blocks
 
     def __len__(self) -> int:
         return len(self._holders)
 
+    # ------------------------------------------------------------ slots
+
+    def _slot_for(self, worker: str) -> int:
+        slot = self._slot.get(worker)
+        if slot is not None:
+            return slot
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self._ids[slot], self._by_worker[slot] = worker, set()
+        else:
+            slot = len(self._ids)
+            self._ids.append(worker)
+            self._bits.append(1 << slot)
+            self._by_worker.append(set())
+        self._slot[worker] = slot
+        return slot
+
+    def _names(self, mask: int, tmp: Sequence[str] = ()) -> Iterator[str]:
+        """Worker ids of the set bits of ``mask``; bits past the last slot name ``tmp[j]``."""
+        ids, n = self._ids, len(self._ids)
+        while mask:
+            low = mask & -mask
+            s = low.bit_length() - 1
+            yield ids[s] if s < n else tmp[s - n]  # type: ignore[misc]  # a set bit is a live slot
+            mask ^= low
+
+    # ------------------------------------------------------------ queries
+
     def workers(self) -> list[str]:
         """Workers with at least one indexed block."""
-        return [w for w, blocks in self._by_worker.items() if blocks]
+        return [w for w, s in self._slot.items() if self._by_worker[s]]
 
     def blocks_of(self, worker: str) -> int:
         """How many blocks ``worker`` is known to hold."""
-        return len(self._by_worker.get(worker, ()))
+        slot = self._slot.get(worker)
+        return 0 if slot is None else len(self._by_worker[slot])  # type: ignore[arg-type]
 
     def hashes_of(self, worker: str) -> frozenset[int]:
         """The blocks ``worker`` is known to hold."""
-        return frozenset(self._by_worker.get(worker, ()))
+        slot = self._slot.get(worker)
+        return frozenset() if slot is None else frozenset(self._by_worker[slot])  # type: ignore[arg-type]
 
     def holders(self, block_hash: int) -> frozenset[str]:
-        return frozenset(self._holders.get(block_hash, ()))
+        return frozenset(self._names(self._holders.get(block_hash, 0)))
+
+    # ------------------------------------------------------------ updates
 
     def stored(self, worker: str, hashes: Iterable[int], medium: str = "device") -> None:
         """``worker`` now holds every block in ``hashes`` (in ``medium``: device, host or disk)."""
-        mine = self._by_worker.setdefault(worker, set())
-        media = self._media.get(worker)
-        if medium != "device" or media:
-            media = self._media.setdefault(worker, {})
-            bit = _BIT[medium]
-            for h in hashes:
-                old = media.get(h)
-                if old is None:   # not tier-held: on the device if indexed at all
-                    old = _BIT["device"] if h in mine else 0
-                if old | bit != _BIT["device"]:
-                    media[h] = old | bit
-                else:
-                    media.pop(h, None)
-        for h in hashes:
-            self._holders.setdefault(h, set()).add(worker)
-            mine.add(h)
+        slot = self._slot_for(worker)
+        mine = self._by_worker[slot]
+        if medium != "device" or self._media.get(worker):
+            hashes = list(hashes)
+            self._media_stored(worker, mine, hashes, medium)  # type: ignore[arg-type]
+        new = set(hashes)
+        new -= mine  # type: ignore[operator]
+        if not new:
+            return
+        mine |= new  # type: ignore[operator]
+        bit, holders = self._bits[slot], self._holders
+        shared = holders.keys() & new  # iterates ``new``, probes the dict (C speed)
+        if shared:
+            for h in shared:
+                holders[h] |= bit
+            new -= shared
+        holders.update(dict.fromkeys(new, bit))
 
     def removed(self, worker: str, hashes: Iterable[int], medium: str = "device") -> None:
         """``worker`` no longer holds ``hashes`` in ``medium``; a block it still holds in another
         medium stays. Unknown hashes are ignored."""
-        mine = self._by_worker.get(worker)
-        if mine is None:
+        slot = self._slot.get(worker)
+        if slot is None:
             return
-        hashes = list(hashes)
         media = self._media.get(worker)
         if media:
-            bit, gone = _BIT[medium], []
-            for h in hashes:
-                old = media.get(h)
-                if old is None:
-                    if medium == "device":
-                        gone.append(h)
-                    continue
-                left = old & ~bit
-                if left == _BIT["device"]:
-                    del media[h]
-                elif left:
-                    media[h] = left
-                else:
-                    del media[h]
-                    gone.append(h)
-            hashes = gone
+            hashes = self._media_removed(media, hashes, medium)
         elif medium != "device":
             return
-        mine.difference_update(hashes)
-        self._unlink(worker, hashes)
+        mine = self._by_worker[slot]
+        gone = mine.intersection(hashes)  # type: ignore[union-attr]
+        if gone:
+            mine -= gone  # type: ignore[operator]
+            self._unlink(slot, gone)
 
     def clear_worker(self, worker: str) -> None:
         """Drop every entry of ``worker`` (a ``cleared`` event, death, or before a resync)."""
         self._media.pop(worker, None)
-        self._unlink(worker, self._by_worker.pop(worker, set()))
+        slot = self._slot.pop(worker, None)
+        if slot is None:
+            return
+        self._unlink(slot, self._by_worker[slot])  # type: ignore[arg-type]
+        self._ids[slot] = self._by_worker[slot] = None
+        heapq.heappush(self._free, slot)
+
+    def _unlink(self, slot: int, hashes: Iterable[int]) -> None:
+        holders, bits = self._holders, self._bits
+        bit = bits[slot]
+        for h in hashes:
+            m = holders[h]
+            if m is bit:
+                del holders[h]
+            else:
+                m ^= bit
+                if not m & (m - 1):  # one holder left: point at its shared bit object
+                    m = bits[m.bit_length() - 1]
+                holders[h] = m
+
+    def replace_worker(self, worker: str, hashes: Iterable[int]) -> None:
+        """Resynchronise ``worker`` from a snapshot: its entries become exactly ``hashes``.
+
+        Applied as a difference (blocks gone, blocks new), so a resync of a worker whose
+        snapshot mostly agrees with the index costs set operations, not a rebuild. The snapshot's
+        blocks are device blocks: tier media are forgotten (the caller stores a snapshot's tier sets
+        after it, ``router/event_consumer.py``)."""
+        self._media.pop(worker, None)
+        new = set(hashes)
+        slot = self._slot.get(worker)
+        if slot is not None:
+            mine = self._by_worker[slot]
+            gone = mine - new  # type: ignore[operator]
+            if gone:
+                mine -= gone  # type: ignore[operator]
+                self._unlink(slot, gone)
+        self.stored(worker, new)
+
+    # ------------------------------------------------------------ KV tiers (media)
+
+    def _media_stored(self, worker: str, mine: set[int], hashes: list[int], medium: str) -> None:
+        media = self._media.setdefault(worker, {})
+        bit = _BIT[medium]
+        for h in hashes:
+            old = media.get(h)
+            if old is None:  # not tier-held: on the device if indexed at all
+                old = _BIT["device"] if h in mine else 0
+            if old | bit != _BIT["device"]:
+                media[h] = old | bit
+            else:
+                media.pop(h, None)
+
+    @staticmethod
+    def _media_removed(media: dict[int, int], hashes: Iterable[int], medium: str) -> list[int]:
+        """Clears ``medium`` from ``hashes``' media; returns the blocks the worker now holds nowhere."""
+        bit, gone = _BIT[medium], []
+        for h in hashes:
+            old = media.get(h)
+            if old is None:  # device only
+                if medium == "device":
+                    gone.append(h)
+                continue
+            left = old & ~bit
+            if left == _BIT["device"]:
+                del media[h]
+            elif left:
+                media[h] = left
+            else:
+                del media[h]
+                gone.append(h)
+        return gone
 
     def medium_of(self, worker: str, block_hash: int) -> str | None:
         """The best medium ``worker`` holds the block in (device, then host, then disk), or None."""
-        if block_hash not in self._by_worker.get(worker, ()):
+        slot = self._slot.get(worker)
+        if slot is None or block_hash not in self._by_worker[slot]:  # type: ignore[operator]
             return None
         bits = self._media.get(worker, {}).get(block_hash, _BIT["device"])
         return next(m for m in _ORDER if bits & _BIT[m])
@@ -131,6 +241,104 @@ class PrefixIndex:
                 below["host" if bits & _BIT["host"] else "disk"] += 1
         return {"device": total - below["host"] - below["disk"], **below}
 
+    # ------------------------------------------------------------ matching
+
+    def match(self, hashes: Sequence[int], extra: Mapping[int, set[str]] | None = None) -> dict[str, int]:
+        """Longest cached prefix per worker: ``{worker: k}`` where the worker holds
+        ``hashes[0..k-1]`` (contiguous from block 0). Workers with ``k == 0`` are absent.
+        ``extra`` adds holders per block (tentative entries, ``router/tentative.py``)."""
+        if not hashes:
+            return {}
+        get = self._holders.get
+        extra_masks, tmp = self._extra_masks(hashes, extra) if extra else (None, [])
+        result: dict[str, int] = {}
+        alive = -1  # every slot
+        i = 0
+        for i, h in enumerate(hashes):
+            m = get(h, 0)
+            if extra_masks is not None:
+                m |= extra_masks.get(h, 0)
+            kept = alive & m
+            if kept != alive:
+                if i:  # the workers whose bit just dropped hold exactly hashes[0..i-1]
+                    for w in self._names(alive ^ kept, tmp):
+                        result[w] = i
+                alive = kept
+                if not alive:
+                    return result
+        for w in self._names(alive, tmp):
+            result[w] = i + 1
+        return result
+
+    def _extra_masks(self, hashes: Sequence[int],
+                     extra: Mapping[int, set[str]]) -> tuple[dict[int, int], list[str]]:
+        """``extra`` as bitsets over the prompt's blocks; workers the index has no slot for get
+        bits past the last slot, for this call only (returned in bit order)."""
+        tmp: dict[str, int] = {}
+        out: dict[int, int] = {}
+        slot_of, bits, n = self._slot, self._bits, len(self._ids)
+        for h in hashes:
+            names = extra.get(h)
+            if not names:
+                continue
+            m = 0
+            for w in names:
+                s = slot_of.get(w)
+                if s is not None:
+                    m |= bits[s]
+                else:
+                    b = tmp.get(w)
+                    if b is None:
+                        b = tmp[w] = 1 << (n + len(tmp))
+                    m |= b
+            out[h] = m
+        return out, list(tmp)
+
+
+class ReferencePrefixIndex:
+    """The plain reference: hash -> set of worker ids, plus the reverse map. Same methods and
+    semantics as ``PrefixIndex`` for device events (it keeps no media); kept as the oracle its
+    tests compare against."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}
+        self._by_worker: dict[str, set[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def workers(self) -> list[str]:
+        return [w for w, blocks in self._by_worker.items() if blocks]
+
+    def blocks_of(self, worker: str) -> int:
+        return len(self._by_worker.get(worker, ()))
+
+    def hashes_of(self, worker: str) -> frozenset[int]:
+        return frozenset(self._by_worker.get(worker, ()))
+
+    def holders(self, block_hash: int) -> frozenset[str]:
+        return frozenset(self._holders.get(block_hash, ()))
+
+    def stored(self, worker: str, hashes: Iterable[int], medium: str = "device") -> None:
+        # (no media here: a block in any medium counts as held, as in ``PrefixIndex.match``)
+        mine = self._by_worker.setdefault(worker, set())
+        for h in hashes:
+            self._holders.setdefault(h, set()).add(worker)
+            mine.add(h)
+
+    def removed(self, worker: str, hashes: Iterable[int], medium: str = "device") -> None:
+        if medium != "device":  # device-only reference: a tier copy leaving changes nothing it tracks
+            return
+        mine = self._by_worker.get(worker)
+        if mine is None:
+            return
+        hashes = list(hashes)
+        mine.difference_update(hashes)
+        self._unlink(worker, hashes)
+
+    def clear_worker(self, worker: str) -> None:
+        self._unlink(worker, self._by_worker.pop(worker, set()))
+
     def _unlink(self, worker: str, hashes: Iterable[int]) -> None:
         for h in hashes:
             holders = self._holders.get(h)
@@ -140,14 +348,10 @@ class PrefixIndex:
                     del self._holders[h]
 
     def replace_worker(self, worker: str, hashes: Iterable[int]) -> None:
-        """Resynchronise ``worker`` from a snapshot: its entries become exactly ``hashes``."""
         self.clear_worker(worker)
         self.stored(worker, hashes)
 
     def match(self, hashes: Sequence[int], extra: Mapping[int, set[str]] | None = None) -> dict[str, int]:
-        """Longest cached prefix per worker: ``{worker: k}`` where the worker holds
-        ``hashes[0..k-1]`` (contiguous from block 0). Workers with ``k == 0`` are absent.
-        ``extra`` adds holders per block (tentative entries, ``router/tentative.py``)."""
         result: dict[str, int] = {}
         alive: set[str] | None = None
         for i, h in enumerate(hashes):

@@ -27,7 +27,8 @@ class LocalCluster:
     def _common(self) -> list[str]:
         a, out = self.args, []
         for flag, value in (("--model", a.model), ("--kv-cache-tokens", a.kv_cache_tokens),
-                            ("--device", a.device), ("--dtype", a.dtype), ("--log-level", a.log_level)):
+                            ("--device", a.device), ("--dtype", a.dtype), ("--log-level", a.log_level),
+                            ("--otlp-endpoint", a.otlp_endpoint)):
             if value is not None:
                 out += [flag, str(value)]
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -46,8 +47,7 @@ class RouteRequest:
             raise ValueError("num_tokens and est_output_tokens must be >= 0")
 
 
-@dataclass(frozen=True)
-class WorkerState:
+class WorkerState(NamedTuple):
     """One live worker as the policy sees it at decision time.
 
     ``cached_blocks``: the longest prefix of ``request.hashes`` the prefix index says the
@@ -57,6 +57,9 @@ class WorkerState:
     the work they still represent, in prefill-token equivalents (see ``InFlightTracker``).
     ``host_blocks``/``disk_blocks``: of the ``cached_blocks``, those the worker holds only in a KV
     tier below its device pool (contract 2's ``medium``): a hit that costs a load, not a recompute.
+
+    A ``NamedTuple`` rather than a frozen dataclass: the router builds one per live worker for every
+    decision, and a tuple is built three times faster (immutable all the same; docs/routing.md "Scale").
     """
 
     worker_id: str

@@ -14,8 +14,18 @@ conversation by an affinity key) has its last worker looked up in the ``Affinity
 (``router/affinity.py``, in Redis) before routing, and the worker each attempt goes to is
 recorded there, so every replica keeps the conversation on one worker while the policy allows.
 
+Workers of kind vllm (``--vllm-worker``, ``router/openai_worker.py``) get the same routing decision
+from the same index, and the request as ``/v1/completions`` with the token ids as its prompt; what
+they cannot run as agentrt workers do (a grammar constraint, logprobs, a pin) goes to agentrt
+workers only.
+
 Placement: ``submit`` returns a ``RemoteStream``, whose ``placed()`` waits for the worker's first
 output and names the worker (the router's responses carry it in ``x-agentrt-worker``).
+
+Tracing (``agentrt/tracing.py``): a traced request's context comes in ``submit(trace=)``; each routing
+decision is set on that span (``agentrt.route.*``: worker, reason, policy, matched prefix, candidates)
+and recorded as an ``agentrt.route`` event (a failover makes several), and the worker gets the
+context as a W3C ``traceparent`` header, so its span is the child of the router's.
 
 Failover: if the connection to the chosen worker fails, the worker sends no response
 headers within ``header_timeout_s`` (hung), or it answers 503 ``worker_draining``, before the
@@ -40,8 +50,10 @@ import httpx
 from engine.client import SessionHint, StructuredOutput, check_request
 from engine.types import EngineStats, RequestOutput, SamplingParams
 
+from agentrt import tracing
 from agentrt.errors import APIError
 from router.core import Route, RouterCore
+from router.openai_worker import CompletionStreamError, completion_body, stream_completion
 from router.policy import NoWorkerAvailable
 from router.worker_api import output_from_wire, sampling_to_wire, structured_to_wire
 
@@ -130,26 +142,35 @@ class RemoteEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                constraint: StructuredOutput | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None) -> RemoteStream:
-        """Check now (``InvalidRequest``), route and stream when iterated (or placed)."""
+               session: SessionHint | None = None, trace: Any = None) -> RemoteStream:
+        """Check now (``InvalidRequest``), route and stream when iterated (or placed). ``trace``: the
+        request's trace context (``agentrt.tracing``), annotated with the routing and sent on."""
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
                 "constraint": None if constraint is None else structured_to_wire(constraint),
                 "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
         stream = RemoteStream()
-        stream._attach(self._stream(stream, body, prompt, params.max_tokens, session, cache_salt))
+        # What only agentrt workers run: their own grammar, logprobs by token id (vllm-kind workers get neither)
+        agentrt_only = constraint is not None or params.logprobs is not None
+        stream._attach(self._stream(stream, body, prompt, params, session, cache_salt, agentrt_only, trace))
         return stream
 
-    async def _stream(self, stream: RemoteStream, body: dict, prompt: list[int], est_output: int,
-                      session: SessionHint | None, cache_salt: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, stream: RemoteStream, body: dict, prompt: list[int], params: SamplingParams,
+                      session: SessionHint | None, cache_salt: str,
+                      agentrt_only: bool = False, trace: Any = None) -> AsyncIterator[RequestOutput]:
         request_id = body["request_id"]
+        est_output = params.max_tokens
         failed: set[str] = set()
         remembered = session is not None and session.remember and self.core.affinity.enabled
         if remembered and session.last_worker is None:
             session = dataclasses.replace(session, last_worker=await self.core.affinity.worker_of(session.session_id))
-        for _ in range(self.max_attempts):
-            route = await self._route(request_id, prompt, est_output, session, failed, cache_salt)
+        for attempt in range(1, self.max_attempts + 1):
+            route = await self._route(request_id, prompt, est_output, session, failed, cache_salt, agentrt_only)
             await self.core.dispatched(route)
+            if trace is not None:
+                decision = route_attributes(route, self.core.policy.name, attempt)
+                tracing.annotate(trace, decision)
+                tracing.add_event(trace, "agentrt.route", decision)
             stream.worker = route.worker.worker_id
             self._remember(request_id, route.worker.worker_id)
             produced = completed = False
@@ -157,7 +178,9 @@ class RemoteEngine:
                 if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
                     await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
                     session = dataclasses.replace(session, last_worker=route.worker.worker_id)
-                async for out in self._send(route, body):
+                sent = self._send_openai(route, body, params, trace) if self._is_vllm(route.worker.worker_id) else \
+                    self._send(route, body, trace)
+                async for out in sent:
                     produced = True
                     if out.finished:  # accounted now: a consumer need not iterate past the last output
                         completed = True
@@ -170,34 +193,47 @@ class RemoteEngine:
                                         "retry the request", type="server_error") from None
                 failed.add(route.worker.worker_id)
                 self.failovers += 1
+                tracing.add_event(trace, "agentrt.failover", {"agentrt.route.worker": route.worker.worker_id,
+                                                              "error.type": type(exc).__name__})
                 await self.core.mark_dead(route.worker.worker_id)
             finally:
                 if not completed:
                     self.core.completed(route, ok=False)
         raise APIError(503, f"{len(failed)} workers failed for this request; giving up", type="server_error")
 
+    def _is_vllm(self, worker_id: str) -> bool:
+        return self.core.vllm is not None and worker_id in self.core.vllm
+
     async def _route(self, request_id: str, prompt: list[int], est_output: int, session: SessionHint | None,
-                     failed: set[str], cache_salt: str) -> Route:
+                     failed: set[str], cache_salt: str, agentrt_only: bool = False) -> Route:
         """The worker for this attempt. With no live worker, a first attempt waits up to
         ``no_worker_wait_s`` for one to register (the router re-reads the registry every
-        ``refresh_interval_s``) before 503 ``no_worker_available``; a retry after a worker failed does not."""
+        ``refresh_interval_s``) before 503 ``no_worker_available``; a retry after a worker failed does not.
+        ``agentrt_only``: not to a vllm-kind worker (a grammar constraint or logprobs)."""
         deadline = time.monotonic() + (0.0 if failed else self.no_worker_wait_s)
+        exclude = frozenset(failed)
+        if agentrt_only and self.core.vllm is not None:
+            exclude |= frozenset(self.core.vllm.states)
         while True:
             try:
-                return await self.core.choose(request_id, prompt, est_output, exclude=frozenset(failed),
+                return await self.core.choose(request_id, prompt, est_output, exclude=exclude,
                                               cache_salt=cache_salt, session_id=session.session_id if session else None,
                                               last_worker=session.last_worker if session else None)
             except NoWorkerAvailable as exc:
                 if time.monotonic() >= deadline:
-                    raise APIError(503, str(exc), type="server_error", code="no_worker_available") from None
+                    why = str(exc)
+                    if agentrt_only and self.core.vllm is not None:
+                        why += ("; tools, response_format and logprobs run on agentrt workers only, not on the "
+                                "vLLM-kind workers (--vllm-worker)")
+                    raise APIError(503, why, type="server_error", code="no_worker_available") from None
             await asyncio.sleep(0.05)
 
-    async def _send(self, route: Route, body: dict) -> AsyncIterator[RequestOutput]:
+    async def _send(self, route: Route, body: dict, trace: Any = None) -> AsyncIterator[RequestOutput]:
         url = route.worker.url + "/internal/generate"
         wid = route.worker.worker_id
+        request = self.http.build_request("POST", url, json=body, headers=tracing.inject(trace))
         try:
-            resp = await asyncio.wait_for(self.http.send(self.http.build_request("POST", url, json=body), stream=True),
-                                          self.header_timeout_s)
+            resp = await asyncio.wait_for(self.http.send(request, stream=True), self.header_timeout_s)
         except asyncio.TimeoutError:
             raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
         async with contextlib.aclosing(resp):
@@ -217,6 +253,30 @@ class RemoteEngine:
                 if out.finished:
                     return
         raise httpx.RemoteProtocolError(f"worker {route.worker.worker_id} ended the stream before the reply finished")
+
+    async def _send_openai(self, route: Route, body: dict, params: SamplingParams,
+                           trace: Any = None) -> AsyncIterator[RequestOutput]:
+        """The request to a vllm-kind worker's ``/v1/completions`` (``router/openai_worker.py``)."""
+        wid = route.worker.worker_id
+        model = self.core.vllm.states[wid].served_model or self.core.model_id
+        request = completion_body(model, body["prompt_token_ids"], params, body["cache_salt"])
+        try:
+            resp = await asyncio.wait_for(self.http.send(self.http.build_request(
+                "POST", route.worker.url + "/v1/completions", json=request, headers=tracing.inject(trace)),
+                stream=True), self.header_timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
+        async with contextlib.aclosing(resp):
+            if resp.status_code != 200:
+                error = await _worker_error(resp, wid)
+                if error.code == "worker_draining" or resp.status_code == 503:
+                    raise WorkerUnavailable(f"worker {wid} answered 503")
+                raise error
+            try:
+                async for out in stream_completion(resp, body["request_id"], len(body["prompt_token_ids"])):
+                    yield out
+            except CompletionStreamError as exc:
+                raise APIError(502, f"worker {wid}: {exc}", type="server_error") from None
 
     def _remember(self, request_id: str, worker_id: str) -> None:
         self._ran_on[request_id] = worker_id
@@ -239,6 +299,8 @@ class RemoteEngine:
 
     def _to_worker_of(self, pin_id: str, path: str, body: dict, worker_id: str | None = None) -> None:
         wid = worker_id or self.worker_of(pin_id)
+        if wid is not None and self._is_vllm(wid):  # vllm-kind workers hold no pins; their caches evict by LRU
+            return
         worker = self.core.workers.get(wid or "")
         if worker is None:
             if wid is not None:
@@ -257,7 +319,7 @@ class RemoteEngine:
     # ------------------------------------------------------------ the rest of the EngineClient
 
     def stats(self) -> EngineStats:
-        """The live workers' last load reports, summed (for /metrics)."""
+        """The live workers' last load reports, summed (per worker they are in /metrics: router/metrics.py)."""
         loads = [self.core.loads[w] for w in self.core.workers if w in self.core.loads]
         used = sum(l.pages_used for l in loads)
         free = sum(l.pages_free for l in loads)
@@ -276,6 +338,22 @@ class RemoteEngine:
         while len(self.core.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.http.aclose()
+
+
+def route_attributes(route: Route, policy: str, attempt: int) -> dict[str, Any]:
+    """A routing decision as span attributes: the chosen worker, why (the policy's rule), the prompt
+    tokens it is believed to hold (index and tentative entries), and every candidate as the policy saw
+    it (parallel lists: id, cached blocks, queued requests)."""
+    request, decision = route.request, route.decision
+    return {"agentrt.route.worker": route.worker.worker_id, "agentrt.route.reason": decision.reason,
+            "agentrt.route.policy": policy, "agentrt.route.attempt": attempt,
+            "agentrt.route.prompt_tokens": request.num_tokens,
+            "agentrt.route.cached_blocks": decision.cached_blocks,
+            "agentrt.route.matched_tokens": min(decision.cached_blocks * request.block_size, request.num_tokens),
+            "agentrt.route.session_id": request.session_id, "agentrt.route.last_worker": request.last_worker,
+            "agentrt.route.candidates": [w.worker_id for w in route.candidates],
+            "agentrt.route.candidate_cached_blocks": [w.cached_blocks for w in route.candidates],
+            "agentrt.route.candidate_queue": [w.queue for w in route.candidates]}
 
 
 async def _worker_error(resp: httpx.Response, worker_id: str) -> APIError:

@@ -9,7 +9,9 @@ whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
   every cached block, so routers rebuild this worker's index entries.
 * the internal endpoints a router uses (``router/worker_api.py``): generate from token ids,
   pin/unpin, the cache snapshot;
-* the endpoints SGLang's router expects of a worker (``router/sglang_api.py``).
+* the endpoints SGLang's router expects of a worker (``router/sglang_api.py``);
+* with ``--kv-events zmq://...``, the same KV events in vLLM's wire format on ZMQ
+  (``router/vllm_publisher.py``), for Dynamo, llm-d or an agentrt router's ``--vllm-worker``.
 
 Draining (SIGTERM, ``serve_worker``): the worker stops heartbeating and unregisters at once
 (routers drop it at their next refresh), answers new generate requests with 503
@@ -45,11 +47,12 @@ class WorkerRuntime:
     """Registration, heartbeat and KV events of one worker process (``settings`` resolved: id and URL set)."""
 
     def __init__(self, rconfig: RouterConfig, settings: WorkerSettings, llm: Any,
-                 publisher: KVEventPublisher) -> None:
+                 publisher: KVEventPublisher, zmq_publisher: Any = None) -> None:
         self.config = rconfig
         self.settings = settings
         self.llm = llm
         self.publisher = publisher
+        self.zmq_publisher = zmq_publisher  # router/vllm_publisher.py (--kv-events), or None
         self._redis = redis_client(rconfig.redis_url)
         self.registry = WorkerRegistry(self._redis, rconfig)
         self._task: asyncio.Task | None = None
@@ -69,6 +72,8 @@ class WorkerRuntime:
     async def start(self) -> None:
         self.publisher.start()  # announces `cleared`: a returning worker's stale entries vanish
         await self._publish_tiers()  # a kept disk tier's pages (kv_disk_keep) are there from the start
+        if self.zmq_publisher is not None:
+            self.zmq_publisher.start()  # AllBlocksCleared at seq 0, the same for vLLM-format consumers
         await self.registry.register(self.info)
         await self.registry.heartbeat(self.settings.worker_id, self.load())
         self._task = asyncio.create_task(self._beat_forever(), name="worker-heartbeat")
@@ -154,6 +159,8 @@ class WorkerRuntime:
         except (aioredis.RedisError, OSError) as exc:
             log.warning("could not unregister %s: %s", self.settings.worker_id, exc)
         await asyncio.to_thread(self.publisher.close)
+        if self.zmq_publisher is not None:
+            await asyncio.to_thread(self.zmq_publisher.close)
         await self._redis.aclose()
 
 
@@ -168,12 +175,28 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
 
     settings = settings.resolve(config)
     publisher = KVEventPublisher(rconfig, settings.worker_id)
-    llm = LLMEngine(config.engine_config(), on_kv_event=publisher.publish)
+    zmq_publisher = None
+    on_kv_event = publisher.publish
+    if settings.kv_events is not None:  # vLLM's format too, from the same hook: both see the same events
+        from router.vllm_publisher import ZmqKVEventPublisher
+
+        engine_config = config.engine_config()
+        zmq_publisher = ZmqKVEventPublisher(settings.kv_events, engine_config.page_size, settings.kv_events_replay,
+                                            settings.kv_events_topic, settings.kv_events_encoding,
+                                            settings.kv_events_buffer)
+
+        def on_kv_event(kind: str, hashes: list[int], parent: int | None, tokens: Any = None, salt: str = "",
+                        medium: str = "device") -> None:
+            publisher.publish(kind, hashes, parent, medium=medium)
+            if medium == "device":  # vLLM-format consumers follow the device pool only (its events carry tokens)
+                zmq_publisher.publish(kind, hashes, parent, tokens, salt)
+
+    llm = LLMEngine(config.engine_config(), on_kv_event=on_kv_event, kv_event_tokens=zmq_publisher is not None)
     if llm.config.page_size != rconfig.block_size:
         raise ValueError(f"the engine's page size {llm.config.page_size} must equal the deployment's block "
                          f"size {rconfig.block_size} (contract 1)")
-    app = create_app(config, engine=llm)
-    runtime = WorkerRuntime(rconfig, settings, llm, publisher)
+    app = create_app(config, engine=llm, role="worker")
+    runtime = WorkerRuntime(rconfig, settings, llm, publisher, zmq_publisher)
     app.state.llm = llm
     app.state.worker = runtime
     app.include_router(worker_routes)

@@ -2,13 +2,16 @@
 
 * ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
   constraint *options* (the worker builds the grammar: a constraint object does not travel),
-  a pin TTL. Errors found before generation starts are ordinary JSON errors (400, 429,
-  503); otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
+  a pin TTL; a traced request's W3C ``traceparent`` header (its span continues the router's
+  trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
+  otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
 * ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
   pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
   it holds.
 * ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
+* ``GET /internal/status``: the worker's block of the dashboard's status (``agentrt.dashboard.engine_worker``:
+  load, KV use per tier, cached blocks, prompt and cached token totals), read by routers' dashboards.
 
 Routes are open like ``/health``: workers sit on a private network behind routers, which
 hold the API keys (docs/deploy.md).
@@ -28,6 +31,8 @@ from starlette.background import BackgroundTask
 from engine.client import StructuredOutput
 from engine.types import RequestOutput, SamplingParams, TokenLogprob
 
+from agentrt import tracing
+from agentrt.dashboard import engine_worker
 from agentrt.errors import bad_request, draining
 from router.events import cache_snapshot
 
@@ -124,6 +129,7 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     outputs streamed as they come."""
     state = request.app.state
     gen = state.generator
+    tracing.annotate(tracing.current(), {"agentrt.worker.id": state.worker.settings.worker_id})
     if state.stopping:  # draining or shutting down: the router sends this request elsewhere
         raise draining(gen.config.retry_after_s)
     params = sampling_from_wire(body.sampling)
@@ -165,3 +171,14 @@ async def kv_snapshot(request: Request) -> JSONResponse:
     runtime = request.app.state.worker
     hashes, seq = await cache_snapshot(request.app.state.llm, runtime.publisher)
     return JSONResponse({"worker": runtime.settings.worker_id, "seq": seq, "hashes": hashes})
+
+
+@worker_routes.get("/internal/status")
+async def internal_status(request: Request) -> dict:
+    """This worker as a router's dashboard shows it (its state: ``up``, or ``draining`` once told to stop)."""
+    state = request.app.state
+    worker = engine_worker(state.worker.settings.worker_id,
+                           "draining" if state.stopping or state.generator.draining else "up",
+                           state.llm.stats(), state.worker.settings.advertise_url)
+    worker["load"]["in_flight"] = state.generator.in_flight
+    return worker

@@ -24,7 +24,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target and workload")
     g.add_argument("--target", default=None, help="OpenAI-compatible base URL (ours, a router or a peer)")
     g.add_argument("--preset", default="swe", choices=sorted(PRESETS), help="agentic workload preset")
-    g.add_argument("--sessions", type=int, default=8, help="sessions (trace: records) to run")
+    g.add_argument("--sessions", type=int, default=None,
+                   help="sessions (trace: records) to run (default: the preset's, sized for a few CPU minutes; trace: 8)")
     g.add_argument("--seed", type=int, default=0, help="seed of the generated workload (same seed, same text)")
     g.add_argument("--rates", type=_rates, default=(), metavar="A,B,C",
                    help="session arrivals/s to sweep (default: the preset's rate); reports the best that meets the SLO")
@@ -40,6 +41,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="model name to send (default: the target's first /v1/models)")
     g.add_argument("--api-key", default=None, help="API key sent to the server under test")
     g.add_argument("--tokenizer", default=None, help="GGUF whose tokenizer sizes the text (default model if unset)")
+    b = p.add_argument_group("bounding the run")
+    b.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="start no session or turn after S seconds; the figures cover the turns that completed")
+    b.add_argument("--grace", type=float, default=15.0, metavar="S",
+                   help="with --duration: cut turns still running at duration + S seconds (default 15)")
+    b.add_argument("--no-estimate", action="store_true",
+                   help="skip the probe request and the planned-volume/estimate lines printed at start")
     s = p.add_argument_group("figures")
     s.add_argument("--slo-ttft-s", type=float, default=2.0, help="SLO bound on time to first token")
     s.add_argument("--slo-tpot-s", type=float, default=0.25, help="SLO bound on time per output token")
@@ -52,7 +60,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     s.add_argument("--flush-url", action="append", default=[], help="POST <url>/flush_cache before each run")
     s.add_argument("--json", dest="json_out", default=None, help="write the result as JSON here")
     s.add_argument("--report", default=None, help="Markdown report (default: beside --json, .md); PNGs beside it")
-    s.add_argument("--no-progress", action="store_true", help="print no progress lines while it runs")
+    s.add_argument("--no-progress", action="store_true",
+                   help="draw no progress bar (bars go to stderr and only when it is a terminal)")
     a = p.add_argument_group("ablation (--ablate starts its own deployments; --target is not used)")
     a.add_argument("--ablate", action="store_true", help="run the component ladder on local deployments")
     a.add_argument("--ablate-workers", type=int, default=2, help="workers in each deployment")
@@ -74,7 +83,8 @@ def _options(args: argparse.Namespace):
         trace_time_scale=args.trace_time_scale, api=args.api, model=args.model, api_key=args.api_key,
         tokenizer=args.tokenizer, slo=SLO(args.slo_ttft_s, args.slo_tpot_s, args.slo_attainment),
         workers=args.workers, price_per_worker_hour=args.price_per_worker_hour, metrics_urls=metrics,
-        flush_urls=tuple(args.flush_url), session_pin_ttl_s=args.session_pin_ttl_s, progress=not args.no_progress)
+        flush_urls=tuple(args.flush_url), session_pin_ttl_s=args.session_pin_ttl_s, progress=not args.no_progress,
+        duration_s=args.duration, grace_s=args.grace, estimate=not args.no_estimate)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
         write_json(result, args.json_out)
     if md:
         write_report(result, md, command=command)
-    from agentrt.bench.report import run_table
+    from agentrt.bench.report import bounded_lines, run_table
 
-    print("\n".join(run_table(result["runs"])))
+    print("\n".join(run_table(result["runs"]) + bounded_lines(result["runs"])))
     if opts.rates:
         print(f"highest rate meeting the SLO: {result['best_rate']}")
     return 0

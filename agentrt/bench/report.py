@@ -25,8 +25,8 @@ def write_json(result: dict, path: str | Path) -> None:
 
 def run_table(runs: list[dict]) -> list[str]:
     rows = ["| rate (sessions/s) | calls ok/all | TTFT p50/p90/p99 s | TPOT p50/p90/p99 s | E2E p50/p99 s | "
-            "JCT p50/p99 s | out tok/s (per worker) | total tok/s | hit rate | goodput req/s | attainment | "
-            "$/M out | $/M total |", "|" + "---|" * 13]
+            "JCT p50/p99 s | out tok/s (per worker) | total tok/s | prompt tok (cached) | hit rate | goodput req/s | "
+            "attainment | worker-h/M out | $/M out | $/M total |", "|" + "---|" * 15]
     for r in runs:
         s = r["summary"]
         t, p, e, j = s["ttft_s"], s["tpot_s"], s["e2e_s"], s["jct_s"]
@@ -35,9 +35,26 @@ def run_table(runs: list[dict]) -> list[str]:
             f"| {fmt(r['rate'])} | {s['calls_ok']}/{s['calls']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | "
             f"{fmt(p['p50'])} / {fmt(p['p90'])} / {fmt(p['p99'])} | {fmt(e['p50'])} / {fmt(e['p99'])} | "
             f"{fmt(j['p50'])} / {fmt(j['p99'])} | {fmt(s['output_tok_s'])} ({fmt(s['output_tok_s_per_worker'])}) | "
-            f"{fmt(s['total_tok_s'])} | {fmt(s['hit_rate'])} | {fmt(s['goodput_rps'])} | {fmt(s['attainment'])} | "
+            f"{fmt(s['total_tok_s'])} | {fmt(s['prompt_tokens'])} ({fmt(s['cached_tokens'])}) | {fmt(s['hit_rate'])} | "
+            f"{fmt(s['goodput_rps'])} | {fmt(s['attainment'])} | {fmt(cost.get('worker_hours_per_million_output_tokens'))} | "
             f"{fmt(cost.get('per_million_output_tokens'))} | {fmt(cost.get('per_million_total_tokens'))} |")
     return rows
+
+
+def bounded_lines(runs: list[dict]) -> list[str]:
+    """One line per run bounded by ``--duration``: what ran, and that the figures cover only that."""
+    out = []
+    for r in runs:
+        b = r.get("bounded") or {}
+        if b.get("duration_s") is None:
+            continue
+        how = "stopped early" if b["stopped_early"] else "finished within it"
+        out.append(f"bounded run (rate {fmt(r['rate'])}): --duration {b['duration_s']:g} s (grace {b['grace_s']:g} s), "
+                   f"{how}: {b['sessions_started']}/{b['sessions_planned']} sessions started, "
+                   f"{b['sessions_completed']} completed; {b['turns_completed']}/{b['turns_planned']} turns completed, "
+                   f"{b['turns_cut']} cut at the hard limit, {b['turns_not_started']} not started"
+                   + ("; the figures cover the completed turns only" if b["stopped_early"] else ""))
+    return out
 
 
 def server_table(runs: list[dict]) -> list[str]:
@@ -69,6 +86,8 @@ def markdown(result: dict, title: str, plots: dict[str, str], command: str | Non
     if o.get("price_per_worker_hour") is not None:
         lines += [f"Cost at ${o['price_per_worker_hour']}/worker-hour x {o['workers']} workers.", ""]
     lines += run_table(result["runs"]) + [""]
+    if bounded_lines(result["runs"]):
+        lines += bounded_lines(result["runs"]) + [""]
     if result.get("best_rate") is not None or o.get("rates"):
         lines += [f"Highest rate meeting the SLO: {fmt(result.get('best_rate'))} sessions/s.", ""]
     lines += ["Server-side counters (deltas of `/metrics` over each run):", ""] + server_table(result["runs"]) + [""]
@@ -93,7 +112,8 @@ def plot(result: dict, stem: Path) -> dict[str, str]:
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of calls")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:  # a bounded run may have completed no call
+        axes[0].legend(fontsize=8)
     fig.tight_layout()
     out["latency CDFs"] = _save(fig, stem, "latency")
     if len(result["runs"]) > 1 and not any("label" in r for r in result["runs"]):
@@ -118,7 +138,8 @@ def plot(result: dict, stem: Path) -> dict[str, str]:
     ax.set_ylabel("prefix-cache hit rate")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     out["hit rate over time"] = _save(fig, stem, "hits")
     return out

@@ -1,4 +1,4 @@
-"""Drive planned sessions against a URL: open-loop arrivals, turns in order, a progress bar.
+"""Drive planned sessions against a URL: open-loop arrivals, turns in order, a progress bar, a bound.
 
 Every session starts at its planned arrival time (so load does not depend on how fast the
 server answers) and runs its calls one after another with the planned tool/think pause in
@@ -8,18 +8,25 @@ prompt and a seeded summary, as agents do when their context fills. In ``session
 server keeps it; compaction there closes the session and opens a new one that starts from
 the summary. A failed call ends its session (its later calls cannot be sent honestly) and
 is recorded with the error.
+
+A run can be bounded (``duration_s``): no session starts, and no session starts another turn,
+after ``duration_s``; turns already running finish, and those still running at ``duration_s +
+grace_s`` are cancelled (their stream closes, so the server aborts them). Cut turns are not in
+``calls``: the figures cover the completed turns only, and ``bounded`` says what ran against
+the plan (sessions started and completed, turns completed, cut and never started). The
+progress bar (tqdm, on stderr, only on a terminal) counts the planned calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from agentrt.bench.driver import CallFailed, ChatDriver, SessionDriver, auth_headers, served_model
+from agentrt.bench.progress import bar
 from agentrt.bench.workload import SessionPlan, WorkloadSpec
 
 
@@ -33,8 +40,14 @@ class RunOptions:
     session_pin_ttl_s: float | None = None  # sessions mode: pin TTL asked per session (None: server default)
     timeout_s: float = 900.0
     progress: bool = True
+    duration_s: float | None = None         # no session or turn starts after this many seconds
+    grace_s: float = 15.0                   # turns still running at duration_s + grace_s are cancelled
 
     def __post_init__(self) -> None:
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"--duration must be > 0 seconds, got {self.duration_s}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"--grace must be >= 0 seconds, got {self.grace_s}")
         if self.api not in ("chat", "sessions"):
             raise ValueError(f"api must be 'chat' or 'sessions', got {self.api!r}")
         if not self.target.startswith(("http://", "https://")):
@@ -47,46 +60,34 @@ class RunResult:
     sessions: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     model: str = ""
+    calls_failed: int = 0
+    turns_cut: int = 0                      # calls cancelled in flight at the hard limit (not in ``calls``)
+    bounded: dict = field(default_factory=dict)
 
 
-class Progress:
-    """``[####......] 12/40 calls, 1 failed, 35 s`` on stderr (redrawn in place on a terminal)."""
-
-    def __init__(self, total: int, enabled: bool, label: str = "bench") -> None:
-        self.total, self.enabled, self.label = total, enabled, label
-        self.done = self.failed = 0
-        self.start = time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self._last_decile = -1
-
-    def step(self, ok: bool) -> None:
-        self.done += 1
-        self.failed += 0 if ok else 1
-        if not self.enabled:
-            return
-        decile = 10 * self.done // max(self.total, 1)
-        if self.tty or decile != self._last_decile or self.done == self.total:
-            self._last_decile = decile
-            bar = "#" * (20 * self.done // max(self.total, 1))
-            line = (f"[{self.label}] [{bar:<20s}] {self.done}/{self.total} calls, {self.failed} failed, "
-                    f"{time.monotonic() - self.start:.0f} s")
-            sys.stderr.write(("\r" + line) if self.tty else line + "\n")
-            if self.tty and self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+def _stop_check(stop_at: float | None) -> bool:
+    return stop_at is not None and time.perf_counter() >= stop_at
 
 
 async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, tokenizer, http, client,
-                       model: str, t0: float, result: RunResult, progress: Progress) -> None:
-    await asyncio.sleep(max(0.0, t0 + plan.arrival_s - time.perf_counter()))
+                       model: str, t0: float, stop_at: float | None, result: RunResult, progress) -> None:
+    due = t0 + plan.arrival_s
+    if stop_at is not None and due >= stop_at:
+        return  # it arrives after --duration: never started, no record
+    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+    if _stop_check(stop_at):
+        return
     start = time.perf_counter() - t0
     system = [{"role": "system", "content": plan.system}] if plan.system is not None else []
     history: list[dict] = []
     chat = ChatDriver(http, opts.target, model, tokenizer, opts.temperature)
     sess = SessionDriver(client, plan.system, model, opts.temperature, opts.session_pin_ttl_s) if client else None
-    context_tokens, ok, done = 0, True, 0
+    context_tokens, ok, done, stopped, cut, in_call = 0, True, 0, False, False, False
     try:
         for t, turn in enumerate(plan.turns):
+            if _stop_check(stop_at):
+                stopped = True  # no new turn after --duration
+                break
             text = turn.text
             if spec.compact_at_tokens is not None and context_tokens > spec.compact_at_tokens:
                 summary = plan.summary(tokenizer, t, spec.compact_to_tokens)
@@ -94,6 +95,7 @@ async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, 
                 if sess is not None:
                     await sess.close()
             called = time.perf_counter() - t0
+            in_call = True
             try:
                 if sess is not None:
                     r = await sess.call(text, turn.max_tokens)
@@ -103,9 +105,12 @@ async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, 
             except CallFailed as exc:
                 result.calls.append({"session": plan.index, "turn": t, "agent": plan.agent, "start_s": called,
                                      "end_s": time.perf_counter() - t0, "ok": False, "error": str(exc)})
-                progress.step(False)
+                progress.update(len(plan.turns) - t)  # this call and the ones never sent after it
+                result.calls_failed += 1
+                progress.set_postfix(failed=result.calls_failed, refresh=False)
                 ok = False
                 break
+            in_call = False
             history.append({"role": "assistant", "content": r.reply})
             context_tokens = (r.prompt_tokens or 0) + r.completion_tokens
             result.calls.append({"session": plan.index, "turn": t, "agent": plan.agent, "start_s": called,
@@ -113,19 +118,40 @@ async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, 
                                  "tpot_s": r.tpot_s, "prompt_tokens": r.prompt_tokens,
                                  "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
                                  "max_tokens": turn.max_tokens})
-            progress.step(True)
+            progress.update(1)
             done += 1
             if t + 1 < len(plan.turns) and turn.think_s > 0:
-                await asyncio.sleep(turn.think_s)
+                pause = turn.think_s if stop_at is None else min(turn.think_s, stop_at - time.perf_counter())
+                await asyncio.sleep(max(0.0, pause))
+    except asyncio.CancelledError:
+        cut = True  # past the hard limit: a running turn is dropped, the session keeps what completed
+        result.turns_cut += 1 if in_call else 0
+        raise
     finally:
         if sess is not None:
-            await sess.close()
-    for _ in range(len(plan.turns) - done - (0 if ok else 1)):
-        progress.step(False)  # calls never sent after a failure count as failed
-    end = time.perf_counter() - t0
-    result.sessions.append({"session": plan.index, "agent": plan.agent, "arrival_s": plan.arrival_s,
-                            "start_s": start, "end_s": end, "jct_s": end - start, "calls": done,
-                            "planned_calls": len(plan.turns), "ok": ok})
+            try:
+                await asyncio.wait_for(sess.close(), timeout=10.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass  # the run's figures do not depend on deleting the session
+        end = time.perf_counter() - t0
+        result.sessions.append({"session": plan.index, "agent": plan.agent, "arrival_s": plan.arrival_s,
+                                "start_s": start, "end_s": end, "jct_s": end - start, "calls": done,
+                                "planned_calls": len(plan.turns), "ok": ok and done == len(plan.turns),
+                                "stopped": stopped, "cut": cut})
+
+
+def bounded_record(plans: list[SessionPlan], result: RunResult, opts: RunOptions) -> dict:
+    """What a run covered against its plan; ``stopped_early`` when any planned turn did not run."""
+    completed = sum(1 for c in result.calls if c["ok"])
+    failed = sum(1 for c in result.calls if not c["ok"])
+    planned = sum(p.n_calls for p in plans)
+    return {"duration_s": opts.duration_s, "grace_s": opts.grace_s if opts.duration_s is not None else None,
+            "stopped_early": opts.duration_s is not None and (
+                len(result.sessions) < len(plans) or any(s["stopped"] or s["cut"] for s in result.sessions)),
+            "sessions_planned": len(plans), "sessions_started": len(result.sessions),
+            "sessions_completed": sum(1 for s in result.sessions if s["ok"]),
+            "turns_planned": planned, "turns_completed": completed, "turns_failed": failed,
+            "turns_cut": result.turns_cut, "turns_not_started": planned - completed - failed - result.turns_cut}
 
 
 async def run_plans_async(plans: list[SessionPlan], spec: WorkloadSpec, opts: RunOptions, tokenizer,
@@ -140,17 +166,29 @@ async def run_plans_async(plans: list[SessionPlan], spec: WorkloadSpec, opts: Ru
 
             client = AsyncClient(opts.target, api_key=opts.api_key, timeout=opts.timeout_s)
         result = RunResult(model=model)
-        progress = Progress(sum(p.n_calls for p in plans), opts.progress, label)
         t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(_run_session(p, spec, opts, tokenizer, http, client, model, t0, result, progress)
-                                   for p in plans))
-        finally:
-            if client is not None:
-                await client.close()
+        stop_at = t0 + opts.duration_s if opts.duration_s is not None else None
+        with bar(sum(p.n_calls for p in plans), label, unit="call", enabled=opts.progress) as progress:
+            tasks = [asyncio.create_task(_run_session(p, spec, opts, tokenizer, http, client, model, t0, stop_at,
+                                                      result, progress)) for p in plans]
+            try:
+                hard = None if stop_at is None else stop_at + opts.grace_s - time.perf_counter()
+                _, pending = await asyncio.wait(tasks, timeout=None if hard is None else max(0.0, hard))
+                for task in pending:
+                    task.cancel()
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                        raise outcome
+            finally:
+                for task in tasks:
+                    task.cancel()
+                if client is not None:
+                    await client.close()
         result.wall_s = time.perf_counter() - t0
     result.calls.sort(key=lambda c: (c["start_s"], c["session"], c["turn"]))
     result.sessions.sort(key=lambda s: s["session"])
+    result.bounded = bounded_record(plans, result, opts)
     return result
 
 

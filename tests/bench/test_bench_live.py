@@ -26,7 +26,7 @@ def test_bench_tiny_matches_server_metrics(agentrt_server, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "agentrt.cli", "bench", "--target", url, "--preset", "tiny", "--sessions", "2",
          "--json", str(out), "--price-per-worker-hour", "2.0", "--slo-ttft-s", "60", "--slo-tpot-s", "10",
-         "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--no-progress", "--no-estimate"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = _counters(url)
     result = json.loads(out.read_text())

@@ -316,3 +316,14 @@ def test_publisher_backlog_overflow_drops_and_flags_lost(redis_server_factory):
     pub.clear_lost()
     assert not pub.lost
     pub.close()
+
+
+def test_decode_rejects_hashes_that_are_not_u64():
+    good = {"worker": "w", "seq": 0, "kind": "stored", "parent": None, "ts": 0}
+    assert decode_event(msgpack.packb({**good, "hashes": [0, (1 << 64) - 1]})).hashes == (0, (1 << 64) - 1)
+    assert decode_event(msgpack.packb({**good, "hashes": []})).hashes == ()
+    for bad in ([1, -1], [True, 2], [1.0], ["1"], [None], [-(1 << 63)]):
+        with pytest.raises(EventDecodeError, match="unsigned 64-bit"):
+            decode_event(msgpack.packb({**good, "hashes": bad}))
+    with pytest.raises(EventDecodeError, match="unsigned 64-bit"):  # msgpack cannot carry it; a publisher might try
+        KVEvent("w", 0, "stored", (1, 1 << 64), None, 0)

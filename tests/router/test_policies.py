@@ -91,6 +91,33 @@ def test_agentrt_short_match_falls_back_to_least_loaded_rotating():
     assert sorted(picks) == ["w0", "w1", "w2", "w3"]
 
 
+def test_agentrt_idle_ties_go_to_the_worker_with_least_recent_work():
+    p = make_policy("agentrt", min_match_tokens=64, recent_work_half_life=100)
+    heavy = RouteRequest("h", (), 20_000, 16, est_output_tokens=500)   # 20,000 + 10 * 500 tokens of work
+    light = RouteRequest("l", (), 1_000, 16)
+    p.on_dispatch(heavy, p.select(heavy, workers()))                 # w0 (rotation starts there)
+    assert p.recent_work("w0") == 25_000
+    p.on_dispatch(light, p.select(light, workers()))
+    p.on_dispatch(light, p.select(light, workers()))
+    p.on_dispatch(light, p.select(light, workers()))                 # w1, w2, w3: 1,000 each
+    picks = []
+    for i in range(6):  # every worker idle: new sessions avoid w0 until its lead has decayed
+        d = p.select(req(50, rid=str(i)), workers())
+        assert d.reason == "fallback"
+        p.on_dispatch(req(50, rid=str(i)), d)
+        picks.append(d.worker_id)
+    assert "w0" not in picks and sorted(set(picks)) == ["w1", "w2", "w3"]
+    # Work decays with dispatches (half-life 100) and leaves with the worker.
+    assert 25_000 * 0.5 ** (9 / 100) == pytest.approx(p.recent_work("w0"))
+    p.on_worker_removed("w0")
+    assert p.recent_work("w0") == 0.0
+    # Load still comes first: a busy worker with no recent work is not chosen over idle ones.
+    d = p.select(req(50), workers(load={"w0": 1.0}, ids=("w0", "w1")))
+    assert d.worker_id == "w1"
+    with pytest.raises(ValueError, match="recent_work_half_life"):
+        make_policy("agentrt", recent_work_half_life=-1)
+
+
 def test_round_robin_least_load_session_hash():
     rr = make_policy("round_robin")
     picks = []

@@ -1,0 +1,464 @@
+"""The router at fleet scale: a simulated fleet driving the real index, event consumer and policy.
+
+    python benchmarks/router_scale.py --workers 8,32,128 --blocks-per-worker 100000 --json out/router_scale.json
+
+One process, no HTTP and no Redis. Per run (one ``--workers`` value):
+
+* **Fleet.** Every worker caches ``--blocks-per-worker`` 16-token blocks named by real
+  contract-1 chain hashes (``engine.hashing``). About half (``--shared-fraction``) come from
+  the trace's common prefixes: the leading 512-token blocks of
+  ``benchmarks/traces/conversation_trace.jsonl`` requests that recur in other requests (its
+  system prompt, conversation histories), picked per worker with the trace's own popularity,
+  so popular ones are cached by many workers. The rest are the worker's own continuations,
+  chained onto those prefixes. Each trace block id stands for 512 tokens derived from the id.
+* **Events.** The worker's radix cache would report each insertion as one ``stored`` event
+  of its new blocks: one per common prefix (its blocks not yet cached there), and own
+  continuations in events sized like the trace's requests' new blocks (x32 at 16-token
+  blocks). Events are encoded with the real msgpack codec (``router.events.encode_event``)
+  and each goes through the consumer's own path: ``decode_event`` (bounded, validated) then
+  ``KVEventConsumer.apply`` (seq check, index update), interleaved across workers. Redis is
+  not involved: the bytes are fed to the decoder directly, and snapshots come from memory.
+* **Figures.** ``bytes_per_block``: memory the index holds after the build (tracemalloc of
+  everything allocated while the events were applied and still alive) per cached
+  (worker, block) pair. ``events_per_s``: a churn stream on the full index (a worker evicts
+  one of its own insertions, then stores it again), decode + apply, events of trace size,
+  with ``blocks_per_s``; ``events_per_s_1block`` is the same with one-block events (the
+  per-event overhead). Decisions: an 8k-token prompt (512 blocks; a worker's cached path,
+  extended with uncached blocks where shorter) through ``PrefixIndex.match``, one
+  ``WorkerState`` per worker with varied loads, and the ``agentrt`` policy's ``select`` (what
+  ``RouterCore.choose`` does after its tentative-entry lookup); half the requests name a last
+  worker (a session), half do not. Tokenizing (the default model's tokenizer) and hashing
+  the 8k prompt are timed separately. Resync: ``KVEventConsumer.resync`` of one worker from a
+  snapshot of its blocks, warm (the index already agrees) and cold (after ``clear_worker``).
+
+``--index reference`` runs the same on ``ReferencePrefixIndex`` (the dict of sets this index
+replaced), for comparison at small sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import sys
+import time
+import tracemalloc
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.hashing import block_hashes, make_seed  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.event_consumer import KVEventConsumer, Snapshot  # noqa: E402
+from router.events import KVEvent, decode_event, encode_event  # noqa: E402
+from router.index import PrefixIndex, ReferencePrefixIndex  # noqa: E402
+from router.policy import RouteRequest, WorkerState, make_policy  # noqa: E402
+
+BLOCK = 16
+TRACE_BLOCK = 512
+PER_TRACE_BLOCK = TRACE_BLOCK // BLOCK
+PROMPT_TOKENS = 8192
+VOCAB = 49152
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl"
+SEED = make_seed("router-scale-bench")
+
+
+def load_records(path: Path) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["hash_ids"] for line in f if line.strip()]
+
+
+def common_prefixes(records: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+    """The trace's recurring prefixes (leading ids seen in >= 2 requests, maximal), their
+    popularity (requests using them), and the new blocks of each request (for event sizes)."""
+    seen_in = Counter(h for r in records for h in r)
+    heads: Counter[tuple[int, ...]] = Counter()
+    seen: set[int] = set()
+    new_blocks = []
+    for r in records:
+        k = 0
+        while k < len(r) and seen_in[r[k]] >= 2:
+            k += 1
+        if k:
+            heads[tuple(r[:k])] += 1
+        new_blocks.append(sum(1 for h in r if h not in seen))
+        seen.update(r)
+    paths = sorted(heads)
+    return paths, [heads[p] for p in paths], [n for n in new_blocks if n > 0]
+
+
+def trace_tokens(tid: int) -> np.ndarray:
+    """512 tokens standing for trace block ``tid`` (distinct ids give distinct tokens)."""
+    return ((np.arange(TRACE_BLOCK, dtype=np.int64) * 7919 + tid * 104_729) % VOCAB).astype(np.uint32)
+
+
+class SharedChains:
+    """16-token chain hashes of trace prefixes, computed once per trace id (an id names its prefix)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, list[int]] = {}
+
+    def path(self, ids: tuple[int, ...]) -> list[int]:
+        out: list[int] = []
+        parent = None
+        for tid in ids:
+            hs = self._by_id.get(tid)
+            if hs is None:
+                hs = self._by_id[tid] = block_hashes(trace_tokens(tid), BLOCK, SEED, parent)
+            out.extend(hs)
+            parent = hs[-1]
+        return out
+
+
+@dataclass
+class SimWorker:
+    worker_id: str
+    events: list[tuple[str, list[int], int | None]] = field(default_factory=list)  # kind, hashes, parent
+    blocks: set[int] = field(default_factory=set)
+    paths: list[list[int]] = field(default_factory=list)  # cached chains: shared prefix + own continuation
+    own_events: list[list[int]] = field(default_factory=list)
+    n_events: int = 0
+
+
+def common_pool(heads: list[tuple[int, ...]], weights: list[int],
+                blocks: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The most popular common prefixes, until they name ``blocks`` distinct 16-token blocks
+    (twice what a worker takes from them, so each block is cached by about half the fleet)."""
+    ids: set[int] = set()
+    chosen = []
+    for weight, head in sorted(zip(weights, heads), reverse=True):
+        chosen.append((head, weight))
+        ids.update(head)
+        if len(ids) * PER_TRACE_BLOCK >= blocks:
+            break
+    return [h for h, _ in chosen], [w for _, w in chosen]
+
+
+def build_fleet(n_workers: int, blocks_per_worker: int, shared_fraction: float, rng: random.Random,
+                heads: list[tuple[int, ...]], weights: list[int], new_blocks: list[int],
+                chains: SharedChains) -> list[SimWorker]:
+    np_rng = np.random.default_rng(rng.randrange(1 << 32))
+    shared_target = int(blocks_per_worker * shared_fraction)
+    heads, weights = common_pool(heads, weights, 2 * shared_target)
+    fleet = []
+    for i in range(n_workers):
+        w = SimWorker(f"worker-{i:04d}")
+        tips: list[list[int]] = []
+        while len(w.blocks) < shared_target:
+            path = chains.path(rng.choices(heads, weights)[0])
+            new = [h for h in path if h not in w.blocks][: shared_target - len(w.blocks)]  # a suffix of path
+            if not new:
+                continue
+            first = path.index(new[0])
+            w.events.append(("stored", new, path[first - 1] if first else None))
+            w.blocks.update(new)
+            tips.append(path[: first + len(new)])
+        while len(w.blocks) < blocks_per_worker:
+            base = rng.choice(tips)
+            n = min(rng.choice(new_blocks) * PER_TRACE_BLOCK, blocks_per_worker - len(w.blocks))
+            toks = np_rng.integers(0, VOCAB, size=n * BLOCK, dtype=np.uint32)
+            own = block_hashes(toks, BLOCK, SEED, parent=base[-1])
+            w.events.append(("stored", own, base[-1]))
+            w.own_events.append(own)
+            w.blocks.update(own)
+            w.paths.append(base + own)
+        fleet.append(w)
+    return fleet
+
+
+def interleave(fleet: list[SimWorker]) -> list[bytes]:
+    """Every worker's events, encoded, round-robin across workers (seq per worker from 0)."""
+    out = []
+    cursors = [0] * len(fleet)
+    live = list(range(len(fleet)))
+    while live:
+        nxt = []
+        for i in live:
+            w = fleet[i]
+            kind, hashes, parent = w.events[cursors[i]]
+            out.append(encode_event(KVEvent(w.worker_id, cursors[i], kind, tuple(hashes), parent, 0)))
+            cursors[i] += 1
+            if cursors[i] < len(w.events):
+                nxt.append(i)
+        live = nxt
+    return out
+
+
+async def feed(consumer: KVEventConsumer, payloads: list[bytes], cfg: RouterConfig) -> None:
+    """The consumer's own path for each stream entry: bounded decode, then ``apply``."""
+    max_bytes, max_hashes = cfg.event_max_bytes, cfg.event_max_hashes
+    apply = consumer.apply
+    for p in payloads:
+        await apply(decode_event(p, max_bytes, max_hashes))
+
+
+def churn(fleet: list[SimWorker], seqs: dict[str, int], n_events: int, n_blocks: int, rng: random.Random,
+          one_block: bool) -> tuple[list[bytes], int]:
+    """At least ``n_events`` events and ``n_blocks`` blocks: a worker evicts one of its own
+    insertions (or, ``one_block``, its last block), then stores it again."""
+    out, blocks = [], 0
+    while len(out) < n_events or blocks < n_blocks:
+        w = rng.choice(fleet)
+        hashes = tuple(rng.choice(w.own_events))
+        if one_block:
+            hashes = hashes[-1:]
+        for kind in ("removed", "stored"):
+            out.append(encode_event(KVEvent(w.worker_id, seqs[w.worker_id], kind, hashes, None, 0)))
+            seqs[w.worker_id] += 1
+            blocks += len(hashes)
+    return out, blocks
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def prompt_hashes(w: SimWorker, rng: random.Random, np_rng: np.random.Generator) -> list[int]:
+    """512 block hashes: one of ``w``'s cached paths, cut or extended with uncached blocks."""
+    path = rng.choice(w.paths)[: PROMPT_TOKENS // BLOCK]
+    missing = PROMPT_TOKENS // BLOCK - len(path)
+    if missing:
+        toks = np_rng.integers(0, VOCAB, size=missing * BLOCK, dtype=np.uint32)
+        path = path + block_hashes(toks, BLOCK, SEED, parent=path[-1])
+    return path
+
+
+def decisions(index, fleet: list[SimWorker], n: int, rng: random.Random) -> dict:
+    """Route ``n`` 8k-token prompts the way ``RouterCore.choose`` does after its Redis lookup."""
+    np_rng = np.random.default_rng(rng.randrange(1 << 32))
+    policy = make_policy("agentrt")
+    ids = [w.worker_id for w in fleet]
+    loads = {wid: (rng.randrange(0, 8), rng.randrange(0, 4), rng.randrange(0, 6), rng.uniform(0, 60_000))
+             for wid in ids}
+    prompts = [prompt_hashes(rng.choice(fleet), rng, np_rng) for _ in range(min(n, 256))]
+    total, cpu, match_t, policy_t, reasons = [], [], [], [], Counter()
+    for k in range(n):
+        hashes = prompts[k % len(prompts)]
+        last = rng.choice(ids) if k % 2 else None
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        req = RouteRequest(str(k), tuple(hashes), PROMPT_TOKENS, BLOCK, session_id=last and "s",
+                           last_worker=last, est_output_tokens=256)
+        matched = index.match(req.hashes)
+        t1 = time.perf_counter()
+        states = [WorkerState(wid, matched.get(wid, 0), r, q, 0, 0, f, t)
+                  for wid, (r, q, f, t) in loads.items()]
+        decision = policy.select(req, states)
+        policy.on_dispatch(req, decision)
+        t2 = time.perf_counter()
+        cpu.append(time.thread_time() - c0)
+        total.append(t2 - t0)
+        match_t.append(t1 - t0)
+        policy_t.append(t2 - t1)
+        reasons[decision.reason] += 1
+    ms = 1000.0
+    return {"decision_p50_ms": percentile(total, 0.5) * ms, "decision_p99_ms": percentile(total, 0.99) * ms,
+            "decision_cpu_p50_ms": percentile(cpu, 0.5) * ms, "decision_cpu_p99_ms": percentile(cpu, 0.99) * ms,
+            "match_p50_ms": percentile(match_t, 0.5) * ms, "match_p99_ms": percentile(match_t, 0.99) * ms,
+            "policy_p50_ms": percentile(policy_t, 0.5) * ms, "policy_p99_ms": percentile(policy_t, 0.99) * ms,
+            "decisions": n, "reasons": dict(reasons)}
+
+
+def tokenize_and_hash(n: int) -> dict:
+    """Time the default model's tokenizer and the contract-1 hashing on an ~8k-token prompt."""
+    from router.model_info import load_router_model
+
+    model = load_router_model(None)
+    tok = model.tokenizer
+    paragraph = ("The agent called the search tool with the query about the quarterly report, read the "
+                 "three results, and summarised the revenue figures for the user in a short table. ")
+    text = paragraph * (PROMPT_TOKENS // max(1, len(tok.encode(paragraph))) + 1)
+    ids = tok.encode(text)[:PROMPT_TOKENS]
+    text = tok.decode(ids)
+    seed = make_seed(model.model_id)
+    t_tok, t_hash = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        got = tok.encode(text)
+        t1 = time.perf_counter()
+        block_hashes(got, BLOCK, seed)
+        t2 = time.perf_counter()
+        t_tok.append(t1 - t0)
+        t_hash.append(t2 - t1)
+    return {"prompt_tokens": len(got), "tokenize_p50_ms": percentile(t_tok, 0.5) * 1000,
+            "tokenize_p99_ms": percentile(t_tok, 0.99) * 1000, "hash_p50_ms": percentile(t_hash, 0.5) * 1000,
+            "hash_p99_ms": percentile(t_hash, 0.99) * 1000}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, trace) -> dict:
+    rng = random.Random(args.seed * 1_000_003 + n_workers)
+    heads, weights, new_blocks = trace
+    t0 = time.perf_counter()
+    fleet = build_fleet(n_workers, blocks_per_worker, args.shared_fraction, rng, heads, weights, new_blocks,
+                        SharedChains())
+    payloads = interleave(fleet)
+    expected = sum(len(w.blocks) for w in fleet)
+    for w in fleet[1:]:  # only worker 0's block set is needed again (resync check)
+        w.blocks = set()
+    for w in fleet:
+        w.n_events, w.events = len(w.events), []
+    gen_s = time.perf_counter() - t0
+    # The fleet's own lists are the benchmark's, not the router's: keep them out of the
+    # collector's scans (the index adds few containers: a dict and one set per worker).
+    gc.collect()
+    gc.freeze()
+    cfg = RouterConfig()
+    index = PrefixIndex() if args.index == "bitset" else ReferencePrefixIndex()
+    snapshots: dict[str, Snapshot] = {}
+
+    async def snapshot_source(wid: str) -> Snapshot:
+        return snapshots.get(wid, Snapshot(-1, ()))
+    consumer = KVEventConsumer(None, cfg, index, snapshot_source=snapshot_source)  # type: ignore[arg-type]
+
+    gc.collect()
+    rss0 = rss_bytes()
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    asyncio.run(feed(consumer, payloads, cfg))
+    build_s = time.perf_counter() - t0
+    index_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    gc.collect()
+    rss_delta = rss_bytes() - rss0
+    pairs = sum(index.blocks_of(w.worker_id) for w in fleet)
+    if pairs != expected or consumer.stats.malformed:
+        raise RuntimeError(f"index holds {pairs} pairs, the fleet {expected}; {consumer.stats}")
+    build_events = len(payloads)
+    del payloads
+
+    seqs = {w.worker_id: w.n_events for w in fleet}
+    phase = time.perf_counter()
+    rates = {}
+    for label, one in (("trace", False), ("1block", True)):
+        stream, blocks = churn(fleet, seqs, 2 if not one else args.churn_events,
+                               args.churn_blocks if not one else 0, rng, one)
+        gc.collect()
+        c0, t0 = time.process_time(), time.perf_counter()
+        asyncio.run(feed(consumer, stream, cfg))
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        rates[label] = (len(stream) / dt, blocks / dt, blocks / len(stream), len(stream) / dc)
+    if sum(index.blocks_of(w.worker_id) for w in fleet) != expected:
+        raise RuntimeError("churn changed the number of cached pairs")
+
+    churn_s = time.perf_counter() - phase
+    phase = time.perf_counter()
+    dec = decisions(index, fleet, args.decisions, rng)
+    decisions_s = time.perf_counter() - phase
+
+    w = fleet[0]
+    snapshots[w.worker_id] = Snapshot(seqs[w.worker_id] - 1, tuple(sorted(w.blocks)))
+    t0 = time.perf_counter()
+    asyncio.run(consumer.resync(w.worker_id))
+    warm = time.perf_counter() - t0
+    index.clear_worker(w.worker_id)
+    c0, t0 = time.process_time(), time.perf_counter()
+    asyncio.run(consumer.resync(w.worker_id))
+    cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
+    if index.hashes_of(w.worker_id) != w.blocks:
+        raise RuntimeError("resync did not restore the worker's blocks")
+
+    return {"workers": n_workers, "blocks_per_worker": blocks_per_worker, "index": args.index,
+            "pairs": pairs, "distinct_blocks": len(index),
+            "shared_pair_fraction": round(shared_pairs(index) / pairs, 4),
+            "decision_p50_ms": round(dec["decision_p50_ms"], 4), "decision_p99_ms": round(dec["decision_p99_ms"], 4),
+            "decision_cpu_p50_ms": round(dec["decision_cpu_p50_ms"], 4),
+            "decision_cpu_p99_ms": round(dec["decision_cpu_p99_ms"], 4),
+            "match_p50_ms": round(dec["match_p50_ms"], 4), "match_p99_ms": round(dec["match_p99_ms"], 4),
+            "policy_p50_ms": round(dec["policy_p50_ms"], 4), "policy_p99_ms": round(dec["policy_p99_ms"], 4),
+            "decision_reasons": dec["reasons"],
+            "bytes_per_block": round(index_bytes / pairs, 1), "index_bytes": index_bytes,
+            "rss_delta_bytes_per_block": round(rss_delta / pairs, 1),
+            "events_per_s": round(rates["trace"][0]), "blocks_per_s": round(rates["trace"][1]),
+            "hashes_per_event": round(rates["trace"][2], 1),
+            "events_per_s_1block": round(rates["1block"][0]),
+            "events_per_cpu_s": round(rates["trace"][3]), "events_per_cpu_s_1block": round(rates["1block"][3]),
+            "build_events": build_events, "build_s": round(build_s, 2), "build_blocks_per_s": round(pairs / build_s),
+            "resync_warm_ms": round(warm * 1000, 2), "resync_cold_ms": round(cold * 1000, 2),
+            "resync_cold_cpu_ms": round(cold_cpu * 1000, 2),
+            "resync_blocks": len(w.blocks), "generate_s": round(gen_s, 2),
+            "churn_s": round(churn_s, 1), "decisions_s": round(decisions_s, 1)}
+
+
+def shared_pairs(index) -> int:
+    """(worker, block) pairs whose block another worker caches too."""
+    count = int.bit_count if isinstance(index, PrefixIndex) else len
+    return sum(c for c in map(count, index._holders.values()) if c > 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="8,32,128", help="comma-separated fleet sizes, one run each")
+    p.add_argument("--blocks-per-worker", type=int, default=100_000)
+    p.add_argument("--shared-fraction", type=float, default=0.5,
+                   help="share of each worker's blocks taken from the trace's common prefixes")
+    p.add_argument("--decisions", type=int, default=2000)
+    p.add_argument("--churn-events", type=int, default=100_000, help="events in the one-block churn stream")
+    p.add_argument("--churn-blocks", type=int, default=2_000_000,
+                   help="blocks in the trace-size churn stream (its events carry ~500 blocks each)")
+    p.add_argument("--tokenize", type=int, default=50, help="8k-prompt tokenize+hash repetitions (0: skip)")
+    p.add_argument("--index", choices=("bitset", "reference"), default="bitset")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.workers.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--workers takes comma-separated integers, got {args.workers!r}")
+    if not sizes or min(sizes) < 1:
+        p.error("--workers: every fleet size must be >= 1")
+    if args.blocks_per_worker < PROMPT_TOKENS // BLOCK:
+        p.error(f"--blocks-per-worker must be >= {PROMPT_TOKENS // BLOCK}")
+    if not 0.0 <= args.shared_fraction < 1.0:
+        p.error("--shared-fraction must be in [0, 1)")
+    if min(args.decisions, args.churn_events, args.churn_blocks) < 2:
+        p.error("--decisions, --churn-events and --churn-blocks must be >= 2")
+    if not args.trace.is_file():
+        p.error(f"trace not found: {args.trace}")
+    started = time.perf_counter()
+    load0 = os.getloadavg()
+    trace = common_prefixes(load_records(args.trace))
+    out: dict = {"block_size": BLOCK, "prompt_tokens": PROMPT_TOKENS, "shared_fraction": args.shared_fraction,
+                 "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load0], "runs": []}
+    if args.tokenize:
+        out["prompt"] = tokenize_and_hash(args.tokenize)
+        print(f"8k prompt: tokenize p50 {out['prompt']['tokenize_p50_ms']:.2f} ms, "
+              f"hash p50 {out['prompt']['hash_p50_ms']:.2f} ms ({out['prompt']['prompt_tokens']} tokens)", flush=True)
+    print(f"{'workers':>7s} {'blocks/w':>9s} {'dec p50':>8s} {'dec p99':>8s} {'cpu p99':>8s} {'B/pair':>7s}"
+          f" {'events/s':>9s} {'blocks/s':>10s} {'ev/s 1blk':>10s} {'resync warm/cold ms':>20s}", flush=True)
+    for n in sizes:
+        r = run_one(n, args.blocks_per_worker, args, trace)
+        out["runs"].append(r)
+        print(f"{n:7d} {args.blocks_per_worker:9d} {r['decision_p50_ms']:8.3f} {r['decision_p99_ms']:8.3f}"
+              f" {r['decision_cpu_p99_ms']:8.3f} {r['bytes_per_block']:7.1f} {r['events_per_s']:9d}"
+              f" {r['blocks_per_s']:10d} {r['events_per_s_1block']:10d}"
+              f" {r['resync_warm_ms']:9.1f}/{r['resync_cold_ms']:.1f}", flush=True)
+        gc.unfreeze()
+        gc.collect()
+        if args.json:  # after every run: a long run interrupted keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
+    out["elapsed_s"] = round(time.perf_counter() - started, 1)
+    out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"elapsed {out['elapsed_s']} s; load average {out['loadavg_start']} -> {out['loadavg_end']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
