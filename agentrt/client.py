@@ -24,7 +24,7 @@ import json
 import os
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Iterator, TypeVar
 
 import httpx
@@ -111,10 +111,22 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Usage:
+    """A turn's token usage. ``cached_tokens_by_tier``: how many of the cached tokens came from the
+    device pool and how many were loaded back from the host or disk KV tier (docs/kv_tiers.md)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Usage":
+        """Fields this client knows; a newer server's extra fields are ignored, not an error."""
+        return cls(**{k: v for k, v in d.items() if k in _USAGE_FIELDS})
+
+
+_USAGE_FIELDS = frozenset(f.name for f in fields(Usage))
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,7 @@ class Reply:
         calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
                  for c in msg.get("tool_calls") or []]
         return cls(id=d["id"], session_id=d["session_id"], index=d["index"], content=msg.get("content"),
-                   tool_calls=calls, finish_reason=d["finish_reason"], usage=Usage(**d["usage"]),
+                   tool_calls=calls, finish_reason=d["finish_reason"], usage=Usage.from_json(d["usage"]),
                    replayed=d.get("replayed", False), message=msg)
 
 
@@ -167,7 +179,7 @@ class SessionInfo:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SessionInfo":
         return cls(id=d["id"], model=d["model"], system=d.get("system"), tools=d.get("tools"),
-                   messages=d["messages"], turns=d["turns"], usage=Usage(**d["usage"]),
+                   messages=d["messages"], turns=d["turns"], usage=Usage.from_json(d["usage"]),
                    metadata=d.get("metadata", {}), parent_id=d.get("parent_id"), expires_at=d["expires_at"],
                    pin=d.get("pin"), raw=d)
 
