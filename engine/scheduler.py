@@ -158,9 +158,10 @@ class Scheduler:
             self.unpin(pin_id)
 
     # -- cache hand-over ------------------------------------------------------
-    def _match(self, req: Request) -> bool:
+    def _match(self, req: Request) -> str:
         """Start a (re)admitted request from the longest cached prefix: the device pool's, then the
-        tiers'. False (nothing held) while tier pages it needs are still being read."""
+        tiers'. ``"ok"`` when it holds its match; otherwise it holds nothing: ``"pending"`` while tier
+        pages it needs are still being read, ``"wait"`` while the pool has no room to load them."""
         limit = ((req.num_tokens - 1) // self.P) * self.P  # at least one token must be computed for logits
         if self.enable_prefix_cache:
             pages, node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
@@ -169,10 +170,12 @@ class Scheduler:
         self.cache.lock(node)
         req.tree_node, req.pages, req.num_tree_pages = node, list(pages), len(pages)
         req.num_computed = len(pages) * self.P
-        if self.tiers is not None and self.enable_prefix_cache and not self._load_from_tiers(req, limit):
-            self.release(req)
-            return False
-        return True
+        if self.tiers is not None and self.enable_prefix_cache:
+            got = self._load_from_tiers(req, limit)
+            if got != "ok":
+                self.release(req)
+            return got
+        return "ok"
 
     def tier_hashes(self, req: Request, limit: int | None = None) -> list[int]:
         """Block hashes of the request's full blocks past its device match (``req.tree_node``)."""
@@ -181,21 +184,33 @@ class Scheduler:
         return block_hashes(req.all_ids[start:limit], self.P, self.cache.seed_fn(req.cache_salt),
                             parent=req.tree_node.last_hash)
 
-    def _load_from_tiers(self, req: Request, limit: int) -> bool:
+    def _load_from_tiers(self, req: Request, limit: int) -> str:
         """Continue the device match into the tiers: copy the pages they hold into fresh pool pages and
-        insert them in the radix cache. False when some are still being read from disk."""
+        insert them in the radix cache. ``"pending"`` while some are still being read from disk;
+        ``"wait"`` while the pool cannot hold them with the first chunk and running requests will free
+        room (a load is far cheaper than the recompute that admitting without it would cost)."""
         hashes = self.tier_hashes(req, limit)
         media = self.tiers.match(hashes)
         if not media:
-            return True
-        # Load only what the request can hold with its first chunk: pages loaded for a request that then
-        # cannot be admitted would be evicted again (and read again) before it runs.
+            return "ok"
+        # Room for the pages and the first chunk, from free and evictable pages and, if need be, pins
+        # released (as ``_free_up`` would); nothing moves between tiers before the pages are taken. Pages
+        # loaded for a request that then cannot be admitted would be evicted again (and read again)
+        # before it runs, so without room the request waits for the running ones; alone, it loads what
+        # fits and computes the rest.
         chunk = min(req.num_tokens - req.num_computed - len(media) * self.P, self.max_batched_tokens)
-        room = self.pool.num_free + self.cache.evictable_pages
-        if room < len(media) + max(0, -(-chunk // self.P)):
-            return True
+        first = max(0, -(-chunk // self.P))
+        while self.pool.num_free + self.cache.evictable_pages < len(media) + first and self.pins:
+            self.unpin(min(self.pins, key=lambda k: self.pins[k].expires_at))
+        room = self.pool.num_free + self.cache.evictable_pages - first
+        if room < len(media):
+            if self.running:
+                return "wait"
+            media = media[:max(0, room)]
+            if not media:
+                return "ok"
         if not self.tiers.ready(hashes[:len(media)]):
-            return False
+            return "pending"
         data = []
         for h in hashes[:len(media)]:
             page = self.tiers.take(h)
@@ -204,7 +219,7 @@ class Scheduler:
             data.append(page)
         n = len(data)
         if not n or not self._free_up(n):   # the device match is locked: freeing cannot evict it
-            return True
+            return "ok"
         new = self.pool.alloc(n)
         for page, tensor in zip(new, data):
             self.write_page(page, tensor)
@@ -223,7 +238,7 @@ class Scheduler:
             self.tiers.count_hit(medium, count, count * self.P)
             if req.cached_tokens is None:   # the first admission's cached tokens say where they came from
                 req.tier_tokens[medium] = req.tier_tokens.get(medium, 0) + count * self.P
-        return True
+        return "ok"
 
     def cache_request(self, req: Request) -> Node:
         """Hand the request's full computed pages to the radix cache and adopt the tree's pages."""
@@ -294,8 +309,11 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self._match(req):
+            got = self._match(req)
+            if got == "pending":
                 continue  # its tier pages are on their way from disk: the requests behind it go first
+            if got == "wait":
+                break     # no room to load its tier pages until running requests free some
             if self._shares_a_running_prefill(req):
                 self.release(req)  # wait a step or two: that prefill will hand its pages over
                 continue

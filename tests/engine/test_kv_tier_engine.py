@@ -118,6 +118,32 @@ def test_a_turn_whose_pin_expired_resumes_from_the_tiers(engine, prompts, recomp
     same_output(r, recomputed)
 
 
+def test_a_turn_waits_for_room_to_load_its_tier_pages_instead_of_recomputing(engine, prompts, recomputed):
+    """The pool has room for a's continuation's first chunk computed from scratch (2 pages) but not for its
+    2 tier pages and the chunk after them (3 pages) while another request runs: the turn waits for that
+    request to finish, then loads from the tiers. Admitting it at once would recompute all 45 tokens."""
+    evict_a_with_b(engine, prompts)   # b's 2 full pages are cached on the device, a's are in the tiers
+    tok = engine.tokenizer
+    other = tok.encode("A third session lists the files of a small project directory, one per line. " * 2)[:20]
+    busy = engine.add_request(other, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()   # `other` runs: 2 of the 4 usable pages, b's 2 evictable
+    rid = engine.add_request(prompts[2], GREEDY)
+    order, results, ids = [], {}, {busy: [], rid: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.token_ids and out.request_id not in order:
+                order.append(out.request_id)
+            ids[out.request_id] += out.token_ids
+            if out.finished:
+                results[out.request_id] = out
+                order.append(("finished", out.request_id))
+    assert order.index(("finished", busy)) < order.index(rid)   # it waited for the running request
+    r = results[rid]
+    assert r.cached_tokens == 2 * P and r.cached_tokens_by_tier["device"] == 0
+    assert r.cached_tokens_by_tier["host"] + r.cached_tokens_by_tier["disk"] == 2 * P
+    assert ids[rid] == recomputed.token_ids
+
+
 def test_a_full_disk_turns_the_tier_off_and_fails_no_request(engine, prompts, recomputed):
     """Last in this module: the disk tier stays off. RLIMIT_FSIZE stands in for a full filesystem."""
     engine.flush_cache()
