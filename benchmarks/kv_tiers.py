@@ -62,10 +62,13 @@ def live_context_tokens(wl: AgenticWorkload, tok, system: str) -> int:
     return sys_len + total
 
 
-def run(engine: LLMEngine, wl: AgenticWorkload, system: str, pause_s: float, seed: int) -> dict:
+def run(engine: LLMEngine, wl: AgenticWorkload, system: str, pause_s: float, seed: int,
+        start_spread_s: float = 0.0) -> dict:
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=wl.reply_tokens, temperature=0, ignore_eos=True)
-    rng = random.Random(seed)
+    def draw(s: int, t: int, hi: float) -> float:
+        """Seeded per (session, turn): both runs give every session the same start and pauses."""
+        return random.Random(seed * 1_000_003 + s * 1009 + t).uniform(0, hi)
     pin_ttl = pause_s / 4
     history = {s: [{"role": "system", "content": system}] for s in range(wl.sessions)}
     turn = {s: 0 for s in range(wl.sessions)}
@@ -82,8 +85,8 @@ def run(engine: LLMEngine, wl: AgenticWorkload, system: str, pause_s: float, see
         live[rid] = (s, time.perf_counter(), [])
 
     start = time.perf_counter()
-    for s in range(wl.sessions):
-        submit(s)
+    for s in range(wl.sessions):   # sessions start spread over [0, start_spread_s] (seeded), not in one burst
+        heapq.heappush(due, (start + draw(s, -1, start_spread_s), s))
     while live or due:
         now = time.perf_counter()
         while due and due[0][0] <= now:
@@ -111,7 +114,7 @@ def run(engine: LLMEngine, wl: AgenticWorkload, system: str, pause_s: float, see
             history[s].append({"role": "assistant", "content": tok.decode(ids)})
             turn[s] += 1
             if turn[s] < wl.turns:
-                heapq.heappush(due, (time.perf_counter() + rng.uniform(0, 2 * pause_s), s))
+                heapq.heappush(due, (time.perf_counter() + draw(s, turn[s], 2 * pause_s), s))
     wall = time.perf_counter() - start
     later = [v for (s, t), v in ttft.items() if t >= 1]
     tiers = engine.stats().kv_tiers
@@ -144,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tool-result-tokens", type=int, default=200)
     ap.add_argument("--reply-tokens", type=int, default=32)
     ap.add_argument("--pause-s", type=float, default=2.0, help="mean tool pause (uniform on [0, 2x])")
+    ap.add_argument("--start-spread-s", type=float, default=None,
+                    help="sessions start uniformly over [0, this] (default: --pause-s)")
     ap.add_argument("--pool-fraction", type=float, default=0.25,
                     help="device pool size as a fraction of the sessions' live contexts")
     ap.add_argument("--disk-tokens", type=int, default=262144, help="disk tier size with the tier on")
@@ -155,11 +160,14 @@ def main(argv=None) -> int:
     if args.quick:
         args.turns, args.system_tokens, args.tool_result_tokens, args.reply_tokens = 3, 256, 64, 8
         args.pause_s = min(args.pause_s, 0.5)
+    if args.start_spread_s is None:
+        args.start_spread_s = args.pause_s
     if args.threads:
         torch.set_num_threads(args.threads)
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                          tool_result_tokens=args.tool_result_tokens, reply_tokens=args.reply_tokens)
-    results: dict = {"workload": vars(wl) | {"pause_s": args.pause_s, "pool_fraction": args.pool_fraction},
+    results: dict = {"workload": vars(wl) | {"pause_s": args.pause_s, "pool_fraction": args.pool_fraction,
+                                       "start_spread_s": args.start_spread_s},
                      "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
                      "dtype": args.dtype}
     tok, _, _ = load_tokenizer(None)   # size the pool from the workload's contexts
@@ -177,7 +185,7 @@ def main(argv=None) -> int:
                        kv_disk_path=os.path.join(tier_dir, name))
             engine = LLMEngine(EngineConfig(kv_cache_tokens=results["pool_tokens"], **cfg))
             print(f"{name}: pool {results['pool_tokens']} tokens for ~{results['live_context_tokens']} live", flush=True)
-            results[name] = run(engine, wl, system, args.pause_s, args.seed)
+            results[name] = run(engine, wl, system, args.pause_s, args.seed, args.start_spread_s)
             engine.close()
             r = results[name]
             print(f"{name}: TTFT turns 2+ p50 {r['ttft_p50_s_turns2plus']:.3f}s p99 {r['ttft_p99_s_turns2plus']:.3f}s, "

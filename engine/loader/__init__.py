@@ -23,8 +23,7 @@ def load_tokenizer(path: str | None):
     """``(Tokenizer, context length, model id)`` without loading any weights (routers)."""
     import json
 
-    from gguf import GGUFReader
-
+    from engine.loader.gguf_file import GGUFFile
     from engine.loader.gguf_loader import gguf_context_length, gguf_tokenizer
     from engine.loader.hf_loader import load_hf_tokenizer
 
@@ -34,7 +33,7 @@ def load_tokenizer(path: str | None):
             raw = json.load(f)
         return load_hf_tokenizer(path, raw), int(raw.get("max_position_embeddings", 4096)), model_id
     if path.endswith(".gguf") and os.path.isfile(path):
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
         return gguf_tokenizer(reader), gguf_context_length(reader), model_id
     raise FileNotFoundError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
 

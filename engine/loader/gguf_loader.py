@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import numpy as np
 import torch
 
+from engine.loader.gguf_file import GGUFFile, dequantize
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
@@ -46,14 +46,11 @@ def default_model_path() -> str:
     return path
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key, default=None):
+    return reader.fields.get(key, default)
 
 
-def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's interleaving of q/k rows so rotate-half RoPE applies.
 
     The converter stores ``w.reshape(n_head, 2, hd/2, in).swapaxes(1, 2)``.
@@ -61,7 +58,7 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     out_dim, in_dim = w.shape
     hd = out_dim // n_head
     # (n_head, hd/2, 2, in) -> (n_head, 2, hd/2, in)
-    return w.reshape(n_head, hd // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+    return w.reshape(n_head, hd // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
 def gguf_tokenizer(reader) -> Tokenizer:
@@ -85,10 +82,7 @@ def gguf_context_length(reader) -> int:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama)")
@@ -115,8 +109,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     progress = load_bar([path], f"loading {os.path.basename(path)}")
     for t in reader.tensors:
         progress.update(int(t.n_bytes))
-        arr = dequantize(t.data, t.tensor_type)
-        arr = np.array(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        arr = dequantize(t)
         name = t.name
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
@@ -136,7 +129,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
             key = f"model.layers.{idx}.{_LAYER_NAMES[base]}.{kind}"
         else:
             raise ValueError(f"{path}: unexpected tensor {name}")
-        state[key] = torch.from_numpy(arr).to(dtype)
+        state[key] = arr.to(dtype)
     progress.close()
 
     tok = gguf_tokenizer(reader)

@@ -105,7 +105,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, mlp_factory=None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init: weights are always loaded, and nn.Embedding's normal_ on the meta device imports
+        # torch._dynamo (3 s of every engine start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, mlp_factory(i) if mlp_factory else None) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
