@@ -210,7 +210,7 @@ def test_gpu_variant_asks_each_worker_for_one_gpu():
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(resources[kind]), (variant, kind)
         worker = agentrt_workloads(bundle(variant))["worker"]
-        flags, settings = parse(expand(container(worker)["command"], {"POD_NAME": "agentrt-worker-0"}), {})
+        _, settings = parse(expand(container(worker)["command"], {"POD_NAME": "agentrt-worker-0"}), {})
         assert settings["ServerConfig"]["device"] == ("cuda" if gpus else "cpu"), variant
     router = container(agentrt_workloads(bundle("gpu"))["router"])["resources"]
     assert "nvidia.com/gpu" not in router["limits"], "routers need no GPU"
@@ -238,12 +238,14 @@ def test_compose_and_kubernetes_run_the_same_flags_and_env():
     workloads = agentrt_workloads(docs)
     services = compose()["services"]
     c = render.CLUSTER
-    for role, count, name in (("worker", c.workers, render.compose_worker), ("router", c.routers, render.compose_router)):
+    for role, count, name in (("worker", c.workers, render.compose_worker),
+                              ("router", c.routers, render.compose_router)):
         doc = workloads[role]
         assert doc["spec"]["replicas"] == count
-        compose_names = sorted(n for n, s in services.items() if s.get("command", [None, None])[:2] == ["agentrt", role])
-        assert compose_names == sorted(name(i) for i in range(count))
-        for i, service in enumerate(compose_names):
+        runs_role = {n for n, s in services.items() if s.get("command", [None, None])[:2] == ["agentrt", role]}
+        assert runs_role == {name(i) for i in range(count)}
+        for i in range(count):
+            service = name(i)
             pod = f"{doc['metadata']['name']}-{i}"  # a StatefulSet's pod; a Deployment's name does not matter
             k8s_env = container_env(docs, container(doc), pod)
             k8s_flags, k8s_settings = parse(expand(container(doc)["command"], k8s_env), k8s_env)
@@ -411,6 +413,6 @@ def test_grace_period_outlasts_the_drain(variant):
     for svc in compose()["services"].values():
         if svc.get("command", [""])[0] == "agentrt":
             env = {k: str(v) for k, v in svc["environment"].items()}
-            flags, settings = parse(svc["command"], env)
+            _, settings = parse(svc["command"], env)
             needed = SHUTDOWN_WAITS[svc["command"][1]] * settings["ServerConfig"]["shutdown_timeout_s"]
             assert _seconds(svc["stop_grace_period"]) > needed, svc["command"]
