@@ -186,9 +186,10 @@ class AgentrtPolicy(RoutingPolicy):
         last = request.last_worker
 
         def weighed(chosen: str, wins: list[tuple[float, str] | None]) -> list[WorkerState]:
-            ids = dict.fromkeys([chosen] + [win[1] for win in wins if win is not None])
-            if last in states:
-                ids[last] = None  # type: ignore[index]
+            ids = [chosen]
+            for w in [win[1] for win in wins if win is not None] + [last]:
+                if w not in ids and w in states:
+                    ids.append(w)  # type: ignore[arg-type]
             return [fleet.state(w, matched.get(w, 0), tiered.get(w)) for w in ids]
 
         groups = self._groups(request, states, matched, tiered, levels)
@@ -212,8 +213,8 @@ class AgentrtPolicy(RoutingPolicy):
             return RouteDecision(wid, matched.get(wid, 0), "fallback"), weighed(wid, wins)
 
         wid, c = win[0][1], win[1][0]
-        spilled = not none_ok and any(g[0] == best and self._overloaded_in(fleet, g, matched, tiered, bound, n_ok)
-                                      for g in groups)
+        spilled = not none_ok and n_ok < size and any(
+            g[0] == best and self._overloaded_in(fleet, g, matched, tiered, bound, n_ok) for g in groups)
         reason = "spill" if spilled else ("prefix" if c == best else "cost")
         return RouteDecision(wid, matched.get(wid, 0), reason), weighed(wid, wins)
 
