@@ -90,7 +90,9 @@ class Route:
     known_blocks: int = 0  # prompt blocks the real index (not tentative entries) says the worker holds
     excluded: frozenset[str] = frozenset()  # workers an earlier attempt of this request failed on
     cache_salt: str = ""
-    candidates: tuple[WorkerState, ...] = ()  # the workers the policy chose among, as it saw them
+    # the workers the policy weighed, as it saw them: every candidate on the full path; on the fleet view
+    # each group's best, the session's last worker and the chosen one
+    candidates: tuple[WorkerState, ...] = ()
 
     @property
     def tentative_hashes(self) -> tuple[int, ...]:

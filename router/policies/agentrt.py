@@ -36,6 +36,10 @@ Rules, in order:
 A hot shared prefix (one fleet's long tools prompt) thus stays on its holder while the
 holder's load is within the bound and spills to the next-cheapest worker (which then
 holds it too) as soon as it exceeds it, instead of piling up on one worker.
+
+``select`` applies the rules to a ``WorkerState`` per worker; the router decides through
+``select_fleet`` on an ``AgentrtFleet`` it keeps up to date, which reaches the same decision
+reading a few workers (docs/routing.md, "Scale"); ``select`` is its reference in the tests.
 """
 
 from __future__ import annotations
