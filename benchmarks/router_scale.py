@@ -314,7 +314,8 @@ def decisions(index, fleet: list[SimWorker], n: int, rng: random.Random) -> dict
             "policy_full_p50_ms": percentile(full_t, 0.5) * ms, "policy_full_p99_ms": percentile(full_t, 0.99) * ms,
             "match_alone_p50_ms": percentile(alone_t, 0.5) * ms, "match_alone_p99_ms": percentile(alone_t, 0.99) * ms,
             "match_walk_p50_ms": percentile(walk_t, 0.5) * ms, "match_walk_p99_ms": percentile(walk_t, 0.99) * ms,
-            "fleet_update_p50_ms": percentile(update_t, 0.5) * ms, "fleet_update_p99_ms": percentile(update_t, 0.99) * ms,
+            "fleet_update_p50_ms": percentile(update_t, 0.5) * ms,
+            "fleet_update_p99_ms": percentile(update_t, 0.99) * ms,
             "decisions": n, "reasons": dict(reasons)}
 
 

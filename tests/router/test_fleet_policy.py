@@ -47,7 +47,8 @@ def random_state(rng: random.Random, wid: str, flat: bool = False) -> WorkerStat
                        rng.randrange(50), rng.randrange(4), tokens)
 
 
-def random_match(rng: random.Random, ids: list[str], n_blocks: int) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+def random_match(rng: random.Random, ids: list[str],
+                 n_blocks: int) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
     matched, tiers = {}, {}
     if ids and rng.random() < 0.85:
         levels = [rng.randrange(1, n_blocks + 3) for _ in range(3)]  # few levels: equal prefixes
