@@ -24,12 +24,17 @@ One process, no HTTP and no Redis. Per run (one ``--workers`` value):
   one of its own insertions, then stores it again), decode + apply, events of trace size,
   with ``blocks_per_s``; ``events_per_s_1block`` is the same with one-block events (the
   per-event overhead). Decisions: an 8k-token prompt (512 blocks; a worker's cached path,
-  extended with uncached blocks where shorter) through ``PrefixIndex.match``, one
-  ``WorkerState`` per worker with varied loads, and the ``agentrt`` policy's ``select`` (what
-  ``RouterCore.choose`` does after its tentative-entry lookup); half the requests name a last
-  worker (a session), half do not. Tokenizing (the default model's tokenizer) and hashing
-  the 8k prompt are timed separately. Resync: ``KVEventConsumer.resync`` of one worker from a
-  snapshot of its blocks, warm (the index already agrees) and cold (after ``clear_worker``).
+  extended with uncached blocks where shorter) through ``PrefixIndex.match_levels`` (``match``),
+  then the ``agentrt`` policy's ``select_fleet`` on the fleet view the router keeps (workers with
+  varied loads) and ``on_dispatch`` (``policy``): what ``RouterCore.choose`` does after its
+  tentative-entry lookup. Half the requests name a last worker (a session), half do not. Each
+  decision is checked against the reference path, a ``WorkerState`` per worker and ``select``
+  (``policy_full``, timed apart: what the router did before); ``match_alone`` and ``match_walk``
+  time ``match`` and the block-by-block walk it replaced in alternating passes over the same
+  prompts; ``fleet_update`` is one worker's load change in the view. Tokenizing (the default
+  model's tokenizer) and hashing the 8k prompt are timed separately. Resync:
+  ``KVEventConsumer.resync`` of one worker from a snapshot of its blocks, warm (the index already
+  agrees) and cold (after ``clear_worker``).
 
 ``--index reference`` runs the same on ``ReferencePrefixIndex`` (the dict of sets this index
 replaced), for comparison at small sizes.
@@ -58,7 +63,7 @@ from engine.hashing import block_hashes, make_seed  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.event_consumer import KVEventConsumer, Snapshot  # noqa: E402
 from router.events import KVEvent, decode_event, encode_event  # noqa: E402
-from router.index import PrefixIndex, ReferencePrefixIndex  # noqa: E402
+from router.index import PrefixIndex, ReferencePrefixIndex, lengths  # noqa: E402
 from router.policy import RouteRequest, WorkerState, make_policy  # noqa: E402
 
 BLOCK = 16
@@ -232,14 +237,24 @@ def prompt_hashes(w: SimWorker, rng: random.Random, np_rng: np.random.Generator)
 
 
 def decisions(index, fleet: list[SimWorker], n: int, rng: random.Random) -> dict:
-    """Route ``n`` 8k-token prompts the way ``RouterCore.choose`` does after its Redis lookup."""
+    """Route ``n`` 8k-token prompts the way ``RouterCore.choose`` does after its Redis lookup: the
+    index's match, then the policy's ``select_fleet`` on the fleet the router keeps (one state per
+    worker, updated on load reports and dispatches, not rebuilt per decision), then ``on_dispatch``.
+    Each decision is checked against the reference path (a ``WorkerState`` per worker and ``select``),
+    replayed apart and timed as ``policy_full``; ``match`` and the block-by-block walk it replaced
+    (``match_walk``) are timed alone in alternating passes over the same prompts."""
     np_rng = np.random.default_rng(rng.randrange(1 << 32))
     policy = make_policy("agentrt")
     ids = [w.worker_id for w in fleet]
     loads = {wid: (rng.randrange(0, 8), rng.randrange(0, 4), rng.randrange(0, 6), rng.uniform(0, 60_000))
              for wid in ids}
+    view = policy.new_fleet()
+    levelled = hasattr(index, "match_levels")
+    for wid, (r, q, f, t) in loads.items():
+        view.update(WorkerState(wid, 0, r, q, 0, 0, f, t))
     prompts = [prompt_hashes(rng.choice(fleet), rng, np_rng) for _ in range(min(n, 256))]
-    total, cpu, match_t, policy_t, reasons = [], [], [], [], Counter()
+    total, cpu, match_t, policy_t, full_t, reasons = [], [], [], [], [], Counter()
+    requests, answers = [], []
     for k in range(n):
         hashes = prompts[k % len(prompts)]
         last = rng.choice(ids) if k % 2 else None
@@ -247,11 +262,13 @@ def decisions(index, fleet: list[SimWorker], n: int, rng: random.Random) -> dict
         t0 = time.perf_counter()
         req = RouteRequest(str(k), tuple(hashes), PROMPT_TOKENS, BLOCK, session_id=last and "s",
                            last_worker=last, est_output_tokens=256)
-        matched = index.match(req.hashes)
+        if levelled:
+            levels = index.match_levels(req.hashes)
+            matched = lengths(levels)
+        else:
+            levels, matched = None, index.match(req.hashes)
         t1 = time.perf_counter()
-        states = [WorkerState(wid, matched.get(wid, 0), r, q, 0, 0, f, t)
-                  for wid, (r, q, f, t) in loads.items()]
-        decision = policy.select(req, states)
+        decision, _ = policy.select_fleet(req, view, matched, None, levels)
         policy.on_dispatch(req, decision)
         t2 = time.perf_counter()
         cpu.append(time.thread_time() - c0)
@@ -259,12 +276,64 @@ def decisions(index, fleet: list[SimWorker], n: int, rng: random.Random) -> dict
         match_t.append(t1 - t0)
         policy_t.append(t2 - t1)
         reasons[decision.reason] += 1
+        requests.append(req)
+        answers.append((matched, decision))
+    # The reference, replayed apart (so it does not cool the caches between the decisions above): what
+    # the router did before, a ``WorkerState`` per worker, ``select``, ``on_dispatch``, on a policy that
+    # sees the same requests in the same order; every decision must be the same.
+    reference = make_policy("agentrt")
+    for req, (matched, decision) in zip(requests, answers):
+        t0 = time.perf_counter()
+        states = [WorkerState(wid, matched.get(wid, 0), r, q, 0, 0, f, t) for wid, (r, q, f, t) in loads.items()]
+        full = reference.select(req, states)
+        reference.on_dispatch(req, full)
+        full_t.append(time.perf_counter() - t0)
+        if full != decision:
+            raise RuntimeError(f"decision {req.request_id}: select_fleet chose {decision}, select {full}")
+    # ``match`` against the walk alone, in alternating passes over the same requests (same cache state)
+    alone_t: list[float] = []
+    walk_t: list[float] = []
+    for times, f in [(alone_t, index_match), (walk_t, index_walk)] * 2:
+        for req in requests:
+            t0 = time.perf_counter()
+            f(index, req.hashes)
+            times.append(time.perf_counter() - t0)
+    update_t = []
+    for k in range(n):  # a dispatch or a load report: one worker's state changes
+        wid = ids[k % len(ids)]
+        s = view.state(wid)
+        t0 = time.perf_counter()
+        view.update(s._replace(in_flight=s.in_flight + 1, in_flight_tokens=s.in_flight_tokens + 4096.0))
+        update_t.append(time.perf_counter() - t0)
+        view.update(s)
     ms = 1000.0
     return {"decision_p50_ms": percentile(total, 0.5) * ms, "decision_p99_ms": percentile(total, 0.99) * ms,
             "decision_cpu_p50_ms": percentile(cpu, 0.5) * ms, "decision_cpu_p99_ms": percentile(cpu, 0.99) * ms,
             "match_p50_ms": percentile(match_t, 0.5) * ms, "match_p99_ms": percentile(match_t, 0.99) * ms,
             "policy_p50_ms": percentile(policy_t, 0.5) * ms, "policy_p99_ms": percentile(policy_t, 0.99) * ms,
+            "policy_full_p50_ms": percentile(full_t, 0.5) * ms, "policy_full_p99_ms": percentile(full_t, 0.99) * ms,
+            "match_alone_p50_ms": percentile(alone_t, 0.5) * ms, "match_alone_p99_ms": percentile(alone_t, 0.99) * ms,
+            "match_walk_p50_ms": percentile(walk_t, 0.5) * ms, "match_walk_p99_ms": percentile(walk_t, 0.99) * ms,
+            "fleet_update_p50_ms": percentile(update_t, 0.5) * ms,
+            "fleet_update_p99_ms": percentile(update_t, 0.99) * ms,
             "decisions": n, "reasons": dict(reasons)}
+
+
+def index_match(index, hashes) -> dict:
+    """What a decision asks of the index (its groups by length, and ``{worker: k}``)."""
+    if hasattr(index, "match_levels"):
+        return lengths(index.match_levels(hashes))
+    return index.match(hashes)
+
+
+def index_walk(index, hashes) -> dict:
+    """``match`` as it was: block by block through the fleet-wide map alone (``PrefixIndex._match_walk``),
+    then ``{worker: k}``."""
+    walk = getattr(index, "_match_walk", None)
+    if walk is None:
+        return index.match(hashes)
+    levels, tmp = walk(hashes)
+    return lengths((k, index._names(mask, tmp)) for k, mask in levels)
 
 
 def tokenize_and_hash(n: int) -> dict:
@@ -378,6 +447,14 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
             "decision_cpu_p99_ms": round(dec["decision_cpu_p99_ms"], 4),
             "match_p50_ms": round(dec["match_p50_ms"], 4), "match_p99_ms": round(dec["match_p99_ms"], 4),
             "policy_p50_ms": round(dec["policy_p50_ms"], 4), "policy_p99_ms": round(dec["policy_p99_ms"], 4),
+            "policy_full_p50_ms": round(dec["policy_full_p50_ms"], 4),  # the reference path, replayed apart
+            "policy_full_p99_ms": round(dec["policy_full_p99_ms"], 4),
+            "match_alone_p50_ms": round(dec["match_alone_p50_ms"], 4),
+            "match_alone_p99_ms": round(dec["match_alone_p99_ms"], 4),
+            "match_walk_p50_ms": round(dec["match_walk_p50_ms"], 4),
+            "match_walk_p99_ms": round(dec["match_walk_p99_ms"], 4),
+            "fleet_update_p50_ms": round(dec["fleet_update_p50_ms"], 4),
+            "fleet_update_p99_ms": round(dec["fleet_update_p99_ms"], 4),
             "decision_reasons": dec["reasons"],
             "bytes_per_block": round(index_bytes / pairs, 1), "index_bytes": index_bytes,
             "rss_delta_bytes_per_block": round(rss_delta / pairs, 1),
@@ -437,13 +514,15 @@ def main(argv: list[str] | None = None) -> int:
         out["prompt"] = tokenize_and_hash(args.tokenize)
         print(f"8k prompt: tokenize p50 {out['prompt']['tokenize_p50_ms']:.2f} ms, "
               f"hash p50 {out['prompt']['hash_p50_ms']:.2f} ms ({out['prompt']['prompt_tokens']} tokens)", flush=True)
-    print(f"{'workers':>7s} {'blocks/w':>9s} {'dec p50':>8s} {'dec p99':>8s} {'cpu p99':>8s} {'B/pair':>7s}"
+    print(f"{'workers':>7s} {'blocks/w':>9s} {'dec p50':>8s} {'dec p99':>8s} {'cpu p99':>8s} {'match p50':>9s}"
+          f" {'policy p50':>10s} {'B/pair':>7s}"
           f" {'events/s':>9s} {'blocks/s':>10s} {'ev/s 1blk':>10s} {'resync warm/cold ms':>20s}", flush=True)
     for n in sizes:
         r = run_one(n, args.blocks_per_worker, args, trace)
         out["runs"].append(r)
         print(f"{n:7d} {args.blocks_per_worker:9d} {r['decision_p50_ms']:8.3f} {r['decision_p99_ms']:8.3f}"
-              f" {r['decision_cpu_p99_ms']:8.3f} {r['bytes_per_block']:7.1f} {r['events_per_s']:9d}"
+              f" {r['decision_cpu_p99_ms']:8.3f} {r['match_p50_ms']:9.3f} {r['policy_p50_ms']:10.3f}"
+              f" {r['bytes_per_block']:7.1f} {r['events_per_s']:9d}"
               f" {r['blocks_per_s']:10d} {r['events_per_s_1block']:10d}"
               f" {r['resync_warm_ms']:9.1f}/{r['resync_cold_ms']:.1f}", flush=True)
         gc.unfreeze()

@@ -8,6 +8,10 @@ load reports cover the other replicas' traffic). ``choose`` hashes the prompt (c
 replica dispatched and no worker has reported yet (``TentativeIndex``, short-TTL Redis keys),
 and asks the routing policy. ``dispatched`` records the new tentative entries; ``completed``
 shortens them (the worker's ``stored`` events are due) or, for a failed request, drops them.
+For a policy with a fleet view (``agentrt``) the replica keeps ``fleet``, every live worker's load state,
+in step with the live set, the load reports and its own in-flight counts, and a decision reads it
+(``select_fleet``) instead of building a ``WorkerState`` per worker; a retry that excludes workers takes
+the full path.
 ``affinity`` (``AffinityMap``) keeps, in Redis, the worker of each conversation its client names
 by an affinity key; ``RemoteEngine`` reads and writes it. ``decision_log`` (``router/decisions.py``)
 keeps the last decisions with their kind (prefix, load, affinity, failover) for the dashboard.
@@ -43,13 +47,14 @@ from router.affinity import AffinityMap
 from router.config import RouterConfig
 from router.decisions import DecisionLog
 from router.event_consumer import KVEventConsumer
-from router.index import PrefixIndex
+from router.index import PrefixIndex, lengths
 from router.inflight import InFlightTracker
 from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, WorkerState, make_policy
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 from router.tentative import TentativeIndex
 
 log = logging.getLogger("router.core")
+_NO_LOAD = LoadReport()
 
 
 def redis_client(url: str) -> aioredis.Redis:
@@ -85,7 +90,9 @@ class Route:
     known_blocks: int = 0  # prompt blocks the real index (not tentative entries) says the worker holds
     excluded: frozenset[str] = frozenset()  # workers an earlier attempt of this request failed on
     cache_salt: str = ""
-    candidates: tuple[WorkerState, ...] = ()  # the workers the policy chose among, as it saw them
+    # the workers the policy weighed, as it saw them: every candidate on the full path; on the fleet view
+    # each group's best, the session's last worker and the chosen one
+    candidates: tuple[WorkerState, ...] = ()
 
     @property
     def tentative_hashes(self) -> tuple[int, ...]:
@@ -115,6 +122,9 @@ class RouterCore:
 
             self.vllm = VllmWorkers(config, model_id, self.index, on_blocks=self.tentative.confirmed)
         self.policy = make_policy(config.policy, **config.policy_options)
+        # The live workers' load states, kept as loads, dispatches and completions change them, for a
+        # policy that decides without a ``WorkerState`` per worker per decision (None: it needs them).
+        self.fleet = self.policy.new_fleet()
         self.inflight = InFlightTracker(decode_token_weight)
         self.workers: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
@@ -190,7 +200,9 @@ class RouterCore:
         joined = [wid for wid in live if not self.consumer.has_baseline(wid)  # retried until a resync lands
                   and (self.vllm is None or wid not in self.vllm)]
         self.workers = live
+        self._sync_fleet()
         self.loads = await self.registry.loads([wid for wid in live if self.vllm is None or wid not in self.vllm])
+        self._sync_fleet()
         if resync_joined:
             for wid in joined:
                 await self.consumer.resync(wid)
@@ -201,6 +213,31 @@ class RouterCore:
         self.policy.on_worker_removed(worker_id)
         self.workers.pop(worker_id, None)
         self.loads.pop(worker_id, None)
+        self._sync_worker(worker_id)
+
+    def _state(self, worker_id: str) -> WorkerState:
+        """The worker's load state as the policy sees it (no request-specific part)."""
+        load = self.loads.get(worker_id, _NO_LOAD)
+        return WorkerState(worker_id, 0, load.running, load.waiting, load.pages_used, load.pages_free,
+                           self.inflight.count(worker_id), self.inflight.tokens(worker_id))
+
+    def _sync_worker(self, worker_id: str | None) -> None:
+        """The fleet view of one worker after its load, in-flight work or liveness changed."""
+        if self.fleet is None or worker_id is None:
+            return
+        if worker_id in self.workers:
+            self.fleet.update(self._state(worker_id))
+        else:
+            self.fleet.remove(worker_id)
+
+    def _sync_fleet(self) -> None:
+        """The fleet view of every worker (after a refresh: the live set and their load reports)."""
+        if self.fleet is None:
+            return
+        for wid in [wid for wid in self.fleet if wid not in self.workers]:
+            self.fleet.remove(wid)
+        for wid in self.workers:
+            self.fleet.update(self._state(wid))
 
     async def mark_dead(self, worker_id: str) -> None:
         """A connection to the worker failed: route around it now, and tell the other replicas."""
@@ -245,8 +282,16 @@ class RouterCore:
         candidates = [w for w in candidates if w.worker_id in self.workers]  # one may have died meanwhile
         if not candidates:
             raise NoWorkerAvailable("no live worker to route to")
-        known = self.index.match(req.hashes)
         tentative = self.tentative.holders(req.hashes, shared)
+        if self.fleet is not None and not exclude and len(self.fleet) == len(self.workers):
+            return self._choose_fleet(req, tentative, exclude, cache_salt)
+        return self._choose_all(req, candidates, tentative, exclude, cache_salt)
+
+    def _choose_all(self, req: RouteRequest, candidates: list[WorkerInfo], tentative: dict[int, set[str]],
+                    exclude: frozenset[str], cache_salt: str) -> Route:
+        """``choose`` with a ``WorkerState`` per candidate and the policy's ``select``: for a policy with
+        no fleet view, and for a retry (``exclude``: the fleet view holds every live worker)."""
+        known = self.index.match(req.hashes)
         matched = self.index.match(req.hashes, extra=tentative) if tentative else known
         states = []
         for w in candidates:
@@ -262,14 +307,42 @@ class RouterCore:
             self.tentative_routes += 1
         return Route(self.workers[wid], req, decision, known.get(wid, 0), exclude, cache_salt, tuple(states))
 
+    def _choose_fleet(self, req: RouteRequest, tentative: dict[int, set[str]], exclude: frozenset[str],
+                      cache_salt: str) -> Route:
+        """``choose`` on the kept fleet view: the same decision as a ``WorkerState`` per live worker and
+        ``select`` (``RoutingPolicy.select_fleet``), without reading every worker. The index answers by
+        groups of equal prefix length; what the index alone (no tentative entries) says a worker holds is
+        asked per worker, only where needed: the chosen one, and the workers holding blocks in a KV tier
+        (their tier blocks are counted over that prefix, as before)."""
+        assert self.fleet is not None
+        index, hashes = self.index, req.hashes
+        levels = index.match_levels(hashes, extra=tentative or None)
+        matched = lengths(levels)
+        tiers: dict[str, tuple[int, int]] = {}
+        for w in index.tiered_workers():
+            if matched.get(w, 0) > 0 and w in self.fleet:
+                t = index.tier_blocks(w, hashes[:index.prefix_len(w, hashes) if tentative else matched[w]])
+                if t:
+                    tiers[w] = (t.get("host", 0), t.get("disk", 0))
+        decision, weighed = self.policy.select_fleet(req, self.fleet, matched, tiers, levels)
+        wid = decision.worker_id
+        known = index.prefix_len(wid, hashes) if tentative else matched.get(wid, 0)
+        if matched.get(wid, 0) > known:
+            self.tentative_routes += 1
+        return Route(self.workers[wid], req, decision, known, exclude, cache_salt, tuple(weighed))
+
     async def dispatched(self, route: Route) -> None:
         """The request goes to ``route.worker`` now: count it in flight and record its prompt as tentative
         (here at once, before any await, so the next decision sees it; then in Redis for other replicas).
         Call it right after ``choose``, with no await in between."""
         self.tentative.record_local(route.worker.worker_id, route.tentative_hashes)
         self.policy.on_dispatch(route.request, route.decision)
+        before = self.inflight.worker_of(route.request.request_id)  # a repeated id leaves that worker
         self.inflight.dispatched(route.request.request_id, route.worker.worker_id, route.uncached_tokens,
                                  route.request.est_output_tokens)
+        if before != route.worker.worker_id:
+            self._sync_worker(before)
+        self._sync_worker(route.worker.worker_id)
         self.decisions[route.decision.reason] = self.decisions.get(route.decision.reason, 0) + 1
         req = route.request
         self.decision_log.record(req.request_id, req.session_id, len(req.hashes), route.worker.worker_id,
@@ -279,7 +352,9 @@ class RouterCore:
 
     def completed(self, route: Route, ok: bool = True) -> None:
         """The request ended: finished (``ok``: its KV events are due) or failed (drop its tentative entries)."""
+        on = self.inflight.worker_of(route.request.request_id)
         self.inflight.completed(route.request.request_id)
+        self._sync_worker(on)
         self.policy.on_complete(route.request, route.worker.worker_id)
         end = self.tentative.completed if ok else self.tentative.failed
         task = asyncio.get_running_loop().create_task(end(route.worker.worker_id, route.tentative_hashes))

@@ -31,10 +31,22 @@ drive both with the same random event sequences and compare every query.
 from __future__ import annotations
 
 import heapq
+from itertools import compress, count
+from operator import not_
 from typing import Iterable, Iterator, Mapping, Sequence
 
 _BIT = {"device": 1, "host": 2, "disk": 4}
 _ORDER = ("device", "host", "disk")   # best first
+_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
+_FEW = 1  # ``match``: alive workers at most this many test the rest of the prompt in their own sets (see there)
+
+
+def lengths(levels: Iterable[tuple[int, Iterable[str]]]) -> dict[str, int]:
+    """``match_levels``'s groups as ``match``'s ``{worker: k}`` (a dict per group, built in C)."""
+    result: dict[str, int] = {}
+    for k, workers in levels:
+        result.update(dict.fromkeys(workers, k))
+    return result
 
 
 class PrefixIndex:
@@ -70,13 +82,11 @@ class PrefixIndex:
         return slot
 
     def _names(self, mask: int, tmp: Sequence[str] = ()) -> Iterator[str]:
-        """Worker ids of the set bits of ``mask``; bits past the last slot name ``tmp[j]``."""
-        ids, n = self._ids, len(self._ids)
-        while mask:
-            low = mask & -mask
-            s = low.bit_length() - 1
-            yield ids[s] if s < n else tmp[s - n]  # type: ignore[misc]  # a set bit is a live slot
-            mask ^= low
+        """Worker ids of the set bits of ``mask``; bits past the last slot name ``tmp[j]``. In C: the
+        mask's binary digits, lowest first, as 0/1 bytes select from the slot table (a Python loop
+        per bit cost ~0.4 us a worker: 53 us for a prompt all 128 workers match)."""
+        ids = self._ids + list(tmp) if tmp else self._ids
+        return compress(ids, bin(mask)[:1:-1].encode().translate(_DIGITS))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ queries
 
@@ -247,11 +257,91 @@ class PrefixIndex:
         """Longest cached prefix per worker: ``{worker: k}`` where the worker holds
         ``hashes[0..k-1]`` (contiguous from block 0). Workers with ``k == 0`` are absent.
         ``extra`` adds holders per block (tentative entries, ``router/tentative.py``)."""
+        levels, tmp = self._match_masks(hashes, extra)
+        return lengths((k, self._names(mask, tmp)) for k, mask in levels)
+
+    def match_levels(self, hashes: Sequence[int],
+                     extra: Mapping[int, set[str]] | None = None) -> list[tuple[int, list[str]]]:
+        """``match`` grouped by prefix length: ``[(k, workers holding exactly k), ...]``, ``k``
+        ascending, each worker once. A fleet that shares a system prompt matches as one big group
+        (the policy's ``select_fleet`` walks a group instead of every member)."""
+        levels, tmp = self._match_masks(hashes, extra)
+        return [(k, list(self._names(mask, tmp))) for k, mask in levels]
+
+    def prefix_len(self, worker: str, hashes: Sequence[int]) -> int:
+        """``match(hashes).get(worker, 0)`` for one worker, from its own set (no fleet-wide lookup)."""
+        slot = self._slot.get(worker)
+        if slot is None:
+            return 0
+        mine = self._by_worker[slot]
+        if mine.issuperset(hashes):  # type: ignore[union-attr]
+            return len(hashes)
+        return next(compress(count(), map(not_, map(mine.__contains__, hashes))))  # type: ignore[union-attr]
+
+    def tiered_workers(self) -> list[str]:
+        """Workers that hold some block in a KV tier (the only ones ``tier_blocks`` can count for)."""
+        return [w for w, media in self._media.items() if media]
+
+    def _match_masks(self, hashes: Sequence[int],
+                     extra: Mapping[int, set[str]] | None) -> tuple[list[tuple[int, int]], list[str]]:
+        """``match`` as ``[(k, bitset of the workers holding exactly k blocks)]``, ``k`` ascending, and
+        the names of the bits past the last slot (``extra``'s workers the index has no slot for).
+
+        Two ways to test a block, each where it is cheaper: while several workers are still alive
+        (hold every block so far), one lookup in the fleet-wide map tells them all (a dict of millions
+        of blocks: a few cache misses per lookup); once ``_FEW`` (one) is left, its own set of hashes
+        (100x smaller, mostly in cache) answers for the rest of the prompt, in C (``issuperset``,
+        then the first block it lacks). A prompt whose tail only its owner holds paid a fleet-wide
+        lookup per block before. With two or more left, a set scan each costs more than one lookup
+        where the map is small (8 workers x 100k blocks: p99 +22% at two), so one it is
+        (docs/routing.md, "Scale")."""
         if not hashes:
-            return {}
+            return [], []
+        if extra:
+            return self._match_walk(hashes, extra)
+        get = self._holders.get
+        levels: list[tuple[int, int]] = []
+        alive = -1  # every slot
+        few = _FEW
+        n = len(hashes)
+        i = 0
+        while i < n:
+            kept = alive & get(hashes[i], 0)
+            if kept != alive:
+                if i:  # the workers whose bit just dropped hold exactly hashes[0..i-1]
+                    levels.append((i, alive ^ kept))
+                alive = kept
+                if not alive:
+                    return levels, []
+                i += 1
+                if alive.bit_count() <= few:
+                    break
+            else:
+                i += 1
+        else:
+            levels.append((n, alive))
+            return levels, []
+        rest = hashes[i:] if i else hashes
+        by_worker = self._by_worker
+        tail: dict[int, int] = {}
+        while alive:
+            low = alive & -alive
+            alive ^= low
+            mine = by_worker[low.bit_length() - 1]
+            if mine.issuperset(rest):  # type: ignore[union-attr]
+                k = n
+            else:  # the first block it lacks (lazy, in C)
+                k = next(compress(count(i), map(not_, map(mine.__contains__, rest))))  # type: ignore[union-attr]
+            tail[k] = tail.get(k, 0) | low
+        levels.extend(sorted(tail.items()))
+        return levels, []
+
+    def _match_walk(self, hashes: Sequence[int],
+                    extra: Mapping[int, set[str]] | None = None) -> tuple[list[tuple[int, int]], list[str]]:
+        """``_match_masks`` by the fleet-wide map alone, block by block (with ``extra``: tentative holders)."""
         get = self._holders.get
         extra_masks, tmp = self._extra_masks(hashes, extra) if extra else (None, [])
-        result: dict[str, int] = {}
+        levels: list[tuple[int, int]] = []
         alive = -1  # every slot
         i = 0
         for i, h in enumerate(hashes):
@@ -261,14 +351,13 @@ class PrefixIndex:
             kept = alive & m
             if kept != alive:
                 if i:  # the workers whose bit just dropped hold exactly hashes[0..i-1]
-                    for w in self._names(alive ^ kept, tmp):
-                        result[w] = i
+                    levels.append((i, alive ^ kept))
                 alive = kept
                 if not alive:
-                    return result
-        for w in self._names(alive, tmp):
-            result[w] = i + 1
-        return result
+                    return levels, tmp
+        if hashes:
+            levels.append((i + 1, alive))
+        return levels, tmp
 
     def _extra_masks(self, hashes: Sequence[int],
                      extra: Mapping[int, set[str]]) -> tuple[dict[int, int], list[str]]:

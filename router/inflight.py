@@ -55,6 +55,11 @@ class InFlightTracker:
         """Requests in flight on all workers."""
         return len(self._entries)
 
+    def worker_of(self, request_id: str) -> str | None:
+        """The worker ``request_id`` is in flight on, or None."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.worker_id
+
     def count(self, worker_id: str) -> int:
         return self._count.get(worker_id, 0)
 

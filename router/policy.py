@@ -7,6 +7,11 @@ live worker's cached prefix length, builds one ``WorkerState`` per live worker, 
 ``select``. It then calls ``on_dispatch`` once the request is sent and ``on_complete``
 when it finishes (or fails), so stateful policies can track what they routed.
 
+A fleet of hundreds of workers makes that list the cost of a decision, so a caller may instead keep
+a ``Fleet`` (``new_fleet``: each live worker's load state, updated when a load report, a dispatch or a
+completion changes it) and call ``select_fleet`` with the index's answer: the same decision, and a
+policy that knows how (``agentrt``) reads only a few workers (docs/routing.md, "Scale").
+
 Implementations are registered by name and imported lazily (``make_policy``).
 """
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -82,6 +87,9 @@ class WorkerState(NamedTuple):
         return max(self.running + self.waiting, self.in_flight)
 
 
+_make_state = WorkerState._make
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     """The chosen worker, how many prompt blocks it is believed to hold, and why (for logs)."""
@@ -112,6 +120,62 @@ class RoutingPolicy:
 
     def on_worker_removed(self, worker_id: str) -> None:
         """The worker left or died; forget anything about it."""
+
+    def new_fleet(self) -> Fleet | None:
+        """A ``Fleet`` this policy can decide on without a ``WorkerState`` per worker per decision
+        (``select_fleet``), or None: the caller then builds the list and calls ``select``."""
+        return None
+
+    def select_fleet(self, request: RouteRequest, fleet: Fleet, matched: Mapping[str, int],
+                     tiers: Mapping[str, tuple[int, int]] | None = None,
+                     levels: Sequence[tuple[int, Sequence[str]]] | None = None
+                     ) -> tuple[RouteDecision, list[WorkerState]]:
+        """The decision ``select`` would make on every worker of ``fleet`` with its state, its
+        ``cached_blocks`` from ``matched`` (the prefix index's answer: workers absent hold 0) and,
+        for a matched worker in ``tiers``, its ``(host_blocks, disk_blocks)``; with the states it
+        weighed. ``levels`` is ``matched`` grouped by length (``PrefixIndex.match_levels``), if the
+        caller has it. This default does exactly that; a policy with a faster path overrides it and
+        must decide the same."""
+        tiers = tiers or {}
+        states = [fleet.state(wid, matched.get(wid, 0), tiers.get(wid)) for wid in fleet]
+        return self.select(request, states), states
+
+
+class Fleet:
+    """The live workers' states as a policy sees them, less the per-request part (``cached_blocks``,
+    tiers): kept up to date by the router as load reports, dispatches and completions arrive, so a
+    decision reads it instead of building one ``WorkerState`` per worker (docs/routing.md "Scale").
+    This base keeps a dict; a policy's subclass (``AgentrtFleet``) keeps its own orderings too."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, WorkerState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._states
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def update(self, state: WorkerState) -> None:
+        """Add ``state.worker_id`` or replace its state (its ``cached_blocks`` and tiers are ignored)."""
+        if state.cached_blocks or state.host_blocks or state.disk_blocks:
+            state = state._replace(cached_blocks=0, host_blocks=0, disk_blocks=0)
+        self._states[state.worker_id] = state
+
+    def remove(self, worker_id: str) -> None:
+        self._states.pop(worker_id, None)
+
+    def state(self, worker_id: str, cached_blocks: int = 0, tiers: tuple[int, int] | None = None) -> WorkerState:
+        """The worker's state for one request: its load state with ``cached_blocks`` and, if it holds
+        any, its ``(host_blocks, disk_blocks)``."""
+        state = self._states[worker_id]
+        if not cached_blocks:
+            return state
+        host, disk = tiers or (0, 0)
+        return _make_state((worker_id, cached_blocks, *state[2:8], host, disk))  # (``_replace``: 4x slower)
 
 
 def require_workers(workers: list[WorkerState]) -> None:

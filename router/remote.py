@@ -342,8 +342,8 @@ class RemoteEngine:
 
 def route_attributes(route: Route, policy: str, attempt: int) -> dict[str, Any]:
     """A routing decision as span attributes: the chosen worker, why (the policy's rule), the prompt
-    tokens it is believed to hold (index and tentative entries), and every candidate as the policy saw
-    it (parallel lists: id, cached blocks, queued requests)."""
+    tokens it is believed to hold (index and tentative entries), and the candidates the policy weighed
+    as it saw them (``Route.candidates``; parallel lists: id, cached blocks, queued requests)."""
     request, decision = route.request, route.decision
     return {"agentrt.route.worker": route.worker.worker_id, "agentrt.route.reason": decision.reason,
             "agentrt.route.policy": policy, "agentrt.route.attempt": attempt,

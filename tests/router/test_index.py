@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+import router.index as index_module
 from router.index import PrefixIndex, ReferencePrefixIndex
 
 WORKERS = [f"w{i}" for i in range(12)]
@@ -34,14 +35,22 @@ def same(a: PrefixIndex, b: ReferencePrefixIndex, rng: random.Random, queries: l
     for h in list(b._holders)[:50] + [999_999]:
         assert a.holders(h) == b.holders(h)
     for q in queries:
-        assert a.match(q) == b.match(q)
+        want = b.match(q)
+        assert a.match(q) == want
+        levels = a.match_levels(q)
+        assert [k for k, _ in levels] == sorted({k for k, _ in levels})  # ascending, one group per length
+        assert {w: k for k, ws in levels for w in ws} == want and sum(len(ws) for _, ws in levels) == len(want)
+        for w in WORKERS + ["nobody"]:
+            assert a.prefix_len(w, q) == want.get(w, 0)
         extra = {h: set(rng.sample(WORKERS + ["tentative-only"], rng.randrange(0, 3)))
                  for h in q if rng.random() < 0.4}
         assert a.match(q, extra=extra) == b.match(q, extra=extra)
 
 
+@pytest.mark.parametrize("few", [0, 1, 4, 100])  # when ``match`` leaves the fleet-wide map for workers' own sets
 @pytest.mark.parametrize("seed", range(6))
-def test_random_events_match_reference(seed):
+def test_random_events_match_reference(seed, few, monkeypatch):
+    monkeypatch.setattr(index_module, "_FEW", few)
     rng = random.Random(seed)
     a, b = PrefixIndex(), ReferencePrefixIndex()
     paths = chains(rng, 40)
@@ -93,3 +102,26 @@ def test_match_with_tentative_worker_unknown_to_the_index():
     assert a.match([1, 2, 3], extra=extra) == {"a": 3, "new": 3}
     assert a.match([1, 2, 3]) == {"a": 2}
     assert a.workers() == ["a"]  # the tentative-only worker got no slot
+
+
+@pytest.mark.parametrize("few", [0, 1, 2, 100])
+def test_long_chains_leave_the_fleet_map_for_own_sets(few, monkeypatch):
+    """Prompts of 300 blocks over a shared head: groups that drop at several lengths, workers that keep
+    the whole prompt, and holes past the point where only a few workers are left."""
+    monkeypatch.setattr(index_module, "_FEW", few)
+    rng = random.Random(few)
+    a, b = PrefixIndex(), ReferencePrefixIndex()
+    head = list(range(40))
+    prompts = [head + [1000 * p + j for j in range(260)] for p in range(4)]
+    for i, w in enumerate(WORKERS):
+        p = prompts[i % 4]
+        held = p[: rng.choice([10, 40, 120, 300])]
+        if rng.random() < 0.5:  # a hole further on
+            held = [h for h in held if h != rng.choice(held)]
+        a.stored(w, held)
+        b.stored(w, held)
+    for q in prompts + [p[:50] for p in prompts] + [head + [7]]:
+        want = b.match(q)
+        assert a.match(q) == want
+        assert {w: k for k, ws in a.match_levels(q) for w in ws} == want
+        assert all(a.prefix_len(w, q) == want.get(w, 0) for w in WORKERS)
