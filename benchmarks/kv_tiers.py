@@ -9,6 +9,9 @@ quarter of the sessions' live contexts at once (``--pool-fraction``): while a se
 the others' turns evict its pages. Tier off, its next turn recomputes them; tier on, they come
 back from the disk tier (the CPU default; ``--host-tokens`` adds a host tier).
 
+Sessions start spread over ``--start-spread-s`` (default: the mean pause) and every start and pause is
+drawn per (session, turn) from the seed, so both runs see the same arrivals.
+
 Reported per run: TTFT p50/p99 of turns 2+, prompt tokens served from the device pool, the host
 and the disk tier (turns 2+), the tiers' bytes written and read, and the wall time. Greedy replies
 of both runs are compared (they must be identical).
