@@ -102,7 +102,7 @@ def run_baseline(hf_model, tok, wl: AgenticWorkload, system: str) -> dict:
     replies: dict[tuple[int, int], list[int]] = {}
     generated = prompt_total = 0
     start = time.perf_counter()
-    for t in bar(range(wl.turns), "baseline", unit="turn"):
+    for t in bar(wl.turns, "baseline", unit="turn", iterable=range(wl.turns)):
         prompts = []
         for s in range(wl.sessions):
             history[s].extend(wl.turn_messages(tok, s, t))
