@@ -11,6 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
 SPECULATIVE = ("off", "ngram")
+QUANTIZATIONS = ("auto", "off", "int4", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -57,6 +58,14 @@ class EngineConfig:
     logged at start; emptied at shutdown unless ``kv_disk_keep``), and come back from there instead
     of being recomputed. 0 turns a tier off (the engine library's default: both off).
 
+    Weight-only quantization (engine/models/quant.py, dense models on the CPU): ``int4`` keeps the
+    attention and MLP weights as 4-bit groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as stored, other
+    weights quantized round-to-nearest) and ``int8`` as 8 bits per output row; with either the LM head
+    is 8-bit per row, and the matmuls run in bfloat16 activations (torch's CPU packed kernels).
+    ``auto`` is ``int4`` for a GGUF file whose layer weights are Q4_0 / Q4_1, served on the CPU in
+    bfloat16 (a decode step then reads a quarter of the bf16 bytes), and ``off`` otherwise: float32
+    stays exact, and a checkpoint stored in full precision is not quantized unless asked.
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -85,6 +94,7 @@ class EngineConfig:
     ep_redundant: int = 0
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    quantization: str = "auto"
     close_constrained_outputs: bool = True
     kv_host_tokens: int = 0
     kv_disk_tokens: int = 0
@@ -121,6 +131,13 @@ class EngineConfig:
                 not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization in ("int4", "int8") and self.resolved_device() != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU packed "
+                             f"kernels); on {self.resolved_device()} use 'off'")
+        if self.quantization in ("int4", "int8") and self.ep_size > 1:
+            raise ValueError("quantization applies to dense models; with ep_size > 1 use 'off'")
         for name in ("kv_host_tokens", "kv_disk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -167,6 +184,19 @@ class EngineConfig:
         if self.resolved_device().startswith("cuda") or cpu_has_native_bf16():
             return "bfloat16"
         return "float32"
+
+    def resolved_quantization(self, weight_types: set[str] | None = None) -> str:
+        """``auto``: ``int4`` when the model is a GGUF file whose layer weights are all Q4_0 / Q4_1
+        (``weight_types``, as ``engine.loader.gguf_weight_types`` reads them) and it runs on the CPU in
+        bfloat16 with torch's packed kernels available; else ``off``."""
+        if self.quantization != "auto":
+            return self.quantization
+        from engine.models.quant import kernels_available
+
+        if (weight_types and weight_types <= {"Q4_0", "Q4_1"} and self.resolved_device() == "cpu"
+                and self.resolved_dtype() == "bfloat16" and kernels_available()):
+            return "int4"
+        return "off"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

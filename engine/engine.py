@@ -31,7 +31,7 @@ from engine.constraints import TokenConstraint
 from engine.hashing import block_hashes, make_seed
 from engine.kv_pool import KVCache, PagePool
 from engine.kv_tier import DiskTier, HostTier, KVTiers, page_shape
-from engine.loader import load_model_files
+from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.radix_cache import RadixCache
@@ -51,7 +51,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         dtype = _DTYPES[config.resolved_dtype()]
-        mcfg, state, tok, model_id = load_model_files(config.model, dtype)
+        self.quantization = config.resolved_quantization(gguf_weight_types(config.model))
+        mcfg, state, tok, model_id, int4_groups = load_model_files(config.model, dtype,
+                                                                   int4_groups=self.quantization == "int4")
         self.model_config, self.tokenizer = mcfg, tok
         self.model_id = config.served_model_name or model_id
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
@@ -60,8 +62,8 @@ class LLMEngine:
         if config.ep_size > 1:
             self.model = self._build_expert_parallel(mcfg, state, dtype)
         else:
-            self.model = build_model(mcfg, state, dtype, self.device)
-        del state
+            self.model = build_model(mcfg, state, dtype, self.device, self.quantization, int4_groups)
+        del state, int4_groups
         P = config.page_size
         self.pool = PagePool(config.num_pages)
         self.backend_name = config.resolved_backend()

@@ -30,7 +30,7 @@ def export(out_dir: str, model: str | None) -> None:
 
     from engine.loader import load_model_files
 
-    cfg, state, tok, model_id = load_model_files(model, torch.float32)
+    cfg, state, tok, model_id, _ = load_model_files(model, torch.float32)
     if cfg.moe:
         raise SystemExit("export writes dense Llama-family shapes only")
     os.makedirs(out_dir, exist_ok=True)

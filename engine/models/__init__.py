@@ -6,17 +6,24 @@ import torch
 
 from engine.loader.model_config import ModelConfig
 from engine.models.llama import LlamaModel
+from engine.models.quant import quantize_model
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: str) -> LlamaModel:
-    """Instantiate the decoder for ``cfg`` and load ``state`` (HF names) into it."""
+                device: str, quantization: str = "off", int4_groups: dict | None = None) -> LlamaModel:
+    """Instantiate the decoder for ``cfg`` and load ``state`` (HF names) into it; ``quantization``
+    ``int4`` / ``int8`` then swaps its projections for quantized layers (engine/models/quant.py)."""
     if cfg.moe:
         from engine.models.moe_model import build_moe_model
-        return build_moe_model(cfg, state, dtype, device)
+        model = build_moe_model(cfg, state, dtype, device)
+        if quantization != "off":
+            quantize_model(model, quantization, int4_groups)
+        return model
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.rope = model.rope.__class__(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     model.load_hf_state_dict(state)
+    if quantization != "off":
+        quantize_model(model, quantization, int4_groups)
     return model.eval()

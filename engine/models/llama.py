@@ -38,24 +38,37 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
+        """This step's cos/sin rows, gathered once for every layer. positions: (T,)."""
+        return RopeTable(self.cos[positions].unsqueeze(1).to(dtype),   # (T, 1, D)
+                         self.sin[positions].unsqueeze(1).to(dtype))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (T, H, D); positions: (T,)
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)     # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return self.table(positions, x.dtype).apply(x)
+
+
+class RopeTable:
+    """cos/sin of one step's positions, (T, 1, D) each, applied to any (T, H, D) heads."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * self.cos + rotated * self.sin
 
 
 class Attention(nn.Module):
+    """q, k and v come from one fused projection (``qkv_proj``: one matmul instead of three, the
+    loader stacks the checkpoint's q_proj / k_proj / v_proj rows, ``FUSED``)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -63,27 +76,33 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: "RopeTable", attn) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd)           # (T, Hq, D)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)          # (T, Hkv, D)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+        nq, nkv = self.nh, self.nkv
+        qkv = self.qkv_proj(x).view(T, nq + 2 * nkv, self.hd)  # (T, Hq + 2 Hkv, D)
+        if self.q_norm is None:
+            qk = rope.apply(qkv[:, :nq + nkv])                 # q and k rotated together, (T, Hq + Hkv, D)
+            q, k = qk[:, :nq].contiguous(), qk[:, nq:]         # backends view q as (T, Hkv, G, D)
+        else:
+            q = rope.apply(self.q_norm(qkv[:, :nq]))           # (T, Hq, D)
+            k = rope.apply(self.k_norm(qkv[:, nq:nq + nkv]))   # (T, Hkv, D)
+        v = qkv[:, nq + nkv:]                                  # (T, Hkv, D)
         out = attn.forward(self.layer_idx, q, k, v)            # (T, Hq, D)
-        return self.o_proj(out.reshape(T, self.nh * self.hd))
+        return self.o_proj(out.reshape(T, nq * self.hd))
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up in one fused projection (``gate_up_proj``: [gate; up] rows)."""
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)   # (T, I) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -94,8 +113,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x, rope: RopeTable, attn):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,26 +137,53 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, d)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.table(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, rope, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, d) -> (B, vocab) in float32."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ w.t()).float()
+        if self.lm_head is None:
+            return (hidden @ self.embed_tokens.weight.t()).float()
+        return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints (``model.layers.N...``)."""
-        own = self.state_dict()
         missing = []
-        for name in own:
-            src = name if name.startswith("lm_head") else "model." + name
-            if src not in state:
-                missing.append(src)
+        for name, tensor in self.state_dict().items():
+            value = hf_weight(state, name, missing)
+            if value is None:
                 continue
-            if state[src].shape != own[name].shape:
-                raise ValueError(f"weight {src}: shape {tuple(state[src].shape)} != expected {tuple(own[name].shape)}")
-            own[name].copy_(state[src])
+            if value.shape != tensor.shape:
+                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
+            tensor.copy_(value)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+# fused module -> the checkpoint's modules whose output rows it stacks, in order
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def hf_sources(name: str) -> list[str]:
+    """The checkpoint (Hugging Face) names of one of our parameters: ``layers.0.self_attn.qkv_proj.weight``
+    is ``model.layers.0.self_attn.{q,k,v}_proj.weight`` stacked."""
+    prefix = "" if name.startswith("lm_head") else "model."
+    for fused, parts in FUSED.items():
+        head, sep, kind = name.rpartition(f".{fused}.")
+        if sep:
+            return [f"{prefix}{head}.{part}.{kind}" for part in parts]
+    return [prefix + name]
+
+
+def hf_weight(state, name: str, missing: list[str]) -> torch.Tensor | None:
+    """Our parameter ``name`` from a checkpoint in HF names (fused ones stacked); None (and the names
+    appended to ``missing``) when the checkpoint lacks it."""
+    sources = hf_sources(name)
+    absent = [s for s in sources if s not in state]
+    if absent:
+        missing.extend(absent)
+        return None
+    return state[sources[0]] if len(sources) == 1 else torch.cat([state[s] for s in sources])

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.loader.model_config import ModelConfig
-from engine.models.llama import LlamaModel
+from engine.models.llama import LlamaModel, hf_weight
 from engine.moe.config import MoEConfig, moe_layer_indices
 from engine.moe.layers import MoEBlock
 
@@ -41,17 +41,15 @@ class MoEModel(LlamaModel):
         """Dense weights by HF name as ``LlamaModel`` does; MoE blocks by their HF names
         (``block_sparse_moe.*`` for Mixtral, ``mlp.*`` for Qwen), read only as needed."""
         moe_prefixes = tuple(f"layers.{i}.mlp." for i in self.moe_layers)
-        missing = []
+        missing: list[str] = []
         for name, tensor in self.state_dict().items():
             if name.startswith(moe_prefixes):
                 continue
-            src = name if name.startswith("lm_head") else "model." + name
-            if src not in state:
-                missing.append(src)
+            value = hf_weight(state, name, missing)
+            if value is None:
                 continue
-            value = state[src]
             if value.shape != tensor.shape:
-                raise ValueError(f"weight {src}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
+                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
             tensor.copy_(value)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
