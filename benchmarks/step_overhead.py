@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per shape (the median is reported)")
     ap.add_argument("--dtype", default=EngineConfig.dtype)
+    ap.add_argument("--quantization", default=EngineConfig.quantization,
+                    help="weight quantization (engine.config.QUANTIZATIONS; auto: int4 for the default GGUF in bf16)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--plans", default="auto,union", help="decode plans to compare (auto, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
@@ -120,9 +122,10 @@ def main() -> None:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     P = EngineConfig.page_size
     need = max(b * -(-c // P) * P for b, c, _ in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=need + P))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P))
     backend = engine.runner.attn
-    print(f"device {engine.device}, dtype {args.dtype}, backend {engine.backend_name}, torch threads "
+    print(f"device {engine.device}, dtype {args.dtype}, quantization {engine.quantization}, "
+          f"backend {engine.backend_name}, torch threads "
           f"{torch.get_num_threads()}", flush=True)
     results: dict[str, dict[str, dict]] = {}
     for plan in args.plans.split(","):
@@ -148,6 +151,7 @@ def main() -> None:
     out = {
         "device": f"{engine.device} ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
         "dtype": args.dtype,
+        "quantization": engine.quantization,
         "decode_step_ms": {k: v["step_ms"] for k, v in auto.items()},
         "host_ms_per_step": {str(SHAPES[k][0]): v["host_ms"] for k, v in auto.items() if SHAPES[k][1] == 64},
         "forward_ms_per_step": {str(SHAPES[k][0]): v["forward_ms"] for k, v in auto.items() if SHAPES[k][1] == 64},

@@ -15,7 +15,11 @@ Kernels (torch's own, ATen CPU):
 
 Both are vectorised for bfloat16 activations only (their float32 paths are scalar loops, 10-30x
 slower), so a quantized layer multiplies in bfloat16 and returns the caller's dtype; the engine uses
-them with bfloat16 activations (``EngineConfig.quantization``). Scales are held in bfloat16, as the
+them with bfloat16 activations (``EngineConfig.quantization``). They win only where a step reads
+weights for a few rows (decode at small batches): a layer given its ``dense`` bf16 weight as well runs
+steps of more than ``MAX_QUANT_ROWS`` rows (prefill chunks, large decode batches) as a plain bf16
+matmul on it, so prefill keeps the bf16 speed; that copy costs 2 bytes per weight beside the 0.5 of
+the 4-bit one (the model's own bf16 weights, kept; a tied LM head's is the embedding table). Scales are held in bfloat16, as the
 kernels take them: the weights a layer multiplies by are ``dequantized_weight()`` (the groups' q with
 the bfloat16 scales), which tests/engine/test_quant.py uses as the oracle.
 """
@@ -29,6 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32   # a GGUF block: the group size of Q4_0 / Q4_1 and of quantize_int4
+# Rows (tokens) up to which the packed kernels beat a bf16 matmul on this weight's dense copy: they win
+# 2-3x at 1-4 rows and lose 2-3x from 16 rows on (prefill chunks), where the matmul is compute-bound and
+# the kernel dequantizes as it goes (measured at SmolLM2-135M's shapes on a 2-core AVX512-BF16 CPU:
+# fused qkv + gate_up + down at 8 rows 269 us int4 vs 304 us bf16, at 16 rows 516 vs 346, at 512 rows
+# 17.4 vs 5.4 ms; the 49k-row LM head at 8 rows 2.3 vs 3.4 ms int8, at 16 rows 4.5 vs 3.4 ms).
+MAX_QUANT_ROWS = 8
 
 
 def kernels_available() -> bool:
@@ -112,7 +122,8 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP) -> Int4Groups:
 class Int4Linear(nn.Module):
     """``y = x @ w.T + b`` with 4-bit group-wise weights (torch's CPU int4 kernel)."""
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None) -> None:
         super().__init__()
         N, K = groups.q.shape
         self.in_features, self.out_features, self.group_size = K, N, groups.group_size
@@ -124,10 +135,13 @@ class Int4Linear(nn.Module):
         sz = torch.stack([groups.scale.t(), (groups.minimum + 8 * groups.scale).t()], dim=-1)  # (K/G, N, 2)
         self.register_buffer("scales_and_zeros", sz.contiguous().to(torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.register_buffer("dense", _dense(dense, N, K), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)                      # (T, K)
+        if self.dense is not None and x2.shape[0] > MAX_QUANT_ROWS:
+            return F.linear(x2, self.dense, self.bias).to(x.dtype).view(*shape[:-1], self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
@@ -140,7 +154,8 @@ class Int4Linear(nn.Module):
 class Int8Linear(nn.Module):
     """``y = x @ w.T + b`` with 8-bit weights, one symmetric scale per output row (torch's CPU kernel)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None) -> None:
         super().__init__()
         w = weight.detach().float()                                         # (N, K)
         self.out_features, self.in_features = w.shape
@@ -150,10 +165,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", q)
         self.register_buffer("scales", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.register_buffer("dense", _dense(dense, self.out_features, self.in_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.q, self.scales)
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)                      # (T, K)
+        if self.dense is not None and x2.shape[0] > MAX_QUANT_ROWS:
+            return F.linear(x2, self.dense, self.bias).to(x.dtype).view(*shape[:-1], self.out_features)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -166,6 +185,15 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _dense(weight: torch.Tensor | None, N: int, K: int) -> torch.Tensor | None:
+    """A layer's bf16 weight for steps of many rows (shared with the model when it is bf16 already)."""
+    if weight is None:
+        return None
+    if tuple(weight.shape) != (N, K):
+        raise ValueError(f"dense weight shape {tuple(weight.shape)} != ({N}, {K})")
+    return weight.detach().to(torch.bfloat16)
+
+
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The plain oracle of a quantized layer: bfloat16-rounded inputs times the weights its kernel
     multiplies by (``Int4Groups.kernel_weight``, ``Int8Linear.kernel_weight``), in float32.
@@ -173,13 +201,14 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x.to(torch.bfloat16).float(), weight, None if bias is None else bias.to(torch.bfloat16).float())
 
 
-def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None) -> None:
+def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None, keep_dense: bool = True) -> None:
     """Swap a loaded ``LlamaModel``'s dense projections for quantized layers, in place: every decoder
     layer's ``qkv_proj``, ``o_proj`` and (dense MLPs only; MoE experts stay as they are) ``gate_up_proj``
     and ``down_proj``, and the LM head (8-bit per row; a tied head gets its own 8-bit copy, the
     embedding table stays for the lookup). ``mode``: ``int4`` or ``int8``. ``int4_groups``: a GGUF file's
     4-bit blocks by HF name (``engine.loader.ModelFiles.int4_groups``), used as stored where every part
-    of a (fused) weight has them; other weights are quantized from their float values."""
+    of a (fused) weight has them; other weights are quantized from their float values. ``keep_dense``:
+    each layer keeps the model's weight in bf16 for steps of more than ``MAX_QUANT_ROWS`` rows."""
     from engine.models.llama import MLP, hf_sources
 
     if mode not in ("int4", "int8"):
@@ -191,11 +220,12 @@ def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None)
             targets += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
         for parent, parent_name, attr in targets:
             linear = getattr(parent, attr)
+            dense = linear.weight if keep_dense else None
             if mode == "int8":
-                setattr(parent, attr, Int8Linear(linear.weight, linear.bias))
+                setattr(parent, attr, Int8Linear(linear.weight, linear.bias, dense))
                 continue
             parts = [groups.get(src) for src in hf_sources(f"layers.{i}.{parent_name}.{attr}.weight")]
             weights = Int4Groups.cat(parts) if all(p is not None for p in parts) else quantize_int4(linear.weight)
-            setattr(parent, attr, Int4Linear(weights, linear.bias))
+            setattr(parent, attr, Int4Linear(weights, linear.bias, dense))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Int8Linear(head)
+    model.lm_head = Int8Linear(head, dense=head if keep_dense else None)

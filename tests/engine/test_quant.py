@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import BatchLayout
@@ -21,8 +22,8 @@ from engine.chat import encode_chat
 from engine.loader import gguf_weight_types
 from engine.loader.gguf_file import GGUFFile, dequantize
 from engine.loader.gguf_loader import _unpermute_qk, _unpermute_rows, default_model_path
-from engine.models.quant import (Int4Groups, Int4Linear, Int8Linear, kernels_available, quantize_int4,
-                                 reference_linear)
+from engine.models.quant import (MAX_QUANT_ROWS, Int4Groups, Int4Linear, Int8Linear, kernels_available,
+                                 quantize_int4, reference_linear)
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="this torch build has no CPU packed kernels")
 
@@ -90,6 +91,21 @@ def test_int8_kernel_matches_its_reference(tokens):
     # per-row symmetric: each weight within half a step of its row's scale
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert bool(((layer.kernel_weight() - w).abs() <= step / 2 * 1.01 + 1e-7).all())
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
+def test_steps_of_many_rows_use_the_dense_weight(cls):
+    """Past MAX_QUANT_ROWS rows a layer with a dense copy multiplies by it (prefill keeps bf16 speed);
+    up to it, by its quantized weights."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 128, generator=gen) * 0.1
+    layer = Int4Linear(quantize_int4(w), dense=w) if cls == "int4" else Int8Linear(w, dense=w)
+    quantized = quantize_int4(w).kernel_weight() if cls == "int4" else layer.kernel_weight()
+    few = torch.randn(MAX_QUANT_ROWS, 128, generator=gen)
+    many = torch.randn(MAX_QUANT_ROWS + 1, 128, generator=gen)
+    assert_close_to_reference(layer(few), reference_linear(few, quantized))
+    assert torch.equal(layer(many), F.linear(many.bfloat16(), w.bfloat16()).float())
+    assert not torch.equal(layer(few), F.linear(few.bfloat16(), w.bfloat16()).float())
 
 
 def test_quantize_int4_rounds_to_the_nearest_level():
