@@ -22,7 +22,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, SPECULATIVE, EngineConfig
+from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, QUANTIZATIONS, SPECULATIVE, EngineConfig
 
 from agentrt import tracing
 
@@ -260,6 +260,10 @@ class ServerConfig(Settings):
                                               "step; greedy output unchanged)")
     num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
                                         "request verifies per step with --speculative ngram")
+    quantization: Literal[QUANTIZATIONS] = Field(_ENGINE["quantization"], description="weight-only quantization "
+                                                 "on the CPU: int4, int8, off, or auto (int4 for a Q4_0/Q4_1 GGUF "
+                                                 "served in bfloat16, as the default model is on AVX512-BF16 CPUs; "
+                                                 "off otherwise, float32 included)")
     kv_host_tokens: int = Field(_ENGINE["kv_host_tokens"], ge=0, description="tokens of KV the host memory tier "
                                 "below the pool holds (pinned CPU memory; for a GPU pool; 0: off)")
     kv_disk_tokens: int = Field(_ENGINE["kv_disk_tokens"], ge=0, description="tokens of KV the disk tier below the "
@@ -338,6 +342,7 @@ class ServerConfig(Settings):
                             turn_coalesce_max_s=self.turn_coalesce_max_s, ep_size=self.ep, ep_nodes=self.ep_nodes,
                             ep_placement=self.ep_placement, ep_redundant=self.ep_redundant,
                             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                            quantization=self.quantization,
                             kv_host_tokens=self.kv_host_tokens, kv_disk_tokens=self.kv_disk_tokens,
                             kv_disk_path=self.kv_disk_path, kv_disk_keep=self.kv_disk_keep)
 

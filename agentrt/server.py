@@ -413,12 +413,14 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
                role: str = "serve") -> FastAPI:
     """The app around ``engine`` (an ``engine.LLMEngine``; built from ``config`` when None). ``role``
     names the process in its traces (serve, worker)."""
-    from engine import AsyncEngine, LLMEngine
+    from engine import AsyncEngine
 
-    llm = engine if engine is not None else LLMEngine(config.engine_config())
+    # loaded in the engine's own thread, where it then runs (AsyncEngine's docstring says why)
+    async_engine = AsyncEngine(engine) if engine is not None else AsyncEngine.from_config(config.engine_config())
+    llm = async_engine.engine
     if tracing.enabled():
         llm.on_finished = tracing.record_engine_phases
-    return assemble_app(config, AsyncEngine(llm), llm, store, role=role)
+    return assemble_app(config, async_engine, llm, store, role=role)
 
 
 def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store: SessionStore | None = None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -43,6 +44,7 @@ from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams)
 
+_log = logging.getLogger("engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,6 +96,8 @@ class LLMEngine:
         if config.speculative == "ngram":
             self.scheduler.propose = self._propose
         self._snapshot()
+        _log.info("model %s, %s on %s, weights %s, attention %s, %d torch threads", self.model_id,
+                  config.resolved_dtype(), self.device, self.quantization, self.backend_name, torch.get_num_threads())
 
     def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
         """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.loader.model_config import ModelConfig
-from engine.models.llama import LlamaModel
+from engine.models.llama import LlamaModel, keep_float32_norms
 from engine.models.quant import quantize_model
 
 
@@ -16,6 +16,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     if cfg.moe:
         from engine.models.moe_model import build_moe_model
         model = build_moe_model(cfg, state, dtype, device)
+        keep_float32_norms(model)
         if quantization != "off":
             quantize_model(model, quantization, int4_groups)
         return model
@@ -24,6 +25,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     model = model.to_empty(device=device).to(dtype)
     model.rope = model.rope.__class__(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     model.load_hf_state_dict(state)
+    keep_float32_norms(model)
     if quantization != "off":
         quantize_model(model, quantization, int4_groups)
     return model.eval()

@@ -15,6 +15,9 @@ from engine.loader.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """Normalised in float32, whatever the activations' dtype. ``keep_float32_norms`` stores the weights
+    in float32 once loaded (exactly the bf16 values), so a step does not convert them 61 times."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -23,7 +26,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * self.weight.float()).to(x.dtype)   # .float() of a float32 weight is the weight
+
+
+def keep_float32_norms(model: nn.Module) -> None:
+    """Every RMSNorm's weight as float32 (a lossless widening of what was loaded)."""
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.weight.data = m.weight.data.float()
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,0 +1,49 @@
+"""AsyncEngine built from a config loads the model in its own thread and runs it there (every torch
+operation of a server in one thread: AsyncEngine's docstring says why), streams as before, and a load
+that fails raises in the caller with the engine's own error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+
+
+def test_from_config_loads_and_steps_in_the_engine_thread(monkeypatch):
+    threads = {}
+    build, step = LLMEngine.__init__, LLMEngine.step
+
+    def recording_init(self, *args, **kwargs):
+        threads["load"] = threading.current_thread().name
+        build(self, *args, **kwargs)
+
+    def recording_step(self):
+        threads.setdefault("step", threading.current_thread().name)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+
+    async def run() -> list[int]:
+        ae = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=2048))
+        try:
+            ids = []
+            async for out in ae.submit([1, 9690, 198, 2683], SamplingParams(max_tokens=5, temperature=0,
+                                                                           ignore_eos=True)):
+                ids += out.token_ids
+            return ids
+        finally:
+            await ae.shutdown()
+
+    ids = asyncio.run(run())
+    assert len(ids) == 5
+    assert threads == {"load": "agentrt-engine", "step": "agentrt-engine"}
+    assert threading.current_thread().name != "agentrt-engine"
+
+
+def test_a_failed_load_raises_in_the_caller():
+    with pytest.raises(FileNotFoundError, match="expected a .gguf file or a Hugging Face directory"):
+        AsyncEngine.from_config(EngineConfig(model="/nonexistent/model.bin"))
