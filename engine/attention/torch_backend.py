@@ -23,8 +23,8 @@ decode row per query, each seeing the keys up to its own position; the cascade t
 the sequence's context once for all of its queries.
 
 Longer prefill chunks: per sequence, the keys are gathered (one copy) and attended with
-a bottom-right causal mask, or SDPA's ``is_causal`` when nothing was cached
-before the chunk.
+a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SDPA's
+``is_causal`` when nothing was cached before the chunk.
 
 ``engine/attention/reference.py`` is the plain oracle both paths are tested against.
 """
@@ -48,6 +48,10 @@ _GROUP_SLACK = 1.25
 _VIEW_MIN_SLOTS = 256
 # an extend of at most this many queries over a cached prefix is served as that many decode rows
 _DECODE_MAX_Q = 16
+# a prefill chunk over a cached prefix of at least this many queries goes through SDPA (its fused CPU
+# kernel never holds the (heads, queries, keys) scores): 2.5x faster for 512 queries over 7,000 keys
+# (186 -> 76 ms a layer, bf16, 2 cores), 2.1x at 128; slower below (64 x 7,000: 7.3 vs 11.1 ms)
+_SDPA_MIN_Q = 128
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -97,6 +101,10 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks, vs, is_causal=True,
                                                    enable_gqa=True)   # (Hq, ql, D)
                 out[start:end] = o.transpose(0, 1)
+            elif end - start >= _SDPA_MIN_Q:  # a long chunk over a cached prefix: SDPA's fused kernel
+                o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks[None], vs[None], attn_mask=mask,
+                                                   enable_gqa=True)   # (1, Hq, ql, D)
+                out[start:end] = o[0].transpose(0, 1)
             else:
                 out[start:end] = grouped_attention(qs, ks, vs, mask)
         if self.decode is not None:

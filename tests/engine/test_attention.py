@@ -178,3 +178,22 @@ def test_short_extends_join_the_decode_plans(plan):
     rows = (backend.decode[0] if plan == "union" else backend.cascade.rows).tolist()
     assert len(rows) == 5 + 1 + 3 + 16                   # not the fresh prefill, not the 17-token extend
     assert [start for start, _, _, _ in backend.prefills] == [5 + 1 + 3 + 16, 5 + 1 + 3 + 16 + 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_over_a_cached_prefix_match_reference(dtype):
+    """Prefill chunks over cached keys on both sides of _SDPA_MIN_Q (the masked SDPA path and the
+    grouped one), beside a cold prefill and a decode row, against the reference."""
+    from engine.attention.torch_backend import _SDPA_MIN_Q
+
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    specs = [(_SDPA_MIN_Q, _SDPA_MIN_Q + 37), (_SDPA_MIN_Q - 1, _SDPA_MIN_Q + 50), (40, 40), (1, 23),
+             (_SDPA_MIN_Q + 3, 3 * _SDPA_MIN_Q + 1)]
+    num_pages = sum(-(-kl // P) for _, kl in specs) + 2
+    kv, backend = random_backend(1, num_pages, dtype)
+    layout = make_batch(rng, num_pages, specs)
+    out, ref = run_against_reference(kv, backend, layout, 0, dtype)
+    assert [end - start for start, end, _, _ in backend.prefills] == [q for q, _ in specs if q > 1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
