@@ -58,8 +58,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """``engine``: an ``LLMEngine``, or a callable that builds one (``from_config``), which then runs in
-    the engine's own thread, so that every torch operation of the process runs in that one thread.
+    """``engine``: the ``LLMEngine`` to run; or ``build``, a callable that makes one (``from_config``),
+    which then runs in the engine's own thread, so that every torch operation of the process runs in
+    that one thread.
 
     Why it matters on the CPU: each thread that runs torch's parallel operations gets its own OpenMP
     thread team, and once a process holds more OpenMP threads than CPUs, libgomp stops letting idle
@@ -68,7 +69,9 @@ class AsyncEngine:
     default model at 24 tok/s at batch 1 on 2 cores; loaded and stepped here, 54 tok/s.
     """
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None) -> None:
+        if (engine is None) == (build is None):
+            raise ValueError("AsyncEngine takes an engine or a build callable, exactly one of them")
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -76,8 +79,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
-        self._thread = threading.Thread(target=self._run, args=(engine,), name="agentrt-engine", daemon=True)
+        self.engine: LLMEngine | None = engine
+        self._thread = threading.Thread(target=self._run, args=(build,), name="agentrt-engine", daemon=True)
         self._thread.start()
         self._started.wait()
         if self._start_error is not None:
@@ -87,12 +90,12 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
         """Load the model and run the engine in the engine thread (what a server should do)."""
-        return cls(lambda: LLMEngine(config))
+        return cls(build=lambda: LLMEngine(config))
 
-    def _run(self, engine) -> None:
+    def _run(self, build) -> None:
         try:
-            if self.engine is None:
-                self.engine = engine()
+            if build is not None:
+                self.engine = build()
             self.engine.on_command = self._wake.set
         except BaseException as e:   # raised in the constructing thread
             self._start_error = e
