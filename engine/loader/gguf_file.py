@@ -188,6 +188,19 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=1)
 
 
+def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 tensor's blocks as stored: ``(q, d, m)`` with ``w = d * q + m``, q (blocks, 32) uint8
+    in 0..15, d and m (blocks, 1) float32. Q4_0 (d, nibbles; ``w = d * (q - 8)``) gives m = -8 d."""
+    if t.type_name == "Q4_1":
+        b = _blocks(t, 20)
+        return _nibbles(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4])
+    if t.type_name == "Q4_0":
+        b = _blocks(t, 18)
+        d = _f16(b[:, :2])
+        return _nibbles(b[:, 2:]), d, -8.0 * d
+    raise ValueError(f"tensor {t.name} is {t.type_name}, not Q4_0 or Q4_1")
+
+
 def dequantize(t: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, shaped as its row-major array (``reversed(t.shape)``). F32/F16/BF16, Q4_0,
     Q4_1 and Q8_0 are decoded here in torch, exactly as ``gguf.quants.dequantize`` computes them (float32,

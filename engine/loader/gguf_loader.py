@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import numpy as np
 import torch
 
-from engine.loader.gguf_file import GGUFFile, dequantize
+from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
 from engine.models.quant import Int4Groups
@@ -138,7 +137,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
                 arr = _unpermute_qk(arr, heads)
             key = f"model.layers.{idx}.{_LAYER_NAMES[base]}.{kind}"
             if int4_groups is not None and t.type_name in ("Q4_0", "Q4_1"):
-                groups = Int4Groups.from_gguf(t.type_name, torch.from_numpy(np.asarray(t.data)), arr.shape[0])
+                groups = Int4Groups.from_blocks(*q4_blocks(t), arr.shape[0])
                 if heads is not None:
                     groups = groups.rows(_unpermute_rows(arr.shape[0], heads))
                 int4_groups[key] = groups

@@ -3,7 +3,7 @@
 At small batches a decode step reads every weight once and does little with it, so its time is the
 time to stream the weights from memory: SmolLM2-135M is 540 MB in float32, 270 MB in bfloat16 and
 about 75 MB in 4 bits. A GGUF file's Q4_0 / Q4_1 blocks are already what torch's CPU int4 kernel
-multiplies: 32 weights along K sharing one scale and one offset. ``Int4Groups.from_gguf`` reads them
+multiplies: 32 weights along K sharing one scale and one offset. ``Int4Groups.from_blocks`` takes them
 as they are (no requantization), ``quantize_int4`` makes the same groups from float weights
 (round-to-nearest between each group's min and max, as Q4_1 does).
 
@@ -19,9 +19,10 @@ them with bfloat16 activations (``EngineConfig.quantization``). They win only wh
 weights for a few rows (decode at small batches): a layer given its ``dense`` bf16 weight as well runs
 steps of more than ``MAX_QUANT_ROWS`` rows (prefill chunks, large decode batches) as a plain bf16
 matmul on it, so prefill keeps the bf16 speed; that copy costs 2 bytes per weight beside the 0.5 of
-the 4-bit one (the model's own bf16 weights, kept; a tied LM head's is the embedding table). Scales are held in bfloat16, as the
-kernels take them: the weights a layer multiplies by are ``dequantized_weight()`` (the groups' q with
-the bfloat16 scales), which tests/engine/test_quant.py uses as the oracle.
+the 4-bit one (the model's own bf16 weights, kept; a tied LM head's is the embedding table).
+Scales are held in bfloat16, as the kernels take them: the weights a layer multiplies by are
+``Int4Groups.kernel_weight()`` / ``Int8Linear.kernel_weight()`` (the q with the bfloat16 scales),
+which tests/engine/test_quant.py uses, through ``reference_linear``, as the oracle.
 """
 
 from __future__ import annotations
@@ -88,21 +89,9 @@ class Int4Groups:
                           torch.cat([p.minimum for p in parts]))
 
     @staticmethod
-    def from_gguf(type_name: str, blocks: torch.Tensor, n_rows: int) -> "Int4Groups":
-        """A Q4_0 or Q4_1 tensor's raw blocks (uint8, block after block, row-major) as groups.
-
-        Q4_1 block (20 bytes): d (f16), m (f16), 16 bytes of nibbles: ``w = d * q + m``.
-        Q4_0 block (18 bytes): d (f16), 16 bytes of nibbles: ``w = d * (q - 8)``, i.e. m = -8 d.
-        Low nibbles are elements 0-15 of the block, high nibbles 16-31.
-        """
-        size = {"Q4_0": 18, "Q4_1": 20}[type_name]
-        b = blocks.reshape(-1, size)
-        d = b[:, :2].contiguous().view(torch.float16).float()                    # (blocks, 1)
-        if type_name == "Q4_1":
-            m, qs = b[:, 2:4].contiguous().view(torch.float16).float(), b[:, 4:]
-        else:
-            m, qs = -8.0 * d, b[:, 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=1)                               # (blocks, 32)
+    def from_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n_rows: int) -> "Int4Groups":
+        """Blocks of 32 along K in row-major order (``engine.loader.gguf_file.q4_blocks``: q (blocks, 32),
+        d and m (blocks, 1), ``w = d * q + m``) as the groups of an (n_rows, K) weight."""
         return Int4Groups(q.reshape(n_rows, -1).contiguous(), d.reshape(n_rows, -1), m.reshape(n_rows, -1))
 
 
