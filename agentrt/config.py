@@ -255,11 +255,12 @@ class ServerConfig(Settings):
     ep_placement: Literal[EP_PLACEMENTS] = Field(_ENGINE["ep_placement"], description="how experts are placed on "
                                                  "ranks: contiguous, balanced or locality")
     ep_redundant: int = Field(_ENGINE["ep_redundant"], description="extra expert slots for replicas of hot experts")
-    speculative: Literal[SPECULATIVE] = Field(_ENGINE["speculative"], description="speculative decoding: off, or "
+    speculative: Literal[SPECULATIVE] = Field(_ENGINE["speculative"], description="speculative decoding: off, "
                                               "ngram (drafts from the request's own context, verified in the same "
-                                              "step; greedy output unchanged)")
+                                              "step; greedy output unchanged) or suffix (ngram, and the recent outputs "
+                                              "of the tenant's other requests on the worker)")
     num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
-                                        "request verifies per step with --speculative ngram")
+                                        "request verifies per step with --speculative ngram or suffix")
     quantization: Literal[QUANTIZATIONS] = Field(_ENGINE["quantization"], description="weight-only quantization "
                                                  "on the CPU: int4, int8, off, or auto (int4 for a Q4_0/Q4_1 GGUF "
                                                  "served in bfloat16, as the default model is on AVX512-BF16 CPUs; "

@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
-SPECULATIVE = ("off", "ngram")
+SPECULATIVE = ("off", "ngram", "suffix")
 QUANTIZATIONS = ("auto", "off", "int4", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -39,10 +39,14 @@ class EngineConfig:
 
     Speculative decoding (engine/speculative.py): ``speculative="ngram"`` drafts up to
     ``num_speculative_tokens`` tokens per decoding request and step from the request's own
-    context (prompt lookup, no draft model) and verifies them in the same forward pass; greedy
-    output is token for token the output without it, sampled output has the same distribution.
-    Requests with a grammar constraint or logprobs do not draft. On every attention backend a
-    verification is a short extend chunk (as a prefill chunk over a cached prefix is).
+    context (prompt lookup, no draft model) and verifies them in the same forward pass;
+    ``"suffix"`` also drafts from the recent outputs of the tenant's other requests on this
+    engine. Greedy output is the output without it (token for token in float32; in reduced
+    precision a verification's rows may round differently from a decode step's, as a different
+    batch does), sampled output has the same distribution. Grammar-constrained requests draft
+    (a drafted token the grammar refuses ends the draft); requests with logprobs do not. On every
+    attention backend a verification is a short extend chunk (as a prefill chunk over a cached
+    prefix is).
 
     Closing constrained outputs (docs/structured_outputs.md): with ``close_constrained_outputs``
     (the default) a request with a grammar constraint always ends with complete, valid output

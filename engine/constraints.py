@@ -21,6 +21,7 @@ class TokenConstraint:
     - ``is_terminated()`` is True once the constrained output is complete; the engine
       then ends the request with ``finish_reason="stop"``.
     - ``rollback(n)`` undoes the last ``n`` accepted tokens.
+    - ``valid_prefix(tokens)`` counts the leading tokens it would accept in a row, state unchanged.
     - Closing within a token budget (optional: ``closes_outputs`` says whether it is
       implemented; the defaults below do nothing). ``closing_plan()`` is a list of tokens
       that completes the output from the current state (``[]``: it may end now), or None
@@ -55,6 +56,19 @@ class TokenConstraint:
 
     def rollback(self, n: int) -> None:
         raise NotImplementedError
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the constraint accepts one after another from its current state,
+        which it is left in (speculative decoding ends a draft there). The default accepts and
+        rolls back; implementations that can check on a copy of their state override it."""
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        if n:
+            self.rollback(n)
+        return n
 
     def closing_plan(self) -> list[int] | None:
         return None

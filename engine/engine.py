@@ -35,11 +35,12 @@ from engine.kv_tier import DiskTier, HostTier, KVTiers, page_shape
 from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
+from engine.models.quant import MAX_QUANT_ROWS
 from engine.radix_cache import RadixCache
 from engine.request import Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
-from engine.speculative import SpeculativeState, verify
+from engine.speculative import SpeculativeState, TenantCorpora, verify
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams)
@@ -93,8 +94,13 @@ class LLMEngine:
         self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.spec_draft_tokens_total = self.spec_accepted_tokens_total = self.spec_verifications_total = 0
-        if config.speculative == "ngram":
+        # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
+        self.corpora = TenantCorpora() if config.speculative == "suffix" else None
+        if config.speculative != "off":
             self.scheduler.propose = self._propose
+            # quantized layers run steps of more rows on their bf16 copies, at 2-3x a row's cost:
+            # drafts never take a step past that (a step already past it drafts freely)
+            self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
         self._snapshot()
         _log.info("model %s, %s on %s, weights %s, attention %s, %d torch threads", self.model_id,
                   config.resolved_dtype(), self.device, self.quantization, self.backend_name, torch.get_num_threads())
@@ -362,6 +368,8 @@ class LLMEngine:
                     self._append_token(req, tok, lp)
                 if req.finished:
                     self.scheduler.finish(req)
+                    if self.corpora is not None and req.finish_reason in ("stop", "length"):
+                        self.corpora.add(req.cache_salt, req.output_ids)
                     if req.pin_ttl_s and req.finish_reason in ("stop", "length"):
                         returning += 1   # a session turn: its agent is likely coming straight back
                 outputs.append(self._emit(req))
@@ -381,17 +389,22 @@ class LLMEngine:
     # -- speculative decoding (engine/speculative.py) --------------------------
     def _propose(self, req: Request, room: int) -> list[int]:
         """The scheduler's ``propose``: a draft for a decoding request, at most ``room`` tokens and
-        never past ``max_tokens`` or the context window. Requests with a constraint or logprobs
-        do not draft (their tokens are sampled one at a time, as without speculation)."""
+        never past ``max_tokens`` or the context window. Requests with logprobs do not draft (their
+        tokens are sampled one at a time, as without speculation); a constrained request's draft
+        ends before the first token its grammar refuses, and none is made while a closing is forced."""
         p = req.params
-        if req.constraint is not None or p.logprobs is not None:
+        if p.logprobs is not None or (req.constraint is not None and req.constraint.closed_by_budget):
             return []
         limit = min(room, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
         if limit <= 0:
             return []
         if req.speculative is None:
             req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens)
-        return req.speculative.propose(req.output_ids, limit)
+        corpus = self.corpora.get(req.cache_salt) if self.corpora is not None else None
+        draft = req.speculative.propose(req.output_ids, limit, corpus)
+        if draft and req.constraint is not None:
+            draft = draft[:req.constraint.valid_prefix(draft)]
+        return draft
 
     def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]):
         """Sample the requests without a draft (one logits row each) as ``sample`` does and verify
@@ -410,35 +423,37 @@ class LLMEngine:
             for j, t, lp in zip(plain, toks, plps):
                 tokens[j], lps[j] = t, lp
         verified: list = [None] * len(reqs)
+        budgets = self._budgets(reqs)
         for j, d in enumerate(drafts):
             if d:
                 verified[j] = verify(logits[firsts[j]:firsts[j] + 1 + len(d)], d, reqs[j].params,
-                                     reqs[j].generator)
+                                     reqs[j].generator, reqs[j].constraint, budgets[j] if budgets else None)
         return tokens, lps, verified
 
     def _commit_verified(self, req: Request, draft: list[int], tokens: list[int], accepted: int) -> None:
         """Append a verified draft's tokens one at a time (the stop conditions apply to each; tokens
-        after a stop are dropped), then give back the pages of the rejected draft slots."""
+        after a stop are dropped), then give back the pages of the rejected draft slots. A
+        constraint has accepted the ``accepted`` drafted tokens during verification already."""
         self.spec_draft_tokens_total += len(draft)
         self.spec_accepted_tokens_total += accepted
         self.spec_verifications_total += 1
         req.speculative.length.update(len(draft), accepted)
-        for tok in tokens:
-            self._append_token(req, tok, None)
+        for i, tok in enumerate(tokens):
+            self._append_token(req, tok, None, constraint_accepted=i < accepted)
             if req.finished:
                 break
         # K/V is computed for the last token and the accepted draft tokens: all but the newest token
         req.num_computed = req.num_tokens - 1
         self.scheduler.rollback(req)
 
-    def _append_token(self, req: Request, tok: int, lp) -> None:
+    def _append_token(self, req: Request, tok: int, lp, constraint_accepted: bool = False) -> None:
         p = req.params
         req.output_ids.append(tok)
         req.pending_ids.append(tok)   # stop tokens included (as vLLM does); their text is not
         if lp is not None:
             req.pending_logprobs.append(lp)
         self.generation_tokens_total += 1
-        if req.constraint is not None and not req.constraint.accept(tok):
+        if req.constraint is not None and not constraint_accepted and not req.constraint.accept(tok):
             req.finish_reason, req.error = "error", "the constraint rejected a sampled token"
             req.status = Status.FINISHED
             return

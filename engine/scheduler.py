@@ -81,6 +81,8 @@ class Scheduler:
         self.failed: list[Request] = []   # finished by the scheduler; the engine reports them
         # (decoding request, most tokens) -> a draft to verify this step; None: no speculation
         self.propose: Callable[[Request, int], list[int]] | None = None
+        # most rows a step may have with its drafts (None: the budget is the only limit)
+        self.draft_rows_cap: int | None = None
         # KV tiers below the pool and how to copy a page back into it (LLMEngine sets both)
         self.tiers: KVTiers | None = None
         self.write_page: Callable[[int, torch.Tensor], None] | None = None
@@ -339,12 +341,19 @@ class Scheduler:
         return batch
 
     def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
-        """Give decoding requests drafts to verify, from the budget and free pages left over."""
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new)):
+        """Give decoding requests drafts to verify, from the budget and free pages left over, and
+        within ``draft_rows_cap`` rows for the step when one is set (unless the step already has
+        more). Requests whose drafts were accepted most often ask first."""
+        rows = sum(batch.num_new)
+        if self.draft_rows_cap is not None and rows <= self.draft_rows_cap:
+            budget = min(budget, self.draft_rows_cap - rows)
+        decoding = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new))
+                    if n == 1 and req.remaining_prefill == 1 and req.output_ids]
+        decoding.sort(key=lambda i: -_acceptance(batch.requests[i]))
+        for i in decoding:
             if budget <= 0:
                 return
-            if n != 1 or req.remaining_prefill != 1 or not req.output_ids:
-                continue
+            req = batch.requests[i]
             room = (len(req.pages) + self.pool.num_free) * self.P - req.num_tokens
             draft = self.propose(req, min(budget, room))
             if draft:
@@ -404,3 +413,8 @@ class Scheduler:
             self._unqueue(req)
         req.status = Status.FINISHED
         self.release(req)
+
+
+def _acceptance(req: Request) -> float:
+    """The request's estimated draft acceptance (1/2 before its first draft)."""
+    return 0.5 if req.speculative is None else req.speculative.length.alpha

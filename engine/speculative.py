@@ -1,4 +1,4 @@
-"""Speculative decoding from a request's own context (prompt lookup), no draft model.
+"""Speculative decoding from the agent's own context, no draft model.
 
 An agent's next tokens often repeat its context: a file it read, a tool's output, an earlier
 reply it edits. :class:`NgramDrafter` finds the longest n-gram (``max_ngram`` down to
@@ -8,13 +8,19 @@ and proposes the tokens that followed it. The engine verifies a draft in one
 forward pass (the request's last token and its draft as a short extend chunk) and keeps the
 longest prefix the model agrees with, plus the model's own next token (``verify``).
 
+With ``speculative="suffix"`` a request also drafts from :class:`OutputCorpus`, the recent
+outputs of its tenant's other requests on this worker (agents running the same program write
+the same tool calls and phrases again), where that matches a longer suffix than its own tokens.
+
 The index is a dict from n-gram to the end of its latest occurrence, brought up to date only
 when a draft is asked for (O(new tokens x n-gram sizes), never a scan of the context).
 
-Draft length adapts per request (:class:`DraftLength`): it grows while whole drafts are
-accepted, halves when none of a draft is, and at 0 the request stops drafting, re-probing
-with one token after a back-off that doubles while probes fail; so a request whose output
-does not repeat its context soon pays nothing.
+Draft length adapts per request (:class:`DraftLength`) to the acceptance it sees: a token is
+drafted while the chance it is kept beats what its verification row costs (``ROW_COST``), and at
+0 the request stops drafting, re-probing with one token after a back-off that doubles while
+probes fail; so a request whose output does not repeat its context soon pays nothing. The
+engine also caps a step's rows where its weights are quantized (engine/models/quant.py): past
+``MAX_QUANT_ROWS`` the step would run on the bf16 copies, at 2-3x the cost of a row.
 
 Acceptance (``verify``), for a deterministic drafter: greedy requests take the argmax at each
 position, so the output is the one decoding without a draft gives. Sampled requests accept a
@@ -33,26 +39,65 @@ from __future__ import annotations
 
 import torch
 
+from engine.constraints import TokenConstraint
 from engine.sampler import draw, probabilities
 from engine.types import SamplingParams
 
 
+# A verification row's cost relative to a decode step (that step's one row included): drafting the
+# j-th token pays off while the chance it is accepted (about alpha ** j) exceeds it. Measured on this
+# CPU at batch 1 with int4 weights: a step verifying 4 drafts cost 1.2x a decode step (0.05 a row);
+# a GPU's rows cost less still. Taken higher than measured, so an uncertain draft is not made.
+ROW_COST = 0.1
+
+
 class DraftLength:
-    """A request's draft-length controller: ``limit()`` before drafting, ``update()`` after."""
+    """A request's draft-length controller: ``limit()`` before drafting, ``update()`` after.
+
+    It keeps an estimate ``alpha`` of the chance a drafted token is accepted (accepted tokens over
+    tokens tried, a rejection counting as one try, with older verifications weighing ``DECAY``
+    less each time; starting from a prior of 1/2) and drafts the longest ``k`` with
+    ``alpha ** k > row_cost``: the j-th drafted token is kept only if all before it are, so it is
+    worth its row while that chance beats the row's cost. At ``alpha <= row_cost`` the request
+    stops drafting and re-probes with one token after a back-off that doubles while probes fail.
+    """
 
     PROBE_AFTER = 4        # decode steps without a draft before the first re-probe
     MAX_PROBE_AFTER = 128  # the back-off doubles up to this while probes fail
+    DECAY = 0.75           # weight of the past at each verification
+    PRIOR = (1.0, 2.0)     # (accepted, tried) pseudo-counts: alpha starts at 1/2
 
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, row_cost: float = ROW_COST) -> None:
+        if not 0.0 < row_cost < 1.0:
+            raise ValueError(f"row_cost must be in (0, 1), got {row_cost!r}")
         self.max_len = max_len
-        self.k = max_len
+        self.row_cost = row_cost
+        self.accepted, self.tried = self.PRIOR
         self.idle = 0
         self.probe_after = self.PROBE_AFTER
 
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+    @property
+    def k(self) -> int:
+        """The draft length the estimate pays for (0: not drafting)."""
+        a = self.alpha
+        if a <= self.row_cost:
+            return 0
+        if a >= 1.0:
+            return self.max_len
+        k = 0
+        while k < self.max_len and a ** (k + 1) > self.row_cost:
+            k += 1
+        return k
+
     def limit(self) -> int:
         """The longest draft to propose this step (0: do not draft)."""
-        if self.k > 0:
-            return self.k
+        k = self.k
+        if k > 0:
+            return k
         self.idle += 1
         if self.idle >= self.probe_after:
             self.idle = 0
@@ -62,15 +107,13 @@ class DraftLength:
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        if accepted == drafted:
-            self.k = min(self.max_len, max(self.k, drafted) + 1)
+        tried = accepted + (1 if accepted < drafted else 0)
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.tried = self.DECAY * self.tried + tried
+        if self.k > 0:
             self.probe_after = self.PROBE_AFTER
         elif accepted == 0:
-            self.k //= 2
-            if self.k == 0:
-                self.probe_after = min(self.MAX_PROBE_AFTER, self.probe_after * 2)
-        else:
-            self.k = max(self.k, accepted + 1)
+            self.probe_after = min(self.MAX_PROBE_AFTER, self.probe_after * 2)
 
 
 class NgramDrafter:
@@ -127,19 +170,24 @@ class NgramDrafter:
             n += 1
         return (e, n) if n >= self.min_ngram else None
 
-    def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens to follow the request's tokens; [] when no suffix of ``min_ngram``
-        tokens or more occurred before."""
-        toks = self.tokens
-        L = len(toks)
-        if k <= 0 or L < self.min_ngram + 1:
-            return []
+    def match(self) -> tuple[int, int] | None:
+        """(end of the source to draft from, how many tokens before it match the request's last
+        ones): the followed source while it matches, or a longer latest match; None if neither."""
+        if len(self.tokens) < self.min_ngram + 1:
+            return None
         match = self._followed_match()
         if match is None or match[1] < self.max_ngram:
             latest = self.latest_match()
             if latest is not None and (match is None or latest[1] > match[1]):
                 match = latest
-        if match is None:
+        return match
+
+    def draft_from(self, match: tuple[int, int] | None, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the source ``match`` names (remembered, to follow it
+        next time); [] without a match."""
+        toks = self.tokens
+        L = len(toks)
+        if match is None or k <= 0:
             self._source = None
             return []
         e = match[0]
@@ -150,40 +198,195 @@ class NgramDrafter:
             draft.append(toks[e + j] if e + j < L else draft[e + j - L])
         return draft
 
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens to follow the request's tokens; [] when no suffix of ``min_ngram``
+        tokens or more occurred before."""
+        if k <= 0:
+            return []
+        return self.draft_from(self.match(), k)
+
+
+class OutputCorpus:
+    """Recent outputs of one tenant's requests on this worker, to draft from (the same agent
+    program writes the same tool calls and phrases in every session).
+
+    A bounded token buffer (outputs one after another, each behind a separator no token equals)
+    with an index from n-gram (``min_ngram`` to ``max_ngram`` tokens) to the end of its latest
+    occurrence, in positions counted since the corpus began. When the buffer would pass
+    ``max_tokens`` its oldest outputs are dropped, down to half, and the index is rebuilt from
+    what is left (amortized O(1) per token). Like a request's own drafter, a match is followed
+    while it keeps matching; a draft stops at the end of the output it comes from.
+    """
+
+    SEP = -1
+
+    def __init__(self, max_tokens: int = 8192, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        if max_tokens < 4 * max_ngram:
+            raise ValueError(f"max_tokens must be at least {4 * max_ngram}, got {max_tokens}")
+        self.max_tokens, self.max_ngram, self.min_ngram = max_tokens, max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.base = 0                                # position of tokens[0] since the corpus began
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive, absolute) of its latest occurrence
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, output_ids: list[int]) -> None:
+        """Append one finished output (only its last ``max_tokens // 2`` tokens if longer)."""
+        ids = list(output_ids[-(self.max_tokens // 2):])
+        if len(ids) < self.min_ngram + 1:
+            return
+        if len(self.tokens) + 1 + len(ids) > self.max_tokens:
+            self._drop_oldest(self.max_tokens // 2 - len(ids) - 1)
+        lo = len(self.tokens) + 1
+        self.tokens.append(self.SEP)
+        self.tokens.extend(ids)
+        self._index(lo, len(self.tokens))
+
+    def _drop_oldest(self, keep: int) -> None:
+        """Keep at most ``keep`` of the newest tokens, starting at an output's separator."""
+        cut = max(0, len(self.tokens) - max(keep, 0))
+        while cut < len(self.tokens) and self.tokens[cut] != self.SEP:
+            cut += 1
+        self.tokens = self.tokens[cut:]
+        self.base += cut
+        self.index = {}
+        lo = 0
+        for i, t in enumerate(self.tokens + [self.SEP]):
+            if t == self.SEP:
+                if i > lo:
+                    self._index(lo, i)
+                lo = i + 1
+
+    def _index(self, lo: int, hi: int) -> None:
+        """Index the n-grams of ``tokens[lo:hi]`` (one output) with at least one token after them."""
+        toks, index, base = self.tokens, self.index, self.base
+        for e in range(lo + self.min_ngram, hi):
+            for n in range(self.min_ngram, min(self.max_ngram, e - lo) + 1):
+                index[tuple(toks[e - n:e])] = base + e
+
+    def match(self, tokens: list[int], follow: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """(absolute end of a source, matched length) for the end of ``tokens`` (a request's):
+        ``follow`` = (a source's end, len(tokens) then) moved on while it still matches, or the
+        latest occurrence of a longer suffix; None if neither matches ``min_ngram`` tokens."""
+        L = len(tokens)
+        best = None
+        if follow is not None:
+            e = follow[0] + L - follow[1]
+            local = e - self.base
+            if 0 < local < len(self.tokens):
+                n = 0
+                while n < self.max_ngram and n < local and n < L and self.tokens[local - 1 - n] == tokens[L - 1 - n]:
+                    n += 1
+                if n >= self.min_ngram:
+                    best = (e, n)
+        if best is not None and best[1] >= self.max_ngram:
+            return best
+        for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
+            e = self.index.get(tuple(tokens[L - n:]))
+            if e is not None:   # every entry is live: the index is rebuilt when outputs are dropped
+                if best is None or n > best[1]:
+                    best = (e, n)
+                break
+        return best
+
+    def draft_at(self, end: int, k: int) -> list[int]:
+        """Up to ``k`` tokens from absolute position ``end``, stopping at the end of its output."""
+        out: list[int] = []
+        i = end - self.base
+        while len(out) < k and 0 <= i < len(self.tokens) and self.tokens[i] != self.SEP:
+            out.append(self.tokens[i])
+            i += 1
+        return out
+
+
+class TenantCorpora:
+    """An :class:`OutputCorpus` per tenant (per cache salt: tenants that may not share KV cache
+    never draft from each other's outputs), the ``max_tenants`` most recently used kept."""
+
+    def __init__(self, max_tenants: int = 16, max_tokens: int = 8192) -> None:
+        self.max_tenants, self.max_tokens = max_tenants, max_tokens
+        self._corpora: dict[str, OutputCorpus] = {}   # insertion order = least recently used first
+
+    def get(self, salt: str) -> OutputCorpus | None:
+        c = self._corpora.pop(salt, None)
+        if c is not None:
+            self._corpora[salt] = c
+        return c
+
+    def add(self, salt: str, output_ids: list[int]) -> None:
+        c = self.get(salt)
+        if c is None:
+            c = self._corpora[salt] = OutputCorpus(self.max_tokens)
+            while len(self._corpora) > self.max_tenants:
+                del self._corpora[next(iter(self._corpora))]
+        c.add(output_ids)
+
 
 class SpeculativeState:
-    """A request's drafting state: its n-gram index and its draft-length controller."""
+    """A request's drafting state: its n-gram index, its draft-length controller and the place in
+    its tenant's corpus it last drafted from."""
 
-    def __init__(self, prompt_ids: list[int], max_len: int, max_ngram: int = 4, min_ngram: int = 2) -> None:
+    def __init__(self, prompt_ids: list[int], max_len: int, max_ngram: int = 4, min_ngram: int = 2,
+                 row_cost: float = ROW_COST) -> None:
         self.drafter = NgramDrafter(prompt_ids, max_ngram, min_ngram)
-        self.length = DraftLength(max_len)
+        self.length = DraftLength(max_len, row_cost)
         self.prompt_len = len(prompt_ids)
+        self._corpus_source: tuple[int, int] | None = None
 
-    def propose(self, output_ids: list[int], limit: int) -> list[int]:
-        """A draft of at most ``limit`` tokens to follow ``output_ids`` (the request's output so far)."""
+    def propose(self, output_ids: list[int], limit: int, corpus: OutputCorpus | None = None) -> list[int]:
+        """A draft of at most ``limit`` tokens to follow ``output_ids`` (the request's output so
+        far): from the request's own tokens, or from ``corpus`` where it matches a longer suffix."""
         k = min(self.length.limit(), limit)
         if k <= 0:
             return []
-        self.drafter.extend(output_ids[len(self.drafter.tokens) - self.prompt_len:])
-        return self.drafter.propose(k)
+        d = self.drafter
+        d.extend(output_ids[len(d.tokens) - self.prompt_len:])
+        own = d.match()
+        if corpus is not None and (own is None or own[1] < d.max_ngram):
+            shared = corpus.match(d.tokens, self._corpus_source)
+            draft = corpus.draft_at(shared[0], k) if shared is not None and (own is None or shared[1] > own[1]) else []
+            if draft:
+                d.draft_from(None, 0)
+                self._corpus_source = (shared[0], len(d.tokens))
+                return draft
+        self._corpus_source = None
+        return d.draft_from(own, k)
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[list[int], int]:
+           generator: torch.Generator | None, constraint: TokenConstraint | None = None,
+           budget: int | None = None) -> tuple[list[int], int]:
     """Accept a draft against the model's logits at its ``len(draft) + 1`` positions.
 
     ``logits[j]`` is the distribution of the token after the request's last token plus
     ``draft[:j]``. Position by position, the model's token is chosen exactly as ``sample``
     chooses it (the argmax, or ``draw`` with one uniform of the request's generator); the
-    draft is accepted while it agrees. Returns (the tokens to commit: the accepted prefix of the
-    draft and then the model's own token, the number of drafted tokens accepted).
+    draft is accepted while it agrees. With a ``constraint``, position ``j`` is masked by the
+    grammar's state after ``draft[:j]`` (and, with a ``budget`` of tokens the request may still
+    emit, its token goes through ``fit_budget`` with ``budget - j``), as decoding one token at a
+    time would; each drafted token accepted is accepted by the constraint here. Returns (the
+    tokens to commit: the accepted prefix of the draft and then the model's own token, the
+    number of drafted tokens accepted).
     """
+    if constraint is not None:
+        out: list[int] = []
+        for j in range(len(draft) + 1):
+            row = logits[j]
+            constraint.apply_to_logits(row)
+            t = int(torch.argmax(row)) if params.greedy else draw(probabilities(row, params), generator)
+            if budget is not None:
+                t = constraint.fit_budget(t, budget - j)
+            out.append(t)
+            if j == len(draft) or t != draft[j]:
+                return out, j
+            constraint.accept(t)
     best = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
 
     def model_token(j: int) -> int:
         return best[j] if best is not None else draw(probabilities(logits[j], params), generator)
 
-    out: list[int] = []
+    out = []
     for j, x in enumerate(draft):
         out.append(model_token(j))
         if out[-1] != x:

@@ -274,6 +274,17 @@ class XGrammarConstraint(TokenConstraint):
             words[t >> 5] &= ~np.uint32(1 << (t & 31))
         return not words.any()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar accepts in a row from here, checked on a fork of the
+        matcher (the state, closing plans included, is untouched)."""
+        fork = self._matcher.fork()
+        n = 0
+        for t in tokens:
+            if not fork.accept_token(int(t)):
+                break
+            n += 1
+        return n
+
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (an engine bug if ``n`` exceeds what was accepted)."""
         if not 0 <= n <= self._num_accepted:

@@ -6,6 +6,7 @@ leave the radix cache and page pool as they would be without it, and sampled out
 its distribution.
 """
 
+import json
 import random
 from collections import Counter
 
@@ -14,7 +15,8 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
-from engine.speculative import DraftLength, NgramDrafter, verify
+from engine.grammar import constraint_for_request
+from engine.speculative import DraftLength, NgramDrafter, OutputCorpus, TenantCorpora, verify
 
 QUOTED = '''def alloc(self, n: int) -> list[int]:
     if n > len(self._free):
@@ -44,7 +46,7 @@ def greedy(max_tokens, **kw):
 @pytest.fixture(scope="module")
 def spec_engine():
     """The conftest default engine's configuration, speculation on."""
-    return LLMEngine(EngineConfig(kv_cache_tokens=32768, max_batched_tokens=256, speculative="ngram"))
+    return LLMEngine(EngineConfig(kv_cache_tokens=32768, max_batched_tokens=256, speculative="suffix"))
 
 
 def spec_counts(engine):
@@ -107,29 +109,55 @@ def test_drafter_index_kept_incrementally_equals_brute_force():
             d.extend(new)
 
 
-def test_draft_length_adapts_to_acceptance_and_reprobes():
-    ln = DraftLength(4)
+def reference_draft_length(history, max_len, row_cost):
+    """The controller's length from scratch: alpha from every (drafted, accepted) so far, the
+    newest weighing most (DECAY per verification since), then the longest k with alpha**k > cost."""
+    acc, tried = DraftLength.PRIOR
+    for drafted, accepted in history:
+        acc = DraftLength.DECAY * acc + accepted
+        tried = DraftLength.DECAY * tried + accepted + (accepted < drafted)
+    alpha = acc / tried
+    return max([k for k in range(max_len + 1) if k == 0 or alpha ** k > row_cost]), alpha
+
+
+def test_draft_length_follows_acceptance_and_row_cost():
+    rng = random.Random(7)
+    for row_cost in (0.05, 0.1, 0.3):
+        ln, history = DraftLength(6, row_cost), []
+        assert ln.k == reference_draft_length([], 6, row_cost)[0]
+        for _ in range(300):
+            k = ln.limit()
+            if k == 0:
+                continue
+            p = rng.choice([0.0, 0.3, 0.7, 0.95, 1.0])        # this stretch's chance a token is kept
+            accepted = next((j for j in range(k) if rng.random() >= p), k)
+            ln.update(k, accepted)
+            history.append((k, accepted))
+            want_k, want_alpha = reference_draft_length(history, 6, row_cost)
+            assert ln.k == want_k and abs(ln.alpha - want_alpha) < 1e-12, (row_cost, history[-5:])
+    ln = DraftLength(4, 0.1)
+    assert ln.limit() == 3                # 0.5**3 > 0.1 >= 0.5**4
+    for _ in range(6):
+        ln.update(ln.limit(), ln.limit())  # whole drafts kept: up to the configured length
     assert ln.limit() == 4
-    for _ in range(3):                    # nothing accepted: 4 -> 2 -> 1 -> 0
+    with pytest.raises(ValueError, match="row_cost"):
+        DraftLength(4, 0.0)
+
+
+def test_draft_length_stops_drafting_and_reprobes():
+    ln = DraftLength(4, 0.1)
+    while ln.k:                           # nothing accepted: the estimate falls below the row cost
         ln.update(ln.limit(), 0)
-    assert ln.k == 0
-    limits = [ln.limit() for _ in range(DraftLength.PROBE_AFTER * 2 * 2)]
-    # a first probe after a back-off of twice PROBE_AFTER (doubled when the length reached 0)
-    probes = [i for i, n in enumerate(limits) if n]
-    assert probes == [2 * DraftLength.PROBE_AFTER - 1, 4 * DraftLength.PROBE_AFTER - 1]
+    assert ln.alpha <= 0.1
+    back_off = ln.probe_after
+    assert back_off == 2 * DraftLength.PROBE_AFTER   # the failure that reached 0 doubled it
+    limits = [ln.limit() for _ in range(back_off * 2)]
+    assert [i for i, n in enumerate(limits) if n] == [back_off - 1, 2 * back_off - 1]   # one-token probes
     ln.update(1, 0)                       # a failed probe: the back-off doubles again
-    assert ln.probe_after == 4 * DraftLength.PROBE_AFTER
-    ln.update(1, 1)                       # a probe accepted: drafting resumes and grows
-    assert ln.k == 2 and ln.probe_after == DraftLength.PROBE_AFTER
-    ln.update(2, 2)
-    ln.update(3, 3)
-    ln.update(4, 4)
-    assert ln.limit() == 4                # capped at the configured length
-    ln.update(4, 1)                       # partly accepted: kept at least the accepted length + 1
-    assert ln.k == 4
-
-
-# -- verification -----------------------------------------------------------------------------------
+    assert ln.probe_after == 2 * back_off
+    while not ln.k:                       # probes accepted: drafting resumes, the back-off resets
+        ln.update(1, 1)
+    assert ln.probe_after == DraftLength.PROBE_AFTER
 
 def test_greedy_verify_takes_the_agreeing_prefix_and_the_models_next_token():
     logits = torch.tensor([[0., 5, 1], [9, 1, 1], [0, 0, 3]])
@@ -285,3 +313,153 @@ def test_speculative_settings_are_checked():
         EngineConfig(speculative="eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer from 1 to 16"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
+
+
+# -- the tenant corpus (speculative="suffix") ----------------------------------------------------------
+
+def reference_corpus_draft(outputs, tokens, k, max_ngram=4, min_ngram=2):
+    """Brute force over the kept outputs: the longest suffix of ``tokens`` (``max_ngram`` down to
+    ``min_ngram``) found inside one output with a token after it, at its latest occurrence (newest
+    output, latest place) -> (n, up to ``k`` tokens that followed, to that output's end)."""
+    for n in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
+        for out in reversed(outputs):
+            for e in range(len(out) - 1, n - 1, -1):
+                if out[e - n:e] == tokens[-n:]:
+                    return n, out[e:e + k]
+    return None
+
+
+def test_corpus_matches_equal_brute_force_and_stay_bounded():
+    rng = random.Random(11)
+    max_tokens = 64
+    corpus, kept = OutputCorpus(max_tokens), []
+    for _ in range(300):
+        ids = [rng.randrange(5) for _ in range(rng.randrange(0, 40))]
+        corpus.add(ids)
+        ids = ids[-(max_tokens // 2):]
+        if len(ids) >= 3:   # the rule it keeps: oldest outputs dropped down to half, whole outputs only
+            if sum(1 + len(o) for o in kept) + 1 + len(ids) > max_tokens:
+                while kept and sum(1 + len(o) for o in kept) > max_tokens // 2 - len(ids) - 1:
+                    kept.pop(0)
+            kept.append(ids)
+        assert len(corpus) <= max_tokens
+        for _ in range(3):
+            tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 8))]
+            want = reference_corpus_draft(kept, tokens, 6)
+            got = corpus.match(tokens)
+            assert (None if got is None else (got[1], corpus.draft_at(got[0], 6))) == want, (kept, tokens)
+
+
+def test_corpus_follows_the_output_it_copies_and_tenants_stay_apart():
+    corpus = OutputCorpus(256)
+    corpus.add([1, 2, 3, 4, 5, 6, 7, 8])
+    corpus.add([3, 4, 9, 9])                 # a later "3 4", followed by something else
+    tokens = [20, 1, 2]
+    e, n = corpus.match(tokens)
+    assert (n, corpus.draft_at(e, 3)) == (2, [3, 4, 5])
+    tokens += [3, 4]                         # two accepted, then the model wrote 4 -> "3 4" again
+    follow = (e, 3)
+    e2, n2 = corpus.match(tokens, follow)
+    assert corpus.draft_at(e2, 4) == [5, 6, 7, 8] and n2 == 4   # still the first output, not "9 9"
+    assert corpus.draft_at(corpus.match(tokens)[0], 4) == [5, 6, 7, 8]
+    corpora = TenantCorpora(max_tenants=2, max_tokens=64)
+    corpora.add("a", [1, 2, 3, 4])
+    assert corpora.get("b") is None          # another cache salt never sees tenant a's outputs
+    corpora.add("b", [5, 6, 7])
+    corpora.get("a")                         # a used last: b is the least recently used
+    corpora.add("c", [8, 9, 10])
+    assert corpora.get("b") is None and corpora.get("a") is not None and corpora.get("c") is not None
+
+
+def run_one(engine, prompt, params, cache_salt="", constraint=None):
+    rid = engine.add_request(prompt, params, cache_salt=cache_salt, constraint=constraint)
+    ids, out = [], None
+    while out is None or not out.finished:
+        for o in engine.step():
+            if o.request_id == rid:
+                ids += o.token_ids
+                out = o
+    return ids, out
+
+
+def test_suffix_drafts_from_the_tenants_earlier_replies(default_engine, spec_engine, tokenizer):
+    """A question another session of the same tenant asked before (another system prompt, so
+    nothing of the reply is in the prompt): drafts come from the earlier reply, the output is
+    the output without speculation, and a tenant with another cache salt drafts nothing from it."""
+    q = "Describe the life cycle of a star, from nebula to its end."
+    first = encode_chat(tokenizer, [{"role": "system", "content": "You are a helpful assistant."},
+                                    {"role": "user", "content": q}])
+    again = encode_chat(tokenizer, [{"role": "system", "content": "You are a helpful assistant for a school."},
+                                    {"role": "user", "content": q}])
+    params = greedy(64)
+    ngram = LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256, speculative="ngram"))
+    results = {}
+    for name, engine in (("suffix", spec_engine), ("ngram", ngram)):
+        run_one(engine, first, params, cache_salt="tenant-a")
+        for salt in ("tenant-a", "tenant-b"):
+            before = spec_counts(engine)
+            ids, out = run_one(engine, again, params, cache_salt=salt)
+            results[name, salt] = ids, [a - b for a, b in zip(spec_counts(engine), before)]
+    ref = default_engine.generate([again], params)[0].token_ids
+    assert all(ids == ref for ids, _ in results.values())
+    accepted = {key: counts[1] for key, (_, counts) in results.items()}
+    # the same tenant drafts from its earlier reply; without the corpus that reply is not there
+    assert accepted["suffix", "tenant-a"] > accepted["ngram", "tenant-a"] + 16
+    # another tenant drafts exactly as prompt lookup alone does
+    assert results["suffix", "tenant-b"][1] == results["ngram", "tenant-b"][1]
+
+
+def test_draft_rows_cap_bounds_every_step(default_engine, spec_engine, tokenizer):
+    """With a cap on a step's rows (what quantized weights set), no step with drafts passes it
+    and the output is unchanged."""
+    prompts = [quote(tokenizer, QUOTED), quote(tokenizer, QUOTED_2), quote(tokenizer, QUOTED[:400])]
+    params = greedy(48)
+    steps = []
+    run = spec_engine.runner.run
+
+    def spy(batch):
+        steps.append((sum(batch.num_new), sum(len(d) for d in batch.drafts.values())))
+        return run(batch)
+    spec_engine.runner.run, spec_engine.scheduler.draft_rows_cap = spy, 5
+    try:
+        got = spec_engine.generate(prompts, params)
+    finally:
+        spec_engine.runner.run, spec_engine.scheduler.draft_rows_cap = run, None
+    assert [r.token_ids for r in got] == [r.token_ids for r in default_engine.generate(prompts, params)]
+    drafted = [(rows, d) for rows, d in steps if d]
+    assert drafted and all(rows + d <= 5 for rows, d in drafted)
+    assert max(rows + d for rows, d in drafted) == 5          # the cap is used, not just respected
+
+
+# -- constrained requests draft too --------------------------------------------------------------------
+
+QUOTE_SCHEMA = {"type": "json_schema", "json_schema": {"name": "quote", "strict": True, "schema": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+    "additionalProperties": False}}}
+
+
+def test_constrained_requests_draft_and_match_decoding_without_drafts(default_engine, spec_engine, tokenizer):
+    """A JSON reply quoting its prompt: drafts the grammar accepts are verified under the grammar's
+    mask at every position; the output is token for token the output without speculation, with
+    room to spare and closed under a tight max_tokens."""
+    prompt = chat(tokenizer, "Reply with JSON {\"text\": ...} holding the following text exactly:\n\n" + QUOTED_2)
+    for max_tokens in (96, 30, 17):
+        params = greedy(max_tokens)
+        ref = run_one(default_engine, prompt, params, constraint=constraint_for_request(
+            tokenizer, response_format=QUOTE_SCHEMA))
+        before = spec_counts(spec_engine)
+        got = run_one(spec_engine, prompt, params, constraint=constraint_for_request(
+            tokenizer, response_format=QUOTE_SCHEMA))
+        drafted, accepted, _ = (a - b for a, b in zip(spec_counts(spec_engine), before))
+        assert got[0] == ref[0], max_tokens
+        assert (got[1].finish_reason, got[1].stop_reason) == (ref[1].finish_reason, ref[1].stop_reason)
+        json.loads(tokenizer.decode(got[0], skip_special_tokens=True))
+        if max_tokens == 96:
+            assert accepted > 10                           # drafts really ran under the grammar
+    # a drafted token the grammar refuses ends the draft before it
+    c = constraint_for_request(tokenizer, response_format=QUOTE_SCHEMA)
+    open_obj = tokenizer.encode('{"text": "')
+    assert c.valid_prefix(open_obj + tokenizer.encode('hi"}') + tokenizer.encode("{")) == len(
+        open_obj + tokenizer.encode('hi"}'))
+    assert c.valid_prefix(tokenizer.encode("hello")) == 0
+    assert c.valid_prefix(open_obj) == len(open_obj) and c.accept(open_obj[0])   # the state was not moved
