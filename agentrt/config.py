@@ -255,10 +255,13 @@ class ServerConfig(Settings):
     ep_placement: Literal[EP_PLACEMENTS] = Field(_ENGINE["ep_placement"], description="how experts are placed on "
                                                  "ranks: contiguous, balanced or locality")
     ep_redundant: int = Field(_ENGINE["ep_redundant"], description="extra expert slots for replicas of hot experts")
-    speculative: Literal[SPECULATIVE] = Field(_ENGINE["speculative"], description="speculative decoding: off, "
+    # served default chosen by benchmarks/speculative.py (docs/benchmarking.md); the engine's own stays off
+    speculative: Literal[SPECULATIVE] = Field("suffix", description="speculative decoding: off, "
                                               "ngram (drafts from the request's own context, verified in the same "
                                               "step; greedy output unchanged) or suffix (ngram, and the recent outputs "
-                                              "of the tenant's other requests on the worker)")
+                                              "of the tenant's other requests on the worker; the default, measured in "
+                                              "docs/benchmarking.md, where the engine library's default is "
+                                              f"{_ENGINE['speculative']})")
     num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
                                         "request verifies per step with --speculative ngram or suffix")
     quantization: Literal[QUANTIZATIONS] = Field(_ENGINE["quantization"], description="weight-only quantization "

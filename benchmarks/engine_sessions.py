@@ -30,6 +30,7 @@ from agentrt.bench.progress import bar  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import SPECULATIVE  # noqa: E402
 from engine.chat import encode_chat  # noqa: E402
 
 
@@ -158,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--speculative", default="suffix", choices=list(SPECULATIVE),
+                    help="speculative decoding (default: what agentrt serve runs)")
     ap.add_argument("--no-baseline", action="store_true", help="engine only")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both runs (default: torch's choice); 1 keeps "
@@ -168,14 +171,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens)
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=131072, max_batched_tokens=512))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=131072, max_batched_tokens=512,
+                                    speculative=args.speculative))
     system = system_prompt(engine.tokenizer, wl.system_tokens)
     print(f"workload: {wl}; torch threads {torch.get_num_threads()}", flush=True)
     ours = run_engine(engine, wl, system)
     print(f"engine:   TTFT p50 turns 2+ {ours['ttft_p50_s_turns2plus']:.3f}s, "
           f"cached {ours['cached_token_fraction']:.1%}, {ours['tokens_per_s']:.1f} tok/s", flush=True)
     result = {"workload": vars(wl), "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-              "dtype": args.dtype, "engine": ours}
+              "dtype": args.dtype, "speculative": args.speculative, "engine": ours}
     if not args.no_baseline:
         import transformers
         from engine.loader.gguf_loader import default_model_path

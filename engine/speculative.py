@@ -15,8 +15,8 @@ the same tool calls and phrases again), where that matches a longer suffix than 
 The index is a dict from n-gram to the end of its latest occurrence, brought up to date only
 when a draft is asked for (O(new tokens x n-gram sizes), never a scan of the context).
 
-Draft length adapts per request (:class:`DraftLength`) to the acceptance it sees: a token is
-drafted while the chance it is kept beats what its verification row costs (``ROW_COST``), and at
+Draft length adapts per request (:class:`DraftLength`) to the acceptance it sees: the length
+that commits the most tokens per unit of step cost (``STEP_COST``, measured), and at
 0 the request stops drafting, re-probing with one token after a back-off that doubles while
 probes fail; so a request whose output does not repeat its context soon pays nothing. The
 engine also caps a step's rows where its weights are quantized (engine/models/quant.py): past
@@ -44,11 +44,10 @@ from engine.sampler import draw, probabilities
 from engine.types import SamplingParams
 
 
-# A verification row's cost relative to a decode step (that step's one row included): drafting the
-# j-th token pays off while the chance it is accepted (about alpha ** j) exceeds it. Measured on this
-# CPU at batch 1 with int4 weights: a step verifying 4 drafts cost 1.2x a decode step (0.05 a row);
-# a GPU's rows cost less still. Taken higher than measured, so an uncertain draft is not made.
-ROW_COST = 0.1
+# What a verification step costs relative to a decode step of the same request: 1 + FIXED +
+# ROW x (tokens drafted). Measured on this CPU at batch 1 with int4 weights (1 thread, the
+# default model, ~700-token contexts): a decode step 30 ms, with 1 draft 43 ms, 3: 52 ms, 4: 64 ms.
+STEP_COST = (0.2, 0.23)   # (FIXED, ROW)
 
 
 class DraftLength:
@@ -56,22 +55,27 @@ class DraftLength:
 
     It keeps an estimate ``alpha`` of the chance a drafted token is accepted (accepted tokens over
     tokens tried, a rejection counting as one try, with older verifications weighing ``DECAY``
-    less each time; starting from a prior of 1/2) and drafts the longest ``k`` with
-    ``alpha ** k > row_cost``: the j-th drafted token is kept only if all before it are, so it is
-    worth its row while that chance beats the row's cost. At ``alpha <= row_cost`` the request
-    stops drafting and re-probes with one token after a back-off that doubles while probes fail.
+    less each time; starting from a prior of 0.4) and drafts the ``k`` that makes the most tokens
+    per unit of step cost: a verification of ``k`` drafts commits ``(1 - alpha**(k+1)) / (1 - alpha)``
+    tokens on average (the j-th drafted token is kept only if all before it are, then the model's
+    own) for a cost of ``1 + FIXED + ROW * k`` decode steps (``STEP_COST``), against one token for
+    one step without a draft. When no ``k`` beats that the request stops drafting and re-probes
+    with one token after a back-off that doubles while probes fail.
     """
 
     PROBE_AFTER = 4        # decode steps without a draft before the first re-probe
     MAX_PROBE_AFTER = 128  # the back-off doubles up to this while probes fail
     DECAY = 0.75           # weight of the past at each verification
-    PRIOR = (1.0, 2.0)     # (accepted, tried) pseudo-counts: alpha starts at 1/2
+    # (accepted, tried) pseudo-counts: alpha starts at 0.4, where no draft pays (1.4 tokens for
+    # 1.43 steps), so a request first probes with one token; a few accepted probes and it drafts
+    PRIOR = (0.8, 2.0)
 
-    def __init__(self, max_len: int, row_cost: float = ROW_COST) -> None:
-        if not 0.0 < row_cost < 1.0:
-            raise ValueError(f"row_cost must be in (0, 1), got {row_cost!r}")
+    def __init__(self, max_len: int, step_cost: tuple[float, float] = STEP_COST) -> None:
+        fixed, row = step_cost
+        if fixed < 0 or row <= 0:
+            raise ValueError(f"step_cost must be (fixed >= 0, row > 0), got {step_cost!r}")
         self.max_len = max_len
-        self.row_cost = row_cost
+        self.fixed, self.row = fixed, row
         self.accepted, self.tried = self.PRIOR
         self.idle = 0
         self.probe_after = self.PROBE_AFTER
@@ -80,18 +84,21 @@ class DraftLength:
     def alpha(self) -> float:
         return self.accepted / self.tried
 
+    @staticmethod
+    def expected_tokens(alpha: float, k: int) -> float:
+        """Tokens a verification of ``k`` drafts commits on average (the model's own included)."""
+        return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
     @property
     def k(self) -> int:
         """The draft length the estimate pays for (0: not drafting)."""
         a = self.alpha
-        if a <= self.row_cost:
-            return 0
-        if a >= 1.0:
-            return self.max_len
-        k = 0
-        while k < self.max_len and a ** (k + 1) > self.row_cost:
-            k += 1
-        return k
+        best, best_rate = 0, 1.0
+        for k in range(1, self.max_len + 1):
+            rate = self.expected_tokens(a, k) / (1.0 + self.fixed + self.row * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def limit(self) -> int:
         """The longest draft to propose this step (0: do not draft)."""
@@ -328,9 +335,9 @@ class SpeculativeState:
     its tenant's corpus it last drafted from."""
 
     def __init__(self, prompt_ids: list[int], max_len: int, max_ngram: int = 4, min_ngram: int = 2,
-                 row_cost: float = ROW_COST) -> None:
+                 step_cost: tuple[float, float] = STEP_COST) -> None:
         self.drafter = NgramDrafter(prompt_ids, max_ngram, min_ngram)
-        self.length = DraftLength(max_len, row_cost)
+        self.length = DraftLength(max_len, step_cost)
         self.prompt_len = len(prompt_ids)
         self._corpus_source: tuple[int, int] | None = None
 

@@ -72,7 +72,8 @@ def test_max_waiting_tokens_from_env_and_flag_reaches_the_engine():
 
 
 def test_speculative_settings_reach_the_engine_and_metrics():
-    assert ServerConfig().engine_config().speculative == "off"
+    assert ServerConfig().engine_config().speculative == "suffix"   # served default (measured); the engine's is off
+    assert EngineConfig().speculative == "off"
     cfg = ServerConfig.from_sources(environ={"AGENTRT_SPECULATIVE": "ngram", "AGENTRT_NUM_SPECULATIVE_TOKENS": "6"})
     assert (cfg.engine_config().speculative, cfg.engine_config().num_speculative_tokens) == ("ngram", 6)
     args = build_parser().parse_args(["serve", "--speculative", "ngram", "--num-speculative-tokens", "3"])
@@ -119,8 +120,8 @@ def test_flags_are_generated_from_the_settings_fields():
     engine, server = EngineConfig(), ServerConfig()
     for name in ("max_num_seqs", "max_waiting", "enable_prefix_cache", "turn_coalesce_max_s", "ep_placement"):
         assert getattr(server, name) == getattr(engine, name)
-    differ = {n for n in ("device", "dtype", "kv_cache_tokens") if getattr(server, n) != getattr(engine, n)}
-    assert differ == {"device", "dtype", "kv_cache_tokens"}
+    differ = {n for n in ("device", "dtype", "kv_cache_tokens", "speculative") if getattr(server, n) != getattr(engine, n)}
+    assert differ == {"device", "dtype", "kv_cache_tokens", "speculative"}
     for name in differ:  # said where the default is declared
         assert f"engine library's default is {getattr(engine, name)}" in ServerConfig.model_fields[name].description
 

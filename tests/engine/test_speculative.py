@@ -109,46 +109,56 @@ def test_drafter_index_kept_incrementally_equals_brute_force():
             d.extend(new)
 
 
-def reference_draft_length(history, max_len, row_cost):
-    """The controller's length from scratch: alpha from every (drafted, accepted) so far, the
-    newest weighing most (DECAY per verification since), then the longest k with alpha**k > cost."""
+def reference_draft_rate(history, max_len, step_cost):
+    """From scratch: alpha from every (drafted, accepted) so far, the newest weighing most (DECAY
+    per verification since); then per k the expected tokens committed (1 + alpha + ... + alpha**k)
+    over the step's cost (1 + fixed + row * k; 1 for no draft) -> (best rate, rate per k, alpha)."""
     acc, tried = DraftLength.PRIOR
     for drafted, accepted in history:
         acc = DraftLength.DECAY * acc + accepted
         tried = DraftLength.DECAY * tried + accepted + (accepted < drafted)
     alpha = acc / tried
-    return max([k for k in range(max_len + 1) if k == 0 or alpha ** k > row_cost]), alpha
+    fixed, row = step_cost
+    rates = [1.0] + [sum(alpha ** j for j in range(k + 1)) / (1 + fixed + row * k) for k in range(1, max_len + 1)]
+    return max(rates), rates, alpha
 
 
-def test_draft_length_follows_acceptance_and_row_cost():
+def test_draft_length_makes_the_most_tokens_per_step_cost():
     rng = random.Random(7)
-    for row_cost in (0.05, 0.1, 0.3):
-        ln, history = DraftLength(6, row_cost), []
-        assert ln.k == reference_draft_length([], 6, row_cost)[0]
-        for _ in range(300):
+    for step_cost in ((0.0, 0.05), (0.2, 0.23), (0.1, 0.15)):
+        ln, history = DraftLength(6, step_cost), []
+        for step in range(600):
+            if step % 60 == 0:
+                p = rng.choice([0.0, 0.3, 0.7, 0.95, 1.0])    # this stretch's chance a token is kept
             k = ln.limit()
+            best, rates, alpha = reference_draft_rate(history, 6, step_cost)
+            assert abs(ln.alpha - alpha) < 1e-12
+            assert abs(rates[ln.k] - best) < 1e-9, (step_cost, ln.k, rates)
             if k == 0:
                 continue
-            p = rng.choice([0.0, 0.3, 0.7, 0.95, 1.0])        # this stretch's chance a token is kept
             accepted = next((j for j in range(k) if rng.random() >= p), k)
             ln.update(k, accepted)
             history.append((k, accepted))
-            want_k, want_alpha = reference_draft_length(history, 6, row_cost)
-            assert ln.k == want_k and abs(ln.alpha - want_alpha) < 1e-12, (row_cost, history[-5:])
-    ln = DraftLength(4, 0.1)
-    assert ln.limit() == 3                # 0.5**3 > 0.1 >= 0.5**4
+        lengths = {k for k, _ in history}
+        assert len(lengths) >= 3 and max(lengths) >= 5, step_cost   # it drafted short and long
+    ln = DraftLength(4, (0.2, 0.23))
+    assert ln.k == 0                      # alpha 0.4: 1.4 tokens for 1.43 steps does not pay
+    ln.update(1, 1)                       # an accepted probe: alpha 0.64
+    assert ln.limit() == 2                # 2.05 tokens for 1.66 steps beats 1 and 3 drafts
     for _ in range(6):
         ln.update(ln.limit(), ln.limit())  # whole drafts kept: up to the configured length
     assert ln.limit() == 4
-    with pytest.raises(ValueError, match="row_cost"):
-        DraftLength(4, 0.0)
+    with pytest.raises(ValueError, match="step_cost"):
+        DraftLength(4, (0.1, 0.0))
 
 
 def test_draft_length_stops_drafting_and_reprobes():
-    ln = DraftLength(4, 0.1)
-    while ln.k:                           # nothing accepted: the estimate falls below the row cost
+    ln = DraftLength(4)
+    ln.update(1, 1)
+    assert ln.k > 0                       # drafting
+    while ln.k:                           # nothing accepted: no draft pays for its rows any more
         ln.update(ln.limit(), 0)
-    assert ln.alpha <= 0.1
+    assert ln.alpha < 0.5
     back_off = ln.probe_after
     assert back_off == 2 * DraftLength.PROBE_AFTER   # the failure that reached 0 doubled it
     limits = [ln.limit() for _ in range(back_off * 2)]
