@@ -256,11 +256,11 @@ class ServerConfig(Settings):
                                                  "ranks: contiguous, balanced or locality")
     ep_redundant: int = Field(_ENGINE["ep_redundant"], description="extra expert slots for replicas of hot experts")
     # served default chosen by benchmarks/speculative.py (docs/benchmarking.md); the engine's own stays off
-    speculative: Literal[SPECULATIVE] = Field("suffix", description="speculative decoding: off, "
+    speculative: Literal[SPECULATIVE] = Field("auto", description="speculative decoding: off, "
                                               "ngram (drafts from the request's own context, verified in the same "
                                               "step; greedy output unchanged) or suffix (ngram, and the recent outputs "
-                                              "of the tenant's other requests on the worker; the default, measured in "
-                                              "docs/benchmarking.md, where the engine library's default is "
+                                              "of the tenant's other requests on the worker) or auto (suffix on the CPU, where "
+                                              "docs/benchmarking.md measured it, off on a GPU; the engine library's default is "
                                               f"{_ENGINE['speculative']})")
     num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
                                         "request verifies per step with --speculative ngram or suffix")

@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
-SPECULATIVE = ("off", "ngram", "suffix")
+SPECULATIVE = ("off", "ngram", "suffix", "auto")
 QUANTIZATIONS = ("auto", "off", "int4", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -201,6 +201,13 @@ class EngineConfig:
                 and self.resolved_dtype() == "bfloat16" and kernels_available()):
             return "int4"
         return "off"
+
+    def resolved_speculative(self) -> str:
+        """``auto``: ``suffix`` on the CPU, where benchmarks/speculative.py chose it
+        (docs/benchmarking.md), ``off`` elsewhere (not measured on a GPU yet)."""
+        if self.speculative != "auto":
+            return self.speculative
+        return "suffix" if self.resolved_device() == "cpu" else "off"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

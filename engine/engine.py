@@ -95,8 +95,9 @@ class LLMEngine:
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.spec_draft_tokens_total = self.spec_accepted_tokens_total = self.spec_verifications_total = 0
         # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
-        self.corpora = TenantCorpora() if config.speculative == "suffix" else None
-        if config.speculative != "off":
+        self.speculative = config.resolved_speculative()
+        self.corpora = TenantCorpora() if self.speculative == "suffix" else None
+        if self.speculative != "off":
             self.scheduler.propose = self._propose
             # quantized layers run steps of more rows on their bf16 copies, at 2-3x a row's cost:
             # drafts never take a step past that (a step already past it drafts freely)
@@ -439,14 +440,18 @@ class LLMEngine:
         self.spec_verifications_total += 1
         req.speculative.length.update(len(draft), accepted)
         for i, tok in enumerate(tokens):
-            self._append_token(req, tok, None, constraint_accepted=i < accepted)
+            # the constraint's state is past every accepted draft token already: whether the output
+            # is complete is asked at the last of them (verification stopped where it completed)
+            self._append_token(req, tok, None, constraint_accepted=i < accepted,
+                               check_complete=i >= accepted - 1)
             if req.finished:
                 break
         # K/V is computed for the last token and the accepted draft tokens: all but the newest token
         req.num_computed = req.num_tokens - 1
         self.scheduler.rollback(req)
 
-    def _append_token(self, req: Request, tok: int, lp, constraint_accepted: bool = False) -> None:
+    def _append_token(self, req: Request, tok: int, lp, constraint_accepted: bool = False,
+                      check_complete: bool = True) -> None:
         p = req.params
         req.output_ids.append(tok)
         req.pending_ids.append(tok)   # stop tokens included (as vLLM does); their text is not
@@ -465,7 +470,7 @@ class LLMEngine:
             req.text += req.detok.push([tok])
             if self._check_stop_strings(req):
                 return
-            if req.constraint is not None and req.constraint.is_terminated():
+            if check_complete and req.constraint is not None and req.constraint.is_terminated():
                 req.finish_reason = "stop"
                 req.status = Status.FINISHED
         if not req.finished and (len(req.output_ids) >= p.max_tokens

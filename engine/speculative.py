@@ -372,9 +372,10 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
     draft is accepted while it agrees. With a ``constraint``, position ``j`` is masked by the
     grammar's state after ``draft[:j]`` (and, with a ``budget`` of tokens the request may still
     emit, its token goes through ``fit_budget`` with ``budget - j``), as decoding one token at a
-    time would; each drafted token accepted is accepted by the constraint here. Returns (the
-    tokens to commit: the accepted prefix of the draft and then the model's own token, the
-    number of drafted tokens accepted).
+    time would; each drafted token accepted is accepted by the constraint here, and a drafted
+    token that completes the constrained output ends the verification (no token of the model's
+    after it). Returns (the tokens to commit: the accepted prefix of the draft and then, unless
+    the output completed, the model's own token, the number of drafted tokens accepted).
     """
     if constraint is not None:
         out: list[int] = []
@@ -388,6 +389,8 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
             if j == len(draft) or t != draft[j]:
                 return out, j
             constraint.accept(t)
+            if constraint.is_terminated():   # the output is complete: nothing follows it
+                return out, j + 1
     best = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
 
     def model_token(j: int) -> int:

@@ -72,7 +72,9 @@ def test_max_waiting_tokens_from_env_and_flag_reaches_the_engine():
 
 
 def test_speculative_settings_reach_the_engine_and_metrics():
-    assert ServerConfig().engine_config().speculative == "suffix"   # served default (measured); the engine's is off
+    served = ServerConfig().engine_config()
+    assert served.speculative == "auto" and served.resolved_speculative() == "suffix"   # on this CPU
+    assert EngineConfig(speculative="auto", device="cuda").resolved_speculative() == "off"
     assert EngineConfig().speculative == "off"
     cfg = ServerConfig.from_sources(environ={"AGENTRT_SPECULATIVE": "ngram", "AGENTRT_NUM_SPECULATIVE_TOKENS": "6"})
     assert (cfg.engine_config().speculative, cfg.engine_config().num_speculative_tokens) == ("ngram", 6)

@@ -473,3 +473,26 @@ def test_constrained_requests_draft_and_match_decoding_without_drafts(default_en
         open_obj + tokenizer.encode('hi"}'))
     assert c.valid_prefix(tokenizer.encode("hello")) == 0
     assert c.valid_prefix(open_obj) == len(open_obj) and c.accept(open_obj[0])   # the state was not moved
+
+
+def test_a_draft_that_completes_a_tool_call_ends_it(default_engine, spec_engine, tokenizer):
+    """A named tool call asked twice: the second drafts the whole call from the first's reply
+    (the corpus), tokens past the call's end included; the output stops where the call
+    completes, as without drafts (found as a served reply cut at "</tool")."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                               "required": ["city"]}}}]
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": "What is the weather in Paris?"}], tools)
+
+    def call(engine):
+        c = constraint_for_request(tokenizer, tools=tools, tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}, parallel_tool_calls=False)
+        return run_one(engine, prompt, greedy(40), cache_salt="tools", constraint=c)
+    ref_ids, ref = call(default_engine)
+    call(spec_engine)
+    before = spec_counts(spec_engine)
+    ids, out = call(spec_engine)
+    accepted = spec_counts(spec_engine)[1] - before[1]
+    assert ids == ref_ids and (out.finish_reason, out.stop_reason) == (ref.finish_reason, ref.stop_reason)
+    assert tokenizer.decode(ids, skip_special_tokens=False).rstrip().endswith("</tool_call>")
+    assert accepted >= len(ids) // 2      # the call came from drafts
