@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
 from router.config import RouterConfig
-from router.events import MEDIA, EventDecodeError, KVEvent, decode_event, unpack_hash
+from router.events import MEDIA, EventDecodeError, KVEvent, decode_event, ordinary_event, unpack_hash
 from router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,14 @@ class ConsumerStats:
     resyncs: int = 0
     per_kind: dict = field(default_factory=dict)
     last_id: str = "0-0"   # the stream entry read last
+
+
+def _add_kinds(per_kind: dict, stored: int, removed: int) -> None:
+    """Add a batch's counts to ``ConsumerStats.per_kind`` (a kind appears once it has been counted)."""
+    if stored:
+        per_kind["stored"] = per_kind.get("stored", 0) + stored
+    if removed:
+        per_kind["removed"] = per_kind.get("removed", 0) + removed
 
 
 class KVEventConsumer:
@@ -125,10 +133,76 @@ class KVEventConsumer:
                                         count=count, block=block_ms)
         n = 0
         for _stream, entries in reply or ():
+            n += await self.apply_entries(entries)
+        return n
+
+    async def apply_entries(self, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> int:
+        """Apply a batch of stream entries as ``XREAD`` returns them (``(id, fields)``, the event
+        in field ``e``); returns how many. The production path, and the same as
+        ``apply_entries_reference`` (each entry through ``_handle``: ``decode_event`` then ``apply``)
+        in every effect on the index, ``stats``, the seqs and the resyncs; ``tests/router/
+        test_event_batches.py`` drives both with the same random streams and compares.
+
+        Per entry, an ordinary event (``stored``/``removed`` of a known medium, every field of the
+        type and range ``decode_event`` demands, see ``router.events.ordinary_event``) at the expected
+        seq, or below it (already applied), is handled here in one pass and without a coroutine or
+        a ``KVEvent``; anything else (a gap, ``cleared``, a worker without a baseline, an unknown
+        medium, a malformed entry) goes through ``_handle``, which decodes it again and says why it
+        is refused. Counters are flushed into ``stats`` before each of those (it may await a
+        resync) and when the batch ends or fails; ``last_id`` is the id of the last entry handled,
+        as in the reference (an entry whose resync raised is not read again)."""
+        max_bytes, max_hashes = self.config.event_max_bytes, self.config.event_max_hashes
+        ordinary = ordinary_event
+        next_seq, get_next = self._next_seq, self._next_seq.get
+        index_stored, index_removed, on_blocks = self.index.stored, self.index.removed, self.on_blocks
+        stats = self.stats
+        n_stored = n_removed = n_skipped = n = 0
+        entry_id = None
+        try:
             for entry_id, fields in entries:
-                self._last_id = self.stats.last_id = entry_id.decode()
                 n += 1
-                await self._handle(fields.get(b"e"))
+                payload = fields.get(b"e")
+                event = ordinary(payload, max_bytes, max_hashes)
+                if event is not None:
+                    worker, seq, kind, hashes, medium = event
+                    expected = get_next(worker)
+                    if seq == expected:
+                        if kind == "stored":
+                            index_stored(worker, hashes, medium)
+                            n_stored += 1
+                        else:
+                            index_removed(worker, hashes, medium)
+                            n_removed += 1
+                        if on_blocks is not None:
+                            on_blocks(worker, hashes)
+                        next_seq[worker] = seq + 1
+                        continue
+                    if expected is not None and seq < expected:
+                        n_skipped += 1
+                        continue
+                # the reference path: a gap, ``cleared``, no baseline, or anything it must refuse
+                stats.applied += n_stored + n_removed
+                stats.skipped += n_skipped
+                _add_kinds(stats.per_kind, n_stored, n_removed)
+                n_stored = n_removed = n_skipped = 0
+                self._last_id = stats.last_id = entry_id.decode()
+                await self._handle(payload)
+        finally:
+            stats.applied += n_stored + n_removed
+            stats.skipped += n_skipped
+            _add_kinds(stats.per_kind, n_stored, n_removed)
+            if entry_id is not None:
+                self._last_id = stats.last_id = entry_id.decode()
+        return n
+
+    async def apply_entries_reference(self, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> int:
+        """``apply_entries`` one entry at a time, each decoded into a ``KVEvent`` and awaited through
+        ``apply`` (what ``poll`` did before the batch path): the oracle its tests compare against."""
+        n = 0
+        for entry_id, fields in entries:
+            self._last_id = self.stats.last_id = entry_id.decode()
+            n += 1
+            await self._handle(fields.get(b"e"))
         return n
 
     async def _handle(self, payload: bytes | None) -> None:
