@@ -43,22 +43,24 @@ def event_map(worker, seq, kind, hashes, parent=None, ts=0, **extra) -> dict:
             **extra}
 
 
+BAD_FIELDS = [
+    ("seq", True), ("seq", -1), ("seq", 1.5), ("seq", "3"), ("seq", None),
+    ("kind", "evicted"), ("kind", b"stored"), ("kind", 1), ("kind", ["stored"]), ("kind", {"a": 1}),
+    ("hashes", [-1]), ("hashes", [True]), ("hashes", [1.0]), ("hashes", ["1"]), ("hashes", [None]),
+    ("hashes", [1, 2, -(1 << 63)]), ("hashes", [1, True]), ("hashes", [[1]]), ("hashes", 5),
+    ("hashes", {"1": 2}), ("hashes", list(range(MAX_HASHES + 1))), ("hashes", "abc"),
+    ("worker", ""), ("worker", "x" * 257), ("worker", 7), ("worker", None), ("worker", ["w0"]),
+    ("parent", -1), ("parent", "p"), ("parent", True), ("parent", 1.0), ("parent", [1]),
+    ("ts", -5), ("ts", None), ("ts", True), ("ts", 2.5),
+    ("medium", 5), ("medium", ""), ("medium", "m" * 33), ("medium", None), ("medium", ["host"]),
+    ("medium", {"a": 1}),
+]
+
+
 def malformed(rng: random.Random, worker: str, seq: int) -> dict | None:
     """A stream entry's fields that ``decode_event`` must refuse (or a valid event it must not apply
     as an ordinary one); None: an entry without the ``e`` field."""
     good = event_map(worker, seq, "stored", [rng.choice(POOL)])
-    bad_fields = [
-        ("seq", True), ("seq", -1), ("seq", 1.5), ("seq", "3"), ("seq", None),
-        ("kind", "evicted"), ("kind", b"stored"), ("kind", 1), ("kind", ["stored"]), ("kind", {"a": 1}),
-        ("hashes", [-1]), ("hashes", [True]), ("hashes", [1.0]), ("hashes", ["1"]), ("hashes", [None]),
-        ("hashes", [1, 2, -(1 << 63)]), ("hashes", [1, True]), ("hashes", [[1]]), ("hashes", 5),
-        ("hashes", {"1": 2}), ("hashes", list(range(MAX_HASHES + 1))), ("hashes", "abc"),
-        ("worker", ""), ("worker", "x" * 257), ("worker", 7), ("worker", None), ("worker", ["w0"]),
-        ("parent", -1), ("parent", "p"), ("parent", True), ("parent", 1.0), ("parent", [1]),
-        ("ts", -5), ("ts", None), ("ts", True), ("ts", 2.5),
-        ("medium", 5), ("medium", ""), ("medium", "m" * 33), ("medium", None), ("medium", ["host"]),
-        ("medium", {"a": 1}),
-    ]
     r = rng.randrange(14)
     if r == 0:
         return None
@@ -85,7 +87,7 @@ def malformed(rng: random.Random, worker: str, seq: int) -> dict | None:
     if r == 9:  # a map with a key that is not a string, or too many keys
         return {b"e": rng.choice([msgpack.packb({**good, 1: 2}, strict_types=False),
                                   packed({**good, **{f"k{i}": i for i in range(30)}})])}
-    name, value = rng.choice(bad_fields)
+    name, value = rng.choice(BAD_FIELDS)
     return {b"e": packed({**good, name: value})}
 
 
@@ -274,6 +276,19 @@ def agrees(data) -> None:
 
 
 GOOD = event_map("w1", 3, "stored", [1, 2, U64 - 1], 7, 1)
+
+
+def test_ordinary_event_refuses_each_bad_field():
+    for name, value in BAD_FIELDS:
+        data = packed({**GOOD, name: value})
+        assert ordinary_event(data, MAX_BYTES, MAX_HASHES) is None, (name, value)
+        agrees(data)
+    rng = random.Random(3)
+    for _ in range(300):
+        fields = malformed(rng, rng.choice(WORKERS), rng.randrange(5))
+        if fields is not None:
+            assert ordinary_event(fields[b"e"], MAX_BYTES, MAX_HASHES) is None, fields
+            agrees(fields[b"e"])
 
 
 @FUZZ
