@@ -116,6 +116,14 @@ class PrefixIndex:
         if medium != "device" or self._media.get(worker):
             hashes = list(hashes)
             self._media_stored(worker, mine, hashes, medium)  # type: ignore[arg-type]
+        elif type(hashes) is tuple and len(hashes) == 1:  # one block (an event's usual size at the tip)
+            h = hashes[0]
+            if h not in mine:  # type: ignore[operator]
+                mine.add(h)  # type: ignore[union-attr]
+                holders, bit = self._holders, self._bits[slot]
+                m = holders.get(h)
+                holders[h] = bit if m is None else m | bit
+            return
         new = set(hashes)
         new -= mine  # type: ignore[operator]
         if not new:
@@ -141,6 +149,12 @@ class PrefixIndex:
         elif medium != "device":
             return
         mine = self._by_worker[slot]
+        if type(hashes) is tuple and len(hashes) == 1:  # one block: no set built
+            h = hashes[0]
+            if h in mine:  # type: ignore[operator]
+                mine.remove(h)  # type: ignore[union-attr]
+                self._unlink(slot, hashes)
+            return
         gone = mine.intersection(hashes)  # type: ignore[union-attr]
         if gone:
             mine -= gone  # type: ignore[operator]
