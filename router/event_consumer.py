@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, Mapping, Sequence
 import redis.asyncio as aioredis
 
 from router.config import RouterConfig
-from router.events import MEDIA, EventDecodeError, KVEvent, decode_event, ordinary_event, unpack_hash
+from router.events import MEDIA, EventDecodeError, EventReader, KVEvent, decode_event, unpack_hash
 from router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class KVEventConsumer:
         self.snapshot_source = snapshot_source or RedisSnapshotSource(client, config)
         self.stats = ConsumerStats()
         self._next_seq: dict[str, int] = {}
+        self._reader = EventReader(config.event_max_bytes, config.event_max_hashes)
         self._last_id = "0-0"
         self._task: asyncio.Task | None = None
 
@@ -144,15 +145,14 @@ class KVEventConsumer:
         test_event_batches.py`` drives both with the same random streams and compares.
 
         Per entry, an ordinary event (``stored``/``removed`` of a known medium, every field of the
-        type and range ``decode_event`` demands, see ``router.events.ordinary_event``) at the expected
+        type and range ``decode_event`` demands, see ``router.events.EventReader``) at the expected
         seq, or below it (already applied), is handled here in one pass and without a coroutine or
         a ``KVEvent``; anything else (a gap, ``cleared``, a worker without a baseline, an unknown
         medium, a malformed entry) goes through ``_handle``, which decodes it again and says why it
         is refused. Counters are flushed into ``stats`` before each of those (it may await a
         resync) and when the batch ends or fails; ``last_id`` is the id of the last entry handled,
         as in the reference (an entry whose resync raised is not read again)."""
-        max_bytes, max_hashes = self.config.event_max_bytes, self.config.event_max_hashes
-        ordinary = ordinary_event
+        ordinary = self._reader.ordinary
         next_seq, get_next = self._next_seq, self._next_seq.get
         index_stored, index_removed, on_blocks = self.index.stored, self.index.removed, self.on_blocks
         stats = self.stats
@@ -162,7 +162,7 @@ class KVEventConsumer:
             for entry_id, fields in entries:
                 n += 1
                 payload = fields.get(b"e")
-                event = ordinary(payload, max_bytes, max_hashes)
+                event = ordinary(payload)
                 if event is not None:
                     worker, seq, kind, hashes, medium = event
                     expected = get_next(worker)

@@ -127,49 +127,74 @@ def decode_event(data: bytes, max_bytes: int = 1 << 20, max_hashes: int = 65_536
                    obj.get("medium", "device"))
 
 
-_unpackb = msgpack.unpackb
-_ORDINARY_KINDS = frozenset(("stored", "removed"))
-_MEDIA_SET = frozenset(MEDIA)
+_ORDINARY_KINDS = ("stored", "removed")
+
+
+class EventReader:
+    """The consumer's batch decoder (``KVEventConsumer.apply_entries``): ``reader.ordinary(data)`` is
+    ``(worker, seq, kind, hashes, medium)`` of an ordinary event, else None, with no ``KVEvent`` built
+    and no exception raised.
+
+    Ordinary: bytes within ``max_bytes`` that are exactly one msgpack object under ``decode_event``'s
+    limits, a map whose fields have the types and ranges ``decode_event`` checks, ``kind`` stored or
+    removed, ``medium`` absent or one of ``MEDIA``. Whatever this accepts, ``decode_event`` accepts
+    with the same fields (tested on random and hostile bytes in ``tests/router/test_event_batches.py``);
+    None means "ask ``decode_event``", which then refuses the bytes with its reason, or decodes a
+    ``cleared`` event or one of a medium this router does not know.
+
+    One ``msgpack.Unpacker`` is reused (a third cheaper than ``unpackb`` and its keyword arguments
+    per event). Its buffer is empty before each payload; a payload that is not one whole object
+    (truncated, trailing bytes, invalid) makes a new one, so nothing of it reaches the next."""
+
+    def __init__(self, max_bytes: int = 1 << 20, max_hashes: int = 65_536) -> None:
+        self.max_bytes, self.max_hashes = max_bytes, max_hashes
+        self._reset()
+
+    def _reset(self) -> None:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=False,
+                                    max_array_len=self.max_hashes, max_map_len=32, max_str_len=4096,
+                                    max_bin_len=0, max_ext_len=0, max_buffer_size=self.max_bytes)
+        self._feed, self._unpack, self._tell = unpacker.feed, unpacker.unpack, unpacker.tell
+        self._end = 0  # offset where the next payload starts in the unpacker's stream
+
+    def ordinary(self, data: object) -> tuple[str, int, str, tuple[int, ...], str] | None:
+        if type(data) is not bytes or len(data) > self.max_bytes:
+            return None
+        try:
+            self._feed(data)
+            obj = self._unpack()
+            self._end += len(data)
+            if self._tell() != self._end:  # trailing bytes (unpackb: ExtraData)
+                raise ValueError("not one msgpack object")
+        except Exception:  # OutOfData (truncated), invalid, over a limit: start clean
+            self._reset()
+            return None
+        try:
+            if type(obj) is not dict:
+                return None
+            worker, seq, kind, hashes, parent, ts = (obj["worker"], obj["seq"], obj["kind"], obj["hashes"],
+                                                     obj["parent"], obj["ts"])
+            medium = obj.get("medium", "device")
+        except KeyError:  # a field missing: decode_event says which
+            return None
+        if not (type(worker) is str and 0 < len(worker) <= _MAX_WORKER_ID and type(seq) is int and seq >= 0
+                and type(ts) is int and ts >= 0 and kind in _ORDINARY_KINDS and type(hashes) is tuple
+                and (parent is None or (type(parent) is int and 0 <= parent < _U64)) and medium in MEDIA):
+            return None  # (``in`` a tuple compares with ==: true for those strings only, whatever the type)
+        if hashes:
+            if len(hashes) == 1:
+                h = hashes[0]
+                if not (type(h) is int and 0 <= h < _U64):
+                    return None
+            elif not (set(map(type, hashes)) == _INT_ONLY and min(hashes) >= 0 and max(hashes) < _U64):
+                return None
+        return worker, seq, kind, hashes, medium
 
 
 def ordinary_event(data: object, max_bytes: int = 1 << 20,
                    max_hashes: int = 65_536) -> tuple[str, int, str, tuple[int, ...], str] | None:
-    """``(worker, seq, kind, hashes, medium)`` of an ordinary event, else None: the consumer's batch
-    path (``KVEventConsumer.apply_entries``), with no ``KVEvent`` built and no exception raised.
-
-    Ordinary: bytes within ``max_bytes`` that msgpack decodes under ``decode_event``'s limits into
-    a map whose fields have exactly the types and ranges ``decode_event`` checks, ``kind`` stored
-    or removed, ``medium`` absent or one of ``MEDIA``. Whatever this accepts, ``decode_event``
-    accepts with the same fields (tested on random and hostile bytes in
-    ``tests/router/test_event_batches.py``); None means "ask ``decode_event``", which then refuses
-    it with its reason, or decodes a ``cleared`` event or one of a medium this router does not know."""
-    if type(data) is not bytes or len(data) > max_bytes:
-        return None
-    try:
-        obj = _unpackb(data, raw=False, strict_map_key=True, use_list=False,
-                       max_array_len=max_hashes, max_map_len=32, max_str_len=4096,
-                       max_bin_len=0, max_ext_len=0)
-        if type(obj) is not dict:
-            return None
-        worker, seq, kind, hashes, parent, ts = (obj["worker"], obj["seq"], obj["kind"], obj["hashes"],
-                                                 obj["parent"], obj["ts"])
-        medium = obj.get("medium", "device")
-    except Exception:  # not msgpack, not a map, a field missing: decode_event says which
-        return None
-    if not (type(worker) is str and 0 < len(worker) <= _MAX_WORKER_ID and type(seq) is int and seq >= 0
-            and type(ts) is int and ts >= 0 and type(kind) is str and kind in _ORDINARY_KINDS
-            and type(hashes) is tuple
-            and (parent is None or (type(parent) is int and 0 <= parent < _U64))
-            and type(medium) is str and medium in _MEDIA_SET):
-        return None
-    if hashes:
-        if len(hashes) == 1:
-            h = hashes[0]
-            if not (type(h) is int and 0 <= h < _U64):
-                return None
-        elif not (set(map(type, hashes)) == _INT_ONLY and min(hashes) >= 0 and max(hashes) < _U64):
-            return None
-    return worker, seq, kind, hashes, medium
+    """``EventReader(max_bytes, max_hashes).ordinary(data)``, on a reader of its own."""
+    return EventReader(max_bytes, max_hashes).ordinary(data)
 
 
 def pack_hash(h: int) -> bytes:

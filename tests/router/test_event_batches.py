@@ -6,8 +6,8 @@ blocks nobody holds, duplicates, gaps, ``cleared`` restarts, unknown media, ever
 malformed entry, snapshots that fail) go through both, in random batch sizes, with
 ``forget_worker`` between batches; the index's every internal map, the seqs, ``stats``, the
 snapshot reads, the ``on_blocks`` calls, the errors raised and the warnings logged must be the
-same. ``ordinary_event`` (the batch path's decoder) is checked on hostile bytes against
-``decode_event``: what it accepts, ``decode_event`` accepts with the same fields.
+same. ``EventReader`` (the batch path's decoder) is checked on hostile bytes against
+``decode_event``: what it accepts, ``decode_event`` accepts with the same fields, whatever came before.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from router.config import RouterConfig
 from router.event_consumer import KVEventConsumer, Snapshot
-from router.events import MEDIA, EventDecodeError, KVEvent, decode_event, encode_event, ordinary_event
+from router.events import MEDIA, EventDecodeError, EventReader, KVEvent, decode_event, encode_event, ordinary_event
 from router.index import PrefixIndex
 
 MAX_BYTES, MAX_HASHES = 700, 8
@@ -260,9 +260,14 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+READER = EventReader(MAX_BYTES, MAX_HASHES)  # one for every example, as the consumer keeps one
+
+
 def agrees(data) -> None:
-    """``ordinary_event(data)`` is None, or ``decode_event`` accepts ``data`` with the same fields."""
-    fast = ordinary_event(data, MAX_BYTES, MAX_HASHES)
+    """``READER.ordinary(data)`` is None, or ``decode_event`` accepts ``data`` with the same fields; a
+    fresh reader says the same (nothing of an earlier payload is left in the shared one)."""
+    fast = READER.ordinary(data)
+    assert fast == ordinary_event(data, MAX_BYTES, MAX_HASHES)
     try:
         ev = decode_event(data, MAX_BYTES, MAX_HASHES)
     except EventDecodeError:
@@ -331,3 +336,16 @@ def test_ordinary_event_accepts_what_the_publisher_writes():
 
 
 GOOD_EVENT = KVEvent("w1", 3, "stored", (1, 2, U64 - 1), 7, 1)
+
+
+def test_reader_starts_clean_after_each_bad_payload():
+    """A truncated payload leaves bytes in the unpacker, one with trailing bytes or two objects leaves
+    the rest: none of it may join the next payload (here the second half of the same event)."""
+    reader = EventReader(MAX_BYTES, MAX_HASHES)
+    body = encode_event(GOOD_EVENT)
+    want = ("w1", 3, "stored", (1, 2, U64 - 1), "device")
+    for bad in (body[:7], body[:-1], body + b"\x01", body + body, b"\xc1", b"\x92", b"",
+                b"\x00" * (MAX_BYTES + 1), packed([1] * (MAX_HASHES + 1)), packed({"k": "x" * 5000})[:MAX_BYTES]):
+        assert reader.ordinary(bad) is None
+        assert reader.ordinary(body[7:]) is None  # the rest of a split event is not an event
+        assert reader.ordinary(body) == want
