@@ -111,7 +111,9 @@ class PrefixIndex:
 
     def stored(self, worker: str, hashes: Iterable[int], medium: str = "device") -> None:
         """``worker`` now holds every block in ``hashes`` (in ``medium``: device, host or disk)."""
-        slot = self._slot_for(worker)
+        slot = self._slot.get(worker)
+        if slot is None:
+            slot = self._slot_for(worker)
         mine = self._by_worker[slot]
         if medium != "device" or self._media.get(worker):
             hashes = list(hashes)
@@ -149,11 +151,17 @@ class PrefixIndex:
         elif medium != "device":
             return
         mine = self._by_worker[slot]
-        if type(hashes) is tuple and len(hashes) == 1:  # one block: no set built
+        if type(hashes) is tuple and len(hashes) == 1:  # one block: no set built, ``_unlink`` inline
             h = hashes[0]
             if h in mine:  # type: ignore[operator]
                 mine.remove(h)  # type: ignore[union-attr]
-                self._unlink(slot, hashes)
+                holders, bits = self._holders, self._bits
+                m, bit = holders[h], bits[slot]
+                if m is bit:
+                    del holders[h]
+                else:
+                    m ^= bit
+                    holders[h] = bits[m.bit_length() - 1] if not m & (m - 1) else m
             return
         gone = mine.intersection(hashes)  # type: ignore[union-attr]
         if gone:
