@@ -142,8 +142,8 @@ class EventReader:
     None means "ask ``decode_event``", which then refuses the bytes with its reason, or decodes a
     ``cleared`` event or one of a medium this router does not know.
 
-    One ``msgpack.Unpacker`` is reused (a third cheaper than ``unpackb`` and its keyword arguments
-    per event). Its buffer is empty before each payload; a payload that is not one whole object
+    One ``msgpack.Unpacker`` is reused (the unpack alone ~30% cheaper than ``unpackb``, which parses
+    its keyword arguments on every call). Its buffer is empty before each payload; a payload that is not one whole object
     (truncated, trailing bytes, invalid) makes a new one, so nothing of it reaches the next."""
 
     def __init__(self, max_bytes: int = 1 << 20, max_hashes: int = 65_536) -> None:

@@ -172,13 +172,17 @@ class TentativeIndex:
             self._redis_failed("release", exc)
 
     def confirmed(self, worker_id: str, hashes: Iterable[int]) -> None:
-        """The worker's ``stored`` (or ``removed``) event for these blocks arrived: the real index knows."""
-        for h in hashes:
-            entry = self._local.get(h)
-            if entry is not None and entry.pop(worker_id, None) is not None:
+        """The worker's ``stored`` (or ``removed``) event for these blocks arrived: the real index knows.
+        Called for every event the consumer applies: the blocks with a local entry are found in C
+        (``keys() &`` iterates ``hashes`` and probes the map), not by a Python loop over an event's
+        hundreds of hashes."""
+        local = self._local
+        for h in local.keys() & hashes:
+            entry = local[h]
+            if entry.pop(worker_id, None) is not None:
                 self.stats.confirmed += 1
                 if not entry:
-                    del self._local[h]
+                    del local[h]
 
     def forget_worker(self, worker_id: str) -> None:
         """The worker died or left: drop this replica's entries for it (Redis keys expire)."""
