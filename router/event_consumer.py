@@ -156,11 +156,10 @@ class KVEventConsumer:
         next_seq, get_next = self._next_seq, self._next_seq.get
         index_stored, index_removed, on_blocks = self.index.stored, self.index.removed, self.on_blocks
         stats = self.stats
-        n_stored = n_removed = n_skipped = n = 0
+        n_stored = n_removed = n_skipped = 0
         entry_id = None
         try:
             for entry_id, fields in entries:
-                n += 1
                 payload = fields.get(b"e")
                 event = ordinary(payload)
                 if event is not None:
@@ -193,7 +192,7 @@ class KVEventConsumer:
             _add_kinds(stats.per_kind, n_stored, n_removed)
             if entry_id is not None:
                 self._last_id = stats.last_id = entry_id.decode()
-        return n
+        return len(entries)
 
     async def apply_entries_reference(self, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> int:
         """``apply_entries`` one entry at a time, each decoded into a ``KVEvent`` and awaited through

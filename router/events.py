@@ -163,8 +163,8 @@ class EventReader:
         try:
             self._feed(data)
             obj = self._unpack()
-            self._end += len(data)
-            if self._tell() != self._end:  # trailing bytes (unpackb: ExtraData)
+            self._end = end = self._end + len(data)
+            if self._tell() != end:  # trailing bytes (unpackb: ExtraData)
                 raise ValueError("not one msgpack object")
         except Exception:  # OutOfData (truncated), invalid, over a limit: start clean
             self._reset()
