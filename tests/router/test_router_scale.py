@@ -48,3 +48,14 @@ def test_bad_arguments_are_refused(capsys):
         else:
             raise AssertionError(f"{bad} accepted")
     assert "--workers takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_events_ab_against_a_revision(tmp_path):
+    """benchmarks/router_events_ab.py on a tiny fleet against HEAD: it runs, and both stacks agree."""
+    import router_events_ab
+
+    out = tmp_path / "ab.json"
+    assert router_events_ab.main(["--rev", "HEAD", "--workers", "2", "--blocks-per-worker", "600", "--rounds", "2",
+                                  "--events-per-round", "20", "--blocks-per-round", "2000", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["rev"] == "HEAD" and {"rev", "tree", "speedup"} <= set(got["1block"]) and got["trace"]["tree"]["events_per_s"] > 0
