@@ -3,7 +3,8 @@
 One ``KVEventConsumer`` per router replica, on the router's event loop. It reads the
 deployment's stream with blocking ``XREAD``, decodes each entry with the bounded
 ``decode_event`` (undecodable entries are counted in ``stats.malformed``, logged and
-skipped), and applies it. Per worker it remembers the next expected ``seq``; a gap, a
+skipped), and applies it; ``apply_entries`` does so for a whole batch, ordinary events
+without a ``KVEvent`` or an await each (same effects, tested against the per-event path). Per worker it remembers the next expected ``seq``; a gap, a
 ``cleared`` event or a worker it has no baseline for triggers ``resync(worker)``: the
 worker's entries are replaced by its snapshot (``SnapshotSource``) and events already
 reflected in the snapshot (``seq <= snapshot.seq``) are skipped.

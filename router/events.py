@@ -4,10 +4,12 @@ An event is ``{"worker": id, "seq": n, "kind": "stored"|"removed"|"cleared",
 "hashes": [...], "parent": hash|None, "ts": ms}``, plus the optional ``"medium":
 "device"|"host"|"disk"`` (absent: device), the KV tier that now holds (``stored``) or no longer
 holds (``removed``) the blocks (engine/kv_tier.py). ``seq`` is per worker and
-monotonic. ``decode_event`` is the only way a router reads one: bounded size, strict
+monotonic. ``decode_event`` is the way a router reads one: bounded size, strict
 types, msgpack only (no pickle, no ext types); anything else raises
 ``EventDecodeError`` and the consumer counts, logs and skips it. Unknown extra keys
-are ignored so a newer worker can add fields without blinding older routers.
+are ignored so a newer worker can add fields without blinding older routers. The consumer's
+batch path reads the common case with ``EventReader``, which accepts only what ``decode_event``
+accepts (and leaves everything else to it).
 
 Snapshot (for resynchronisation): in the same Redis transaction as each event, the
 publisher keeps the set of the worker's cached block hashes (8-byte little-endian
@@ -143,8 +145,9 @@ class EventReader:
     ``cleared`` event or one of a medium this router does not know.
 
     One ``msgpack.Unpacker`` is reused (the unpack alone ~30% cheaper than ``unpackb``, which parses
-    its keyword arguments on every call). Its buffer is empty before each payload; a payload that is not one whole object
-    (truncated, trailing bytes, invalid) makes a new one, so nothing of it reaches the next."""
+    its keyword arguments on every call). Its buffer is empty before each payload; a payload that is
+    not one whole object (truncated, trailing bytes, invalid) makes a new one, so nothing of it
+    reaches the next."""
 
     def __init__(self, max_bytes: int = 1 << 20, max_hashes: int = 65_536) -> None:
         self.max_bytes, self.max_hashes = max_bytes, max_hashes
