@@ -14,16 +14,22 @@ One process, no HTTP and no Redis. Per run (one ``--workers`` value):
 * **Events.** The worker's radix cache would report each insertion as one ``stored`` event
   of its new blocks: one per common prefix (its blocks not yet cached there), and own
   continuations in events sized like the trace's requests' new blocks (x32 at 16-token
-  blocks). Events are encoded with the real msgpack codec (``router.events.encode_event``)
-  and each goes through the consumer's own path: ``decode_event`` (bounded, validated) then
-  ``KVEventConsumer.apply`` (seq check, index update), interleaved across workers. Redis is
-  not involved: the bytes are fed to the decoder directly, and snapshots come from memory.
+  blocks). Events are encoded with the real msgpack codec (``router.events.encode_event``),
+  interleaved across workers, and go through the path production uses: stream entries shaped
+  as ``XREAD`` returns them (``(id, {b"e": payload})``, batches of ``--batch``, ``poll``'s
+  count) into ``KVEventConsumer.apply_entries`` (bounded, validated decode by
+  ``EventReader``, seq check, index update, and the tentative index's ``confirmed`` as
+  ``on_blocks``, as ``RouterCore`` wires it). Redis is not involved: the entries are built in
+  memory (redis-py's reply parsing is not timed), and snapshots come from memory.
 * **Figures.** ``bytes_per_block``: memory the index holds after the build (tracemalloc of
   everything allocated while the events were applied and still alive) per cached
   (worker, block) pair. ``events_per_s``: a churn stream on the full index (a worker evicts
-  one of its own insertions, then stores it again), decode + apply, events of trace size,
-  with ``blocks_per_s``; ``events_per_s_1block`` is the same with one-block events (the
-  per-event overhead). Decisions: an 8k-token prompt (512 blocks; a worker's cached path,
+  one of its own insertions, then stores it again), events of trace size, with
+  ``blocks_per_s``; ``events_per_s_1block`` is the same with one-block events (the per-event
+  overhead). Each stream is timed in alternating rounds through ``apply_entries`` and through
+  the per-event path it replaced (``apply_entries_reference``: ``decode_event``, a ``KVEvent``
+  and an awaited ``apply`` per entry), on the same index in the same process:
+  ``*_reference`` and ``*_speedup`` (rate ratio). Decisions: an 8k-token prompt (512 blocks; a worker's cached path,
   extended with uncached blocks where shorter) through ``PrefixIndex.match_levels`` (``match``),
   then the ``agentrt`` policy's ``select_fleet`` on the fleet view the router keeps (workers with
   varied loads) and ``on_dispatch`` (``policy``): what ``RouterCore.choose`` does after its
@@ -56,15 +62,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.hashing import block_hashes, make_seed  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.event_consumer import KVEventConsumer, Snapshot  # noqa: E402
-from router.events import KVEvent, decode_event, encode_event  # noqa: E402
+from router.events import KVEvent, encode_event  # noqa: E402
 from router.index import PrefixIndex, ReferencePrefixIndex, lengths  # noqa: E402
 from router.policy import RouteRequest, WorkerState, make_policy  # noqa: E402
+from router.tentative import TentativeIndex  # noqa: E402
 
 BLOCK = 16
 TRACE_BLOCK = 512
@@ -196,12 +204,56 @@ def interleave(fleet: list[SimWorker]) -> list[bytes]:
     return out
 
 
-async def feed(consumer: KVEventConsumer, payloads: list[bytes], cfg: RouterConfig) -> None:
-    """The consumer's own path for each stream entry: bounded decode, then ``apply``."""
-    max_bytes, max_hashes = cfg.event_max_bytes, cfg.event_max_hashes
-    apply = consumer.apply
-    for p in payloads:
-        await apply(decode_event(p, max_bytes, max_hashes))
+Entries = list[list[tuple[bytes, dict[bytes, bytes]]]]
+
+
+def stream_batches(payloads: list[bytes], batch: int, first: int = 0) -> Entries:
+    """``payloads`` as ``XREAD`` hands them to the consumer: ``(id, {b"e": payload})`` entries, in
+    batches of ``batch`` (``poll``'s ``count``)."""
+    entries = [(b"%d-0" % (first + i), {b"e": p}) for i, p in enumerate(payloads)]
+    return [entries[i: i + batch] for i in range(0, len(entries), batch)]
+
+
+async def feed(consumer: KVEventConsumer, batches: Entries) -> None:
+    """What ``KVEventConsumer.poll`` does with each batch it reads: ``apply_entries``."""
+    for entries in batches:
+        await consumer.apply_entries(entries)
+
+
+async def feed_reference(consumer: KVEventConsumer, batches: Entries) -> None:
+    """The per-event path ``apply_entries`` replaced: per entry ``decode_event``, a ``KVEvent``, ``apply``."""
+    for entries in batches:
+        await consumer.apply_entries_reference(entries)
+
+
+def timed_churn(consumer: KVEventConsumer, fleet: list[SimWorker], seqs: dict[str, int], n_events: int,
+                n_blocks: int, rng: random.Random, one_block: bool, rounds: int, batch: int) -> dict:
+    """Churn streams of ``n_events`` / ``n_blocks`` in all through each path, in ``rounds`` alternating
+    rounds (the order swapped every round), on the same index: rates and CPU rates per path, and the
+    garbage collections that ran while they were timed.
+
+    The collector runs before each stream's entries are built, not after: a full collection walks every
+    block of the index (~0.8 s at 128 x 100k) and leaves the caches cold, whereas ``poll`` hands
+    ``apply_entries`` a reply redis-py has just parsed."""
+    took = {"entries": [0.0, 0.0, 0, 0, 0], "reference": [0.0, 0.0, 0, 0, 0]}  # wall s, CPU s, events, blocks, GCs
+    for r in range(rounds):
+        order = ("entries", "reference") if r % 2 == 0 else ("reference", "entries")
+        for path in order:
+            stream, blocks = churn(fleet, seqs, max(2, n_events // rounds), n_blocks // rounds, rng, one_block)
+            gc.collect()
+            batches = stream_batches(stream, batch)
+            collections = sum(g["collections"] for g in gc.get_stats())
+            c0, t0 = time.process_time(), time.perf_counter()
+            asyncio.run((feed if path == "entries" else feed_reference)(consumer, batches))
+            t = took[path]
+            t[0] += time.perf_counter() - t0
+            t[1] += time.process_time() - c0
+            t[2] += len(stream)
+            t[3] += blocks
+            t[4] += sum(g["collections"] for g in gc.get_stats()) - collections
+    return {path: {"events_per_s": ev / wall, "blocks_per_s": bl / wall, "hashes_per_event": bl / ev,
+                   "events_per_cpu_s": ev / cpu, "gc_collections": gcs}
+            for path, (wall, cpu, ev, bl, gcs) in took.items()}
 
 
 def churn(fleet: list[SimWorker], seqs: dict[str, int], n_events: int, n_blocks: int, rng: random.Random,
@@ -390,13 +442,18 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
 
     async def snapshot_source(wid: str) -> Snapshot:
         return snapshots.get(wid, Snapshot(-1, ()))
-    consumer = KVEventConsumer(None, cfg, index, snapshot_source=snapshot_source)  # type: ignore[arg-type]
+    # As ``RouterCore`` wires it: the tentative index hears of every block the events report (its
+    # Redis client is never reached: ``confirmed`` only touches this replica's own entries).
+    tentative = TentativeIndex(aioredis.Redis(), cfg)
+    consumer = KVEventConsumer(None, cfg, index, snapshot_source=snapshot_source,  # type: ignore[arg-type]
+                               on_blocks=tentative.confirmed)
+    batches = stream_batches(payloads, args.batch)
 
     gc.collect()
     rss0 = rss_bytes()
     tracemalloc.start()
     t0 = time.perf_counter()
-    asyncio.run(feed(consumer, payloads, cfg))
+    asyncio.run(feed(consumer, batches))
     build_s = time.perf_counter() - t0
     index_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -406,21 +463,17 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
     if pairs != expected or consumer.stats.malformed:
         raise RuntimeError(f"index holds {pairs} pairs, the fleet {expected}; {consumer.stats}")
     build_events = len(payloads)
-    del payloads
+    del payloads, batches
 
     seqs = {w.worker_id: w.n_events for w in fleet}
     phase = time.perf_counter()
-    rates = {}
-    for label, one in (("trace", False), ("1block", True)):
-        stream, blocks = churn(fleet, seqs, 2 if not one else args.churn_events,
-                               args.churn_blocks if not one else 0, rng, one)
-        gc.collect()
-        c0, t0 = time.process_time(), time.perf_counter()
-        asyncio.run(feed(consumer, stream, cfg))
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        rates[label] = (len(stream) / dt, blocks / dt, blocks / len(stream), len(stream) / dc)
+    rates = {label: timed_churn(consumer, fleet, seqs, 2 if not one else args.churn_events,
+                                args.churn_blocks if not one else 0, rng, one, rounds, args.batch)
+             for label, one, rounds in (("trace", False, 6), ("1block", True, 10))}
     if sum(index.blocks_of(w.worker_id) for w in fleet) != expected:
         raise RuntimeError("churn changed the number of cached pairs")
+    if consumer.stats.malformed or consumer.stats.gaps != n_workers:  # one gap per worker: its first event
+        raise RuntimeError(f"churn was not applied in order: {consumer.stats}")
 
     churn_s = time.perf_counter() - phase
     phase = time.perf_counter()
@@ -458,15 +511,29 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
             "decision_reasons": dec["reasons"],
             "bytes_per_block": round(index_bytes / pairs, 1), "index_bytes": index_bytes,
             "rss_delta_bytes_per_block": round(rss_delta / pairs, 1),
-            "events_per_s": round(rates["trace"][0]), "blocks_per_s": round(rates["trace"][1]),
-            "hashes_per_event": round(rates["trace"][2], 1),
-            "events_per_s_1block": round(rates["1block"][0]),
-            "events_per_cpu_s": round(rates["trace"][3]), "events_per_cpu_s_1block": round(rates["1block"][3]),
+            **churn_figures(rates),
             "build_events": build_events, "build_s": round(build_s, 2), "build_blocks_per_s": round(pairs / build_s),
             "resync_warm_ms": round(warm * 1000, 2), "resync_cold_ms": round(cold * 1000, 2),
             "resync_cold_cpu_ms": round(cold_cpu * 1000, 2),
             "resync_blocks": len(w.blocks), "generate_s": round(gen_s, 2),
             "churn_s": round(churn_s, 1), "decisions_s": round(decisions_s, 1)}
+
+
+def churn_figures(rates: dict) -> dict:
+    """``timed_churn``'s rates as the JSON names them (the production path unsuffixed)."""
+    out = {}
+    for label, suffix in (("trace", ""), ("1block", "_1block")):
+        new, ref = rates[label]["entries"], rates[label]["reference"]
+        out[f"events_per_s{suffix}"] = round(new["events_per_s"])
+        if not suffix:
+            out["blocks_per_s"] = round(new["blocks_per_s"])
+            out["hashes_per_event"] = round(new["hashes_per_event"], 1)
+        out[f"events_per_cpu_s{suffix}"] = round(new["events_per_cpu_s"])
+        out[f"events_per_s{suffix}_reference"] = round(ref["events_per_s"])
+        out[f"events_per_cpu_s{suffix}_reference"] = round(ref["events_per_cpu_s"])
+        out[f"events_per_s{suffix}_speedup"] = round(new["events_per_s"] / ref["events_per_s"], 2)
+        out[f"churn{suffix}_gc_collections"] = new["gc_collections"] + ref["gc_collections"]
+    return out
 
 
 def shared_pairs(index) -> int:
@@ -485,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--churn-events", type=int, default=100_000, help="events in the one-block churn stream")
     p.add_argument("--churn-blocks", type=int, default=2_000_000,
                    help="blocks in the trace-size churn stream (its events carry ~500 blocks each)")
+    p.add_argument("--batch", type=int, default=1000, help="stream entries per apply_entries call (poll's count)")
     p.add_argument("--tokenize", type=int, default=50, help="8k-prompt tokenize+hash repetitions (0: skip)")
     p.add_argument("--index", choices=("bitset", "reference"), default="bitset")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -503,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--shared-fraction must be in [0, 1)")
     if min(args.decisions, args.churn_events, args.churn_blocks) < 2:
         p.error("--decisions, --churn-events and --churn-blocks must be >= 2")
+    if args.batch < 1:
+        p.error("--batch must be >= 1")
     if not args.trace.is_file():
         p.error(f"trace not found: {args.trace}")
     started = time.perf_counter()
@@ -516,14 +586,15 @@ def main(argv: list[str] | None = None) -> int:
               f"hash p50 {out['prompt']['hash_p50_ms']:.2f} ms ({out['prompt']['prompt_tokens']} tokens)", flush=True)
     print(f"{'workers':>7s} {'blocks/w':>9s} {'dec p50':>8s} {'dec p99':>8s} {'cpu p99':>8s} {'match p50':>9s}"
           f" {'policy p50':>10s} {'B/pair':>7s}"
-          f" {'events/s':>9s} {'blocks/s':>10s} {'ev/s 1blk':>10s} {'resync warm/cold ms':>20s}", flush=True)
+          f" {'events/s':>9s} {'blocks/s':>10s} {'ev/s 1blk':>10s} {'(per-event)':>11s}"
+          f" {'resync warm/cold ms':>20s}", flush=True)
     for n in sizes:
         r = run_one(n, args.blocks_per_worker, args, trace)
         out["runs"].append(r)
         print(f"{n:7d} {args.blocks_per_worker:9d} {r['decision_p50_ms']:8.3f} {r['decision_p99_ms']:8.3f}"
               f" {r['decision_cpu_p99_ms']:8.3f} {r['match_p50_ms']:9.3f} {r['policy_p50_ms']:10.3f}"
               f" {r['bytes_per_block']:7.1f} {r['events_per_s']:9d}"
-              f" {r['blocks_per_s']:10d} {r['events_per_s_1block']:10d}"
+              f" {r['blocks_per_s']:10d} {r['events_per_s_1block']:10d} {r['events_per_s_1block_reference']:11d}"
               f" {r['resync_warm_ms']:9.1f}/{r['resync_cold_ms']:.1f}", flush=True)
         gc.unfreeze()
         gc.collect()

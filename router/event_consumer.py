@@ -3,7 +3,8 @@
 One ``KVEventConsumer`` per router replica, on the router's event loop. It reads the
 deployment's stream with blocking ``XREAD``, decodes each entry with the bounded
 ``decode_event`` (undecodable entries are counted in ``stats.malformed``, logged and
-skipped), and applies it. Per worker it remembers the next expected ``seq``; a gap, a
+skipped), and applies it; ``apply_entries`` does so for a whole batch, ordinary events
+without a ``KVEvent`` or an await each (same effects, tested against the per-event path). Per worker it remembers the next expected ``seq``; a gap, a
 ``cleared`` event or a worker it has no baseline for triggers ``resync(worker)``: the
 worker's entries are replaced by its snapshot (``SnapshotSource``) and events already
 reflected in the snapshot (``seq <= snapshot.seq``) are skipped.
@@ -17,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
 from router.config import RouterConfig
-from router.events import MEDIA, EventDecodeError, KVEvent, decode_event, unpack_hash
+from router.events import MEDIA, EventDecodeError, EventReader, KVEvent, decode_event, unpack_hash
 from router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,14 @@ class ConsumerStats:
     last_id: str = "0-0"   # the stream entry read last
 
 
+def _add_kinds(per_kind: dict, stored: int, removed: int) -> None:
+    """Add a batch's counts to ``ConsumerStats.per_kind`` (a kind appears once it has been counted)."""
+    if stored:
+        per_kind["stored"] = per_kind.get("stored", 0) + stored
+    if removed:
+        per_kind["removed"] = per_kind.get("removed", 0) + removed
+
+
 class KVEventConsumer:
     def __init__(self, client: aioredis.Redis, config: RouterConfig, index: PrefixIndex,
                  snapshot_source: SnapshotSource | None = None,
@@ -84,6 +93,7 @@ class KVEventConsumer:
         self.snapshot_source = snapshot_source or RedisSnapshotSource(client, config)
         self.stats = ConsumerStats()
         self._next_seq: dict[str, int] = {}
+        self._reader = EventReader(config.event_max_bytes, config.event_max_hashes)
         self._last_id = "0-0"
         self._task: asyncio.Task | None = None
 
@@ -125,10 +135,74 @@ class KVEventConsumer:
                                         count=count, block=block_ms)
         n = 0
         for _stream, entries in reply or ():
+            n += await self.apply_entries(entries)
+        return n
+
+    async def apply_entries(self, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> int:
+        """Apply a batch of stream entries as ``XREAD`` returns them (``(id, fields)``, the event
+        in field ``e``); returns how many. The production path, and the same as
+        ``apply_entries_reference`` (each entry through ``_handle``: ``decode_event`` then ``apply``)
+        in every effect on the index, ``stats``, the seqs and the resyncs; ``tests/router/
+        test_event_batches.py`` drives both with the same random streams and compares.
+
+        Per entry, an ordinary event (``stored``/``removed`` of a known medium, every field of the
+        type and range ``decode_event`` demands, see ``router.events.EventReader``) at the expected
+        seq, or below it (already applied), is handled here in one pass and without a coroutine or
+        a ``KVEvent``; anything else (a gap, ``cleared``, a worker without a baseline, an unknown
+        medium, a malformed entry) goes through ``_handle``, which decodes it again and says why it
+        is refused. Counters are flushed into ``stats`` before each of those (it may await a
+        resync) and when the batch ends or fails; ``last_id`` is the id of the last entry handled,
+        as in the reference (an entry whose resync raised is not read again)."""
+        ordinary = self._reader.ordinary
+        next_seq, get_next = self._next_seq, self._next_seq.get
+        index_stored, index_removed, on_blocks = self.index.stored, self.index.removed, self.on_blocks
+        stats = self.stats
+        n_stored = n_removed = n_skipped = 0
+        entry_id = None
+        try:
             for entry_id, fields in entries:
-                self._last_id = self.stats.last_id = entry_id.decode()
-                n += 1
-                await self._handle(fields.get(b"e"))
+                payload = fields.get(b"e")
+                event = ordinary(payload)
+                if event is not None:
+                    worker, seq, kind, hashes, medium = event
+                    expected = get_next(worker)
+                    if seq == expected:
+                        if kind == "stored":
+                            index_stored(worker, hashes, medium)
+                            n_stored += 1
+                        else:
+                            index_removed(worker, hashes, medium)
+                            n_removed += 1
+                        if on_blocks is not None:
+                            on_blocks(worker, hashes)
+                        next_seq[worker] = seq + 1
+                        continue
+                    if expected is not None and seq < expected:
+                        n_skipped += 1
+                        continue
+                # the reference path: a gap, ``cleared``, no baseline, or anything it must refuse
+                stats.applied += n_stored + n_removed
+                stats.skipped += n_skipped
+                _add_kinds(stats.per_kind, n_stored, n_removed)
+                n_stored = n_removed = n_skipped = 0
+                self._last_id = stats.last_id = entry_id.decode()
+                await self._handle(payload)
+        finally:
+            stats.applied += n_stored + n_removed
+            stats.skipped += n_skipped
+            _add_kinds(stats.per_kind, n_stored, n_removed)
+            if entry_id is not None:
+                self._last_id = stats.last_id = entry_id.decode()
+        return len(entries)
+
+    async def apply_entries_reference(self, entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> int:
+        """``apply_entries`` one entry at a time, each decoded into a ``KVEvent`` and awaited through
+        ``apply`` (what ``poll`` did before the batch path): the oracle its tests compare against."""
+        n = 0
+        for entry_id, fields in entries:
+            self._last_id = self.stats.last_id = entry_id.decode()
+            n += 1
+            await self._handle(fields.get(b"e"))
         return n
 
     async def _handle(self, payload: bytes | None) -> None:

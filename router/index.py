@@ -111,11 +111,21 @@ class PrefixIndex:
 
     def stored(self, worker: str, hashes: Iterable[int], medium: str = "device") -> None:
         """``worker`` now holds every block in ``hashes`` (in ``medium``: device, host or disk)."""
-        slot = self._slot_for(worker)
+        slot = self._slot.get(worker)
+        if slot is None:
+            slot = self._slot_for(worker)
         mine = self._by_worker[slot]
         if medium != "device" or self._media.get(worker):
             hashes = list(hashes)
             self._media_stored(worker, mine, hashes, medium)  # type: ignore[arg-type]
+        elif type(hashes) is tuple and len(hashes) == 1:  # one block (an event's usual size at the tip)
+            h = hashes[0]
+            if h not in mine:  # type: ignore[operator]
+                mine.add(h)  # type: ignore[union-attr]
+                holders, bit = self._holders, self._bits[slot]
+                m = holders.get(h)
+                holders[h] = bit if m is None else m | bit
+            return
         new = set(hashes)
         new -= mine  # type: ignore[operator]
         if not new:
@@ -141,6 +151,18 @@ class PrefixIndex:
         elif medium != "device":
             return
         mine = self._by_worker[slot]
+        if type(hashes) is tuple and len(hashes) == 1:  # one block: no set built, ``_unlink`` inline
+            h = hashes[0]
+            if h in mine:  # type: ignore[operator]
+                mine.remove(h)  # type: ignore[union-attr]
+                holders, bits = self._holders, self._bits
+                m, bit = holders[h], bits[slot]
+                if m is bit:
+                    del holders[h]
+                else:
+                    m ^= bit
+                    holders[h] = bits[m.bit_length() - 1] if not m & (m - 1) else m
+            return
         gone = mine.intersection(hashes)  # type: ignore[union-attr]
         if gone:
             mine -= gone  # type: ignore[operator]

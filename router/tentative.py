@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Collection, Sequence
 
 import redis.asyncio as aioredis
 
@@ -171,14 +171,19 @@ class TentativeIndex:
         except (aioredis.RedisError, OSError) as exc:
             self._redis_failed("release", exc)
 
-    def confirmed(self, worker_id: str, hashes: Iterable[int]) -> None:
-        """The worker's ``stored`` (or ``removed``) event for these blocks arrived: the real index knows."""
-        for h in hashes:
-            entry = self._local.get(h)
+    def confirmed(self, worker_id: str, hashes: Collection[int]) -> None:
+        """The worker's ``stored`` (or ``removed``) event for these blocks arrived: the real index knows.
+        Called for every event the consumer applies: in a large one the blocks with a local entry are
+        found in C (``keys() &`` iterates ``hashes`` and probes the map), not by a Python loop over
+        hundreds of hashes; a small one (a block at a time, at a conversation's tip) is looked up in
+        the loop, which costs less than building the sets."""
+        local = self._local
+        for h in (local.keys() & hashes) if len(hashes) > 8 else hashes:
+            entry = local.get(h)
             if entry is not None and entry.pop(worker_id, None) is not None:
                 self.stats.confirmed += 1
                 if not entry:
-                    del self._local[h]
+                    del local[h]
 
     def forget_worker(self, worker_id: str) -> None:
         """The worker died or left: drop this replica's entries for it (Redis keys expire)."""

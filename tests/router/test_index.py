@@ -56,6 +56,11 @@ def test_random_events_match_reference(seed, few, monkeypatch):
     paths = chains(rng, 40)
     for step in range(400):
         w = rng.choice(WORKERS)
+        if rng.random() < 0.3:  # a one-block event (a tuple, as the consumer passes it): held, shared or new
+            h = (rng.choice(rng.choice(paths) + sorted(b.hashes_of(w))[:3] + [rng.randrange(10_000, 10_050)]),)
+            kind = rng.choice(("stored", "removed"))
+            getattr(a, kind)(w, h)
+            getattr(b, kind)(w, h)
         op = rng.random()
         if op < 0.45:
             hs = rng.choice(paths) + [rng.randrange(10_000, 10_050) for _ in range(rng.randrange(3))]

@@ -26,7 +26,8 @@ def test_tiny_fleet_json_and_reference_agree(tmp_path):
     assert [r["workers"] for r in bitset] == [2, 6]
     for r, ref in zip(bitset, reference):
         assert {"workers", "blocks_per_worker", "decision_p50_ms", "decision_p99_ms", "bytes_per_block",
-                "events_per_s"} <= set(r)
+                "events_per_s", "events_per_s_1block", "events_per_s_1block_reference",
+                "events_per_s_1block_speedup", "events_per_s_reference"} <= set(r)
         assert r["pairs"] == r["workers"] * 1200 and r["resync_blocks"] == 1200
         assert 0.3 <= r["shared_pair_fraction"] <= 0.6  # about half the pairs are common prefixes
         assert r["distinct_blocks"] < r["pairs"]
@@ -47,3 +48,14 @@ def test_bad_arguments_are_refused(capsys):
         else:
             raise AssertionError(f"{bad} accepted")
     assert "--workers takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_events_ab_against_a_revision(tmp_path):
+    """benchmarks/router_events_ab.py on a tiny fleet against HEAD: it runs, and both stacks agree."""
+    import router_events_ab
+
+    out = tmp_path / "ab.json"
+    assert router_events_ab.main(["--rev", "HEAD", "--workers", "2", "--blocks-per-worker", "600", "--rounds", "2",
+                                  "--events-per-round", "20", "--blocks-per-round", "2000", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["rev"] == "HEAD" and {"rev", "tree", "speedup"} <= set(got["1block"]) and got["trace"]["tree"]["events_per_s"] > 0
