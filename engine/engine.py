@@ -103,8 +103,9 @@ class LLMEngine:
             # drafts never take a step past that (a step already past it drafts freely)
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
         self._snapshot()
-        _log.info("model %s, %s on %s, weights %s, attention %s, %d torch threads", self.model_id,
-                  config.resolved_dtype(), self.device, self.quantization, self.backend_name, torch.get_num_threads())
+        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads", self.model_id,
+                  config.resolved_dtype(), self.device, self.quantization, self.backend_name, self.speculative,
+                  torch.get_num_threads())
 
     def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
         """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
