@@ -94,8 +94,8 @@ class LLMEngine:
         self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
         self.spec_draft_tokens_total = self.spec_accepted_tokens_total = self.spec_verifications_total = 0
-        # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
         self.speculative = config.resolved_speculative()
+        # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
         self.corpora = TenantCorpora() if self.speculative == "suffix" else None
         if self.speculative != "off":
             self.scheduler.propose = self._propose
