@@ -10,10 +10,12 @@ and the LM head), measured on the default model with the default engine settings
   logits; ``host_ms_per_step``: the rest (building input tensors, planning attention).
   Sampling, detokenizing and emitting are not in these figures yet.
 * The torch backend's decode plans (engine/attention/torch_backend.py) are compared in
-  the same run: ``auto`` (what the engine does: the cheaper of union and cascade per
-  step) against ``union`` (every row scored over every decoding row's pages, the only
-  plan before the cascade). ``attention_scaling`` is the b64 step over 2,048-token
-  contexts divided by the b64 step over 64-token contexts, for each.
+  the same run: ``auto`` (what the engine does: the compiled CPU decode kernel where it
+  builds, else the cheaper torch plan) against ``torch`` (the cheaper of the pure-torch
+  union and cascade plans per step, what ran before the kernel) and, if asked, ``union``
+  (every row scored over every decoding row's pages) or ``cascade``. ``attention_scaling``
+  is the b64 step over 2,048-token contexts divided by the b64 step over 64-token
+  contexts, for each.
 
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048]
 """
@@ -113,7 +115,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=EngineConfig.quantization,
                     help="weight quantization (engine.config.QUANTIZATIONS; auto: int4 for the default GGUF in bf16)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--plans", default="auto,union", help="decode plans to compare (auto, union, cascade)")
+    ap.add_argument("--plans", default="auto,torch", help="decode plans to compare (auto, torch, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]

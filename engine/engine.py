@@ -78,9 +78,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
         self.tiers = self._build_tiers(mcfg, dtype, backend_cls.kv_layout)
+        kernel = {"cpu_kernel": config.cpu_attention_kernel} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
-                           head_dim=mcfg.head_dim)
+                           head_dim=mcfg.head_dim, **kernel)
         self.runner = ModelRunner(self.model, attn, P, self.device)
+        self.attention_desc = self.backend_name + (" + CPU decode kernel" if getattr(attn, "kernel", None) else "")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
         # called in the engine thread with each finished request that carries a ``trace``; must not raise
@@ -104,7 +106,7 @@ class LLMEngine:
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
         self._snapshot()
         _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads", self.model_id,
-                  config.resolved_dtype(), self.device, self.quantization, self.backend_name, self.speculative,
+                  config.resolved_dtype(), self.device, self.quantization, self.attention_desc, self.speculative,
                   torch.get_num_threads())
 
     def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:

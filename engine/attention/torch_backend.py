@@ -17,6 +17,13 @@ scored plus slots copied) is taken:
   their log-sum-exp, as cascade attention does. A step costs O(shared prefix x
   batch + the sum of each row's own context).
 
+Where the compiled CPU kernel builds (engine/attention/cpu_kernel.py, on by default on the CPU in
+float32 and bfloat16), decode rows go through it instead: one call per layer reads each row's own
+pages in place, split into (row, KV head, chunk of keys) tasks over every thread, so a step costs
+the sum of each row's own context; a prefix that every row shares is still scored once for all
+rows by one matmul and merged by log-sum-exp, as in the cascade. The two torch plans stay as the
+path without a compiler and as the reference the kernel is tested against.
+
 A short extend over a cached prefix (at most ``_DECODE_MAX_Q`` new tokens: a speculative
 verification, the last few prompt tokens after a cache hit) joins the decode plans as one
 decode row per query, each seeing the keys up to its own position; the cascade then scores
@@ -38,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, BatchLayout
+from engine.attention.cpu_kernel import KernelRows
 
 # read the union as one range when it wastes at most this factor over the union itself
 _RANGE_SLACK = 1.5
@@ -56,8 +64,18 @@ _SDPA_MIN_Q = 128
 
 class TorchAttentionBackend(AttentionBackend):
     kv_layout = "HSD"
-    # None: the cheaper decode plan each step; "union" or "cascade": always that one (tests, benchmarks)
+    # None: the kernel where it loaded, else the cheaper torch plan each step; "torch": the cheaper torch
+    # plan even with the kernel loaded; "union", "cascade" or "kernel": always that one (tests, benchmarks)
     force_decode_plan: str | None = None
+
+    def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernel: bool = True) -> None:
+        super().__init__(kv, num_heads, num_kv_heads, head_dim)
+        self.kernel = None
+        if cpu_kernel and kv.k[0].device.type == "cpu" and 256 % kv.page_size == 0:
+            from engine.attention.cpu_kernel import load
+            kernel = load()
+            if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
+                self.kernel = kernel
 
     def plan(self, layout: BatchLayout) -> None:
         dev = self.kv.k[0].device
@@ -82,11 +100,16 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.from_numpy(np.arange(kl)[None, :] <= qpos).to(dev)  # (ql, kl)
                 self.prefills.append((row, row + ql, torch.from_numpy(idx).to(dev), mask))
             row += ql
-        self.decode = self.cascade = None
-        if rows:
+        self.decode = self.cascade = self.kernel_decode = None
+        if rows and self.kernel is not None and self.force_decode_plan in (None, "kernel"):
+            self.kernel_decode = _KernelDecode(self.kernel, rows, dec_pages, dec_lens, P, dev, row)
+        elif rows:
+            if self.force_decode_plan == "kernel":
+                raise RuntimeError("decode plan 'kernel' forced, but the CPU kernel is not loaded")
             union = _UnionPlan(dec_pages, P)
             cascade = _CascadePlan(dec_pages, dec_lens, P)
-            if self.force_decode_plan == "cascade" or (self.force_decode_plan is None and cascade.cost < union.cost):
+            if self.force_decode_plan == "cascade" or (self.force_decode_plan in (None, "torch")
+                                                       and cascade.cost < union.cost):
                 self.cascade = cascade.to_device(rows, dec_lens, dev)
             else:
                 self.decode = union.to_device(rows, dec_lens, dev)
@@ -118,7 +141,39 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = grouped_attention(q[rows], kd, vd, mask)
         if self.cascade is not None:
             out[self.cascade.rows] = self.cascade.attend(self.kv, layer, q[self.cascade.rows])
+        if self.kernel_decode is not None:
+            kd = self.kernel_decode
+            if kd.rows is None:                                       # every row decodes
+                return kd.attend(self.kv, layer, q)
+            out[kd.rows] = kd.attend(self.kv, layer, q[kd.rows])
         return out
+
+
+class _KernelDecode:
+    """Decode rows through the CPU kernel: each row's own pages read in place; the pages every row
+    starts with (the cascade's shared prefix, only with more than one row) scored once for all rows
+    and merged by log-sum-exp."""
+
+    def __init__(self, kernel, rows: list[int], dec_pages, dec_lens, P: int, dev, num_rows: int) -> None:
+        self.kernel = kernel
+        n_shared = _shared_prefix_pages(dec_pages, dec_lens, P)
+        self.own = KernelRows([p[n_shared:] for p in dec_pages], [n - n_shared * P for n in dec_lens], P)
+        self.rows = None if rows == list(range(num_rows)) else torch.tensor(rows, device=dev)
+        self.shared = _shared_source(dec_pages[0][:n_shared], P, dev) if n_shared else None
+
+    def attend(self, kv, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: (B, Hq, D), one query per decode row -> (B, Hq, D)."""
+        k, v = kv.k[layer], kv.v[layer]
+        if self.shared is None:
+            return self.kernel(q, k, v, self.own)
+        B, Hq, D = q.shape
+        Hkv = k.shape[0]
+        lse_own = torch.empty(B, Hq, dtype=torch.float32)
+        o_own = self.kernel(q, k, v, self.own, lse=lse_own)                     # (B, Hq, D)
+        qh = q.view(B, Hkv, Hq // Hkv, D).transpose(0, 1)                        # (Hkv, B, G, D)
+        o_sh, lse_sh = _attend_shared(kv, layer, qh, self.shared)               # (Hkv, B, G, D), (Hkv, B, G)
+        o_sh, lse_sh = o_sh.transpose(0, 1).reshape(B, Hq, D), lse_sh.transpose(0, 1).reshape(B, Hq)
+        return _merge(o_own.float(), lse_own, o_sh, lse_sh).to(q.dtype)
 
 
 class _UnionPlan:
@@ -159,15 +214,8 @@ class _CascadePlan:
 
     def __init__(self, dec_pages: list[list[int]], dec_lens: list[int], P: int) -> None:
         self.P = P
-        n_shared = min((kl - 1) // P for kl in dec_lens)
+        n_shared = _shared_prefix_pages(dec_pages, dec_lens, P)
         first = dec_pages[0]
-        for pages in dec_pages[1:]:
-            n = 0
-            while n < n_shared and pages[n] == first[n]:
-                n += 1
-            n_shared = n
-        if len(dec_pages) == 1:
-            n_shared = 0  # one row: its own pages are the whole context
         self.shared_pages = first[:n_shared]
         shared = np.asarray(self.shared_pages, dtype=np.int64)
         self.shared_range = bool(n_shared) and _consecutive(shared)
@@ -185,12 +233,7 @@ class _CascadePlan:
 
     def to_device(self, rows, dec_lens, dev) -> "_Cascade":
         P = self.P
-        shared = None
-        if self.shared_pages:
-            if self.shared_range:
-                shared = (self.shared_pages[0] * P, len(self.shared_pages) * P)
-            else:
-                shared = torch.from_numpy(_slots_of(self.shared_pages, len(self.shared_pages) * P, P)).to(dev)
+        shared = _shared_source(self.shared_pages, P, dev) if self.shared_pages else None
         groups = []
         for g in self.groups:
             L = self.own[g[0]][1]                      # the group's longest (rows are sorted longest first)
@@ -229,18 +272,53 @@ class _Cascade:
             o, lse = _attend_lse(qh[:, b:b + 1], k, v, None)
             o_own[:, b:b + 1], lse_own[:, b:b + 1] = o, lse
         if self.shared is not None:
-            if isinstance(self.shared, tuple):
-                s0, S = self.shared
-                ks, vs = kv.k[layer][:, s0:s0 + S], kv.v[layer][:, s0:s0 + S]   # views, (Hkv, S, D)
-            else:
-                ks, vs = kv.gather(layer, self.shared)
-            qs = qh.reshape(Hkv, 1, B * G, D)                                    # every row, one batch
-            o_sh, lse_sh = _attend_lse(qs, ks[:, None], vs[:, None], None)      # (Hkv, 1, B*G, D)
-            o_sh, lse_sh = o_sh.view(Hkv, B, G, D), lse_sh.view(Hkv, B, G)
-            m = torch.maximum(lse_own, lse_sh)
-            w_own, w_sh = torch.exp(lse_own - m), torch.exp(lse_sh - m)         # (Hkv, B, G)
-            o_own = (o_own * w_own[..., None] + o_sh * w_sh[..., None]) / (w_own + w_sh)[..., None]
+            o_sh, lse_sh = _attend_shared(kv, layer, qh, self.shared)           # (Hkv, B, G, D), (Hkv, B, G)
+            o_own = _merge(o_own, lse_own, o_sh, lse_sh)
         return o_own.to(q.dtype).permute(1, 0, 2, 3).reshape(B, Hq, D)
+
+
+def _shared_prefix_pages(dec_pages: list[list[int]], dec_lens: list[int], P: int) -> int:
+    """How many pages every decode row starts with, cut so that each row keeps at least one token of
+    its own (the token it decodes is never in a shared page); 0 for a single row."""
+    if len(dec_pages) == 1:
+        return 0  # one row: its own pages are the whole context
+    n_shared = min((kl - 1) // P for kl in dec_lens)
+    first = dec_pages[0]
+    for pages in dec_pages[1:]:
+        n = 0
+        while n < n_shared and pages[n] == first[n]:
+            n += 1
+        n_shared = n
+    return n_shared
+
+
+def _shared_source(pages: list[int], P: int, dev):
+    """Where the shared prefix's keys are: ``(first slot, n)`` when its pages are one run (read as a
+    view), else the slots to gather."""
+    if _consecutive(np.asarray(pages, dtype=np.int64)):
+        return pages[0] * P, len(pages) * P
+    return torch.from_numpy(_slots_of(pages, len(pages) * P, P)).to(dev)
+
+
+def _attend_shared(kv, layer: int, qh: torch.Tensor, shared) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's queries over the shared prefix as one batch. qh: (Hkv, B, G, D)
+    -> out (Hkv, B, G, D) float32, lse (Hkv, B, G) float32."""
+    Hkv, B, G, D = qh.shape
+    if isinstance(shared, tuple):
+        s0, S = shared
+        ks, vs = kv.k[layer][:, s0:s0 + S], kv.v[layer][:, s0:s0 + S]           # views, (Hkv, S, D)
+    else:
+        ks, vs = kv.gather(layer, shared)
+    o, lse = _attend_lse(qh.reshape(Hkv, 1, B * G, D), ks[:, None], vs[:, None], None)  # (Hkv, 1, B*G, D)
+    return o.view(Hkv, B, G, D), lse.view(Hkv, B, G)
+
+
+def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, from each one's output (..., D) and log-sum-exp (...),
+    float32."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
 
 
 def _attend_lse(q, k, v, valid):

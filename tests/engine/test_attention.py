@@ -128,7 +128,7 @@ def test_decode_plan_is_chosen_by_cost():
     """Distinct contexts take the cascade (the union would score every row against every context);
     a single row whose pages are one range takes the union, read in place without a copy."""
     kv = KVCache(1, 600, P, HKV, D, torch.float32, "cpu", layout="HSD")
-    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    backend = create_backend("torch", kv=kv, num_heads=HQ, num_kv_heads=HKV, head_dim=D, cpu_kernel=False)
     rng = random.Random(3)
     backend.plan(make_batch(rng, 600, [(1, 64)] * 8, shuffle=False))
     assert backend.cascade is not None and backend.decode is None

@@ -1,0 +1,149 @@
+"""The CPU decode-attention kernel (``csrc/decode_attention.c``): built on first use, called through ctypes.
+
+Decode attention on the CPU in plain torch costs a handful of small operations per row and layer
+(two matmuls, a softmax, dtype conversions), and over distinct contexts either scores every row
+against every other row's keys (one masked matmul) or pays those operations once per row. The
+kernel reads each row's pages in place and does one call per layer for the whole batch, split
+into (row, KV head, 256-key chunk) tasks over torch's own OpenMP threads.
+
+Building: like FlashInfer's kernels with nvcc, the C source is compiled on first use, here by the
+system C compiler (``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``), and the
+library is cached under ``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed
+by the source, the flags and the compiler's version. Without a compiler, or when the build
+fails, ``load()`` returns ``None`` (the reason is logged once) and the torch backend keeps its
+pure-torch decode plans, which stay the tested reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("engine.attention")
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+# reassociation lets the dot products and sums vectorise (1.7x); infinities and NaNs keep their meaning
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-fPIC", "-shared", "-std=gnu11")
+DTYPES = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+MAX_GROUP, MAX_HEAD_DIM = 16, 256   # MAX_G and MAX_D in the source
+
+def cache_dir() -> Path:
+    root = os.environ.get("AGENTRT_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentrt" / "kernels"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build(source: Path = SOURCE) -> Path:
+    """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it cannot be."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _version(cc).encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: concurrent builds are safe
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class DecodeKernel:
+    """ctypes binding of the kernel's entry points (one per KV dtype)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self.fns = {}
+        for dtype, name in DTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = i32
+            fn.argtypes = [p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, p]
+            self.fns[dtype] = fn
+        self.chunk = lib.decode_attention_chunk()
+
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (dtype in self.fns and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+                and head_dim <= MAX_HEAD_DIM)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: "KernelRows",
+                 lse: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (B, Hq, D); k, v: one layer's pool, (Hkv, S, D); ``rows``: each row's pages and key count
+        -> (B, Hq, D) in q's dtype; ``lse`` (B, Hq) float32, if given, gets each row's log-sum-exp of scores."""
+        B, Hq, D = q.shape
+        Hkv, S, _ = k.shape
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.dtype != k.dtype:
+            raise ValueError("decode kernel: q, k and v must be contiguous and of one dtype")
+        out = torch.empty_like(q)
+        rc = self.fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), S, rows.pages.data_ptr(),
+                               rows.page_start.data_ptr(), rows.kv_len.data_ptr(), B, Hq, Hkv, D, rows.page_size,
+                               1.0 / D ** 0.5, out.data_ptr(), 0 if lse is None else lse.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"decode kernel returned {rc} (B={B}, Hq={Hq}, Hkv={Hkv}, D={D})")
+        return out
+
+
+class KernelRows:
+    """Each decode row's pages (CSR: ``pages[page_start[b]:page_start[b+1]]``) and key count, as the
+    kernel reads them; built once per step, used by every layer."""
+
+    def __init__(self, page_tables: list[list[int]], kv_lens: list[int], page_size: int) -> None:
+        for pages, n in zip(page_tables, kv_lens):
+            if len(pages) * page_size < n:
+                raise ValueError(f"a row of {n} keys needs {-(-n // page_size)} pages, got {len(pages)}")
+        starts = [0]
+        for pages in page_tables:
+            starts.append(starts[-1] + len(pages))
+        flat = [p for pages in page_tables for p in pages]
+        self.pages = torch.tensor(flat or [0], dtype=torch.int32)
+        self.page_start = torch.tensor(starts, dtype=torch.int64)
+        self.kv_len = torch.tensor(kv_lens, dtype=torch.int64)
+        self.page_size = page_size
+
+
+@functools.cache
+def load() -> DecodeKernel | None:
+    """The kernel for this process, built on first use; ``None`` when it cannot be built (logged once:
+    the answer is cached)."""
+    try:
+        kernel = DecodeKernel(build())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU decode-attention kernel unavailable, using the torch decode plans: %s", exc)
+        return None
+    log.info("CPU decode-attention kernel: %s", kernel.path)
+    return kernel

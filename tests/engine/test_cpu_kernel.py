@@ -1,0 +1,150 @@
+"""The compiled CPU decode-attention kernel (engine/attention/cpu_kernel.py) against the plain reference."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.attention import BatchLayout, create_backend
+from engine.attention.cpu_kernel import KernelRows, build, load
+from engine.attention.reference import reference_attention
+from engine.kv_pool import KVCache
+
+kernel = load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel could not be built")
+
+
+def paged_rows(rng, lens, page_size, num_pages):
+    """Each row's pages, drawn at random from the pool (no two rows share one)."""
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    return [[free.pop() for _ in range(-(-n // page_size))] for n in lens]
+
+
+def reference_rows(q, k, v, tables, lens, P):
+    """Softmax attention in float64, row by row: (out (B, Hq, D), lse (B, Hq))."""
+    B, Hq, D = q.shape
+    G = Hq // k.shape[0]
+    out, lse = torch.zeros(B, Hq, D, dtype=torch.float64), torch.full((B, Hq), -math.inf, dtype=torch.float64)
+    for b, (pages, n) in enumerate(zip(tables, lens)):
+        if n == 0:
+            continue
+        slots = torch.tensor([pages[i // P] * P + i % P for i in range(n)])
+        kk = k[:, slots].double().repeat_interleave(G, 0)             # (Hq, n, D)
+        vv = v[:, slots].double().repeat_interleave(G, 0)
+        s = torch.einsum("hd,hnd->hn", q[b].double(), kk) / math.sqrt(D)
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1), vv)
+        lse[b] = torch.logsumexp(s, -1)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1), (12, 3, 64, 128)])
+def test_kernel_matches_reference(dtype, tol, Hq, Hkv, D, P):
+    """Rows on both sides of the 256-key chunk boundary, pages scattered over the pool, GQA groups of
+    1-4, the two compiled head dims and a generic one; output and log-sum-exp."""
+    rng = random.Random(Hq * 1000 + D + P)
+    torch.manual_seed(D + P)
+    lens = [1, 15, 16, 17, 255, 256, 257, 600, 1100]
+    num_pages = sum(-(-n // P) for n in lens) + 7
+    k = torch.randn(Hkv, num_pages * P, D).to(dtype)
+    v = torch.randn(Hkv, num_pages * P, D).to(dtype)
+    q = (torch.randn(len(lens), Hq, D) * 2).to(dtype)
+    tables = paged_rows(rng, lens, P, num_pages)
+    lse = torch.empty(len(lens), Hq)
+    out = kernel(q, k, v, KernelRows(tables, lens, P), lse=lse)
+    ref, ref_lse = reference_rows(q, k, v, tables, lens, P)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_a_row_without_keys_gives_zeros_and_minus_infinity():
+    k = torch.randn(2, 64, 16)
+    q = torch.randn(2, 4, 16)
+    lse = torch.empty(2, 4)
+    out = kernel(q, k, k.clone(), KernelRows([[], [3]], [0, 5], 16), lse=lse)
+    assert torch.equal(out[0], torch.zeros(4, 16)) and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+    ref, _ = reference_rows(q[1:], k, k, [[3]], [5], 16)
+    torch.testing.assert_close(out[1].double(), ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_rows_are_checked_against_their_pages():
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        KernelRows([[1]], [17], 16)
+
+
+def test_large_scores_do_not_overflow():
+    """Scores of several hundred (the exponent is taken after subtracting the chunk's maximum)."""
+    k = torch.randn(1, 512, 32)
+    q = torch.randn(1, 2, 32) * 40
+    lens, tables = [512], [list(range(32))]
+    lse = torch.empty(1, 2)
+    out = kernel(q, k, k.clone(), KernelRows(tables, lens, 16), lse=lse)
+    ref, ref_lse = reference_rows(q, k, k, tables, lens, 16)
+    assert torch.isfinite(out).all() and lse.abs().max() > 100
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-6)
+
+
+def backend_batch(rng, specs, shared_pages, P, num_pages):
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(shared_pages)]
+    tables, slots = [], []
+    for ql, kl in specs:
+        n = -(-kl // P)
+        pages = (shared + [free.pop() for _ in range(max(0, n - len(shared)))])[:n]
+        tables.append(pages)
+        slots.extend(pages[i // P] * P + i % P for i in range(kl - ql, kl))
+    return BatchLayout([q for q, _ in specs], [k for _, k in specs], tables, torch.tensor(slots))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_pages", [0, 3])
+def test_backend_decode_through_the_kernel_matches_reference(dtype, shared_pages):
+    """The torch backend with the kernel: decode rows (with a prefix every row shares: merged with the
+    matmul over it), speculative verifications (a decode row per query), a prefill chunk beside them."""
+    P, Hq, Hkv, D = 16, 6, 2, 32
+    rng = random.Random(shared_pages)
+    torch.manual_seed(shared_pages)
+    specs = [(1, 300), (1, 60), (4, 90), (1, 49), (1, 600)] + ([] if shared_pages else [(20, 20)])
+    num_pages = 120
+    kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
+    for t in kv.k + kv.v:
+        t.normal_()
+    backend = create_backend("torch", kv=kv, num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+    assert backend.kernel is not None
+    layout = backend_batch(rng, specs, shared_pages, P, num_pages)
+    T = layout.num_tokens
+    q = torch.randn(T, Hq, D, dtype=dtype)
+    backend.plan(layout)
+    out = backend.forward(0, q, torch.randn(T, Hkv, D, dtype=dtype), torch.randn(T, Hkv, D, dtype=dtype))
+    ref = reference_attention(kv, 0, layout, q)
+    assert backend.kernel_decode is not None and backend.decode is None and backend.cascade is None
+    assert (backend.kernel_decode.shared is not None) == bool(shared_pages)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_without_the_kernel_the_torch_plans_serve():
+    kv = KVCache(1, 8, 16, 2, 32, torch.float32, "cpu", layout="HSD")
+    backend = create_backend("torch", kv=kv, num_heads=4, num_kv_heads=2, head_dim=32, cpu_kernel=False)
+    assert backend.kernel is None
+    backend.plan(BatchLayout([1], [5], [[2]], torch.tensor([2 * 16 + 4])))
+    assert backend.kernel_decode is None and (backend.decode is not None or backend.cascade is not None)
+
+
+def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
+    first = build()
+    stamp = first.stat().st_mtime_ns
+    assert build() == first and first.stat().st_mtime_ns == stamp       # cached: not rebuilt
+    bad = tmp_path / "broken.c"
+    bad.write_text("int f(void) { return undeclared_name; }\n")
+    with pytest.raises(RuntimeError, match="undeclared_name"):
+        build(bad)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(OSError):
+        build(bad)
