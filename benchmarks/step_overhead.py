@@ -16,6 +16,11 @@ and the LM head), measured on the default model with the default engine settings
   (every row scored over every decoding row's pages) or ``cascade``. ``attention_scaling``
   is the b64 step over 2,048-token contexts divided by the b64 step over 64-token
   contexts, for each.
+* ``attention_floor``: what no decode attention can beat on this machine at b64_ctx2048:
+  the KV bytes every step must read (each row's own 2,048 tokens, K and V, every layer)
+  over the read bandwidth measured here (a sum over a tensor of that many bytes, with the
+  engine's threads), added to the b64_ctx64 step: ``floor_ratio`` is the least
+  ``attention_scaling`` reachable without shrinking the KV (a quantized KV cache).
 
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048]
 """
@@ -107,6 +112,31 @@ def measure(engine: LLMEngine, batch: ScheduledBatch, steps: int) -> dict:
     return {"step_ms": round(step, 2), "forward_ms": round(forward, 2), "host_ms": round(step - forward, 2)}
 
 
+def read_bandwidth_gb_s(nbytes: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Best of ``repeats`` streaming reads (a sum) over a fresh tensor of ``nbytes`` bytes."""
+    x = torch.ones(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
+    """The KV read of a b64_ctx2048 step at this machine's read bandwidth, and the scaling it bounds."""
+    if "b64_ctx2048" not in auto or "b64_ctx64" not in auto or engine.device != "cpu":
+        return None
+    mc = engine.model_config
+    batch, ctx, _ = SHAPES["b64_ctx2048"]
+    kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.kv.k[0].element_size()
+    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), engine.kv.k[0].dtype)
+    read_ms = kv_bytes / gb_s / 1e6
+    base = auto["b64_ctx64"]["step_ms"]
+    return {"kv_bytes_per_step": kv_bytes, "read_gb_s": round(gb_s, 1), "kv_read_ms": round(read_ms, 1),
+            "floor_ratio": round((base + read_ms) / base, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results here")
@@ -161,9 +191,10 @@ def main() -> None:
         "attention_scaling": {
             plan: round(r["b64_ctx2048"]["step_ms"] / r["b64_ctx64"]["step_ms"], 2)
             for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
+        "attention_floor": attention_floor(engine, auto),
         "steps": args.steps,
     }
-    print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling")}))
+    print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -24,9 +24,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == torch.float32:   # one fused op (x * rsqrt(mean(x^2) + eps) * w): 3 calls a norm, not 8
+            return F.rms_norm(x.float(), w.shape, w, self.eps).to(x.dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)   # .float() of a float32 weight is the weight
+        return (xf * w.float()).to(x.dtype)
 
 
 def keep_float32_norms(model: nn.Module) -> None:
@@ -50,8 +53,10 @@ class RotaryEmbedding(nn.Module):
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
         """This step's cos/sin rows, gathered once for every layer. positions: (T,)."""
+        sin = self.sin[positions].unsqueeze(1).to(dtype)               # (T, 1, D)
+        half = sin.shape[-1] // 2
         return RopeTable(self.cos[positions].unsqueeze(1).to(dtype),   # (T, 1, D)
-                         self.sin[positions].unsqueeze(1).to(dtype))
+                         torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (T, H, D); positions: (T,)
@@ -59,15 +64,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class RopeTable:
-    """cos/sin of one step's positions, (T, 1, D) each, applied to any (T, H, D) heads."""
+    """cos and sign-folded sin of one step's positions, (T, 1, D) each, applied to any (T, H, D) heads.
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos, self.sin = cos, sin
+    Rotate-half RoPE is ``x * cos + cat(-x2, x1) * sin`` (x1, x2 the halves of x); ``cat(x2, x1)`` is
+    ``x.roll(D/2)``, so with ``signed_sin = cat(-sin1, sin2)`` it is ``x * cos + x.roll(D/2) * signed_sin``:
+    the same products, bit for bit, in four operations instead of seven."""
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.cos, self.signed_sin = cos, signed_sin
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * self.cos + rotated * self.sin
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
 
 
 class Attention(nn.Module):

@@ -108,6 +108,20 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP) -> Int4Groups:
     return Int4Groups(q.reshape(N, K), scale, lo)
 
 
+def _rows_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, K) bfloat16, without a call where it already is (a decode step makes 121 of these)."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+
+def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y (rows, N) in x's dtype and leading shape."""
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
 class Int4Linear(nn.Module):
     """``y = x @ w.T + b`` with 4-bit group-wise weights (torch's CPU int4 kernel)."""
 
@@ -127,14 +141,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("dense", _dense(dense, N, K), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)                      # (T, K)
+        x2 = _rows_bf16(x)                                                     # (T, K)
         if self.dense is not None and x2.shape[0] > MAX_QUANT_ROWS:
-            return F.linear(x2, self.dense, self.bias).to(x.dtype).view(*shape[:-1], self.out_features)
+            return _like(F.linear(x2, self.dense, self.bias), x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)            # (..., N)
+        return _like(y, x)                                                     # (..., N)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -157,14 +170,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("dense", _dense(dense, self.out_features, self.in_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)                      # (T, K)
+        x2 = _rows_bf16(x)                                                     # (T, K)
         if self.dense is not None and x2.shape[0] > MAX_QUANT_ROWS:
-            return F.linear(x2, self.dense, self.bias).to(x.dtype).view(*shape[:-1], self.out_features)
+            return _like(F.linear(x2, self.dense, self.bias), x)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return _like(y, x)
 
     def kernel_weight(self) -> torch.Tensor:
         """(N, K) float32: the weights this layer multiplies by (the oracle's)."""
