@@ -56,13 +56,16 @@ def _version(cc: str) -> str:
         return ""
 
 
-def build(source: Path = SOURCE) -> Path:
-    """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it cannot be."""
+def build(source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it
+    cannot be. ``extra_flags`` follow ``FLAGS`` (the tests build the portable path with
+    ``-mno-avx512bf16``)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    flags = (*FLAGS, *extra_flags)
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _version(cc).encode(),
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
@@ -71,7 +74,7 @@ def build(source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: concurrent builds are safe
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -96,6 +99,7 @@ class DecodeKernel:
             fn.argtypes = [p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, p]
             self.fns[dtype] = fn
         self.chunk = lib.decode_attention_chunk()
+        self.dpbf16 = bool(lib.decode_attention_dpbf16())   # bfloat16 scores on vdpbf16ps (AVX512-BF16)
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (dtype in self.fns and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP

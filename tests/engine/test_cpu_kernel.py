@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.attention import BatchLayout, create_backend
-from engine.attention.cpu_kernel import KernelRows, build, load
+from engine.attention.cpu_kernel import DecodeKernel, KernelRows, build, load
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache
 
@@ -39,11 +39,24 @@ def reference_rows(q, k, v, tables, lens, P):
     return out, lse
 
 
+def portable_kernel():
+    """The kernel built without AVX512-BF16 (the float32-widening scores every x86 CPU runs), where
+    the default build uses vdpbf16ps: both paths are tested on a machine that has it."""
+    if not kernel.dpbf16:
+        return kernel
+    return DecodeKernel(build(extra_flags=("-mno-avx512bf16",)))
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1), (12, 3, 64, 128)])
-def test_kernel_matches_reference(dtype, tol, Hq, Hkv, D, P):
+def test_kernel_matches_reference(variant, dtype, tol, Hq, Hkv, D, P):
     """Rows on both sides of the 256-key chunk boundary, pages scattered over the pool, GQA groups of
-    1-4, the two compiled head dims and a generic one; output and log-sum-exp."""
+    1-4, the two compiled head dims and a generic one; output and log-sum-exp; with and without the
+    AVX512-BF16 scores."""
+    kern = kernel if variant == "native" else portable_kernel()
+    if variant == "portable":
+        assert not kern.dpbf16
     rng = random.Random(Hq * 1000 + D + P)
     torch.manual_seed(D + P)
     lens = [1, 15, 16, 17, 255, 256, 257, 600, 1100]
@@ -53,7 +66,7 @@ def test_kernel_matches_reference(dtype, tol, Hq, Hkv, D, P):
     q = (torch.randn(len(lens), Hq, D) * 2).to(dtype)
     tables = paged_rows(rng, lens, P, num_pages)
     lse = torch.empty(len(lens), Hq)
-    out = kernel(q, k, v, KernelRows(tables, lens, P), lse=lse)
+    out = kern(q, k, v, KernelRows(tables, lens, P), lse=lse)
     ref, ref_lse = reference_rows(q, k, v, tables, lens, P)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

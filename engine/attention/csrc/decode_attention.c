@@ -9,10 +9,12 @@
  * merged by their log-sum-exp. So a step costs the sum of each row's own context, whatever
  * the other rows hold, and a long row is spread over every thread.
  *
- * Arithmetic is float32 throughout (bfloat16 inputs are widened exactly); the output is
- * rounded to the input dtype, bfloat16 to nearest even as torch rounds. The softmax uses
- * exp2 of a degree-6 polynomial (relative error below 1e-7) so that the loop vectorises.
- * Threads: OpenMP, loaded into the process torch's own libgomp already is (one thread pool).
+ * Arithmetic is float32 throughout (bfloat16 inputs are widened exactly; on CPUs with
+ * AVX512-BF16 the bfloat16 scores are dot products of the bfloat16 inputs summed in float32
+ * by the vdpbf16ps instruction); the output is rounded to the input dtype, bfloat16 to
+ * nearest even as torch rounds. The softmax uses exp2 of a degree-6 polynomial (relative
+ * error below 1e-7) so that the loop vectorises. Threads: OpenMP, loaded into the process
+ * torch's own libgomp already is (one thread pool).
  *
  * engine/attention/cpu_kernel.py builds and calls this; engine/attention/reference.py is
  * the oracle it is tested against (tests/engine/test_cpu_kernel.py).
@@ -26,16 +28,17 @@
 #define CHUNK 256          /* keys per task */
 #define MAX_G 16           /* query heads per KV head */
 #define MAX_D 256          /* head dim */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef union { uint32_t u; float f; } bits32;
 
-static inline float bf16_to_f32(uint16_t x) {
+INLINE float bf16_to_f32(uint16_t x) {
     bits32 c;
     c.u = (uint32_t)x << 16;
     return c.f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
+INLINE uint16_t f32_to_bf16(float f) {
     bits32 c;
     c.f = f;
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);  /* NaN stays NaN */
@@ -43,7 +46,7 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* exp(x) for x <= 0 (clamped at -87, where it is below float32's smallest normal anyway). */
-static inline float exp_nonpos(float x) {
+INLINE float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.4426950408889634f;          /* exp(x) = 2^t = 2^n * 2^f */
     float n = floorf(t);
@@ -60,148 +63,226 @@ static inline float exp_nonpos(float x) {
     return p * c.f;
 }
 
-/* One task's partial result over keys [k0, k1) of one row and one KV head:
- * m[g] = max score, l[g] = sum exp(score - m), acc[g] = sum exp(score - m) * v.
- * Pass 1 widens each key and value row once (values into vbuf, [CHUNK, D] float32) and
- * scores the G queries; pass 2 takes the exponentials; pass 3 sums the values one query at
- * a time, so that query's accumulator stays in registers. DIM is the head dim when it is a
- * compile-time constant (64, 128: the loops unroll), else the runtime D. */
-#define DEFINE_CHUNK(NAME, T, TO_F32, DIM)                                                         \
-static void NAME(const float *qf, const T *kh, const T *vh, const int32_t *pages, int P,          \
-                 int64_t k0, int64_t k1, int G, int D, float *vbuf, float *m, float *l, float *acc) {\
-    float s[MAX_G * CHUNK];                                                                          \
-    float row[MAX_D];                                                                                \
-    (void)D;                                                                                         \
-    int n = (int)(k1 - k0);                                                                          \
-    int64_t base = 0, next = -1;                   /* slot of key t: base + t, within a page */       \
-    for (int t = 0; t < n; t++) {                  /* k0 is a multiple of P: P divides CHUNK */   \
-        if (t % P == 0) {                          /* once a page: its slots, the next page's */  \
-            base = (int64_t)pages[(k0 + t) / P] * P - t;                                             \
-            next = t + P < n ? (int64_t)pages[(k0 + t) / P + 1] * P : -1;                            \
-        }                                                                                            \
-        const T *kr = kh + (base + t) * (DIM), *vr = vh + (base + t) * (DIM);                        \
-        if (next >= 0) {                           /* the next page's rows, a row's worth a key */    \
-            int64_t ahead = (next + t % P) * (DIM);                                                  \
-            for (int c = 0; c < (int)sizeof(T) * (DIM); c += 64) {                                   \
-                __builtin_prefetch((const char *)(kh + ahead) + c);                                  \
-                __builtin_prefetch((const char *)(vh + ahead) + c);                                  \
-            }                                                                                        \
-        }                                                                                            \
-        float *vt = vbuf + t * (DIM);                                                                \
-        _Pragma("omp simd")                                                                          \
-        for (int d = 0; d < (DIM); d++) { row[d] = TO_F32(kr[d]); vt[d] = TO_F32(vr[d]); }           \
-        for (int g = 0; g < G; g++) {                                                                \
-            const float *qg = qf + g * (DIM);                                                        \
-            float dot = 0.0f;                                                                        \
-            _Pragma("omp simd reduction(+:dot)")                                                     \
-            for (int d = 0; d < (DIM); d++) dot += qg[d] * row[d];                                   \
-            s[g * CHUNK + t] = dot;                                                                  \
-        }                                                                                            \
-    }                                                                                                \
-    for (int g = 0; g < G; g++) {                                                                    \
-        float *sg = s + g * CHUNK;                                                                   \
-        float mx = sg[0];                                                                            \
-        for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;                                    \
-        float sum = 0.0f;                                                                            \
-        _Pragma("omp simd reduction(+:sum)")                                                         \
-        for (int t = 0; t < n; t++) { sg[t] = exp_nonpos(sg[t] - mx); sum += sg[t]; }                \
-        m[g] = mx;                                                                                   \
-        l[g] = sum;                                                                                  \
-        float a[MAX_D];                                                                              \
-        for (int d = 0; d < (DIM); d++) a[d] = 0.0f;                                                 \
-        for (int t = 0; t < n; t++) {                                                                \
-            float p = sg[t];                                                                         \
-            const float *vt = vbuf + t * (DIM);                                                      \
-            _Pragma("omp simd")                                                                      \
-            for (int d = 0; d < (DIM); d++) a[d] += p * vt[d];                                       \
-        }                                                                                            \
-        memcpy(acc + g * (DIM), a, sizeof(float) * (DIM));                                           \
-    }                                                                                                \
+/* A row of D elements of the pool (bfloat16 or float32) widened into float32. */
+INLINE void widen(const void *src, int bf16, float *dst, int D) {
+    if (bf16) {
+        const uint16_t *x = src;
+#pragma omp simd
+        for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(x[d]);
+    } else {
+        memcpy(dst, src, sizeof(float) * D);
+    }
 }
 
-static inline float f32_id(float x) { return x; }
-static inline float f32_out(float x) { return x; }
+/* Before reading a page: the next page's rows into the cache (a page ahead of the loads). */
+INLINE void prefetch_page(const char *k, const char *v, int64_t row_bytes, int P) {
+    for (int64_t c = 0; c < row_bytes * P; c += 64) {
+        __builtin_prefetch(k + c);
+        __builtin_prefetch(v + c);
+    }
+}
 
-DEFINE_CHUNK(chunk_bf16_64, uint16_t, bf16_to_f32, 64)
-DEFINE_CHUNK(chunk_bf16_128, uint16_t, bf16_to_f32, 128)
-DEFINE_CHUNK(chunk_bf16_any, uint16_t, bf16_to_f32, D)
-DEFINE_CHUNK(chunk_f32_64, float, f32_id, 64)
-DEFINE_CHUNK(chunk_f32_128, float, f32_id, 128)
-DEFINE_CHUNK(chunk_f32_any, float, f32_id, D)
+/* Passes 2 and 3 of a chunk: s[g][t] -> exp(s - max) with m[g] = max and l[g] = their sum, then
+ * acc[g] = sum_t exp(...) * vbuf[t], one query at a time so its accumulator stays in registers. */
+INLINE void softmax_values(float *s, const float *vbuf, int n, int G, int D, float *m, float *l, float *acc) {
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * CHUNK;
+        float mx = sg[0];
+        for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int t = 0; t < n; t++) {
+            sg[t] = exp_nonpos(sg[t] - mx);
+            sum += sg[t];
+        }
+        m[g] = mx;
+        l[g] = sum;
+        float a[MAX_D];
+        for (int d = 0; d < D; d++) a[d] = 0.0f;
+        for (int t = 0; t < n; t++) {
+            float p = sg[t];
+            const float *vt = vbuf + t * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) a[d] += p * vt[d];
+        }
+        memcpy(acc + g * D, a, sizeof(float) * D);
+    }
+}
 
+/* One task's partial result over keys [k0, k1) of one row and one KV head: m[g] = max score,
+ * l[g] = sum exp(score - m), acc[g] = sum exp(score - m) * v. Pass 1 widens each key and value
+ * row once (values into vbuf, [CHUNK, D] float32) and scores the G queries (qf: scaled, float32).
+ * Inlined with a constant D (64, 128) the loops unroll. */
+INLINE void chunk_generic(const float *qf, const void *kh, const void *vh, int bf16, const int32_t *pages,
+                          int P, int64_t k0, int64_t k1, int G, int D, float *vbuf, float *m, float *l,
+                          float *acc) {
+    float s[MAX_G * CHUNK];
+    float row[MAX_D];
+    int64_t esize = bf16 ? 2 : 4, base = 0;        /* slot of key t: base + t, within a page */
+    int n = (int)(k1 - k0);
+    for (int t = 0; t < n; t++) {                  /* k0 is a multiple of P: P divides CHUNK */
+        if (t % P == 0) {
+            base = (int64_t)pages[(k0 + t) / P] * P - t;
+            if (t + P < n) {
+                int64_t ahead = (int64_t)pages[(k0 + t) / P + 1] * P * D * esize;
+                prefetch_page((const char *)kh + ahead, (const char *)vh + ahead, D * esize, P);
+            }
+        }
+        int64_t at = (base + t) * D * esize;
+        widen((const char *)kh + at, bf16, row, D);
+        widen((const char *)vh + at, bf16, vbuf + t * D, D);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+            for (int d = 0; d < D; d++) dot += qg[d] * row[d];
+            s[g * CHUNK + t] = dot;
+        }
+    }
+    softmax_values(s, vbuf, n, G, D, m, l, acc);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* The bfloat16 chunk with the scores in hardware, for head dims that are a multiple of 32: a key
+ * row is D / 32 registers of bfloat16, multiplied with each query's bfloat16 row as given (qb) by
+ * vdpbf16ps into float32 lanes, summed, then scaled; values widened as in the generic chunk. */
+INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, const uint16_t *vh,
+                          const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D, float *vbuf,
+                          float *m, float *l, float *acc) {
+    float s[MAX_G * CHUNK];
+    __m512bh q[MAX_G][MAX_D / 32];
+    int R = D / 32, n = (int)(k1 - k0);
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) q[g][r] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * r);
+    int64_t base = 0;
+    for (int t = 0; t < n; t++) {
+        if (t % P == 0) {
+            base = (int64_t)pages[(k0 + t) / P] * P - t;
+            if (t + P < n) {
+                int64_t ahead = (int64_t)pages[(k0 + t) / P + 1] * P * D;
+                prefetch_page((const char *)(kh + ahead), (const char *)(vh + ahead), 2 * D, P);
+            }
+        }
+        const uint16_t *kr = kh + (base + t) * D;
+        widen(vh + (base + t) * D, 1, vbuf + t * D, D);
+        __m512bh k[MAX_D / 32];
+        for (int r = 0; r < R; r++) k[r] = (__m512bh)_mm512_loadu_si512(kr + 32 * r);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) a = _mm512_dpbf16_ps(a, q[g][r], k[r]);
+            s[g * CHUNK + t] = _mm512_reduce_add_ps(a) * scale;
+        }
+    }
+    softmax_values(s, vbuf, n, G, D, m, l, acc);
+}
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* One (row, KV head, chunk) task: q rows of that KV head's G query heads, keys [k0, k1). */
+static void run_task(const void *qh, int bf16, float scale, const void *kh, const void *vh, const int32_t *pages,
+                     int P, int64_t k0, int64_t k1, int G, int D, float *vbuf, float *part) {
+    float *m = part, *l = part + G, *acc = part + 2 * G;
+#if HAVE_DPBF16
+    if (bf16 && D == 64) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 64, vbuf, m, l, acc); return; }
+    if (bf16 && D == 128) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 128, vbuf, m, l, acc); return; }
+#endif
+    float qf[MAX_G * MAX_D];
+    for (int i = 0; i < G * D; i++) qf[i] = (bf16 ? bf16_to_f32(((const uint16_t *)qh)[i]) : ((const float *)qh)[i]) * scale;
+    /* constant arguments: each call inlines into a loop nest of its own (unrolled for D 64, 128) */
+    if (bf16 && D == 64) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 64, vbuf, m, l, acc);
+    else if (bf16 && D == 128) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 128, vbuf, m, l, acc);
+    else if (bf16) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, D, vbuf, m, l, acc);
+    else if (D == 64) chunk_generic(qf, kh, vh, 0, pages, P, k0, k1, G, 64, vbuf, m, l, acc);
+    else if (D == 128) chunk_generic(qf, kh, vh, 0, pages, P, k0, k1, G, 128, vbuf, m, l, acc);
+    else chunk_generic(qf, kh, vh, 0, pages, P, k0, k1, G, D, vbuf, m, l, acc);
+}
 
 /* q: [B, Hq, D]; k, v: [Hkv, S, D]; pages: row b's page ids at page_start[b] .. page_start[b+1];
  * kv_len[b] keys per row (0 allowed: zeros out, lse -inf); out: [B, Hq, D]; lse: [B, Hq] or NULL.
- * Returns 0, or -1 when G or D exceed what the kernel was built for (nothing written). */
-#define DEFINE_ENTRY(NAME, T, CHUNK_FN, TO_F32, FROM_F32)                                          \
-int NAME(const T *q, const T *k, const T *v, int64_t S, const int32_t *pages,                       \
-         const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,   \
-         float scale, T *out, float *lse) {                                                         \
-    int G = Hq / Hkv;                                                                               \
-    if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;                                         \
-    int64_t *first = malloc(sizeof(int64_t) * (B + 1));     /* first task of each row */             \
-    if (!first) return -2;                                                                          \
-    first[0] = 0;                                                                                   \
-    for (int b = 0; b < B; b++) first[b + 1] = first[b] + (kv_len[b] + CHUNK - 1) / CHUNK;          \
-    int64_t chunks = first[B], tasks = chunks * Hkv;                                                \
-    float *part = malloc(sizeof(float) * (tasks > 0 ? tasks : 1) * G * (D + 2));                    \
-    float *vbufs = malloc(sizeof(float) * omp_get_max_threads() * CHUNK * D);  /* one per thread */  \
-    if (!part || !vbufs) { free(part); free(vbufs); free(first); return -2; }                       \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                                \
-    for (int64_t task = 0; task < tasks; task++) {                                                  \
-        int64_t c = task / Hkv;                                                                     \
-        int h = (int)(task % Hkv);                                                                  \
-        int lo = 0, hi = B;                          /* the row whose chunks hold chunk c */        \
-        while (hi - lo > 1) { int mid = (lo + hi) / 2; if (first[mid] <= c) lo = mid; else hi = mid; } \
-        int b = lo;                                                                                 \
-        while (first[b + 1] <= c) b++;               /* skip rows with no keys */                   \
-        int64_t k0 = (c - first[b]) * CHUNK;                                                        \
-        int64_t k1 = k0 + CHUNK < kv_len[b] ? k0 + CHUNK : kv_len[b];                               \
-        float qf[MAX_G * MAX_D];                                                                    \
-        const T *qb = q + ((int64_t)b * Hq + (int64_t)h * G) * D;                                   \
-        for (int i = 0; i < G * D; i++) qf[i] = TO_F32(qb[i]) * scale;                              \
-        float *pt = part + task * G * (D + 2);       /* m[G], l[G], acc[G * D] */                    \
-        CHUNK_FN(D)(qf, k + (int64_t)h * S * D, v + (int64_t)h * S * D, pages + page_start[b], P,      \
-                 k0, k1, G, D, vbufs + (int64_t)omp_get_thread_num() * CHUNK * D, pt, pt + G, pt + 2 * G);                                             \
-    }                                                                                               \
-    _Pragma("omp parallel for schedule(static)")                                                    \
-    for (int64_t bh = 0; bh < (int64_t)B * Hq; bh++) {                                              \
-        int b = (int)(bh / Hq), hq = (int)(bh % Hq), h = hq / G, g = hq % G;                        \
-        T *o = out + bh * D;                                                                        \
-        if (first[b + 1] == first[b]) {                                                             \
-            for (int d = 0; d < D; d++) o[d] = FROM_F32(0.0f);                                      \
-            if (lse) lse[bh] = -INFINITY;                                                           \
-            continue;                                                                               \
-        }                                                                                           \
-        float mx = -INFINITY;                                                                       \
-        for (int64_t c = first[b]; c < first[b + 1]; c++) {                                        \
-            float mc = part[(c * Hkv + h) * G * (D + 2) + g];                                       \
-            mx = mc > mx ? mc : mx;                                                                 \
-        }                                                                                           \
-        float total = 0.0f, o32[MAX_D];                                                             \
-        memset(o32, 0, sizeof(float) * D);                                                          \
-        for (int64_t c = first[b]; c < first[b + 1]; c++) {                                        \
-            const float *pt = part + (c * Hkv + h) * G * (D + 2);                                   \
-            float w = exp_nonpos(pt[g] - mx);                                                       \
-            total += w * pt[G + g];                                                                 \
-            const float *acc = pt + 2 * G + g * D;                                                  \
-            _Pragma("omp simd")                                                                     \
-            for (int d = 0; d < D; d++) o32[d] += w * acc[d];                                       \
-        }                                                                                           \
-        float inv = 1.0f / total;                                                                   \
-        for (int d = 0; d < D; d++) o[d] = FROM_F32(o32[d] * inv);                                  \
-        if (lse) lse[bh] = mx + logf(total);                                                        \
-    }                                                                                               \
-    free(vbufs);                                                                                    \
-    free(part);                                                                                     \
-    free(first);                                                                                    \
-    return 0;                                                                                       \
+ * Returns 0, -1 when G or D exceed what the kernel was built for, -2 when memory ran out (nothing
+ * written either way). */
+static int decode_attention(const void *q, const void *k, const void *v, int bf16, int64_t S, const int32_t *pages,
+                            const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,
+                            float scale, void *out, float *lse) {
+    int G = Hq / Hkv;
+    int64_t esize = bf16 ? 2 : 4;
+    if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1));     /* first chunk of each row */
+    if (!first) return -2;
+    first[0] = 0;
+    for (int b = 0; b < B; b++) first[b + 1] = first[b] + (kv_len[b] + CHUNK - 1) / CHUNK;
+    int64_t tasks = first[B] * Hkv, stride = (int64_t)G * (D + 2);
+    float *part = malloc(sizeof(float) * (tasks > 0 ? tasks : 1) * stride);   /* m[G], l[G], acc[G * D] */
+    float *vbufs = malloc(sizeof(float) * omp_get_max_threads() * CHUNK * D);  /* one per thread */
+    if (!part || !vbufs) {
+        free(part);
+        free(vbufs);
+        free(first);
+        return -2;
+    }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t c = task / Hkv;
+        int h = (int)(task % Hkv);
+        int lo = 0, hi = B;                          /* the row whose chunks hold chunk c */
+        while (hi - lo > 1) {
+            int mid = (lo + hi) / 2;
+            if (first[mid] <= c) lo = mid; else hi = mid;
+        }
+        int64_t k0 = (c - first[lo]) * CHUNK;
+        int64_t k1 = k0 + CHUNK < kv_len[lo] ? k0 + CHUNK : kv_len[lo];
+        const char *qh = (const char *)q + ((int64_t)lo * Hq + (int64_t)h * G) * D * esize;
+        run_task(qh, bf16, scale, (const char *)k + h * S * D * esize, (const char *)v + h * S * D * esize,
+                 pages + page_start[lo], P, k0, k1, G, D, vbufs + (int64_t)omp_get_thread_num() * CHUNK * D,
+                 part + task * stride);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < (int64_t)B * Hq; bh++) {
+        int b = (int)(bh / Hq), hq = (int)(bh % Hq), h = hq / G, g = hq % G;
+        float mx = -INFINITY, total = 0.0f, o32[MAX_D];
+        for (int64_t c = first[b]; c < first[b + 1]; c++) {
+            float mc = part[(c * Hkv + h) * stride + g];
+            mx = mc > mx ? mc : mx;
+        }
+        memset(o32, 0, sizeof(float) * D);
+        for (int64_t c = first[b]; c < first[b + 1]; c++) {
+            const float *pt = part + (c * Hkv + h) * stride;
+            float w = exp_nonpos(pt[g] - mx);
+            total += w * pt[G + g];
+            const float *acc = pt + 2 * G + g * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) o32[d] += w * acc[d];
+        }
+        float inv = first[b + 1] > first[b] ? 1.0f / total : 0.0f;   /* no keys: zeros, lse -inf */
+        for (int d = 0; d < D; d++) {
+            if (bf16) ((uint16_t *)out)[bh * D + d] = f32_to_bf16(o32[d] * inv);
+            else ((float *)out)[bh * D + d] = o32[d] * inv;
+        }
+        if (lse) lse[bh] = first[b + 1] > first[b] ? mx + logf(total) : -INFINITY;
+    }
+    free(vbufs);
+    free(part);
+    free(first);
+    return 0;
 }
 
-#define CHUNK_BF16(D) (D == 64 ? chunk_bf16_64 : D == 128 ? chunk_bf16_128 : chunk_bf16_any)
-#define CHUNK_F32(D) (D == 64 ? chunk_f32_64 : D == 128 ? chunk_f32_128 : chunk_f32_any)
-DEFINE_ENTRY(decode_attention_bf16, uint16_t, CHUNK_BF16, bf16_to_f32, f32_to_bf16)
-DEFINE_ENTRY(decode_attention_f32, float, CHUNK_F32, f32_id, f32_out)
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int32_t *pages,
+                          const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,
+                          float scale, uint16_t *out, float *lse) {
+    return decode_attention(q, k, v, 1, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
+}
+
+int decode_attention_f32(const float *q, const float *k, const float *v, int64_t S, const int32_t *pages,
+                         const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,
+                         float scale, float *out, float *lse) {
+    return decode_attention(q, k, v, 0, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
+}
 
 /* The chunk size, so the Python side and the tests can place rows across chunk boundaries. */
 int decode_attention_chunk(void) { return CHUNK; }
+
+/* Whether the bfloat16 scores run on vdpbf16ps (built for a CPU with AVX512-BF16). */
+int decode_attention_dpbf16(void) { return HAVE_DPBF16; }
