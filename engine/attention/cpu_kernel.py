@@ -9,7 +9,7 @@ into (row, KV head, 256-key chunk) tasks over torch's own OpenMP threads.
 Building: like FlashInfer's kernels with nvcc, the C source is compiled on first use, here by the
 system C compiler (``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``), and the
 library is cached under ``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed
-by the source, the flags and the compiler's version. Without a compiler, or when the build
+by the source, the flags, the compiler's version and the CPU's feature flags. Without a compiler, or when the build
 fails, ``load()`` returns ``None`` (the reason is logged once) and the torch backend keeps its
 pure-torch decode plans, which stay the tested reference path.
 """
@@ -56,6 +56,19 @@ def _version(cc: str) -> str:
         return ""
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (a library built with -march=native for one CPU can crash on another:
+    a cache shared between machines keeps one library per CPU kind)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def build(source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it
     cannot be. ``extra_flags`` follow ``FLAGS`` (the tests build the portable path with
@@ -66,7 +79,7 @@ def build(source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = (*FLAGS, *extra_flags)
     text = source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
