@@ -74,9 +74,13 @@ INLINE void widen(const void *src, int bf16, float *dst, int D) {
     }
 }
 
-/* Before reading a page: the next page's rows into the cache (a page ahead of the loads). */
-INLINE void prefetch_page(const char *k, const char *v, int64_t row_bytes, int P) {
-    for (int64_t c = 0; c < row_bytes * P; c += 64) {
+/* With each key, the key and value rows of the key PREFETCH_PAGES pages on are asked into the
+ * cache: pages are scattered, so the hardware prefetcher cannot follow, and a row at a time keeps
+ * the requests in flight few (a whole page at once measured slower). 2 pages ahead: 29 -> 19 ns
+ * per key and KV head over a pool larger than the caches (one thread). */
+#define PREFETCH_PAGES 2
+INLINE void prefetch_row(const char *k, const char *v, int64_t row_bytes) {
+    for (int64_t c = 0; c < row_bytes; c += 64) {
         __builtin_prefetch(k + c);
         __builtin_prefetch(v + c);
     }
@@ -119,15 +123,16 @@ INLINE void chunk_generic(const float *qf, const void *kh, const void *vh, int b
     float s[MAX_G * CHUNK];
     float row[MAX_D];
     int64_t esize = bf16 ? 2 : 4, base = 0;        /* slot of key t: base + t, within a page */
+    int64_t ahead = -1;                            /* slot of key t's row PREFETCH_PAGES pages on */
     int n = (int)(k1 - k0);
     for (int t = 0; t < n; t++) {                  /* k0 is a multiple of P: P divides CHUNK */
         if (t % P == 0) {
             base = (int64_t)pages[(k0 + t) / P] * P - t;
-            if (t + P < n) {
-                int64_t ahead = (int64_t)pages[(k0 + t) / P + 1] * P * D * esize;
-                prefetch_page((const char *)kh + ahead, (const char *)vh + ahead, D * esize, P);
-            }
+            ahead = t + PREFETCH_PAGES * P < n ? (int64_t)pages[(k0 + t) / P + PREFETCH_PAGES] * P : -1;
         }
+        if (ahead >= 0)
+            prefetch_row((const char *)kh + (ahead + t % P) * D * esize, (const char *)vh + (ahead + t % P) * D * esize,
+                         D * esize);
         int64_t at = (base + t) * D * esize;
         widen((const char *)kh + at, bf16, row, D);
         widen((const char *)vh + at, bf16, vbuf + t * D, D);
@@ -155,15 +160,14 @@ INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, c
     int R = D / 32, n = (int)(k1 - k0);
     for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) q[g][r] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * r);
-    int64_t base = 0;
+    int64_t base = 0, ahead = -1;
     for (int t = 0; t < n; t++) {
         if (t % P == 0) {
             base = (int64_t)pages[(k0 + t) / P] * P - t;
-            if (t + P < n) {
-                int64_t ahead = (int64_t)pages[(k0 + t) / P + 1] * P * D;
-                prefetch_page((const char *)(kh + ahead), (const char *)(vh + ahead), 2 * D, P);
-            }
+            ahead = t + PREFETCH_PAGES * P < n ? (int64_t)pages[(k0 + t) / P + PREFETCH_PAGES] * P : -1;
         }
+        if (ahead >= 0)
+            prefetch_row((const char *)(kh + (ahead + t % P) * D), (const char *)(vh + (ahead + t % P) * D), 2 * D);
         const uint16_t *kr = kh + (base + t) * D;
         widen(vh + (base + t) * D, 1, vbuf + t * D, D);
         __m512bh k[MAX_D / 32];
