@@ -149,14 +149,28 @@ INLINE void chunk_generic(const float *qf, const void *kh, const void *vh, int b
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-/* The bfloat16 chunk with the scores in hardware, for head dims that are a multiple of 32: a key
- * row is D / 32 registers of bfloat16, multiplied with each query's bfloat16 row as given (qb) by
- * vdpbf16ps into float32 lanes, summed, then scaled; values widened as in the generic chunk. */
+/* Values of two keys interleaved (a0 b0 a1 b1 ..., within each 128-bit lane, as unpack does), the
+ * pairs vdpbf16ps multiplies: out is 2 * D elements, [lo_0, hi_0, lo_1, hi_1, ...] per 32 of D. */
+INLINE void interleave(const uint16_t *a, const uint16_t *b, uint16_t *out, int R) {
+    for (int r = 0; r < R; r++) {
+        __m512i x = _mm512_loadu_si512(a + 32 * r), y = b ? _mm512_loadu_si512(b + 32 * r) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + 64 * r, _mm512_unpacklo_epi16(x, y));
+        _mm512_storeu_si512(out + 64 * r + 32, _mm512_unpackhi_epi16(x, y));
+    }
+}
+
+/* The bfloat16 chunk in hardware, for head dims that are a multiple of 32 (vdpbf16ps: products of
+ * bfloat16 pairs summed into float32 lanes). Scores: a key row is D / 32 registers, multiplied with
+ * each query's bfloat16 row as given and summed, then scaled. Values: keys taken two at a time, their
+ * rows interleaved once (vi, in vbuf's memory) and weighted by the two probabilities rounded to
+ * bfloat16, as torch's bfloat16 matmul rounds them; the sum l of the probabilities stays float32. */
 INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, const uint16_t *vh,
                           const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D, float *vbuf,
                           float *m, float *l, float *acc) {
-    float s[MAX_G * CHUNK];
+    float s[MAX_G * CHUNK + 1];
     __m512bh q[MAX_G][MAX_D / 32];
+    uint16_t *vi = (uint16_t *)vbuf;
+    const uint16_t *prev = NULL;
     int R = D / 32, n = (int)(k1 - k0);
     for (int g = 0; g < G; g++)
         for (int r = 0; r < R; r++) q[g][r] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * r);
@@ -168,8 +182,9 @@ INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, c
         }
         if (ahead >= 0)
             prefetch_row((const char *)(kh + (ahead + t % P) * D), (const char *)(vh + (ahead + t % P) * D), 2 * D);
-        const uint16_t *kr = kh + (base + t) * D;
-        widen(vh + (base + t) * D, 1, vbuf + t * D, D);
+        const uint16_t *kr = kh + (base + t) * D, *vr = vh + (base + t) * D;
+        if (t & 1) interleave(prev, vr, vi + (t - 1) * D, R);
+        else prev = vr;
         __m512bh k[MAX_D / 32];
         for (int r = 0; r < R; r++) k[r] = (__m512bh)_mm512_loadu_si512(kr + 32 * r);
         for (int g = 0; g < G; g++) {
@@ -178,7 +193,38 @@ INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, c
             s[g * CHUNK + t] = _mm512_reduce_add_ps(a) * scale;
         }
     }
-    softmax_values(s, vbuf, n, G, D, m, l, acc);
+    if (n & 1) interleave(prev, NULL, vi + (n - 1) * D, R);     /* the last key pairs with zeros */
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * CHUNK;
+        float mx = sg[0];
+        for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int t = 0; t < n; t++) {
+            sg[t] = exp_nonpos(sg[t] - mx);
+            sum += sg[t];
+        }
+        m[g] = mx;
+        l[g] = sum;
+        __m512 a[2 * MAX_D / 32];
+        for (int j = 0; j < 2 * R; j++) a[j] = _mm512_setzero_ps();
+        for (int i = 0; 2 * i < n; i++) {
+            float p1 = 2 * i + 1 < n ? sg[2 * i + 1] : 0.0f;
+            uint32_t pair = (uint32_t)f32_to_bf16(sg[2 * i]) | (uint32_t)f32_to_bf16(p1) << 16;
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+            const uint16_t *blk = vi + 2 * i * D;
+            for (int j = 0; j < 2 * R; j++) a[j] = _mm512_dpbf16_ps(a[j], w, (__m512bh)_mm512_loadu_si512(blk + 32 * j));
+        }
+        for (int r = 0; r < R; r++) {               /* lane 4L + i of lo holds d = 32r + 8L + i, of hi 8L + 4 + i */
+            float lo[16], hi[16];
+            _mm512_storeu_ps(lo, a[2 * r]);
+            _mm512_storeu_ps(hi, a[2 * r + 1]);
+            for (int j = 0; j < 16; j++) {
+                acc[g * D + 32 * r + 8 * (j / 4) + j % 4] = lo[j];
+                acc[g * D + 32 * r + 8 * (j / 4) + 4 + j % 4] = hi[j];
+            }
+        }
+    }
 }
 #define HAVE_DPBF16 1
 #else
