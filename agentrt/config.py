@@ -268,9 +268,9 @@ class ServerConfig(Settings):
                                                  "on the CPU: int4, int8, off, or auto (int4 for a Q4_0/Q4_1 GGUF "
                                                  "served in bfloat16, as the default model is on AVX512-BF16 CPUs; "
                                                  "off otherwise, float32 included)")
-    cpu_attention_kernel: bool = Field(_ENGINE["cpu_attention_kernel"], description="decode attention on the "
-                                       "CPU through a C kernel built on first use by the system C compiler "
-                                       "(false, or no compiler: the pure-torch decode plans)")
+    cpu_kernels: bool = Field(_ENGINE["cpu_kernels"], description="on the CPU, decode attention and the bf16 "
+                              "residual add + RMSNorm through C kernels built on first use by the system C "
+                              "compiler (false, or no compiler: the pure-torch paths)")
     kv_host_tokens: int = Field(_ENGINE["kv_host_tokens"], ge=0, description="tokens of KV the host memory tier "
                                 "below the pool holds (pinned CPU memory; for a GPU pool; 0: off)")
     kv_disk_tokens: int = Field(_ENGINE["kv_disk_tokens"], ge=0, description="tokens of KV the disk tier below the "
@@ -349,7 +349,7 @@ class ServerConfig(Settings):
                             turn_coalesce_max_s=self.turn_coalesce_max_s, ep_size=self.ep, ep_nodes=self.ep_nodes,
                             ep_placement=self.ep_placement, ep_redundant=self.ep_redundant,
                             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-                            quantization=self.quantization, cpu_attention_kernel=self.cpu_attention_kernel,
+                            quantization=self.quantization, cpu_kernels=self.cpu_kernels,
                             kv_host_tokens=self.kv_host_tokens, kv_disk_tokens=self.kv_disk_tokens,
                             kv_disk_path=self.kv_disk_path, kv_disk_keep=self.kv_disk_keep)
 

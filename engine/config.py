@@ -70,10 +70,12 @@ class EngineConfig:
     bfloat16 (a decode step then reads a quarter of the bf16 bytes), and ``off`` otherwise: float32
     stays exact, and a checkpoint stored in full precision is not quantized unless asked.
 
-    Decode attention on the CPU (``attention_backend`` torch): with ``cpu_attention_kernel`` (the
-    default) decode rows go through a C kernel compiled on first use by the system C compiler
-    (engine/attention/cpu_kernel.py), which reads each row's own pages in place; where it cannot be
-    built the engine logs why and uses the pure-torch decode plans, as it does with False.
+    C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
+    (torch backend) goes through a C kernel that reads each row's own pages in place
+    (engine/attention/cpu_kernel.py), and bfloat16 steps add each layer's output to the residual
+    stream and take the next RMSNorm in one call (engine/models/fused_norm.py); both are compiled on
+    first use by the system C compiler. Where they cannot be built the engine logs why and runs the
+    pure-torch paths, as it does with False.
 
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
@@ -104,7 +106,7 @@ class EngineConfig:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     quantization: str = "auto"
-    cpu_attention_kernel: bool = True
+    cpu_kernels: bool = True
     close_constrained_outputs: bool = True
     kv_host_tokens: int = 0
     kv_disk_tokens: int = 0

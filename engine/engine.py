@@ -78,11 +78,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
         self.tiers = self._build_tiers(mcfg, dtype, backend_cls.kv_layout)
-        kernel = {"cpu_kernel": config.cpu_attention_kernel} if self.backend_name == "torch" else {}
+        kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
         self.runner = ModelRunner(self.model, attn, P, self.device)
-        self.attention_desc = self.backend_name + (" + CPU decode kernel" if getattr(attn, "kernel", None) else "")
+        fused = self.device == "cpu" and hasattr(self.model, "use_fused_norm") and \
+            self.model.use_fused_norm(config.cpu_kernels)
+        self.attention_desc = (self.backend_name + (" + CPU decode kernel" if getattr(attn, "kernel", None) else "")
+                               + (" + fused add/RMSNorm" if fused else ""))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
         # called in the engine thread with each finished request that carries a ``trace``; must not raise

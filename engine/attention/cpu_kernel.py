@@ -6,97 +6,29 @@ against every other row's keys (one masked matmul) or pays those operations once
 kernel reads each row's pages in place and does one call per layer for the whole batch, split
 into (row, KV head, 256-key chunk) tasks over torch's own OpenMP threads.
 
-Building: like FlashInfer's kernels with nvcc, the C source is compiled on first use, here by the
-system C compiler (``$CC``, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``), and the
-library is cached under ``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed
-by the source, the flags, the compiler's version and the CPU's feature flags. Without a compiler, or when the build
-fails, ``load()`` returns ``None`` (the reason is logged once) and the torch backend keeps its
-pure-torch decode plans, which stay the tested reference path.
+Built on first use by engine/cpu_build.py (the system C compiler, cached per source, flags,
+compiler and CPU). Without a compiler, or when the build fails, ``load()`` returns ``None`` (the
+reason is logged once) and the torch backend keeps its pure-torch decode plans, which stay the
+tested reference path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from engine.cpu_build import build
+
 log = logging.getLogger("engine.attention")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-# reassociation lets the dot products and sums vectorise (1.7x); infinities and NaNs keep their meaning
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-fPIC", "-shared", "-std=gnu11")
 DTYPES = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256   # MAX_G and MAX_D in the source
-
-def cache_dir() -> Path:
-    root = os.environ.get("AGENTRT_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentrt" / "kernels"
-
-
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (a library built with -march=native for one CPU can crash on another:
-    a cache shared between machines keeps one library per CPU kind)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build(source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it
-    cannot be. ``extra_flags`` follow ``FLAGS`` (the tests build the portable path with
-    ``-mno-avx512bf16``)."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    flags = (*FLAGS, *extra_flags)
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: concurrent builds are safe
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
 
 class DecodeKernel:
     """ctypes binding of the kernel's entry points (one per KV dtype)."""
@@ -158,7 +90,7 @@ def load() -> DecodeKernel | None:
     """The kernel for this process, built on first use; ``None`` when it cannot be built (logged once:
     the answer is cached)."""
     try:
-        kernel = DecodeKernel(build())
+        kernel = DecodeKernel(build(SOURCE))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU decode-attention kernel unavailable, using the torch decode plans: %s", exc)
         return None

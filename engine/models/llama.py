@@ -151,13 +151,48 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
+    # set by the engine (``use_fused_norm``): the residual add and the next RMSNorm as one C call
+    # (engine/models/fused_norm.py) when the activations are bfloat16 on the CPU; None: the plain layers
+    fused_norm = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, d)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.table(positions, x.dtype)
+        if self.fused_norm is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return self._forward_fused(x, rope, attn)
         for layer in self.layers:
             x = layer(x, rope, attn)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, rope: "RopeTable", attn) -> torch.Tensor:
+        """The layers' ``x + f(norm(x))`` with each add and the norm after it in one call (x updated in
+        place); the same sums and roundings as the plain layers, in fewer operations."""
+        op, layers = self.fused_norm, self.layers
+        x = x.contiguous()
+        h = op(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, layer in enumerate(layers):
+            post = layer.post_attention_layernorm
+            h = op(x, layer.self_attn(h, rope, attn).contiguous(), post.weight, post.eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h = op(x, layer.mlp(h).contiguous(), nxt.weight, nxt.eps)
+        return h
+
+    def use_fused_norm(self, enabled: bool) -> bool:
+        """Run bfloat16 steps through the fused add + RMSNorm where it builds and fits (float32 norm
+        weights, no q/k norms of their own are affected); returns whether it is on."""
+        self.fused_norm = None
+        if enabled and all(isinstance(m, RMSNorm) and m.weight.dtype == torch.float32 for m in self._norms()):
+            from engine.models.fused_norm import MAX_HIDDEN, load
+            if self.cfg.hidden_size <= MAX_HIDDEN and self.embed_tokens.weight.device.type == "cpu":
+                self.fused_norm = load()
+        return self.fused_norm is not None
+
+    def _norms(self):
+        for layer in self.layers:
+            yield layer.input_layernorm
+            yield layer.post_attention_layernorm
+        yield self.norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, d) -> (B, vocab) in float32."""

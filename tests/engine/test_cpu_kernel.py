@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.attention import BatchLayout, create_backend
-from engine.attention.cpu_kernel import DecodeKernel, KernelRows, build, load
+from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows, load
+from engine.cpu_build import build
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache
 
@@ -44,7 +45,7 @@ def portable_kernel():
     the default build uses vdpbf16ps: both paths are tested on a machine that has it."""
     if not kernel.dpbf16:
         return kernel
-    return DecodeKernel(build(extra_flags=("-mno-avx512bf16",)))
+    return DecodeKernel(build(SOURCE, extra_flags=("-mno-avx512bf16",)))
 
 
 @pytest.mark.parametrize("variant", ["native", "portable"])
@@ -151,9 +152,9 @@ def test_without_the_kernel_the_torch_plans_serve():
 
 def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
-    first = build()
+    first = build(SOURCE)
     stamp = first.stat().st_mtime_ns
-    assert build() == first and first.stat().st_mtime_ns == stamp       # cached: not rebuilt
+    assert build(SOURCE) == first and first.stat().st_mtime_ns == stamp   # cached: not rebuilt
     bad = tmp_path / "broken.c"
     bad.write_text("int f(void) { return undeclared_name; }\n")
     with pytest.raises(RuntimeError, match="undeclared_name"):

@@ -1,0 +1,87 @@
+"""C kernels for the CPU, compiled on first use by the system C compiler and cached.
+
+Like FlashInfer's kernels with nvcc, a C source that ships in the package is compiled the first time
+it is needed, by ``$CC`` (else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``), into
+``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed by the source, the flags,
+the compiler's version and the CPU's feature flags (a library built with -march=native for one CPU
+can crash on another that shares the cache). Builds go to a temporary file renamed into place, so
+processes that build at once are safe. OpenMP in these libraries binds to the libgomp torch has
+already loaded: one thread pool.
+
+Users: engine/attention/cpu_kernel.py (decode attention), engine/models/fused_norm.py (residual add
+and RMSNorm).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# reassociation lets the dot products and sums vectorise (1.7x); infinities and NaNs keep their meaning
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-fPIC", "-shared", "-std=gnu11")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("AGENTRT_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentrt" / "kernels"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (a library built with -march=native for one CPU can crash on another:
+    a cache shared between machines keeps one library per CPU kind)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it
+    cannot be. ``extra_flags`` follow ``FLAGS`` (the tests build the portable path with
+    ``-mno-avx512bf16``)."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    flags = (*FLAGS, *extra_flags)
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: concurrent builds are safe
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
