@@ -86,21 +86,26 @@ INLINE void prefetch_row(const char *k, const char *v, int64_t row_bytes) {
     }
 }
 
+/* A query's n scores in place -> exp(score - max), with *m = max and *l = their sum. */
+INLINE void exponentials(float *sg, int n, float *m, float *l) {
+    float mx = sg[0];
+    for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+    float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+    for (int t = 0; t < n; t++) {
+        sg[t] = exp_nonpos(sg[t] - mx);
+        sum += sg[t];
+    }
+    *m = mx;
+    *l = sum;
+}
+
 /* Passes 2 and 3 of a chunk: s[g][t] -> exp(s - max) with m[g] = max and l[g] = their sum, then
  * acc[g] = sum_t exp(...) * vbuf[t], one query at a time so its accumulator stays in registers. */
 INLINE void softmax_values(float *s, const float *vbuf, int n, int G, int D, float *m, float *l, float *acc) {
     for (int g = 0; g < G; g++) {
         float *sg = s + g * CHUNK;
-        float mx = sg[0];
-        for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-        for (int t = 0; t < n; t++) {
-            sg[t] = exp_nonpos(sg[t] - mx);
-            sum += sg[t];
-        }
-        m[g] = mx;
-        l[g] = sum;
+        exponentials(sg, n, m + g, l + g);
         float a[MAX_D];
         for (int d = 0; d < D; d++) a[d] = 0.0f;
         for (int t = 0; t < n; t++) {
@@ -196,16 +201,7 @@ INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, c
     if (n & 1) interleave(prev, NULL, vi + (n - 1) * D, R);     /* the last key pairs with zeros */
     for (int g = 0; g < G; g++) {
         float *sg = s + g * CHUNK;
-        float mx = sg[0];
-        for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-        for (int t = 0; t < n; t++) {
-            sg[t] = exp_nonpos(sg[t] - mx);
-            sum += sg[t];
-        }
-        m[g] = mx;
-        l[g] = sum;
+        exponentials(sg, n, m + g, l + g);
         __m512 a[2 * MAX_D / 32];
         for (int j = 0; j < 2 * R; j++) a[j] = _mm512_setzero_ps();
         for (int i = 0; 2 * i < n; i++) {
