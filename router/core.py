@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -293,6 +294,8 @@ class RouterCore:
         no fleet view, and for a retry (``exclude``: the fleet view holds every live worker)."""
         known = self.index.match(req.hashes)
         matched = self.index.match(req.hashes, extra=tentative) if tentative else known
+        if tentative:  # the policy prices load by whether the best match is known or only tentative
+            req = dataclasses.replace(req, known_blocks=max(known.values(), default=0))
         states = []
         for w in candidates:
             load = self.loads.get(w.worker_id, LoadReport())
@@ -318,6 +321,9 @@ class RouterCore:
         index, hashes = self.index, req.hashes
         levels = index.match_levels(hashes, extra=tentative or None)
         matched = lengths(levels)
+        if tentative:  # the policy prices load by whether the best match is known or only tentative
+            known_levels = index.match_levels(hashes)
+            req = dataclasses.replace(req, known_blocks=known_levels[-1][0] if known_levels else 0)
         tiers: dict[str, tuple[int, int]] = {}
         for w in index.tiered_workers():
             if matched.get(w, 0) > 0 and w in self.fleet:
