@@ -108,6 +108,12 @@ def test_stored_events_confirm_entries_and_completion_shortens_them(redis_url):
             await a.dispatched(route)
             wid = route.worker.worker_id
             assert len(a.tentative) == len(route.tentative_hashes) == 66
+            # In Redis for the other replicas: every block's key names the worker, with the entry's TTL.
+            r = redis.Redis.from_url(redis_url)
+            keys = [cfg.tentative_key(h) for h in route.tentative_hashes]
+            assert r.mget(keys) == [wid.encode()] * 66
+            assert all(cfg.tentative_ttl_s * 1000 - 5_000 < r.pttl(k) <= cfg.tentative_ttl_s * 1000 for k in keys)
+            r.close()
             # The worker reports the first 64 blocks: they move from tentative to the real index.
             pub = KVEventPublisher(cfg, wid, redis.Redis.from_url(redis_url))
             pub.start()
