@@ -226,7 +226,7 @@ def run_live(opts: LiveOptions) -> dict:
     wl = AgenticWorkload(sessions=opts.sessions, turns=opts.turns, system_tokens=opts.system_tokens,
                          tool_result_tokens=opts.tool_result_tokens, reply_tokens=opts.reply_tokens)
     systems = [system_prompt(model.tokenizer, opts.system_tokens, seed=i, agent=a) for i, a in enumerate(AGENTS)]
-    procs = Procs("agentrt-live-", cwd=str(ROOT))
+    procs = Procs(prefix="agentrt-live-", cwd=str(ROOT))  # logs in a temporary directory, not in the cwd
     try:
         fleet = start_fleet(procs, opts)
         asyncio.run(_warm_up(fleet["workers"], model.model_id, wl, model.tokenizer, systems))
