@@ -159,7 +159,7 @@ class RouterCore:
         """Keep the index's per-worker sets out of the garbage collector's full collections, once made.
 
         Those sets hold every (worker, block) pair as plain ints, which can form no cycle; but a full
-        collection still walks every entry (12.8M at 128 workers x 100k blocks: ~0.8 s, a stall of every
+        collection still walks every entry (12.8M at 128 workers x 100k blocks: 0.5-0.8 s, a stall of every
         request in flight). ``gc.freeze()`` moves what is alive into the permanent generation, which
         collections skip; the sets keep changing there as usual. It runs after start and whenever the
         index made a set (a new worker's slot), after a collection, so no garbage is frozen; objects
