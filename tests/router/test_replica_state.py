@@ -303,3 +303,18 @@ def test_a_refresh_in_flight_when_a_worker_is_marked_dead_does_not_bring_it_back
             await a.stop()
 
     asyncio.run(body())
+
+
+def test_a_started_core_stops(redis_url):
+    """Stopping right after start: the event consumer's first cancel can land where redis-py swallows
+    it (the loop then polled on and ``stop`` waited for ever); ``KVEventConsumer.stop`` cancels until
+    the task ends. (The bound only tells a hang from a stop.)"""
+    async def body():
+        core = RouterCore(RouterConfig(redis_url=redis_url), "m")
+        await core.start()
+        await core.refresh()
+        stop = asyncio.create_task(core.stop())
+        done, _ = await asyncio.wait({stop}, timeout=20)
+        assert stop in done and stop.exception() is None
+        assert core.consumer._task is None
+    asyncio.run(body())
