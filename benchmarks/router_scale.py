@@ -414,6 +414,17 @@ def tokenize_and_hash(n: int) -> dict:
             "hash_p99_ms": percentile(t_hash, 0.99) * 1000}
 
 
+def full_collection(repeats: int = 3) -> tuple[float, float]:
+    """A full ``gc.collect()``: median wall and CPU ms of ``repeats``."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        gc.collect()
+        wall.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+    return round(sorted(wall)[repeats // 2], 2), round(sorted(cpu)[repeats // 2], 2)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -464,6 +475,11 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
         raise RuntimeError(f"index holds {pairs} pairs, the fleet {expected}; {consumer.stats}")
     build_events = len(payloads)
     del payloads, batches
+    # A full collection walks every entry of the index's per-worker sets; the router freezes them out of
+    # the collector once made (RouterCore.freeze_index): the stall before and after, as the router does.
+    gc_full = full_collection()
+    gc.freeze()
+    gc_frozen = full_collection()
 
     seqs = {w.worker_id: w.n_events for w in fleet}
     phase = time.perf_counter()
@@ -516,6 +532,8 @@ def run_one(n_workers: int, blocks_per_worker: int, args: argparse.Namespace, tr
             "resync_warm_ms": round(warm * 1000, 2), "resync_cold_ms": round(cold * 1000, 2),
             "resync_cold_cpu_ms": round(cold_cpu * 1000, 2),
             "resync_blocks": len(w.blocks), "generate_s": round(gen_s, 2),
+            "gc_full_ms": gc_full[0], "gc_full_cpu_ms": gc_full[1],
+            "gc_full_frozen_ms": gc_frozen[0], "gc_full_frozen_cpu_ms": gc_frozen[1],
             "churn_s": round(churn_s, 1), "decisions_s": round(decisions_s, 1)}
 
 
@@ -596,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
               f" {r['bytes_per_block']:7.1f} {r['events_per_s']:9d}"
               f" {r['blocks_per_s']:10d} {r['events_per_s_1block']:10d} {r['events_per_s_1block_reference']:11d}"
               f" {r['resync_warm_ms']:9.1f}/{r['resync_cold_ms']:.1f}", flush=True)
+        print(f"        full gc collection {r['gc_full_ms']:.1f} ms, {r['gc_full_frozen_ms']:.1f} ms with the index "
+              f"frozen (CPU {r['gc_full_cpu_ms']:.1f} / {r['gc_full_frozen_cpu_ms']:.1f} ms)", flush=True)
         gc.unfreeze()
         gc.collect()
         if args.json:  # after every run: a long run interrupted keeps what it measured

@@ -186,15 +186,17 @@ def simulate(records: list[dict], policy_name: str, n_workers: int, cache_blocks
                 policy.on_complete(req, w.worker_id)
         hashes = r["hash_ids"]
         session = hashes[1] if sessions and len(hashes) > 1 else None
-        req = RouteRequest(str(i), tuple(hashes), r["input_length"], TRACE_BLOCK,
-                           session_id=None if session is None else str(session),
-                           last_worker=last_worker.get(session),
-                           est_output_tokens=r["output_length"])
         extra = None
         if tentative:  # dispatched, prefill not ended: the live router's tentative entries
             extra = {h: holders for h in hashes
                      if (holders := {w.worker_id for w in workers if h in w.pending})}
         matches = index.match(hashes, extra=extra or None)
+        # as the live router tells the policy: how much of the match is known, not only tentative
+        known = max(index.match(hashes).values(), default=0) if extra else None
+        req = RouteRequest(str(i), tuple(hashes), r["input_length"], TRACE_BLOCK,
+                           session_id=None if session is None else str(session),
+                           last_worker=last_worker.get(session),
+                           est_output_tokens=r["output_length"], known_blocks=known)
         states = [WorkerState(w.worker_id, cached_blocks=matches.get(w.worker_id, 0),
                               running=min(w.queued, 1), waiting=max(w.queued - 1, 0),
                               in_flight=tracker.count(w.worker_id),

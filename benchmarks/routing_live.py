@@ -104,6 +104,7 @@ async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[di
     start = time.perf_counter()
     ttft, content, usage = None, [], None
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        worker = resp.headers.get("x-agentrt-worker")  # agentrt router's, or the worker's own passed on
         if resp.status_code != 200:
             raise RuntimeError(f"{url}: {resp.status_code} {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -121,16 +122,20 @@ async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[di
     if usage is None:
         raise RuntimeError(f"{url}: the stream carried no usage")
     return {"ttft_s": ttft if ttft is not None else time.perf_counter() - start, "reply": "".join(content),
+            "start_s": start, "end_s": time.perf_counter(), "worker": worker,
             "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
 
-async def _session(http, url, model, wl: AgenticWorkload, tokenizer, systems, s: int, out: list) -> None:
+async def _session(http, url, model, wl: AgenticWorkload, tokenizer, systems, s: int, out: list,
+                   t0: float = 0.0) -> None:
     messages = [{"role": "system", "content": systems[s % len(systems)]}]
     for t in range(wl.turns):
         messages += wl.turn_messages(tokenizer, s, t)
         r = await _turn(http, url, model, messages, wl.reply_tokens)
         messages.append({"role": "assistant", "content": r["reply"]})
+        r["start_s"] -= t0  # seconds since the pass started
+        r["end_s"] -= t0
         out.append({"session": s, "turn": t, **{k: v for k, v in r.items() if k != "reply"}})
 
 
@@ -162,7 +167,7 @@ async def run_pass(front: str, url: str, workers: list[str], wl: AgenticWorkload
         before = await _worker_totals(http, workers)
         turns: list[dict] = []
         start = time.perf_counter()
-        await asyncio.gather(*(_session(http, url, model, wl, tokenizer, systems, s, turns)
+        await asyncio.gather(*(_session(http, url, model, wl, tokenizer, systems, s, turns, start)
                                for s in range(wl.sessions)))
         wall = time.perf_counter() - start
         after = await _worker_totals(http, workers)
@@ -186,10 +191,25 @@ def summarize(front: str, passes: list[dict]) -> dict:
             "worker_prompt_share": [round(x / max(sum(share), 1), 3) for x in share],
             "front_cpu_s": round(sum(p.get("front_cpu_s", float("nan")) for p in passes), 2),
             "runs": [{"position": p["position"], "wall_s": round(p["wall_s"], 2), **figures(p["turns"], p["wall_s"]),
-                      "front_cpu_s": round(p.get("front_cpu_s", float("nan")), 2)} for p in passes],
+                      "front_cpu_s": round(p.get("front_cpu_s", float("nan")), 2),
+                      "first_turns": first_turns(p["turns"])} for p in passes],
             "per_turn": sorted(({k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()} | {"run": i}
                                 for i, p in enumerate(passes) for t in p["turns"]),
                                key=lambda t: (t["run"], t["session"], t["turn"]))}
+
+
+def first_turns(turns: list[dict]) -> dict[str, dict]:
+    """Per worker (as the responses named it; "?" where none did): the first turns it served, their
+    sessions' agent types, uncached prompt tokens, and when its last first token came (s into the pass)."""
+    out: dict[str, dict] = {}
+    for t in sorted((t for t in turns if t["turn"] == 0), key=lambda t: t["session"]):
+        w = out.setdefault(t.get("worker") or "?", {"n": 0, "agents": [], "uncached_tokens": 0,
+                                                      "last_first_token_s": 0.0})
+        w["n"] += 1
+        w["agents"] = sorted(set(w["agents"]) | {t["session"] % len(AGENTS)})
+        w["uncached_tokens"] += t["prompt_tokens"] - t["cached_tokens"]
+        w["last_first_token_s"] = round(max(w["last_first_token_s"], t.get("start_s", 0.0) + t["ttft_s"]), 3)
+    return dict(sorted(out.items()))
 
 
 def pass_order(fronts: tuple[str, ...], repeats: int) -> list[str]:
@@ -206,7 +226,7 @@ def run_live(opts: LiveOptions) -> dict:
     wl = AgenticWorkload(sessions=opts.sessions, turns=opts.turns, system_tokens=opts.system_tokens,
                          tool_result_tokens=opts.tool_result_tokens, reply_tokens=opts.reply_tokens)
     systems = [system_prompt(model.tokenizer, opts.system_tokens, seed=i, agent=a) for i, a in enumerate(AGENTS)]
-    procs = Procs("agentrt-live-", cwd=str(ROOT))
+    procs = Procs(prefix="agentrt-live-", cwd=str(ROOT))  # logs in a temporary directory, not in the cwd
     try:
         fleet = start_fleet(procs, opts)
         asyncio.run(_warm_up(fleet["workers"], model.model_id, wl, model.tokenizer, systems))
@@ -243,3 +263,6 @@ def print_live(out: dict) -> None:
                 print(f"  pass {r['position'] + 1:2d}  {r['hit_rate']:6.3f} {r['ttft_p50_s']:9.3f} "
                       f"{r['ttft_p99_s']:9.3f} {r['throughput_tok_s']:7.2f} {r['turns_per_s']:8.3f}  "
                       f"front CPU {r['front_cpu_s']:.1f} s")
+                print("           first turns: " + ", ".join(
+                    f"{w} {v['n']} (agents {v['agents']}, last {v['last_first_token_s']:.1f} s)"
+                    for w, v in r["first_turns"].items()))

@@ -269,10 +269,9 @@ class KVEventConsumer:
         return self._task
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            # Again until it ends: a cancel that lands while redis-py is setting up a connection can be
+            # swallowed there, and the loop polls on (a router's stop then waited for whoever cancelled it).
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)

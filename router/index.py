@@ -60,6 +60,7 @@ class PrefixIndex:
         self._by_worker: list[set[int] | None] = []  # slot -> hashes the worker holds
         self._free: list[int] = []                # free slots (heap: lowest reused first, masks stay narrow)
         self._media: dict[str, dict[int, int]] = {}  # worker -> hash -> bits of _BIT, for tier-held blocks
+        self.sets_made = 0  # per-worker sets created so far (RouterCore freezes them out of the collector)
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -73,11 +74,13 @@ class PrefixIndex:
         if self._free:
             slot = heapq.heappop(self._free)
             self._ids[slot], self._by_worker[slot] = worker, set()
+            self.sets_made += 1
         else:
             slot = len(self._ids)
             self._ids.append(worker)
             self._bits.append(1 << slot)
             self._by_worker.append(set())
+            self.sets_made += 1
         self._slot[worker] = slot
         return slot
 

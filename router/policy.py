@@ -35,6 +35,9 @@ class RouteRequest:
     come from the session record, or for a conversation its client names by an affinity key
     from that key (tenant-scoped) and its mapping in Redis (``None`` for other requests).
     ``est_output_tokens`` is the router's guess of the reply length (``max_tokens``).
+    ``known_blocks``: the longest prefix of ``hashes`` some worker is *known* to hold (the index,
+    from KV events), when the workers' ``cached_blocks`` also count tentative entries (blocks
+    dispatched, not yet reported); ``None`` when they do not (every match is known).
     """
 
     request_id: str
@@ -44,12 +47,15 @@ class RouteRequest:
     session_id: str | None = None
     last_worker: str | None = None
     est_output_tokens: int = 0
+    known_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_tokens < 0 or self.est_output_tokens < 0:
             raise ValueError("num_tokens and est_output_tokens must be >= 0")
+        if self.known_blocks is not None and not 0 <= self.known_blocks <= len(self.hashes):
+            raise ValueError(f"known_blocks must be in [0, {len(self.hashes)}], got {self.known_blocks}")
 
 
 class WorkerState(NamedTuple):

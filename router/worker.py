@@ -201,6 +201,7 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
     app.state.worker = runtime
     app.include_router(worker_routes)
     app.include_router(sglang_routes)
+    app.add_middleware(NameWorker, worker_id=settings.worker_id)
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -215,6 +216,25 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
 
     app.router.lifespan_context = lifespan
     return app
+
+
+class NameWorker:
+    """ASGI middleware: every HTTP response carries ``x-agentrt-worker: <id>``, as a router's responses
+    name the worker that served them, so a client behind any front (a peer router that passes response
+    headers on) can tell where its request ran."""
+
+    def __init__(self, app: Any, worker_id: str) -> None:
+        self.app, self.header = app, (b"x-agentrt-worker", worker_id.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+        await self.app(scope, receive, named)
 
 
 def serve_worker(app: FastAPI, config: ServerConfig) -> None:

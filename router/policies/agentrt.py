@@ -31,7 +31,15 @@ Rules, in order:
    every worker holds (e.g. only a system prompt everyone has), the
    request goes to the least-loaded worker (equal loads: rotating); its prefix is recorded there through the
    worker's KV events, so affinity builds up.
-4. Otherwise the cheapest worker by ``cost``.
+4. Otherwise the cheapest worker by ``cost``. When the best match is only *tentative* (a prompt
+   dispatched moments ago and still queued or being computed there, no worker has reported it
+   yet: a burst of new sessions sharing an agent prompt), the load is priced at
+   ``tentative_load_weight`` (default 0.5) instead: the holder has not computed the prefix, a
+   request sent there waits behind that prefill and the queue after it, and going elsewhere costs
+   one extra computation of a shared prompt, not the session's history. Half weight, not full: the
+   extra prefill also delays the requests queued behind it on the other worker. So a burst spreads
+   once the holder's queue is well past the recompute, and once the prefix is reported (the index
+   knows it) affinity is priced as before.
 
 A hot shared prefix (one fleet's long tools prompt) thus stays on its holder while the
 holder's load is within the bound and spills to the next-cheapest worker (which then
@@ -72,9 +80,11 @@ class AgentrtPolicy(RoutingPolicy):
                  min_match_tokens: int = 1024, tokens_per_queued_request: float = 4096.0,
                  min_match_fraction: float = 0.25, recent_work_half_life: int = 2000,
                  decode_token_weight: float = 10.0, host_load_weight: float = 0.01,
-                 disk_load_weight: float = 0.05) -> None:
-        if load_weight < 0 or overload_abs_tokens < 0 or min_match_tokens < 0:
-            raise ValueError("load_weight, overload_abs_tokens and min_match_tokens must be >= 0")
+                 disk_load_weight: float = 0.05, tentative_load_weight: float = 0.5) -> None:
+        if load_weight < 0 or overload_abs_tokens < 0 or min_match_tokens < 0 or tentative_load_weight < 0:
+            raise ValueError("load_weight, tentative_load_weight, overload_abs_tokens and min_match_tokens "
+                             "must be >= 0")
+        self.tentative_load_weight = tentative_load_weight
         if overload_rel < 1.0:
             raise ValueError(f"overload_rel must be >= 1, got {overload_rel}")
         if not 0.0 <= affinity_min_fraction <= 1.0:
@@ -134,7 +144,7 @@ class AgentrtPolicy(RoutingPolicy):
         if max(cached[w.worker_id] for w in ok) - common <= short:
             return RouteDecision(*self._least_loaded(ok, load), "fallback")
 
-        base, lw = self._base_cost, self.load_weight
+        base, lw = self._base_cost, self._load_weight(request, max(w.cached_blocks for w in workers))
         w = min(ok, key=lambda w: (base(request, cached[w.worker_id], w.host_blocks, w.disk_blocks)
                                    + lw * load[w.worker_id], w.worker_id))
         # (by id: ``h not in ok`` compared dataclasses, O(workers^2) per decision)
@@ -142,6 +152,13 @@ class AgentrtPolicy(RoutingPolicy):
             cached[h.worker_id] == best for h in workers if load[h.worker_id] > bound)
         reason = "spill" if spilled else ("prefix" if cached[w.worker_id] == best else "cost")
         return RouteDecision(w.worker_id, w.cached_blocks, reason)
+
+    def _load_weight(self, request: RouteRequest, best_blocks: int) -> float:
+        """Rule 4's price of a queued token: ``tentative_load_weight`` when the longest match
+        (``best_blocks``, tentative entries counted) is longer than any worker is known to hold."""
+        if request.known_blocks is not None and best_blocks > request.known_blocks:
+            return self.tentative_load_weight
+        return self.load_weight
 
     def _base_cost(self, request: RouteRequest, cached_tokens: int, host_blocks: int, disk_blocks: int) -> float:
         """Rule 4's cost less the load term: ``cost = base + load_weight * load``, evaluated in this order
@@ -204,7 +221,8 @@ class AgentrtPolicy(RoutingPolicy):
                 return RouteDecision(last, k, "affinity"), weighed(last, [])
 
         common = min([g[0] for g in groups])
-        wins = [self._group_best(request, fleet, g, matched, tiered, bound, none_ok, n_ok) for g in groups]
+        lw = self._load_weight(request, max([g[1] for g in groups]))
+        wins = [self._group_best(request, fleet, g, matched, tiered, bound, none_ok, n_ok, lw) for g in groups]
         win, top = None, -1
         for g, w in zip(groups, wins):
             if w is not None:
@@ -258,10 +276,11 @@ class AgentrtPolicy(RoutingPolicy):
 
     def _group_best(self, request: RouteRequest, fleet: AgentrtFleet, group: _Group, matched: Mapping[str, int],
                     tiered: Mapping[str, tuple[int, int]], bound: float, none_ok: bool,
-                    n_ok: int) -> tuple[float, str] | None:
-        """The group's smallest ``(cost, id)`` among its members within the bound, or None if none is."""
+                    n_ok: int, lw: float) -> tuple[float, str] | None:
+        """The group's smallest ``(cost, id)`` among its members within the bound, or None if none is
+        (``lw``: the decision's load weight)."""
         c, k, host, disk, members, live = group
-        loads, by_load, lw = fleet._loads, fleet._by_load, self.load_weight
+        loads, by_load = fleet._loads, fleet._by_load
         base = self._base_cost(request, c, host, disk)
         win: tuple[float, str] | None = None
         if members is not None and (host or disk or _small(live, len(by_load))):  # small (or tiered): each

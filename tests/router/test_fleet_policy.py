@@ -33,6 +33,7 @@ def random_params(rng: random.Random) -> dict:
         "decode_token_weight": rng.choice([0.0, 10.0]),
         "host_load_weight": host,
         "disk_load_weight": rng.choice([host, 0.05, 1.0]),
+        "tentative_load_weight": rng.choice([0.5, 0.0, 1.0, 3.0]),
     }
 
 
@@ -113,7 +114,8 @@ def check_stream(seed: int, decisions: int) -> dict[str, int]:
         matched, tiers = random_match(rng, ids, n_blocks)
         last = rng.choice([None, None, rng.choice(ids), "gone"])
         req = RouteRequest(str(k), tuple(range(n_blocks)), num_tokens, BS, session_id=last and "s",
-                           last_worker=last, est_output_tokens=rng.randrange(0, 300))
+                           last_worker=last, est_output_tokens=rng.randrange(0, 300),
+                           known_blocks=rng.choice([None, None, 0, rng.randrange(0, n_blocks + 1)]))
         want = policy.select(req, reference_states(fleet, matched, tiers, rng))
         got, weighed = policy.select_fleet(req, fleet, matched, tiers, levels(matched, rng))
         assert got == want, (seed, k, want, got)

@@ -155,3 +155,26 @@ def test_sglang_like_cache_threshold_and_balance():
     for i in range(3):
         p.on_complete(req(10, rid=str(i)), again.worker_id)
     assert p.select(req(12), ws).reason == "cache"
+
+
+def test_agentrt_prices_a_tentative_holders_queue_higher():
+    """A burst of new sessions sharing an agent prompt: the holder only tentatively holds it (dispatched,
+    not reported), so its queue is priced at ``tentative_load_weight`` and the request goes to a less
+    loaded worker; the same match known from KV events (or a caller that says nothing) keeps it."""
+    p = make_policy("agentrt")
+    hashes = tuple(range(74))  # 1182 tokens: a 1008-token agent prompt (63 blocks), then the turn
+
+    def decide(known):
+        r = RouteRequest("r", hashes, 1182, 16, est_output_tokens=16, known_blocks=known)
+        return p.select(r, [WorkerState("a", 63, in_flight_tokens=6000.0), WorkerState("b", 0, in_flight_tokens=3000.0)])
+
+    # tentative: a = 174 + 0.5 * 6000 = 3174, b = 1182 + 0.5 * 3000 = 2682
+    assert (decide(0).worker_id, decide(0).reason) == ("b", "cost")
+    assert decide(62).worker_id == "b"  # the index knows less than the best match: still tentative
+    # known: a = 174 + 0.1 * 6000 = 774, b = 1182 + 300 = 1482
+    assert (decide(63).worker_id, decide(63).reason) == ("a", "prefix")
+    assert decide(None).worker_id == "a"
+    with pytest.raises(ValueError, match="known_blocks"):
+        RouteRequest("r", hashes, 1182, 16, known_blocks=75)
+    with pytest.raises(ValueError, match="tentative_load_weight"):
+        make_policy("agentrt", tentative_load_weight=-1)

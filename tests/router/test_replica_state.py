@@ -108,6 +108,12 @@ def test_stored_events_confirm_entries_and_completion_shortens_them(redis_url):
             await a.dispatched(route)
             wid = route.worker.worker_id
             assert len(a.tentative) == len(route.tentative_hashes) == 66
+            # In Redis for the other replicas: every block's key names the worker, with the entry's TTL.
+            r = redis.Redis.from_url(redis_url)
+            keys = [cfg.tentative_key(h) for h in route.tentative_hashes]
+            assert r.mget(keys) == [wid.encode()] * 66
+            assert all(cfg.tentative_ttl_s * 1000 - 5_000 < r.pttl(k) <= cfg.tentative_ttl_s * 1000 for k in keys)
+            r.close()
             # The worker reports the first 64 blocks: they move from tentative to the real index.
             pub = KVEventPublisher(cfg, wid, redis.Redis.from_url(redis_url))
             pub.start()
@@ -296,4 +302,19 @@ def test_a_refresh_in_flight_when_a_worker_is_marked_dead_does_not_bring_it_back
             await client.aclose()
             await a.stop()
 
+    asyncio.run(body())
+
+
+def test_a_started_core_stops(redis_url):
+    """Stopping right after start: the event consumer's first cancel can land where redis-py swallows
+    it (the loop then polled on and ``stop`` waited for ever); ``KVEventConsumer.stop`` cancels until
+    the task ends. (The bound only tells a hang from a stop.)"""
+    async def body():
+        core = RouterCore(RouterConfig(redis_url=redis_url), "m")
+        await core.start()
+        await core.refresh()
+        stop = asyncio.create_task(core.stop())
+        done, _ = await asyncio.wait({stop}, timeout=20)
+        assert stop in done and stop.exception() is None
+        assert core.consumer._task is None
     asyncio.run(body())

@@ -27,7 +27,8 @@ def test_tiny_fleet_json_and_reference_agree(tmp_path):
     for r, ref in zip(bitset, reference):
         assert {"workers", "blocks_per_worker", "decision_p50_ms", "decision_p99_ms", "bytes_per_block",
                 "events_per_s", "events_per_s_1block", "events_per_s_1block_reference",
-                "events_per_s_1block_speedup", "events_per_s_reference"} <= set(r)
+                "events_per_s_1block_speedup", "events_per_s_reference", "gc_full_ms", "gc_full_frozen_ms"} <= set(r)
+        assert r["gc_full_ms"] > 0 and r["gc_full_frozen_ms"] >= 0
         assert r["pairs"] == r["workers"] * 1200 and r["resync_blocks"] == 1200
         assert 0.3 <= r["shared_pair_fraction"] <= 0.6  # about half the pairs are common prefixes
         assert r["distinct_blocks"] < r["pairs"]

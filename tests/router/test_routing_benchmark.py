@@ -74,3 +74,18 @@ def test_live_pass_order_and_pooled_figures():
     assert [r["hit_rate"] for r in f["runs"]] == [96 / 300, 192 / 300]
     assert [r["position"] for r in f["runs"]] == [0, 3]
     assert [(t["run"], t["turn"]) for t in f["per_turn"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_live_first_turns_per_worker():
+    """Which worker took each session's first turn, its agent types and when its last first token came."""
+    from benchmarks.routing_live import first_turns
+
+    def turn(s, t, worker, start, ttft, prompt=1182, cached=1008):
+        return {"session": s, "turn": t, "worker": worker, "start_s": start, "ttft_s": ttft,
+                "prompt_tokens": prompt, "cached_tokens": cached}
+    turns = [turn(0, 0, "w1", 0.0, 5.0, cached=0), turn(4, 0, "w1", 0.1, 9.0), turn(1, 0, "w0", 0.0, 4.0),
+             turn(3, 0, None, 0.0, 2.0), turn(0, 1, "w1", 6.0, 30.0)]  # a later turn does not count
+    assert first_turns(turns) == {
+        "?": {"n": 1, "agents": [3], "uncached_tokens": 174, "last_first_token_s": 2.0},
+        "w0": {"n": 1, "agents": [1], "uncached_tokens": 174, "last_first_token_s": 4.0},
+        "w1": {"n": 2, "agents": [0], "uncached_tokens": 1182 + 174, "last_first_token_s": 9.1}}
