@@ -30,6 +30,7 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 DTYPES = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256   # MAX_G and MAX_D in the source
 
+
 class DecodeKernel:
     """ctypes binding of the kernel's entry points (one per KV dtype)."""
 
@@ -58,6 +59,8 @@ class DecodeKernel:
         Hkv, S, _ = k.shape
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.dtype != k.dtype:
             raise ValueError("decode kernel: q, k and v must be contiguous and of one dtype")
+        if (rows.max_page + 1) * rows.page_size > S:   # the C side reads pages unchecked
+            raise ValueError(f"decode kernel: page {rows.max_page} is outside a pool of {S // rows.page_size} pages")
         out = torch.empty_like(q)
         rc = self.fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), S, rows.pages.data_ptr(),
                                rows.page_start.data_ptr(), rows.kv_len.data_ptr(), B, Hq, Hkv, D, rows.page_size,
@@ -80,6 +83,7 @@ class KernelRows:
             starts.append(starts[-1] + len(pages))
         flat = [p for pages in page_tables for p in pages]
         self.pages = torch.tensor(flat or [0], dtype=torch.int32)
+        self.max_page = max(flat, default=-1)
         self.page_start = torch.tensor(starts, dtype=torch.int64)
         self.kv_len = torch.tensor(kv_lens, dtype=torch.int64)
         self.page_size = page_size

@@ -84,9 +84,12 @@ def test_a_row_without_keys_gives_zeros_and_minus_infinity():
     torch.testing.assert_close(out[1].double(), ref[0], atol=1e-5, rtol=1e-5)
 
 
-def test_rows_are_checked_against_their_pages():
+def test_rows_are_checked_against_their_pages_and_the_pool():
     with pytest.raises(ValueError, match="needs 2 pages"):
         KernelRows([[1]], [17], 16)
+    k = torch.zeros(1, 4 * 16, 8)                                    # a pool of 4 pages
+    with pytest.raises(ValueError, match="page 4 is outside a pool of 4 pages"):
+        kernel(torch.zeros(1, 1, 8), k, k, KernelRows([[0, 4]], [20], 16))
 
 
 def test_large_scores_do_not_overflow():
