@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentrt.bench import prom
 
@@ -19,8 +21,28 @@ def _counters(url: str) -> dict:
     return prom.parse_counters(httpx.get(url + "/metrics", timeout=10).text)
 
 
+# gauges of work the server has in hand: the engine's running and queued requests, the HTTP layer's
+BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting", "agentrt_requests_in_flight")
+
+
+def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Until the server has nothing in hand. The server is the session's: a turn an earlier test cut
+    (tests/bench/test_bench_bounded.py) can still be computing there, and its prompt tokens would count
+    in this test's deltas when its first token comes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        busy = sum(s.value for f in text_string_to_metric_families(text) if f.name in BUSY for s in f.samples)
+        if busy == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server still has {busy} requests in hand after {timeout_s} s")
+        time.sleep(0.2)
+
+
 def test_bench_tiny_matches_server_metrics(agentrt_server, tmp_path):
     url = agentrt_server.url
+    _wait_idle(url)
     before = _counters(url)
     out = tmp_path / "tiny.json"
     proc = subprocess.run(
