@@ -211,9 +211,10 @@ def test_concurrent_sessions_sharing_a_prompt_meet_on_one_worker(cl):
     routed while the first is still in flight (tentative entries in Redis), onto the same worker."""
     import threading
 
-    # long enough (~1.4k tokens) that the cached prefix outweighs the load term of one queued
-    # request (0.1 x 4096 tokens); a short prompt may rightly go to the idle worker
-    system = "You triage flaky integration tests for a payments service. " * 120
+    # long enough (~3.3k tokens) that the cached prefix outweighs the load term of one queued request
+    # while the match is only tentative (tentative_load_weight 0.5 x 4096 tokens, router/policies/agentrt.py
+    # rule 4); a shorter prompt may rightly go to the idle worker (a burst spreads)
+    system = "You triage flaky integration tests for a payments service. " * 280
     sids = []
     for router in ("r0", "r1"):
         resp = cl.http.post(cl.url(router) + "/v1/sessions", json={"system": system})
