@@ -44,7 +44,6 @@ class DecodeKernel:
             fn.restype = i32
             fn.argtypes = [p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, p]
             self.fns[dtype] = fn
-        self.chunk = lib.decode_attention_chunk()
         self.dpbf16 = bool(lib.decode_attention_dpbf16())   # bfloat16 scores on vdpbf16ps (AVX512-BF16)
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
 from engine.models.fused_norm import load
 
@@ -55,7 +55,7 @@ def test_model_with_the_fused_norm_scores_as_the_plain_layers():
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_tokens=4096))
     assert engine.model.fused_norm is not None
     prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    outs = engine.generate(prompts, __import__("engine").SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     agree = n = 0
     worst = kl = 0.0
     for prompt, out in zip(prompts, outs):

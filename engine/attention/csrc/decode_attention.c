@@ -327,8 +327,5 @@ int decode_attention_f32(const float *q, const float *k, const float *v, int64_t
     return decode_attention(q, k, v, 0, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
 }
 
-/* The chunk size, so the Python side and the tests can place rows across chunk boundaries. */
-int decode_attention_chunk(void) { return CHUNK; }
-
 /* Whether the bfloat16 scores run on vdpbf16ps (built for a CPU with AVX512-BF16). */
 int decode_attention_dpbf16(void) { return HAVE_DPBF16; }
