@@ -8,8 +8,8 @@ can crash on another that shares the cache). Builds go to a temporary file renam
 processes that build at once are safe. OpenMP in these libraries binds to the libgomp torch has
 already loaded: one thread pool.
 
-Users: engine/attention/cpu_kernel.py (decode attention), engine/models/fused_norm.py (residual add
-and RMSNorm).
+Users: engine/attention/cpu_kernel.py (decode attention; RoPE and the K/V write), engine/models/cpu_ops.py
+(residual add and RMSNorm; SiLU-multiply).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Per step the model runner describes the batch once (:class:`BatchLayout`) and
 calls ``plan``; then every layer calls ``forward(layer, q, k, v)``, which must
-write the new tokens' K/V into the paged cache at ``slot_mapping`` and return
+write the new tokens' K/V into the paged cache at ``slot_mapping`` (unless the layer's
+``rotate_and_store`` already did) and return
 causal attention of each sequence's new queries over all its cached keys
 (bottom-right aligned: query ``i`` of a sequence with ``kv_len`` keys and
 ``q_len`` queries sees keys ``0 .. kv_len - q_len + i``).
@@ -48,6 +49,14 @@ class AttentionBackend:
     def plan(self, layout: BatchLayout) -> None:
         raise NotImplementedError
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D). k and v are None after :meth:`rotate_and_store`
+        stored them."""
         raise NotImplementedError
+
+    def rotate_and_store(self, layer: int, qkv: torch.Tensor, rope) -> torch.Tensor | None:
+        """Optional fast path before ``forward``: RoPE (``rope``: engine/models/llama.py's ``RopeTable``) on
+        the q and k heads of a fused projection ``qkv`` (T, Hq + 2 Hkv, D), k and v written into the cache
+        as ``forward`` would; returns q rotated, (T, Hq, D), and the layer then calls ``forward(layer, q,
+        None, None)``. None: not offered for this step (the layer rotates and passes k, v to ``forward``)."""
+        return None

@@ -28,6 +28,7 @@ log = logging.getLogger("engine.attention")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 DTYPES = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+ROPE_DTYPES = {torch.bfloat16: "rope_store_bf16", torch.float32: "rope_store_f32"}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256   # MAX_G and MAX_D in the source
 
 
@@ -45,6 +46,12 @@ class DecodeKernel:
             fn.argtypes = [p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, p]
             self.fns[dtype] = fn
         self.dpbf16 = bool(lib.decode_attention_dpbf16())   # bfloat16 scores on vdpbf16ps (AVX512-BF16)
+        self.rope_fns = {}
+        for dtype, name in ROPE_DTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = [p, p, p, p, p, p, i64, i64, i32, i32, i32, p]
+            self.rope_fns[dtype] = fn
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (dtype in self.fns and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
@@ -67,6 +74,26 @@ class DecodeKernel:
         if rc != 0:
             raise RuntimeError(f"decode kernel returned {rc} (B={B}, Hq={Hq}, Hkv={Hkv}, D={D})")
         return out
+
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """RoPE on q and k of a fused projection and k, v stored into one layer's pool at ``slots``.
+        qkv: (T, Hq + 2 Hkv, D); cos, signed_sin: (T, D) or (T, 1, D) (``RopeTable``), of qkv's dtype;
+        slots: (T,) int64, each checked by the caller to lie in the pool; k, v: (Hkv, S, D)
+        -> q rotated, (T, Hq, D)."""
+        T, H, D = qkv.shape
+        Hkv, S, _ = k.shape
+        tensors = (qkv, cos, signed_sin, k, v)
+        if (not all(t.is_contiguous() and t.dtype == qkv.dtype for t in tensors) or H != num_heads + 2 * Hkv
+                or cos.numel() != T * D or signed_sin.numel() != T * D or slots.dtype != torch.int64
+                or slots.numel() != T or not slots.is_contiguous()):
+            raise ValueError("rope_store: contiguous qkv (T, Hq + 2 Hkv, D), cos and sin (T, D) of one dtype, "
+                             "int64 slots (T,)")
+        q = torch.empty(T, num_heads, D, dtype=qkv.dtype)
+        self.rope_fns[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
+                                 k.data_ptr(), v.data_ptr(), S, T, num_heads, Hkv, D, q.data_ptr())
+        return q
 
 
 class KernelRows:

@@ -81,6 +81,11 @@ class TorchAttentionBackend(AttentionBackend):
         dev = self.kv.k[0].device
         P = self.kv.page_size
         self.slots = layout.slot_mapping
+        # rotate_and_store's C side writes slots unchecked: every one must lie in the pool
+        self.store_in_c = (self.kernel is not None and self.force_decode_plan in (None, "kernel")
+                           and self.slots.dtype == torch.int64 and self.slots.is_contiguous()
+                           and (self.slots.numel() == 0 or (int(self.slots.min()) >= 0
+                                                            and int(self.slots.max()) < self.kv.k[0].shape[1])))
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         rows, dec_pages, dec_lens = [], [], []
         row = 0
@@ -114,8 +119,17 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 self.decode = union.to_device(rows, dec_lens, dev)
 
+    def rotate_and_store(self, layer, qkv, rope):
+        """With the CPU kernel loaded: RoPE and the K/V write in one C call (the kernel library's
+        ``rope_store``), the same values as the model's RoPE and ``KVCache.write``."""
+        if not self.store_in_c or qkv.dtype != self.kv.k[layer].dtype:
+            return None
+        return self.kernel.rope_store(qkv, rope.cos, rope.signed_sin, self.slots, self.kv.k[layer],
+                                      self.kv.v[layer], self.num_heads)
+
     def forward(self, layer, q, k, v):
-        self.kv.write(layer, self.slots, k, v)
+        if k is not None:
+            self.kv.write(layer, self.slots, k, v)
         out = torch.empty_like(q)                                     # (T, Hq, D)
         for start, end, idx, mask in self.prefills:
             ks, vs = self.kv.gather(layer, idx)                       # (Hkv, kl, D)

@@ -98,6 +98,9 @@ class Attention(nn.Module):
         nq, nkv = self.nh, self.nkv
         qkv = self.qkv_proj(x).view(T, nq + 2 * nkv, self.hd)  # (T, Hq + 2 Hkv, D)
         if self.q_norm is None:
+            q = attn.rotate_and_store(self.layer_idx, qkv, rope)  # the backend's fused RoPE + KV write
+            if q is not None:
+                return self.o_proj(attn.forward(self.layer_idx, q, None, None).reshape(T, nq * self.hd))
             qk = rope.apply(qkv[:, :nq + nkv])                 # q and k rotated together, (T, Hq + Hkv, D)
             q, k = qk[:, :nq].contiguous(), qk[:, nq:]         # backends view q as (T, Hkv, G, D)
         else:
@@ -151,15 +154,16 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
-    # set by the engine (``use_fused_norm``): the residual add and the next RMSNorm as one C call
-    # (engine/models/fused_norm.py) when the activations are bfloat16 on the CPU; None: the plain layers
-    fused_norm = None
+    # set by the engine (``use_cpu_ops``): the residual add and the next RMSNorm, and SwiGLU's activation,
+    # each as one C call (engine/models/cpu_ops.py) when the activations are bfloat16 on the CPU; None: the
+    # plain layers
+    cpu_ops = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, d)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.table(positions, x.dtype)
-        if self.fused_norm is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+        if self.cpu_ops is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             return self._forward_fused(x, rope, attn)
         for layer in self.layers:
             x = layer(x, rope, attn)
@@ -167,26 +171,33 @@ class LlamaModel(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, rope: "RopeTable", attn) -> torch.Tensor:
         """The layers' ``x + f(norm(x))`` with each add and the norm after it in one call (x updated in
-        place); the same sums and roundings as the plain layers, in fewer operations."""
-        op, layers = self.fused_norm, self.layers
+        place), and a plain MLP's ``silu(gate) * up`` in one: the same sums and roundings as the plain
+        layers, in fewer operations."""
+        ops, layers = self.cpu_ops, self.layers
+        norm = ops.add_rms_norm
         x = x.contiguous()
-        h = op(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        h = norm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
             post = layer.post_attention_layernorm
-            h = op(x, layer.self_attn(h, rope, attn).contiguous(), post.weight, post.eps)
+            h = norm(x, layer.self_attn(h, rope, attn).contiguous(), post.weight, post.eps)
+            mlp = layer.mlp
+            if type(mlp) is MLP:
+                d = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h).contiguous()))
+            else:                                             # an MoE block, say
+                d = mlp(h)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h = op(x, layer.mlp(h).contiguous(), nxt.weight, nxt.eps)
+            h = norm(x, d.contiguous(), nxt.weight, nxt.eps)
         return h
 
-    def use_fused_norm(self, enabled: bool) -> bool:
-        """Run bfloat16 steps through the fused add + RMSNorm where it builds and fits (float32 norm
-        weights, no q/k norms of their own are affected); returns whether it is on."""
-        self.fused_norm = None
+    def use_cpu_ops(self, enabled: bool) -> bool:
+        """Run bfloat16 steps through the C layer operations where they build and fit (float32 norm
+        weights); returns whether they are on."""
+        self.cpu_ops = None
         if enabled and all(isinstance(m, RMSNorm) and m.weight.dtype == torch.float32 for m in self._norms()):
-            from engine.models.fused_norm import MAX_HIDDEN, load
+            from engine.models.cpu_ops import MAX_HIDDEN, load
             if self.cfg.hidden_size <= MAX_HIDDEN and self.embed_tokens.weight.device.type == "cpu":
-                self.fused_norm = load()
-        return self.fused_norm is not None
+                self.cpu_ops = load()
+        return self.cpu_ops is not None
 
     def _norms(self):
         for layer in self.layers:

@@ -153,6 +153,68 @@ def test_without_the_kernel_the_torch_plans_serve():
     assert backend.kernel_decode is None and (backend.decode is not None or backend.cascade is not None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 8, 2, 128), (3, 4, 4, 24)])
+def test_rope_store_is_the_models_rope_and_the_pools_write(dtype, T, Hq, Hkv, D):
+    """The C RoPE + K/V write against RopeTable.apply and KVCache.write: bit for bit (bfloat16 rounds each
+    product and the sum as torch does; float32 keeps the products apart), slots scattered over the pool
+    (37 rows: the threaded path), nothing else in the pool touched."""
+    from engine.models.llama import RotaryEmbedding
+
+    torch.manual_seed(T * D)
+    P, num_pages = 16, 64
+    qkv = (torch.randn(T, Hq + 2 * Hkv, D) * 3).to(dtype)
+    table = RotaryEmbedding(D, 8192, 10000.0).table(torch.randint(0, 8000, (T,)), dtype)
+    slots = torch.randperm(num_pages * P)[:T]
+    kv_ref = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
+    kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
+    for a, b in zip(kv_ref.k + kv_ref.v, kv.k + kv.v):
+        a.normal_()
+        b.copy_(a)
+    rotated = table.apply(qkv[:, :Hq + Hkv])
+    kv_ref.write(0, slots, rotated[:, Hq:], qkv[:, Hq + Hkv:])
+    q = kernel.rope_store(qkv, table.cos, table.signed_sin, slots, kv.k[0], kv.v[0], Hq)
+    assert torch.equal(q, rotated[:, :Hq])
+    assert torch.equal(kv.k[0], kv_ref.k[0]) and torch.equal(kv.v[0], kv_ref.v[0])
+
+
+def test_rope_store_refuses_mismatched_shapes():
+    kv = KVCache(1, 4, 16, 2, 32, torch.float32, "cpu", layout="HSD")
+    cos = torch.ones(3, 1, 32)
+    with pytest.raises(ValueError, match="contiguous qkv"):     # 4 heads + 2 x 2 is 8, not 7
+        kernel.rope_store(torch.zeros(3, 7, 32), cos, cos, torch.arange(3), kv.k[0], kv.v[0], 4)
+    with pytest.raises(ValueError, match="int64 slots"):
+        kernel.rope_store(torch.zeros(3, 8, 32), cos, cos, torch.arange(3, dtype=torch.int32), kv.k[0], kv.v[0], 4)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel.rope_store(torch.zeros(3, 8, 32), cos.bfloat16(), cos, torch.arange(3), kv.k[0], kv.v[0], 4)
+
+
+def test_backend_stores_in_c_only_where_every_slot_is_in_the_pool():
+    """rotate_and_store is offered with the kernel and slots inside the pool; a forced torch plan, the
+    kernel off, or a slot outside the pool (which the C side would write unchecked) leave it to the
+    layer's own RoPE and KVCache.write, which raises on that slot as before."""
+    from engine.models.llama import RotaryEmbedding
+
+    P, Hq, Hkv, D = 16, 4, 2, 32
+    kv = KVCache(1, 8, P, Hkv, D, torch.float32, "cpu", layout="HSD")
+    table = RotaryEmbedding(D, 256, 10000.0).table(torch.tensor([4]), torch.float32)
+    qkv = torch.randn(1, Hq + 2 * Hkv, D)
+    inside = BatchLayout([1], [5], [[2]], torch.tensor([2 * P + 4]))
+    outside = BatchLayout([1], [5], [[8]], torch.tensor([8 * P + 4]))
+    backend = create_backend("torch", kv=kv, num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+    backend.plan(inside)
+    q = backend.rotate_and_store(0, qkv, table)
+    assert q is not None and torch.equal(kv.k[0][:, 2 * P + 4], table.apply(qkv[:, Hq:Hq + Hkv])[0])
+    backend.plan(outside)
+    assert backend.rotate_and_store(0, qkv, table) is None
+    backend.force_decode_plan = "torch"
+    backend.plan(inside)
+    assert backend.rotate_and_store(0, qkv, table) is None
+    off = create_backend("torch", kv=kv, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, cpu_kernel=False)
+    off.plan(inside)
+    assert off.rotate_and_store(0, qkv, table) is None
+
+
 def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
     first = build(SOURCE)

@@ -327,5 +327,62 @@ int decode_attention_f32(const float *q, const float *k, const float *v, int64_t
     return decode_attention(q, k, v, 0, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
 }
 
+/* RoPE on a step's fused q/k/v projection, and k, v stored into the pool: what a layer does before its
+ * attention, in one call instead of a dozen small torch operations per layer.
+ * qkv: [T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, ssin: [T, D], the step's cos and sign-folded
+ * sin rows (engine/models/llama.py's RopeTable: rotate-half RoPE is x * cos + roll(x, D/2) * ssin);
+ * slots: [T] pool slots (checked by the caller); k, v: one layer's pool, [Hkv, S, D]; q_out: [T, Hq, D].
+ * bfloat16 rounds each product and the sum to bfloat16, as torch's three operations on bfloat16 tensors
+ * do, so the result is torch's bit for bit; float32 keeps the products apart (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off")))
+static void rope_store(const void *qkv, int bf16, const void *cos, const void *ssin, const int64_t *slots,
+                       void *k, void *v, int64_t S, int64_t T, int Hq, int Hkv, int D, void *q_out) {
+    int H = Hq + 2 * Hkv, half = D / 2;
+    int64_t esize = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) {
+            const char *x = (const char *)qkv + (t * H + h) * D * esize;
+            char *dst;
+            if (h < Hq) dst = (char *)q_out + (t * Hq + h) * D * esize;
+            else if (h < Hq + Hkv) dst = (char *)k + ((int64_t)(h - Hq) * S + slots[t]) * D * esize;
+            else {   /* v: stored as it is */
+                memcpy((char *)v + ((int64_t)(h - Hq - Hkv) * S + slots[t]) * D * esize, x, D * esize);
+                continue;
+            }
+            if (bf16) {
+                const uint16_t *xs = (const uint16_t *)x, *c = (const uint16_t *)cos + t * D,
+                               *s = (const uint16_t *)ssin + t * D;
+                uint16_t *o = (uint16_t *)dst;
+#pragma omp simd
+                for (int d = 0; d < D; d++) {
+                    float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(xs[d]) * bf16_to_f32(c[d])));
+                    float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(xs[d < half ? d + half : d - half]) *
+                                                      bf16_to_f32(s[d])));
+                    o[d] = f32_to_bf16(a + b);
+                }
+            } else {
+                const float *xs = (const float *)x, *c = (const float *)cos + t * D, *s = (const float *)ssin + t * D;
+                float *o = (float *)dst;
+                for (int d = 0; d < D; d++) {
+                    float a = xs[d] * c[d];
+                    float b = xs[d < half ? d + half : d - half] * s[d];
+                    o[d] = a + b;
+                }
+            }
+        }
+    }
+}
+
+void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *ssin, const int64_t *slots,
+                     uint16_t *k, uint16_t *v, int64_t S, int64_t T, int Hq, int Hkv, int D, uint16_t *q_out) {
+    rope_store(qkv, 1, cos, ssin, slots, k, v, S, T, Hq, Hkv, D, q_out);
+}
+
+void rope_store_f32(const float *qkv, const float *cos, const float *ssin, const int64_t *slots,
+                    float *k, float *v, int64_t S, int64_t T, int Hq, int Hkv, int D, float *q_out) {
+    rope_store(qkv, 0, cos, ssin, slots, k, v, S, T, Hq, Hkv, D, q_out);
+}
+
 /* Whether the bfloat16 scores run on vdpbf16ps (built for a CPU with AVX512-BF16). */
 int decode_attention_dpbf16(void) { return HAVE_DPBF16; }

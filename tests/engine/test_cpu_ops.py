@@ -1,4 +1,5 @@
-"""The fused residual add + RMSNorm (engine/models/fused_norm.py) against torch's add and the plain layers."""
+"""The C layer operations (engine/models/cpu_ops.py): the fused residual add + RMSNorm and SiLU-multiply
+against torch's own operations, and the model through them against its plain layers."""
 
 import pytest
 import torch
@@ -6,10 +7,11 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
-from engine.models.fused_norm import load
+from engine.models.cpu_ops import load
 
-op = load()
-pytestmark = pytest.mark.skipif(op is None, reason="no C compiler: the fused op could not be built")
+ops = load()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler: the C layer operations could not be built")
+op = ops.add_rms_norm if ops is not None else None
 
 
 def plain(x, delta, w, eps):
@@ -40,10 +42,34 @@ def test_hidden_size_beyond_the_kernel_is_refused():
         op(x, None, torch.ones(20000), 1e-5)
 
 
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 64), (40, 1536), (2, 37)])
+def test_silu_mul_matches_torch(T, I):
+    """silu(gate) * up as torch computes it on bfloat16 tensors (silu rounded, then the product): the
+    exponential is another float32 approximation, so at most one bfloat16 step apart, and rarely."""
+    torch.manual_seed(T * I)
+    gate_up = (torch.randn(T, 2 * I) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])         # silu's limits: 0, 0, x, -0
+    gate, up = gate_up.split(I, dim=-1)
+    ref = F.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.shape == (T, I) and got.dtype == torch.bfloat16
+    diff = (got.float() - ref.float()).abs()
+    assert torch.all(diff <= ref.float().abs() * 2 ** -7 + 1e-30)
+    assert (diff == 0).float().mean() >= 0.99
+    assert torch.equal(got[0, :4].float(), ref[0, :4].float())
+
+
+def test_silu_mul_refuses_a_non_bf16_or_odd_input():
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.silu_mul(torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.silu_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+
+
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
 
 
-def test_model_with_the_fused_norm_scores_as_the_plain_layers():
+def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     """The default model in bfloat16, fused and plain, over its own greedy continuations, in one forward
     and in steps of 4 tokens. Per operation the two agree but for a rare last-bit difference of a norm's
     output (float32 sums of squares in another order); through 30 bfloat16 layers that grows to the
@@ -53,7 +79,7 @@ def test_model_with_the_fused_norm_scores_as_the_plain_layers():
     from tests.engine.test_quant import position_logprobs
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_tokens=4096))
-    assert engine.model.fused_norm is not None
+    assert engine.model.cpu_ops is not None
     prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     agree = n = 0
@@ -62,9 +88,9 @@ def test_model_with_the_fused_norm_scores_as_the_plain_layers():
         seq = prompt + out.token_ids[:-1]
         for chunk in (None, 4):
             fused = position_logprobs(engine, seq, 24, chunk)
-            engine.model.use_fused_norm(False)
+            engine.model.use_cpu_ops(False)
             ref = position_logprobs(engine, seq, 24, chunk)
-            engine.model.use_fused_norm(True)
+            engine.model.use_cpu_ops(True)
             agree += int((fused.argmax(-1) == ref.argmax(-1)).sum())
             n += 24
             top = ref.argmax(-1, keepdim=True)
