@@ -235,6 +235,10 @@ def format_table(result: dict) -> str:
     for label, key, spec in TABLE_ROWS:
         lines.append(f"{label:28}{_fmt(a.get(key), spec):>12}{_fmt(b.get(key), spec):>14}"
                      f"{_fmt(r.get(key), '.2f'):>15}")
+    if b.get("crash_fallback"):
+        fb = b["crash_fallback"]
+        lines.append(f"llama-server's defaults were killed by signal {fb['signal']} at start-up; "
+                     f"it ran with {' '.join(fb['flags'])}")
     return "\n".join(lines)
 
 
@@ -316,8 +320,17 @@ async def drive(url: str, system: str, turns: list[list[list[dict]]], args: argp
     return side
 
 
-def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], args: argparse.Namespace) -> dict:
-    """Start one server, wait for /health, drive it, stop it (SIGTERM); exit with its log tail on failure."""
+# What llama-server is retried with when its defaults crash at start-up (killed by a signal before it
+# answers /health): ggml's AMX matmul (the "repack" buffer type on CPUs that list AMX) segfaults on
+# some virtual machines that list AMX in /proc/cpuinfo; without repacking it runs its AVX-512 kernels.
+CRASH_FALLBACK_FLAGS = ["--no-repack"]
+
+
+def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], args: argparse.Namespace,
+               crash_fallback: list[str] | None = None) -> dict:
+    """Start one server, wait for /health, drive it, stop it (SIGTERM); exit with its log tail on failure.
+    ``crash_fallback``: flags to start it once more with when it is killed by a signal at start-up
+    (recorded in the result as ``crash_fallback``)."""
     from agentrt.procs import Procs, free_port
 
     port = free_port()
@@ -329,7 +342,18 @@ def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], 
     try:
         proc = procs.spawn(name, cmd, url=url, port=port)
         started = time.perf_counter()
-        proc.wait_ready()
+        try:
+            proc.wait_ready()
+        except RuntimeError:
+            code = proc.process.returncode
+            if crash_fallback and code is not None and code < 0:
+                print(f"  {name} was killed by signal {-code} at start-up; starting it again with "
+                      f"{' '.join(crash_fallback)}\n{proc.log()[-600:]}", flush=True)
+                procs.stop()
+                side = run_server(name, lambda p: make_cmd(p) + crash_fallback, system, turns, args)
+                side["crash_fallback"] = {"flags": crash_fallback, "signal": -code, "default_cmd": cmd}
+                return side
+            raise
         startup_s = time.perf_counter() - started
         load = os.getloadavg()[0]
         side = asyncio.run(drive(url, system, turns, args))
@@ -458,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         c = args.concurrency
         sides["llama_server"] = run_server(
             "llama_server", lambda port: [str(binary), "-m", model_path, "--port", str(port), "-np", str(c),
-                                          "-c", str(c * SLOT_CONTEXT), *args.llama_flag], system, turns, args)
+                                          "-c", str(c * SLOT_CONTEXT), *args.llama_flag], system, turns, args,
+            crash_fallback=CRASH_FALLBACK_FLAGS)
     command = "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {**sides, "ratios": compare(sides), **describe_run(args, wl, model_path, model_id, binary),
               "command": command}

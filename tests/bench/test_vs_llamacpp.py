@@ -92,6 +92,14 @@ def test_table_shows_both_sides_and_dashes_for_missing():
     assert cached.split()[-3] == "0.773"
 
 
+def test_table_says_when_llama_server_ran_with_the_crash_fallback():
+    a = summarize_side(RECORDS, 10.0, DECODE)
+    b = dict(a, crash_fallback={"flags": ["--no-repack"], "signal": 11, "default_cmd": ["llama-server"]})
+    text = format_table({"agentrt": a, "llama_server": b, "ratios": compare({"agentrt": a, "llama_server": b})})
+    assert text.splitlines()[-1] == "llama-server's defaults were killed by signal 11 at start-up; it ran with --no-repack"
+    assert "killed" not in format_table({"agentrt": a, "llama_server": a, "ratios": compare({"agentrt": a})})
+
+
 def test_llama_threads_from_log():
     log = "0.00.312.167 I cmn          init: llama threadpool init, n_threads = 2\n"
     assert llama_threads(log) == 2
