@@ -22,7 +22,10 @@ and the LM head), measured on the default model with the default engine settings
   engine's threads), added to the b64_ctx64 step: ``floor_ratio`` is the least
   ``attention_scaling`` reachable without shrinking the KV (a quantized KV cache).
 
-    python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048]
+* ``ab_kernels`` (``--ab-kernels``): the C kernels against the pure-torch paths step for step in turn
+  on one batch, so that a noisy machine's noise falls on both alike: medians and their ratio.
+
+    python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
 """
 
 from __future__ import annotations
@@ -137,6 +140,37 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
             "floor_ratio": round((base + read_ms) / base, 2)}
 
 
+def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int) -> dict:
+    """The CPU's C kernels (decode attention, RoPE + K/V write, add + RMSNorm, SiLU-multiply) against the
+    pure-torch paths, step for step in turn on the same batch (on a noisy machine the two see the same
+    noise): each shape's median step both ways and their ratio."""
+    backend, model = engine.runner.attn, engine.runner.model
+
+    def kernels(on: bool) -> None:
+        backend.force_decode_plan = None if on else "torch"
+        model.use_cpu_ops(on)
+
+    out = {}
+    for name in shapes:
+        batch = decode_batch(engine, *SHAPES[name])
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for on in (True, False):   # warm-up both ways
+            kernels(on)
+            engine.runner.run(batch)
+        for i in range(2 * steps):
+            on = i % 2 == 0
+            kernels(on)
+            t = time.perf_counter()
+            engine.runner.run(batch)
+            times[on].append(time.perf_counter() - t)
+        free_batch(engine, batch)
+        c, t = statistics.median(times[True]) * 1000, statistics.median(times[False]) * 1000
+        out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3)}
+        print(f"ab       {name:22s} C kernels {c:9.1f} ms  pure torch {t:9.1f} ms  ratio {c / t:.3f}", flush=True)
+    kernels(True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results here")
@@ -147,6 +181,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--plans", default="auto,torch", help="decode plans to compare (auto, torch, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
+    ap.add_argument("--ab-kernels", action="store_true",
+                    help="also time the CPU's C kernels against the pure-torch paths, step for step in turn")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes + ([args.profile] if args.profile else []):
@@ -179,6 +215,8 @@ def main() -> None:
             engine.runner.run(batch)
         print(f"profile of one {args.profile} step (decode plan {backend_plan or 'auto'}):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    ab = ab_kernels(engine, shapes, args.steps) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
+        and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
     auto = results.get("auto", {})
     out = {
         "device": f"{engine.device} ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
@@ -192,6 +230,7 @@ def main() -> None:
             plan: round(r["b64_ctx2048"]["step_ms"] / r["b64_ctx64"]["step_ms"], 2)
             for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
         "attention_floor": attention_floor(engine, auto),
+        "ab_kernels": ab,
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))
