@@ -22,8 +22,9 @@ and the LM head), measured on the default model with the default engine settings
   engine's threads), added to the b64_ctx64 step: ``floor_ratio`` is the least
   ``attention_scaling`` reachable without shrinking the KV (a quantized KV cache).
 
-* ``ab_kernels`` (``--ab-kernels``): the C kernels against the pure-torch paths step for step in turn
-  on one batch, so that a noisy machine's noise falls on both alike: medians and their ratio.
+* ``ab_kernels`` (``--ab-kernels``): the C kernels against the pure-torch paths on one batch in
+  alternating blocks of steps, so that a noisy machine's slow minutes fall on both alike: medians
+  and their ratio.
 
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
 """
@@ -140,10 +141,21 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
             "floor_ratio": round((base + read_ms) / base, 2)}
 
 
-def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int) -> dict:
+def cpu_model() -> str | None:
+    """/proc/cpuinfo's model name (runs on different hosts are compared by it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3) -> dict:
     """The CPU's C kernels (decode attention, RoPE + K/V write, add + RMSNorm, SiLU-multiply) against the
-    pure-torch paths, step for step in turn on the same batch (on a noisy machine the two see the same
-    noise): each shape's median step both ways and their ratio."""
+    pure-torch paths on the same batch, in alternating blocks of ``steps`` steps (a warm-up step
+    first), ``blocks`` of each: each side's median of its block medians and their ratio. (Switching
+    paths at every step was tried and is biased: with both sides the same it measured them alike, but
+    a switched side ran up to 1.9x slower than in runs of its own, so blocks it is.)"""
     backend, model = engine.runner.attn, engine.runner.model
 
     def kernels(on: bool) -> None:
@@ -153,19 +165,22 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int) -> dict:
     out = {}
     for name in shapes:
         batch = decode_batch(engine, *SHAPES[name])
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for on in (True, False):   # warm-up both ways
-            kernels(on)
-            engine.runner.run(batch)
-        for i in range(2 * steps):
-            on = i % 2 == 0
-            kernels(on)
-            t = time.perf_counter()
-            engine.runner.run(batch)
-            times[on].append(time.perf_counter() - t)
+        medians: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(blocks):
+            for on in (True, False):
+                kernels(on)
+                engine.runner.run(batch)
+                times = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    engine.runner.run(batch)
+                    times.append(time.perf_counter() - t)
+                medians[on].append(statistics.median(times) * 1000)
         free_batch(engine, batch)
-        c, t = statistics.median(times[True]) * 1000, statistics.median(times[False]) * 1000
-        out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3)}
+        c, t = statistics.median(medians[True]), statistics.median(medians[False])
+        out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3),
+                     "kernels_blocks_ms": [round(x, 2) for x in medians[True]],
+                     "torch_blocks_ms": [round(x, 2) for x in medians[False]]}
         print(f"ab       {name:22s} C kernels {c:9.1f} ms  pure torch {t:9.1f} ms  ratio {c / t:.3f}", flush=True)
     kernels(True)
     return out
@@ -182,7 +197,7 @@ def main() -> None:
     ap.add_argument("--plans", default="auto,torch", help="decode plans to compare (auto, torch, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
     ap.add_argument("--ab-kernels", action="store_true",
-                    help="also time the CPU's C kernels against the pure-torch paths, step for step in turn")
+                    help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes + ([args.profile] if args.profile else []):
@@ -219,7 +234,7 @@ def main() -> None:
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
     auto = results.get("auto", {})
     out = {
-        "device": f"{engine.device} ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
+        "device": f"{engine.device} ({cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
         "dtype": args.dtype,
         "quantization": engine.quantization,
         "decode_step_ms": {k: v["step_ms"] for k, v in auto.items()},

@@ -84,8 +84,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attn, P, self.device)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels)
-        self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if getattr(attn, "kernel", None)
-                                                    else "") + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
+        decode_kernel = getattr(attn, "kernel", None)
+        self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
+                               + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
         # called in the engine thread with each finished request that carries a ``trace``; must not raise

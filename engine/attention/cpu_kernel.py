@@ -87,9 +87,9 @@ class DecodeKernel:
         tensors = (qkv, cos, signed_sin, k, v)
         if (not all(t.is_contiguous() and t.dtype == qkv.dtype for t in tensors) or H != num_heads + 2 * Hkv
                 or cos.numel() != T * D or signed_sin.numel() != T * D or slots.dtype != torch.int64
-                or slots.numel() != T or not slots.is_contiguous()):
+                or slots.numel() != T or not slots.is_contiguous() or k.shape != v.shape or k.shape[2] != D):
             raise ValueError("rope_store: contiguous qkv (T, Hq + 2 Hkv, D), cos and sin (T, D) of one dtype, "
-                             "int64 slots (T,)")
+                             "int64 slots (T,), k and v (Hkv, S, D)")
         q = torch.empty(T, num_heads, D, dtype=qkv.dtype)
         self.rope_fns[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
                                  k.data_ptr(), v.data_ptr(), S, T, num_heads, Hkv, D, q.data_ptr())

@@ -185,6 +185,9 @@ def test_rope_store_refuses_mismatched_shapes():
         kernel.rope_store(torch.zeros(3, 7, 32), cos, cos, torch.arange(3), kv.k[0], kv.v[0], 4)
     with pytest.raises(ValueError, match="int64 slots"):
         kernel.rope_store(torch.zeros(3, 8, 32), cos, cos, torch.arange(3, dtype=torch.int32), kv.k[0], kv.v[0], 4)
+    with pytest.raises(ValueError, match="k and v"):             # a pool of another head dim
+        other = KVCache(1, 4, 16, 2, 16, torch.float32, "cpu", layout="HSD")
+        kernel.rope_store(torch.zeros(3, 8, 32), cos, cos, torch.arange(3), other.k[0], other.v[0], 4)
     with pytest.raises(ValueError, match="one dtype"):
         kernel.rope_store(torch.zeros(3, 8, 32), cos.bfloat16(), cos, torch.arange(3), kv.k[0], kv.v[0], 4)
 
