@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 # The values EngineConfig accepts (public: settings layered on the engine offer the same choices).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -13,6 +14,13 @@ EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement r
 SPECULATIVE = ("off", "ngram", "suffix", "auto")
 QUANTIZATIONS = ("auto", "off", "int4", "int8")
 MAX_SPECULATIVE_TOKENS = 16
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field with its one-line ``help`` (and the ``choices`` a text field accepts): the one
+    declaration the server's flags, environment variables and ``--help`` are generated from
+    (agentrt/config.py, ``EngineSettings``)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -84,35 +92,58 @@ class EngineConfig:
     expert slots, which ``ep_size`` must divide.
     """
 
-    model: str | None = None
-    served_model_name: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    attention_backend: str = "auto"
-    page_size: int = 16
-    kv_cache_tokens: int = 131072
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 512
-    max_model_len: int | None = None
-    max_waiting: int = 1024
-    max_waiting_tokens: int | None = None
-    turn_coalesce_max_s: float = 0.2
-    turn_coalesce_fraction: float = 0.1
-    enable_prefix_cache: bool = True
-    seed: int = 0
-    ep_size: int = 1
-    ep_nodes: int = 1
-    ep_placement: str = "contiguous"
-    ep_redundant: int = 0
-    speculative: str = "off"
-    num_speculative_tokens: int = 4
-    quantization: str = "auto"
-    cpu_kernels: bool = True
-    close_constrained_outputs: bool = True
-    kv_host_tokens: int = 0
-    kv_disk_tokens: int = 0
-    kv_disk_path: str | None = None
-    kv_disk_keep: bool = False
+    model: str | None = setting(None, "a .gguf file or a Hugging Face model directory (default: the embedded "
+                                "SmolLM2-135M-Instruct)")
+    served_model_name: str | None = setting(None, "the model name clients send and /v1/models lists (default: "
+                                            "from the model files)")
+    device: str = setting("auto", "where the engine runs: cpu, cuda, or auto (cuda when available)", DEVICES)
+    dtype: str = setting("float32", "weights and KV cache precision: float32, bfloat16, float16, or auto "
+                         "(bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32)", DTYPES)
+    attention_backend: str = setting("auto", "attention kernels: torch, flashinfer (CUDA), or auto (flashinfer "
+                                     "on CUDA, else torch)", BACKENDS)
+    page_size: int = setting(16, "tokens per KV page; a router's --block-size must equal it")
+    kv_cache_tokens: int = setting(131072, "tokens the paged KV cache holds (sizes its memory)")
+    max_num_seqs: int = setting(64, "most sequences in one engine step (the batch)")
+    max_batched_tokens: int = setting(512, "tokens one step computes at most (chunked prefill works within it)")
+    max_model_len: int | None = setting(None, "context window in tokens (default: the model's)")
+    max_waiting: int = setting(1024, "requests queued for the engine before new ones get 429")
+    max_waiting_tokens: int | None = setting(None, "prompt tokens queued for the engine before new requests get "
+                                             "429 (default: twice the KV cache)")
+    turn_coalesce_max_s: float = setting(0.2, "how long the engine may hold its next step after a session turn "
+                                         "ends, for the agent's next turn to join (0: off)")
+    turn_coalesce_fraction: float = setting(0.1, "that hold as a fraction of the recent prefill step time")
+    enable_prefix_cache: bool = setting(True, "reuse cached KV of earlier prompts' prefixes (false computes every "
+                                        "prompt in full, for ablations)")
+    seed: int = setting(0, "seed of the sampler's random generator")
+    ep_size: int = setting(1, "expert-parallel ranks for MoE models (this process is rank 0)")
+    ep_nodes: int = setting(1, "nodes the expert-parallel ranks are laid out over")
+    ep_placement: str = setting("contiguous", "how experts are placed on ranks: contiguous, balanced or locality",
+                                EP_PLACEMENTS)
+    ep_redundant: int = setting(0, "extra expert slots for replicas of hot experts")
+    speculative: str = setting("off", "speculative decoding: off, ngram (drafts from the request's own context, "
+                               "verified in the same step; greedy output unchanged), suffix (ngram, and the recent "
+                               "outputs of the tenant's other requests on the engine) or auto (suffix on the CPU, "
+                               "where docs/benchmarking.md measured it, off on a GPU)", SPECULATIVE)
+    num_speculative_tokens: int = setting(4, "most draft tokens a request verifies per step with speculative "
+                                          "ngram or suffix")
+    quantization: str = setting("auto", "weight-only quantization on the CPU: int4, int8, off, or auto (int4 for a "
+                                "Q4_0/Q4_1 GGUF served in bfloat16, as the default model is on AVX512-BF16 CPUs; "
+                                "off otherwise, float32 included)", QUANTIZATIONS)
+    cpu_kernels: bool = setting(True, "on the CPU, decode attention and the bf16 residual add + RMSNorm through C "
+                                "kernels built on first use by the system C compiler (false, or no compiler: the "
+                                "pure-torch paths)")
+    close_constrained_outputs: bool = setting(True, "a grammar-constrained reply always ends complete and valid "
+                                              "within max_tokens (false: cut at max_tokens, for comparisons)")
+    kv_host_tokens: int = setting(0, "tokens of KV the host memory tier below the pool holds (pinned CPU memory; "
+                                  "for a GPU pool; 0: off)")
+    kv_disk_tokens: int = setting(0, "tokens of KV the disk tier below the pool holds: evicted pages are kept there "
+                                  "and loaded back instead of recomputed (one file per page, at most half the "
+                                  "disk's free space; 0: off, the default until a measurement shows it wins, "
+                                  "docs/kv_tiers.md)")
+    kv_disk_path: str | None = setting(None, "directory of the disk tier's files (default: a new one under the "
+                                       "system temp directory, logged at start)")
+    kv_disk_keep: bool = setting(False, "keep the disk tier's files at shutdown (the next start with the same "
+                                 "--kv-disk-path serves them; default: deleted)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
