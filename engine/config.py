@@ -233,14 +233,5 @@ class EngineConfig:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bf16 dot products natively (x86 AVX512-BF16 or AMX-BF16 flags;
     ``cpuinfo`` is /proc/cpuinfo's text, read when not given). Unknown (no /proc/cpuinfo): False."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    from engine.cpu_info import has_native_bf16
+    return has_native_bf16(cpuinfo)

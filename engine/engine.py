@@ -85,6 +85,8 @@ class LLMEngine:
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels)
         decode_kernel = getattr(attn, "kernel", None)
+        # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
+        self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused)}
         self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
                                + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,9 +111,10 @@ class LLMEngine:
             # drafts never take a step past that (a step already past it drafts freely)
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
         self._snapshot()
-        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads", self.model_id,
-                  config.resolved_dtype(), self.device, self.quantization, self.attention_desc, self.speculative,
-                  torch.get_num_threads())
+        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads, C kernels "
+                  "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
+                  self.attention_desc, self.speculative, torch.get_num_threads(),
+                  ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
 
     def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
         """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
@@ -322,7 +325,7 @@ class LLMEngine:
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else {})
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
