@@ -46,12 +46,15 @@ def _positive(text: str) -> int:
     return n
 
 
-def add_common_args(parser: argparse.ArgumentParser, repeats: int = 1, order: str = "alternate",
+def add_common_args(parser: argparse.ArgumentParser, repeats: int | None = 1, order: str = "alternate",
                     json_required: bool = False) -> None:
-    """``--json PATH``, ``--repeats N`` and ``--order alternate|fixed`` with their help."""
+    """``--json PATH``, ``--repeats N`` and ``--order alternate|fixed`` with their help; ``repeats=None``:
+    ``--json`` only, for a script that compares no sides (a flag it would ignore is not offered)."""
     parser.add_argument("--json", type=Path, default=None, required=json_required, metavar="PATH",
                         help="write the results here, under the header every result carries (commit, dirty "
                              "tree, machine, threads, kernels, servers and their flags)")
+    if repeats is None:
+        return
     parser.add_argument("--repeats", type=_positive, default=repeats, metavar="N",
                         help=f"run the whole comparison N times; each side's per-run figures and their median "
                              f"and range are reported (default {repeats})")
@@ -174,8 +177,8 @@ class Run:
                 "machine": machine(), "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
                 "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
                 "kernels": dict(kernels), "engine": _engine_of(engine) if engine is not None else settings,
-                "servers": self.servers, "order": getattr(self.args, "order", "fixed"),
-                "repeats": getattr(self.args, "repeats", 1), "started_at": self.started_at, "finished_at": _now()}
+                "servers": self.servers, "order": getattr(self.args, "order", None),
+                "repeats": getattr(self.args, "repeats", None), "started_at": self.started_at, "finished_at": _now()}
 
     def write(self, body: dict, engine: Any = None, settings: dict | None = None, kernels: dict | None = None,
               path: Path | str | None = None) -> dict:
