@@ -113,6 +113,9 @@ class EngineConfig:
     kv_disk_tokens: int = 0
     kv_disk_path: str | None = None
     kv_disk_keep: bool = False
+    # fsync each disk-tier page and drop it from the OS page cache after writing (reads then come from
+    # the device: what benchmarks/kv_tiers.py measures as the cold disk tier); off, the kernel caches them
+    kv_disk_drop_page_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -128,7 +128,8 @@ class LLMEngine:
                             pin=self.device.startswith("cuda"))
         if cfg.kv_disk_tokens:
             disk = DiskTier(cfg.kv_disk_path, cfg.kv_disk_tokens // cfg.page_size, shape, dtype,
-                            keep=cfg.kv_disk_keep, on_event=self._tier_event)
+                            keep=cfg.kv_disk_keep, on_event=self._tier_event,
+                            drop_page_cache=cfg.kv_disk_drop_page_cache)
         tiers = KVTiers(host, disk, on_event=self._tier_event)
         self.cache.on_evict = self._offload
         self.scheduler.tiers, self.scheduler.write_page = tiers, self.kv.write_page
