@@ -98,3 +98,23 @@ def test_serve_settings_follow_the_flags():
     assert harness.serve_settings(["--dtype", "float32", "--speculative", "off"])["dtype"] == "float32"
     s = harness.serve_settings(["--dtype", "float32", "--speculative", "off"])
     assert (s["speculative"], s["quantization"]) == ("off", "off")   # int4 runs only in bf16
+
+
+def test_every_benchmark_flag_has_help_and_every_script_uses_the_harness():
+    """Read from the sources: each ``add_argument`` call in benchmarks/ passes ``help=``, and every
+    script with a ``--json`` goes through the harness (no json writing or git lookups of its own)."""
+    import ast
+
+    missing, own_writers = [], []
+    for path in sorted(harness.REPO.glob("benchmarks/*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                if not any(k.arg == "help" for k in node.keywords):
+                    flag = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else "?"
+                    missing.append(f"{path.name}: {flag}")
+        text = path.read_text()
+        if path.name != "harness.py" and ("json.dump(" in text or "rev-parse" in text or "/proc/cpuinfo\")" in text):
+            own_writers.append(path.name)
+    assert missing == []
+    assert own_writers == []
