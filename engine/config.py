@@ -61,6 +61,8 @@ class EngineConfig:
     file per page under ``kv_disk_path``, default a new directory under the system's temp directory,
     logged at start; emptied at shutdown unless ``kv_disk_keep``), and come back from there instead
     of being recomputed. 0 turns a tier off (the engine library's default: both off).
+    ``kv_disk_drop_page_cache`` fsyncs each page file and drops it from the OS page cache after
+    writing, so reads come from the device (benchmarks/kv_tiers.py's cold disk tier).
 
     Weight-only quantization (engine/models/quant.py, dense models on the CPU): ``int4`` keeps the
     attention and MLP weights as 4-bit groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as stored, other
