@@ -311,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     live.add_argument("--live-policy-option", action="append", default=[], metavar="KEY=VALUE",
                       help="extra option for agentrt router's policy (repeatable; only with --live-tuning tuned)")
     args = p.parse_args(argv)
-    run = harness.Run(args, __file__, argv)
+    run_info = harness.Run(args, __file__, argv)
     if args.live:
-        return main_live(p, args, run)
+        return main_live(p, args, run_info)
     if args.repeats != 1:
         p.error("--repeats applies to --live (passes per front); the trace replay is deterministic")
     args.workers = 8 if args.workers is None else args.workers
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {f['hit_rate']:7.4f} {f['hit_rate'] / max(out['ideal_hit_rate'], 1e-9):7.3f}"
               f" {f['load_max_mean']:14.3f} {f['requests_max_mean']:14.3f}"
               f" {f['ttft_p50_s']:9.3f} {f['ttft_p99_s']:9.3f}")
-    run.write(out, kernels={})
+    run_info.write(out, kernels={})
     return 0
 
 
