@@ -143,6 +143,15 @@ class _EngineCollector:
                  s.spec_verifications_total)):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _tier_metrics(getattr(s, "kv_tiers", None) or {})
+        kernels = getattr(s, "cpu_kernels", None) or {}
+        if kernels:
+            family = GaugeMetricFamily("agentrt_cpu_kernel_active",
+                                       "1 where the engine runs the C kernel (engine/cpu_build.py), 0 where it "
+                                       "fell back to torch (no compiler, a failed build, or a dtype it lacks)",
+                                       labels=["kernel"])
+            for name, on in kernels.items():
+                family.add_metric([name], 1.0 if on else 0.0)
+            yield family
 
 
 # KV tiers (engine/kv_tier.py): one series per tier ("host", "disk") of each

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import harness  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
@@ -141,19 +141,10 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
             "floor_ratio": round((base + read_ms) / base, 2)}
 
 
-def cpu_model() -> str | None:
-    """/proc/cpuinfo's model name (runs on different hosts are compared by it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
-def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3) -> dict:
+def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3, order: str = "alternate") -> dict:
     """The CPU's C kernels (decode attention, RoPE + K/V write, add + RMSNorm, SiLU-multiply) against the
-    pure-torch paths on the same batch, in alternating blocks of ``steps`` steps (a warm-up step
-    first), ``blocks`` of each: each side's median of its block medians and their ratio. (Switching
+    pure-torch paths on the same batch, in blocks of ``steps`` steps (a warm-up step first), ``blocks``
+    of each, in ``harness.ab_order`` (alternate: C, torch, torch, C, ...): each side's median of its block medians and their ratio. (Switching
     paths at every step was tried and is biased: with both sides the same it measured them alike, but
     a switched side ran up to 1.9x slower than in runs of its own, so blocks it is.)"""
     backend, model = engine.runner.attn, engine.runner.model
@@ -166,16 +157,16 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3
     for name in shapes:
         batch = decode_batch(engine, *SHAPES[name])
         medians: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(blocks):
-            for on in (True, False):
-                kernels(on)
+        for _, side in harness.ab_order(["kernels", "torch"], blocks, order):
+            on = side == "kernels"
+            kernels(on)
+            engine.runner.run(batch)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
                 engine.runner.run(batch)
-                times = []
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    engine.runner.run(batch)
-                    times.append(time.perf_counter() - t)
-                medians[on].append(statistics.median(times) * 1000)
+                times.append(time.perf_counter() - t)
+            medians[on].append(statistics.median(times) * 1000)
         free_batch(engine, batch)
         c, t = statistics.median(medians[True]), statistics.median(medians[False])
         out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3),
@@ -186,11 +177,11 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the results here")
+    harness.add_common_args(ap, repeats=3)   # --repeats: blocks per side of --ab-kernels
     ap.add_argument("--steps", type=int, default=5, help="timed steps per shape (the median is reported)")
-    ap.add_argument("--dtype", default=EngineConfig.dtype)
+    ap.add_argument("--dtype", default=EngineConfig.dtype, help="engine dtype (auto: what agentrt serve picks here)")
     ap.add_argument("--quantization", default=EngineConfig.quantization,
                     help="weight quantization (engine.config.QUANTIZATIONS; auto: int4 for the default GGUF in bf16)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -198,7 +189,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes + ([args.profile] if args.profile else []):
         if s not in SHAPES:
@@ -230,11 +222,11 @@ def main() -> None:
             engine.runner.run(batch)
         print(f"profile of one {args.profile} step (decode plan {backend_plan or 'auto'}):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    ab = ab_kernels(engine, shapes, args.steps) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
+    ab = ab_kernels(engine, shapes, args.steps, args.repeats, args.order) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
     auto = results.get("auto", {})
     out = {
-        "device": f"{engine.device} ({cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
+        "device": engine.device,
         "dtype": args.dtype,
         "quantization": engine.quantization,
         "decode_step_ms": {k: v["step_ms"] for k, v in auto.items()},
@@ -249,10 +241,7 @@ def main() -> None:
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    run.write(out, engine=engine)
 
 
 if __name__ == "__main__":

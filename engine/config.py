@@ -69,6 +69,8 @@ class EngineConfig:
     file per page under ``kv_disk_path``, default a new directory under the system's temp directory,
     logged at start; emptied at shutdown unless ``kv_disk_keep``), and come back from there instead
     of being recomputed. 0 turns a tier off (the engine library's default: both off).
+    ``kv_disk_drop_page_cache`` fsyncs each page file and drops it from the OS page cache after
+    writing, so reads come from the device (benchmarks/kv_tiers.py's cold disk tier).
 
     Weight-only quantization (engine/models/quant.py, dense models on the CPU): ``int4`` keeps the
     attention and MLP weights as 4-bit groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as stored, other
@@ -144,6 +146,9 @@ class EngineConfig:
                                        "system temp directory, logged at start)")
     kv_disk_keep: bool = setting(False, "keep the disk tier's files at shutdown (the next start with the same "
                                  "--kv-disk-path serves them; default: deleted)")
+    kv_disk_drop_page_cache: bool = setting(False, "fsync each disk-tier page and drop it from the OS page cache "
+                                            "after writing, so reads come from the device (a cold disk tier, as "
+                                            "benchmarks/kv_tiers.py measures it); off, the OS caches them")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -264,14 +269,5 @@ class EngineConfig:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bf16 dot products natively (x86 AVX512-BF16 or AMX-BF16 flags;
     ``cpuinfo`` is /proc/cpuinfo's text, read when not given). Unknown (no /proc/cpuinfo): False."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    from engine.cpu_info import has_native_bf16
+    return has_native_bf16(cpuinfo)

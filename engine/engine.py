@@ -85,6 +85,8 @@ class LLMEngine:
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels)
         decode_kernel = getattr(attn, "kernel", None)
+        # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
+        self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused)}
         self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
                                + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,9 +111,10 @@ class LLMEngine:
             # drafts never take a step past that (a step already past it drafts freely)
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
         self._snapshot()
-        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads", self.model_id,
-                  config.resolved_dtype(), self.device, self.quantization, self.attention_desc, self.speculative,
-                  torch.get_num_threads())
+        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads, C kernels "
+                  "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
+                  self.attention_desc, self.speculative, torch.get_num_threads(),
+                  ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
 
     def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
         """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
@@ -125,7 +128,8 @@ class LLMEngine:
                             pin=self.device.startswith("cuda"))
         if cfg.kv_disk_tokens:
             disk = DiskTier(cfg.kv_disk_path, cfg.kv_disk_tokens // cfg.page_size, shape, dtype,
-                            keep=cfg.kv_disk_keep, on_event=self._tier_event)
+                            keep=cfg.kv_disk_keep, on_event=self._tier_event,
+                            drop_page_cache=cfg.kv_disk_drop_page_cache)
         tiers = KVTiers(host, disk, on_event=self._tier_event)
         self.cache.on_evict = self._offload
         self.scheduler.tiers, self.scheduler.write_page = tiers, self.kv.write_page
@@ -322,7 +326,7 @@ class LLMEngine:
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else {})
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:

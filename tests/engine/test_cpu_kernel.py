@@ -7,13 +7,20 @@ import pytest
 import torch
 
 from engine.attention import BatchLayout, create_backend
-from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows, load
+from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows
 from engine.cpu_build import build
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache
+from kernel_build import KernelBuild
 
-kernel = load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel could not be built")
+BUILD = KernelBuild(lambda: DecodeKernel(build(SOURCE)))   # skipped only without a compiler on PATH
+kernel = BUILD.value
+pytestmark = BUILD.skip_mark()
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    BUILD.require()   # a compile error fails every test here
 
 
 def paged_rows(rng, lens, page_size, num_pages):
@@ -228,5 +235,26 @@ def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="undeclared_name"):
         build(bad)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(OSError):
+    with pytest.raises(RuntimeError, match="no-such-compiler' is not on PATH"):
         build(bad)
+
+
+def test_skips_only_without_a_compiler_and_fails_on_a_compile_error(tmp_path, monkeypatch):
+    """The guard above: a broken source with a compiler on PATH is an error, never a skip; with no
+    compiler on PATH (CC unset, an empty PATH) it is a skip whose reason says so."""
+    monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return 1 }\n")
+    guard = KernelBuild(lambda: build(broken))
+    assert guard.skip_reason is None and guard.value is None
+    assert isinstance(guard.error, RuntimeError) and "broken.c" in str(guard.error)
+    with pytest.raises(pytest.fail.Exception, match="did not build although a compiler is on PATH"):
+        guard.require()
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    guard = KernelBuild(lambda: build(broken))
+    assert guard.error is None and guard.value is None
+    assert guard.skip_reason == "no C compiler: neither cc nor gcc is on PATH (shutil.which found none)"
+    guard.require()   # no error: the skip mark alone decides
+    monkeypatch.setenv("CC", "no-such-cc")
+    assert "CC='no-such-cc' is not on PATH" in KernelBuild(lambda: None).skip_reason

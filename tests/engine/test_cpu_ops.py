@@ -7,10 +7,18 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
-from engine.models.cpu_ops import load
+from engine.cpu_build import build
+from engine.models.cpu_ops import SOURCE, LayerOps
+from kernel_build import KernelBuild
 
-ops = load()
-pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler: the C layer operations could not be built")
+BUILD = KernelBuild(lambda: LayerOps(build(SOURCE)))   # skipped only without a compiler on PATH
+ops = BUILD.value
+pytestmark = BUILD.skip_mark()
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    BUILD.require()   # a compile error fails every test here
 op = ops.add_rms_norm if ops is not None else None
 
 
