@@ -154,7 +154,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization in ("int4", "int8", "gguf") and self.resolved_device() != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU packed "
-                             f"kernels); on {self.resolved_device()} use 'off'")
+                             f"kernels, the C kernel of 'gguf'); on {self.resolved_device()} use 'off'")
         if self.quantization in ("int4", "int8", "gguf") and self.ep_size > 1:
             raise ValueError("quantization applies to dense models; with ep_size > 1 use 'off'")
         for name in ("kv_host_tokens", "kv_disk_tokens"):
