@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.qmatmul import Q4Blocks, Q8Blocks, QMatmulLib, load
-from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, quantize_int4
+from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantize_int4
 
 
 class BlockLinear(nn.Module):
@@ -62,21 +62,15 @@ def quantize_model_blocks(model: nn.Module, blocks: dict | None = None, lib: QMa
     its LM head for ``BlockLinear`` layers, in place. ``blocks``: a GGUF file's blocks by HF name
     (``engine.loader.ModelFiles.int4_groups``: ``Int4Groups`` of Q4_0 / Q4_1 weights, ``Q8Blocks`` of Q8_0
     ones). Raises ``RuntimeError`` when the kernel cannot be built."""
-    from engine.models.llama import MLP, hf_sources
-
     lib = lib or load()
     if lib is None:
         raise RuntimeError("quantization='gguf' needs the C kernel engine/models/csrc/qmatmul.c, which could "
                            "not be built (see the log; a C compiler is needed)")
     blocks = blocks or {}
-    for i, layer in enumerate(model.layers):
-        targets = [(layer.self_attn, "self_attn", "qkv_proj"), (layer.self_attn, "self_attn", "o_proj")]
-        if isinstance(layer.mlp, MLP):
-            targets += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
-        for parent, parent_name, attr in targets:
-            linear = getattr(parent, attr)
-            parts = [blocks.get(src) for src in hf_sources(f"layers.{i}.{parent_name}.{attr}.weight")]
-            setattr(parent, attr, BlockLinear(lib, _layer_blocks(parts, linear.weight), linear.weight, linear.bias))
+    for parent, attr, sources in projections(model):
+        linear = getattr(parent, attr)
+        parts = [blocks.get(src) for src in sources]
+        setattr(parent, attr, BlockLinear(lib, _layer_blocks(parts, linear.weight), linear.weight, linear.bias))
     tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight
     stored = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")

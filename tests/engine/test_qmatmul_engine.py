@@ -17,8 +17,7 @@ from engine.chat import encode_chat
 from engine.models import cpu_pick
 from engine.models.qlinear import BlockLinear
 from engine.models.qmatmul import Q4Blocks, Q8Blocks, load
-from engine.models.quant import MAX_QUANT_ROWS
-from tests.engine.test_quant import PROMPTS, position_logprobs
+from tests.engine.test_quant import PROMPTS, agreement
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the kernel could not be built")
 SCORED = 20   # positions per prompt: 6 prompts, 120 positions
@@ -35,17 +34,7 @@ def test_gguf_engine_agrees_with_float32(default_engine):
     assert torch.equal(head.blocks.dequantize(), eng.model.embed_tokens.weight)
     prompts = [encode_chat(default_engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = default_engine.generate(prompts, SamplingParams(max_tokens=SCORED, temperature=0, ignore_eos=True))
-    agree = n = 0
-    kl = worst = 0.0
-    for prompt, out in zip(prompts, outs):
-        seq = prompt + out.token_ids[:-1]
-        ref = position_logprobs(default_engine, seq, SCORED)
-        got = position_logprobs(eng, seq, SCORED, MAX_QUANT_ROWS)
-        top = ref.argmax(-1, keepdim=True)
-        agree += int((got.argmax(-1) == top[:, 0]).sum())
-        n += SCORED
-        kl += float((ref.exp() * (ref - got)).sum())
-        worst = max(worst, float((ref.gather(-1, top) - got.gather(-1, top)).abs().max()))
+    agree, n, kl, worst = agreement(default_engine, eng, prompts, outs, SCORED)
     print(f"gguf vs float32: top-1 {agree}/{n}, mean KL {kl / n:.4f}, top-token change {worst:.3f}")
     assert agree >= 0.93 * n, f"top-1 agreement {agree}/{n}"
     assert kl / n <= 0.01, f"mean KL {kl / n:.4f}"

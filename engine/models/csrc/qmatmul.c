@@ -145,10 +145,10 @@ static int8_t *quantize(const float *x, int64_t M, int64_t K, float **xd, float 
     return buf;
 }
 
-/* x [M, K] float32, weights [N, K] 4-bit as above -> y [M, N] float32. Returns 0, -1 for K not a
- * multiple of 32, -2 when out of memory. */
-int qmm_q4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *mn,
-           int64_t N, float *y) {
+/* x [M, K] float32 times weights [N, K] (4-bit: qs, d, mn as above; 8-bit: qs int8, d, mn NULL) ->
+ * y [M, N] float32. Returns 0, -1 for K not a multiple of 32, -2 when out of memory. */
+static int qmm(int bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *mn,
+               int64_t N, float *y) {
     if (K % QK) return -1;
     float *xd, *xs;
     int8_t *xq = quantize(x, M, K, &xd, &xs);
@@ -161,8 +161,13 @@ int qmm_q4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float 
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             float out[MAX_M];
-#define Q4(c) q4_row(qs + n * nb * 16, d + n * nb, mn + n * nb, nb, aq, ad, as, K, c, out)
-            BY_M(m, Q4)
+            if (bits == 4) {
+#define Q4(c) q4_row((const uint8_t *)qs + n * nb * 16, d + n * nb, mn + n * nb, nb, aq, ad, as, K, c, out)
+                BY_M(m, Q4)
+            } else {
+#define Q8(c) q8_row((const int8_t *)qs + n * K, d + n * nb, nb, aq, ad, K, c, out)
+                BY_M(m, Q8)
+            }
             for (int r = 0; r < m; r++) y[(r0 + r) * N + n] = out[r];
         }
     }
@@ -170,25 +175,11 @@ int qmm_q4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float 
     return 0;
 }
 
-/* x [M, K] float32, weights [N, K] 8-bit as above -> y [M, N] float32. Returns as qmm_q4. */
+int qmm_q4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *mn,
+           int64_t N, float *y) {
+    return qmm(4, x, M, K, qs, d, mn, N, y);
+}
+
 int qmm_q8(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y) {
-    if (K % QK) return -1;
-    float *xd, *xs;
-    int8_t *xq = quantize(x, M, K, &xd, &xs);
-    if (!xq) return -2;
-    int64_t nb = K / QK;
-    for (int64_t r0 = 0; r0 < M; r0 += MAX_M) {
-        int m = M - r0 < MAX_M ? (int)(M - r0) : MAX_M;
-        const int8_t *aq = xq + r0 * K;
-        const float *ad = xd + r0 * nb;
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            float out[MAX_M];
-#define Q8(c) q8_row(qs + n * K, d + n * nb, nb, aq, ad, K, c, out)
-            BY_M(m, Q8)
-            for (int r = 0; r < m; r++) y[(r0 + r) * N + n] = out[r];
-        }
-    }
-    free(xq);
-    return 0;
+    return qmm(8, x, M, K, qs, d, NULL, N, y);
 }
