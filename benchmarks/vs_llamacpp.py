@@ -374,9 +374,10 @@ def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], 
 
 
 def agentrt_settings(flags: list[str]) -> dict:
-    """The dtype and KV size ``agentrt serve`` picks here (same code, machine and AGENTRT_* env) unless
+    """The dtype, quantization and KV size ``agentrt serve`` picks here (same code, machine and AGENTRT_* env) unless
     ``flags`` set them, and the commit it runs from; taken when the server starts."""
     from agentrt.config import ServerConfig
+    from engine.loader import gguf_weight_types
 
     def given(name: str) -> bool:
         return any(f == name or f.startswith(name + "=") for f in flags)
@@ -385,6 +386,8 @@ def agentrt_settings(flags: list[str]) -> dict:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return {"dtype": "as in server_cmd" if given("--dtype") else cfg.engine_config().resolved_dtype(),
             "kv_cache_tokens": "as in server_cmd" if given("--kv-cache-tokens") else cfg.kv_cache_tokens,
+            "quantization": "as in server_cmd" if given("--quantization") else
+            cfg.engine_config().resolved_quantization(gguf_weight_types(cfg.model)),
             "head_commit": commit.stdout.strip() or None}
 
 
