@@ -266,8 +266,8 @@ class ServerConfig(Settings):
                                         "request verifies per step with --speculative ngram or suffix")
     quantization: Literal[QUANTIZATIONS] = Field(_ENGINE["quantization"], description="weight-only quantization "
                                                  "on the CPU: int4, int8, gguf (the file's Q4/Q8 blocks x 8-bit "
-                                                 "activations in a C kernel for decode steps), off, or auto (with dtype "
-                                                 "auto, the fastest of off/int4/gguf measured once per CPU for a "
+                                                 "activations in a C kernel for decode steps), off, or auto (with "
+                                                 "dtype auto, the fastest of off/int4/gguf measured once per CPU for a "
                                                  "Q4_0/Q4_1 GGUF; with bfloat16 int4; off otherwise, float32 included)")
     cpu_kernels: bool = Field(_ENGINE["cpu_kernels"], description="on the CPU, decode attention and the bf16 "
                               "residual add + RMSNorm through C kernels built on first use by the system C "

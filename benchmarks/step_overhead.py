@@ -185,7 +185,8 @@ def ab_quantization(engine: LLMEngine, mode: str, shapes: list[str], steps: int,
         out[name] = {f"{mode}_ms": round(a, 2), f"{engine.quantization}_ms": round(b, 2), "ratio": round(a / b, 3),
                      f"{mode}_blocks_ms": [round(x, 2) for x in alt],
                      f"{engine.quantization}_blocks_ms": [round(x, 2) for x in base]}
-        print(f"ab       {name:22s} {mode} {a:9.1f} ms  {engine.quantization} {b:9.1f} ms  ratio {a / b:.3f}", flush=True)
+        print(f"ab       {name:22s} {mode} {a:9.1f} ms  {engine.quantization} {b:9.1f} ms  ratio {a / b:.3f}",
+              flush=True)
     return out
 
 
