@@ -26,7 +26,11 @@ and the LM head), measured on the default model with the default engine settings
   alternating blocks of steps, so that a noisy machine's slow minutes fall on both alike: medians
   and their ratio.
 
+* ``ab_quantization`` (``--ab-quantization MODE``): a second engine with ``quantization=MODE`` (e.g.
+  ``gguf``) against this one, in alternating blocks of steps as above: medians and their ratio.
+
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
+        [--ab-quantization gguf]
 """
 
 from __future__ import annotations
@@ -141,10 +145,26 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
             "floor_ratio": round((base + read_ms) / base, 2)}
 
 
+def alternate(sides: dict, steps: int, blocks: int, order: str = "alternate") -> dict:
+    """Each side's block medians (ms): ``blocks`` rounds in ``harness.ab_order`` (alternate: A, B, B, A, ...),
+    each side in turn running a warm-up step and then ``steps`` timed ones (``sides``: name -> a callable
+    that runs one step)."""
+    medians: dict = {k: [] for k in sides}
+    for _, side in harness.ab_order(list(sides), blocks, order):
+        sides[side]()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            sides[side]()
+            times.append(time.perf_counter() - t)
+        medians[side].append(statistics.median(times) * 1000)
+    return medians
+
+
 def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3, order: str = "alternate") -> dict:
     """The CPU's C kernels (decode attention, RoPE + K/V write, add + RMSNorm, SiLU-multiply) against the
     pure-torch paths on the same batch, in blocks of ``steps`` steps (a warm-up step first), ``blocks``
-    of each, in ``harness.ab_order`` (alternate: C, torch, torch, C, ...): each side's median of its block medians and their ratio. (Switching
+    of each, in ``harness.ab_order``: each side's median of its block medians and their ratio. (Switching
     paths at every step was tried and is biased: with both sides the same it measured them alike, but
     a switched side ran up to 1.9x slower than in runs of its own, so blocks it is.)"""
     backend, model = engine.runner.attn, engine.runner.model
@@ -156,24 +176,38 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3
     out = {}
     for name in shapes:
         batch = decode_batch(engine, *SHAPES[name])
-        medians: dict[bool, list[float]] = {True: [], False: []}
-        for _, side in harness.ab_order(["kernels", "torch"], blocks, order):
-            on = side == "kernels"
-            kernels(on)
-            engine.runner.run(batch)
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                engine.runner.run(batch)
-                times.append(time.perf_counter() - t)
-            medians[on].append(statistics.median(times) * 1000)
+        m = alternate({"kernels": lambda: (kernels(True), engine.runner.run(batch)),
+                       "torch": lambda: (kernels(False), engine.runner.run(batch))}, steps, blocks, order)
         free_batch(engine, batch)
-        c, t = statistics.median(medians[True]), statistics.median(medians[False])
+        on, off = m["kernels"], m["torch"]
+        c, t = statistics.median(on), statistics.median(off)
         out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3),
-                     "kernels_blocks_ms": [round(x, 2) for x in medians[True]],
-                     "torch_blocks_ms": [round(x, 2) for x in medians[False]]}
+                     "kernels_blocks_ms": [round(x, 2) for x in on],
+                     "torch_blocks_ms": [round(x, 2) for x in off]}
         print(f"ab       {name:22s} C kernels {c:9.1f} ms  pure torch {t:9.1f} ms  ratio {c / t:.3f}", flush=True)
     kernels(True)
+    return out
+
+
+def ab_quantization(engine: LLMEngine, mode: str, shapes: list[str], steps: int, blocks: int = 3,
+                    order: str = "alternate") -> dict:
+    """This engine's weights against a second engine's with ``quantization=mode`` (same dtype), on the
+    same shapes, in alternating blocks of steps (as ``ab_kernels``): medians and their ratio."""
+    cfg = engine.config
+    other = LLMEngine(EngineConfig(dtype=cfg.dtype, quantization=mode, kv_cache_tokens=cfg.kv_cache_tokens))
+    out = {}
+    for name in shapes:
+        batches = {"base": decode_batch(engine, *SHAPES[name]), "alt": decode_batch(other, *SHAPES[name])}
+        m = alternate({"base": lambda: engine.runner.run(batches["base"]),
+                       "alt": lambda: other.runner.run(batches["alt"])}, steps, blocks, order)
+        free_batch(engine, batches["base"])
+        free_batch(other, batches["alt"])
+        a, b = statistics.median(m["alt"]), statistics.median(m["base"])
+        out[name] = {f"{mode}_ms": round(a, 2), f"{engine.quantization}_ms": round(b, 2), "ratio": round(a / b, 3),
+                     f"{mode}_blocks_ms": [round(x, 2) for x in m["alt"]],
+                     f"{engine.quantization}_blocks_ms": [round(x, 2) for x in m["base"]]}
+        print(f"ab       {name:22s} {mode} {a:9.1f} ms  {engine.quantization} {b:9.1f} ms  ratio {a / b:.3f}",
+              flush=True)
     return out
 
 
@@ -189,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
+    ap.add_argument("--ab-quantization", metavar="MODE",
+                    help="also time a second engine with this quantization (e.g. gguf) against this one's, "
+                         "in alternating blocks")
     args = ap.parse_args(argv)
     run = harness.Run(args, __file__, argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -224,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     ab = ab_kernels(engine, shapes, args.steps, args.repeats, args.order) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
+    abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None
     auto = results.get("auto", {})
     out = {
         "device": engine.device,
@@ -238,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
         "attention_floor": attention_floor(engine, auto),
         "ab_kernels": ab,
+        "ab_quantization": abq,
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))

@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
 SPECULATIVE = ("off", "ngram", "suffix", "auto")
-QUANTIZATIONS = ("auto", "off", "int4", "int8")
+QUANTIZATIONS = ("auto", "off", "int4", "int8", "gguf")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -79,6 +79,12 @@ class EngineConfig:
     ``auto`` is ``int4`` for a GGUF file whose layer weights are Q4_0 / Q4_1, served on the CPU in
     bfloat16 (a decode step then reads a quarter of the bf16 bytes), and ``off`` otherwise: float32
     stays exact, and a checkpoint stored in full precision is not quantized unless asked.
+    ``gguf`` (engine/models/qlinear.py) multiplies decode steps (at most ``MAX_QUANT_ROWS`` rows) on the
+    file's own blocks (Q4_0 / Q4_1 layers, a Q8_0 LM head; other weights quantized to Q4_1 / Q8_0) with
+    activations quantized to 8 bits per block of 32 and integer dot products (a C kernel), and longer
+    steps on the dense weights in ``dtype``. With ``dtype="auto"`` too, ``auto`` on the CPU is measured:
+    the fastest of ``off``, ``int4`` (bfloat16 only) and ``gguf`` at this model's shapes, once per CPU
+    (engine/models/cpu_pick.py).
 
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
     (torch backend) goes through a C kernel that reads each row's own pages in place
@@ -128,9 +134,11 @@ class EngineConfig:
                                "where docs/benchmarking.md measured it, off on a GPU)", SPECULATIVE)
     num_speculative_tokens: int = setting(4, "most draft tokens a request verifies per step with speculative "
                                           "ngram or suffix")
-    quantization: str = setting("auto", "weight-only quantization on the CPU: int4, int8, off, or auto (int4 for a "
-                                "Q4_0/Q4_1 GGUF served in bfloat16, as the default model is on AVX512-BF16 CPUs; "
-                                "off otherwise, float32 included)", QUANTIZATIONS)
+    quantization: str = setting("auto", "weight-only quantization on the CPU: int4, int8 (torch's bf16 packed "
+                                "kernels), gguf (the GGUF's own Q4/Q8 blocks x 8-bit activations in a C kernel), "
+                                "off, or auto (with dtype auto and a Q4_0/Q4_1 GGUF: the fastest of off, int4 and "
+                                "gguf measured once per CPU; int4 for such a GGUF in bfloat16; off otherwise, "
+                                "float32 included)", QUANTIZATIONS)
     cpu_kernels: bool = setting(True, "on the CPU, decode attention and the bf16 residual add + RMSNorm through C "
                                 "kernels built on first use by the system C compiler (false, or no compiler: the "
                                 "pure-torch paths)")
@@ -182,10 +190,10 @@ class EngineConfig:
                              f"got {self.num_speculative_tokens!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization in ("int4", "int8") and self.resolved_device() != "cpu":
+        if self.quantization in ("int4", "int8", "gguf") and self.resolved_device() != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU packed "
-                             f"kernels); on {self.resolved_device()} use 'off'")
-        if self.quantization in ("int4", "int8") and self.ep_size > 1:
+                             f"kernels, the C kernel of 'gguf'); on {self.resolved_device()} use 'off'")
+        if self.quantization in ("int4", "int8", "gguf") and self.ep_size > 1:
             raise ValueError("quantization applies to dense models; with ep_size > 1 use 'off'")
         for name in ("kv_host_tokens", "kv_disk_tokens"):
             value = getattr(self, name)
@@ -237,15 +245,18 @@ class EngineConfig:
     def resolved_quantization(self, weight_types: set[str] | None = None) -> str:
         """``auto``: ``int4`` when the model is a GGUF file whose layer weights are all Q4_0 / Q4_1
         (``weight_types``, as ``engine.loader.gguf_weight_types`` reads them) and it runs on the CPU in
-        bfloat16 with torch's packed kernels available; else ``off``."""
+        bfloat16 with torch's packed kernels available; else ``off``. With ``dtype="auto"`` such a file
+        gets the fastest of the paths measured on this CPU (engine/models/cpu_pick.py)."""
         if self.quantization != "auto":
             return self.quantization
         from engine.models.quant import kernels_available
 
-        if (weight_types and weight_types <= {"Q4_0", "Q4_1"} and self.resolved_device() == "cpu"
-                and self.resolved_dtype() == "bfloat16" and kernels_available()):
-            return "int4"
-        return "off"
+        if not (weight_types and weight_types <= {"Q4_0", "Q4_1"} and self.resolved_device() == "cpu"):
+            return "off"
+        if self.dtype == "auto":
+            from engine.models.cpu_pick import pick_quantization
+            return pick_quantization(self.model, self.resolved_dtype())
+        return "int4" if self.resolved_dtype() == "bfloat16" and kernels_available() else "off"
 
     def resolved_speculative(self) -> str:
         """``auto``: ``suffix`` on the CPU, where benchmarks/speculative.py chose it

@@ -56,7 +56,7 @@ class LLMEngine:
         dtype = _DTYPES[config.resolved_dtype()]
         self.quantization = config.resolved_quantization(gguf_weight_types(config.model))
         mcfg, state, tok, model_id, int4_groups = load_model_files(config.model, dtype,
-                                                                   int4_groups=self.quantization == "int4")
+                                                                   int4_groups=self.quantization in ("int4", "gguf"))
         self.model_config, self.tokenizer = mcfg, tok
         self.model_id = config.served_model_name or model_id
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,

@@ -7,9 +7,10 @@ import os
 
 import torch
 
-from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks
+from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
+from engine.models.qmatmul import Q8Blocks
 from engine.models.quant import Int4Groups
 from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 
@@ -91,7 +92,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``.
 
     ``int4_groups``: a dict that receives, by HF name, every Q4_0 / Q4_1 weight's blocks as
-    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving."""
+    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving, and the
+    Q8_0 ``token_embd`` / ``output`` weights as ``engine.models.qmatmul.Q8Blocks`` (the LM head of
+    ``quantization="gguf"``)."""
     reader = GGUFFile(path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -143,6 +146,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
                 int4_groups[key] = groups
         else:
             raise ValueError(f"{path}: unexpected tensor {name}")
+        if int4_groups is not None and t.type_name == "Q8_0" and key in ("model.embed_tokens.weight",
+                                                                          "lm_head.weight"):
+            int4_groups[key] = Q8Blocks.from_blocks(*q8_blocks(t), arr.shape[0])
         state[key] = arr.to(dtype)
     progress.close()
 
