@@ -54,15 +54,17 @@ def no_compiler_reason() -> str | None:
     return f"no C compiler: {where} (shutil.which found none)"
 
 
-KERNELS = ("decode_attention", "layer_ops")   # the C libraries: engine/attention/cpu_kernel.py, cpu_ops.py
+# the C libraries: engine/attention/cpu_kernel.py, engine/models/cpu_ops.py, engine/models/qmatmul.py
+KERNELS = ("decode_attention", "layer_ops", "qmatmul")
 
 
 def loaded_kernels() -> dict[str, bool]:
     """Whether each C kernel library builds and loads in this process (built now unless cached); an
     engine uses the ones that fit its dtype and model (``Engine.active_kernels``)."""
     from engine.attention import cpu_kernel
-    from engine.models import cpu_ops
-    return {"decode_attention": cpu_kernel.load() is not None, "layer_ops": cpu_ops.load() is not None}
+    from engine.models import cpu_ops, qmatmul
+    return {"decode_attention": cpu_kernel.load() is not None, "layer_ops": cpu_ops.load() is not None,
+            "qmatmul": qmatmul.load() is not None}
 
 
 def _version(cc: str) -> str:

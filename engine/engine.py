@@ -86,7 +86,8 @@ class LLMEngine:
             self.model.use_cpu_ops(config.cpu_kernels)
         decode_kernel = getattr(attn, "kernel", None)
         # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
-        self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused)}
+        self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused),
+                               "qmatmul": self.quantization == "gguf"}
         self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
                                + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -24,7 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_build import _cpu_flags, cache_dir
+from engine.cpu_build import cache_dir
+from engine.cpu_info import flags_line
 
 log = logging.getLogger("engine")
 
@@ -92,7 +93,7 @@ def measure(candidates: list[str], shapes: dict, dtype: torch.dtype) -> dict[str
 def _key(candidates: list[str], shapes: dict, dtype: torch.dtype) -> str:
     from engine.models.qmatmul import SOURCE
 
-    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, _cpu_flags(), LAYERS])
+    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS])
     return hashlib.sha256(text.encode() + SOURCE.read_bytes()).hexdigest()[:16]
 
 

@@ -21,11 +21,19 @@ import torch.nn.functional as F
 from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.gguf_loader import default_model_path
 from engine.models.qlinear import BlockLinear
-from engine.models.qmatmul import Q4Blocks, Q8Blocks, load, quantize_activations, reference_matmul
+from engine.cpu_build import build
+from engine.models.qmatmul import SOURCE, Q4Blocks, Q8Blocks, QMatmulLib, quantize_activations, reference_matmul
 from engine.models.quant import Int4Groups, quantize_int4
+from kernel_build import KernelBuild
 
-lib = load()
-pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the kernel could not be built")
+BUILD = KernelBuild(lambda: QMatmulLib(build(SOURCE)))   # skipped only without a compiler on PATH
+lib = BUILD.value
+pytestmark = BUILD.skip_mark()
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    BUILD.require()   # a compile error fails every test here
 
 
 def random_q4(n: int, k: int, gen: torch.Generator, q4_0: bool = False) -> Q4Blocks:
@@ -116,7 +124,7 @@ def test_default_models_layers():
 
 @pytest.mark.skipif(lib is None or lib.variant != "avx2", reason="the native build is not the AVX2 path")
 def test_portable_build_agrees_with_avx2():
-    portable = load(("-mno-avx2",))
+    portable = QMatmulLib(build(SOURCE, ("-mno-avx2",)))
     assert portable is not None and portable.variant == "portable"
     gen = torch.Generator().manual_seed(3)
     for w in (random_q4(67, 192, gen), random_q8(67, 192, gen)):
