@@ -7,8 +7,9 @@ The rule, for README.md and docs/*.md:
    schema ("agentrt-bench/1"). "unknown" is accepted as a header value only when the header says
    "retrofitted": true (results recorded before benchmarks/harness.py; scripts/retrofit_headers.py).
 2. A *figure table* is a table with a decimal number in a data cell outside its first column,
-   ignoring `code spans` (flag values, addresses). The paragraph right above it has a line
-   `Command: ...` and a line `JSON: ...` naming the results JSON(s) (backquoted paths).
+   ignoring `code spans` (flag values, addresses), or a table with a `JSON:` line above it. The
+   paragraph right above it has a line `Command: ...` and a line `JSON: ...` naming the results
+   JSON(s) (backquoted paths).
 3. In a figure table, every number in a data cell outside the first column (the first column is the
    row's label: a configuration, not a result) and outside `code spans` matches one of the cited
    JSONs: printed with d decimals, it equals some number stored in the JSON rounded to d decimals
@@ -90,7 +91,9 @@ def figures(cell: str) -> list[tuple[str, int]]:
 
 
 def is_figure_table(table: Table) -> bool:
-    return any("." in text for row in table.rows for cell in row[1:] for text, _ in figures(cell))
+    """A table with a decimal figure, or one that names its JSON (then its integers are checked too)."""
+    return bool(json_paths(table)) or any("." in text for row in table.rows for cell in row[1:]
+                                           for text, _ in figures(cell))
 
 
 def json_numbers(value) -> list[float]:
@@ -213,6 +216,9 @@ def test_a_made_up_figure_in_a_table_is_reported(tmp_path):
     assert [p for p in table_problems(planted) if "219.8" in p], "a wrong figure went unnoticed"
     unlabelled = tables("x.md", table + row)[0]
     assert "no `Command:` line" in table_problems(unlabelled)[0]
+    counts = "| | requests |\n|---|---|\n| agentrt | {} |\n"  # integers only: checked for its JSON: line
+    assert table_problems(tables("x.md", doc + counts.format(64))[0]) == []
+    assert "977" in table_problems(tables("x.md", doc + counts.format(977))[0])[0]
 
 
 def test_a_ratio_cell_must_be_its_quotient_as_printed():
