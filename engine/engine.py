@@ -41,6 +41,7 @@ from engine.request import Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeState, TenantCorpora, verify
+from engine.step_cost import cpu_model, step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams)
@@ -106,7 +107,10 @@ class LLMEngine:
         self.speculative = config.resolved_speculative()
         # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
         self.corpora = TenantCorpora() if self.speculative == "suffix" else None
+        # a verification's cost in decode steps, for the draft-length rule (engine/step_cost.py)
+        self.step_cost, step_cost_why = step_cost_for(self.step_cost_setup())
         if self.speculative != "off":
+            _log.info("speculative step cost (fixed, per draft) %s: %s", self.step_cost, step_cost_why)
             self.scheduler.propose = self._propose
             # quantized layers run steps of more rows on their bf16 copies, at 2-3x a row's cost:
             # drafts never take a step past that (a step already past it drafts freely)
@@ -116,6 +120,12 @@ class LLMEngine:
                   "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
                   self.attention_desc, self.speculative, torch.get_num_threads(),
                   ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
+
+    def step_cost_setup(self) -> dict:
+        """What a step-cost measurement must match to apply here (engine/step_cost.py)."""
+        return {"device": self.device, "cpu_model": cpu_model() if self.device == "cpu" else self.device,
+                "dtype": self.config.resolved_dtype(), "quantization": self.quantization,
+                "torch_threads": torch.get_num_threads()}
 
     def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
         """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
@@ -412,7 +422,8 @@ class LLMEngine:
         if limit <= 0:
             return []
         if req.speculative is None:
-            req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens)
+            req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens,
+                                               step_cost=self.step_cost)
         corpus = self.corpora.get(req.cache_salt) if self.corpora is not None else None
         draft = req.speculative.propose(req.output_ids, limit, corpus)
         if draft and req.constraint is not None:
