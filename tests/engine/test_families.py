@@ -1,0 +1,115 @@
+"""Model families against transformers, token for token (float32, greedy): tiny random checkpoints that
+transformers writes itself (save_pretrained), prompts past every RoPE scaling threshold (the tiny configs'
+original_max_position_embeddings is 32; prompts are 36-48 tokens; Phi-3's longrope also in an engine whose
+context is 32 tokens, where transformers keeps the short factors), then the same weights written as a GGUF file (llama.cpp's names and keys, tests/engine/
+gguf_families.py) loaded by our GGUF loader to the same tokens. ``pytest tests/engine -k families``."""
+
+import pytest
+import torch
+
+from benchmarks.moe_checkpoint import save_tokenizer
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.loader.gguf_file import GGUFFile
+from engine.loader.gguf_loader import default_model_path, gguf_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+ORIG = 32   # original_max_position_embeddings of every scaled case
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+            "long_factor": [1.0 + 0.9 * i for i in range(8)]}
+CASES = {  # name: (transformers class prefix, config kwargs)
+    "llama3": ("Llama", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": ORIG}}),
+    "llama_linear": ("Llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
+    "qwen2_dynamic": ("Qwen2", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+    "qwen25_yarn": ("Qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG}}),
+    "qwen3": ("Qwen3", {"head_dim": 16}),
+    "qwen3_moe_yarn": ("Qwen3Moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                    "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                                     "original_max_position_embeddings": ORIG}}),
+    "phi3_longrope": ("Phi3", {"original_max_position_embeddings": ORIG, "rope_scaling": LONGROPE,
+                               "pad_token_id": 0}),
+    "phi4mini_partial": ("Phi3", {"original_max_position_embeddings": ORIG, "partial_rotary_factor": 0.75,
+                                  "tie_word_embeddings": True, "pad_token_id": 0,
+                                  "rope_scaling": {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                                                   "long_factor": LONGROPE["long_factor"][:6]}}),
+}
+PROMPT_LENS = (48, 40, 36)
+SHORT_PROMPT_LENS = (20, 14)  # + NEW_TOKENS within ORIG
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return gguf_tokenizer(GGUFFile(default_model_path()))
+
+
+def write_checkpoint(name, root, tokenizer):
+    """A tiny random model of the case, saved by transformers; returns (model, directory)."""
+    prefix, extra = CASES[name]
+    cfg = getattr(transformers, f"{prefix}Config")(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    ref = getattr(transformers, f"{prefix}ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # random init is tiny; scale up so greedy paths are not all one token
+        for p in ref.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    path = root / name
+    ref.save_pretrained(path)
+    save_tokenizer(tokenizer, path)
+    return ref, path
+
+
+def prompts(lens=PROMPT_LENS):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lens]
+
+
+def transformers_greedy(ref, prompt):
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_greedy(path, lens=PROMPT_LENS, **config):
+    # 32-token steps: the longer prompts are prefilled in two chunks
+    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=2048, max_batched_tokens=32, **config))
+    res = engine.generate(prompts(lens), SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    return engine, [r.token_ids for r in res]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    """name -> (transformers' tokens per prompt, checkpoint directory)"""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name in CASES:
+        ref, path = write_checkpoint(name, root, tokenizer)
+        short = prompts(SHORT_PROMPT_LENS) if name.startswith("phi") else []
+        out[name] = ([transformers_greedy(ref, p) for p in prompts() + short], path)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_families_hf_greedy_matches_transformers(name, checkpoints):
+    expected, path = checkpoints[name]
+    engine, got = engine_greedy(path)
+    assert got == expected[:len(PROMPT_LENS)]
+    assert all(len(set(t)) > 1 for t in got)   # a test that could not tell models apart would be useless
+    rope = CASES[name][1].get("rope_scaling", {})
+    assert engine.model_config.rope_scaling.get("rope_type") == rope.get("rope_type", rope.get("type"))
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "phi4mini_partial"])
+def test_families_hf_longrope_short_context_matches_transformers(name, checkpoints):
+    """An engine whose context is the original length rotates with the short factors, as transformers does
+    for every sequence within it."""
+    expected, path = checkpoints[name]
+    _, got = engine_greedy(path, SHORT_PROMPT_LENS, max_model_len=ORIG)
+    assert got == expected[len(PROMPT_LENS):]
