@@ -104,15 +104,16 @@ FIELDS: dict[str, dict[str, Rule]] = {
 }
 
 
-def check_fields(family: str, cfg: dict, source: str, kind: str = "config.json field") -> None:
-    """Raise ValueError naming the first field of ``cfg`` that ``FIELDS[family]`` refuses or does not know."""
-    rules = FIELDS[family]
+def check_fields(rules: dict[str, Rule], cfg: dict, source: str, family: str,
+                 kind: str = "config.json field", prefix: str = "") -> None:
+    """Raise ValueError naming the first field of ``cfg`` (``prefix`` + key in the message) that ``rules``
+    refuses or does not know."""
     for key, value in cfg.items():
-        rule = rules.get(key)
+        rule, name = rules.get(key), f"'{prefix}{key}'"
         if rule is None:
-            raise ValueError(f"{source}: {kind} {key!r} = {value!r} is not supported for {family} "
+            raise ValueError(f"{source}: {kind} {name} = {value!r} is not supported for {family} "
                              f"(a field this loader does not know may change the model's math, so it is refused)")
         if callable(rule):
             why = rule(value, cfg)
             if why is not None:
-                raise ValueError(f"{source}: {kind} {key!r} = {value!r} is not supported: {why}")
+                raise ValueError(f"{source}: {kind} {name} = {value!r} is not supported: {why}")

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.loader.arch_fields import check_fields
+from engine.loader.arch_fields import FIELDS, check_fields
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer
@@ -80,7 +80,7 @@ def rope_from_hf(cfg: dict, family: str) -> tuple[float, dict, float]:
 
 def config_from_hf(cfg: dict, source: str) -> ModelConfig:
     arch, family = _architecture(cfg, source)
-    check_fields(family, cfg, source)
+    check_fields(FIELDS[family], cfg, source, family)
     n_head = int(cfg["num_attention_heads"])
     moe = {}
     if arch in MOE_ARCHITECTURES:

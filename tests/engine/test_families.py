@@ -11,6 +11,7 @@ from benchmarks.moe_checkpoint import save_tokenizer
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader.gguf_file import GGUFFile
 from engine.loader.gguf_loader import default_model_path, gguf_tokenizer
+from tests.engine.gguf_families import write_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,9 +45,17 @@ SHORT_PROMPT_LENS = (20, 14)  # + NEW_TOKENS within ORIG
 NEW_TOKENS = 8
 
 
+GGUF_CASES = sorted(set(CASES) - {"qwen2_dynamic"})   # llama.cpp has no dynamic NTK RoPE to write
+
+
 @pytest.fixture(scope="module")
-def tokenizer():
-    return gguf_tokenizer(GGUFFile(default_model_path()))
+def default_gguf():
+    return GGUFFile(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf):
+    return gguf_tokenizer(default_gguf)
 
 
 def write_checkpoint(name, root, tokenizer):
@@ -85,12 +94,14 @@ def engine_greedy(path, lens=PROMPT_LENS, **config):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer):
-    """name -> (transformers' tokens per prompt, checkpoint directory)"""
+def checkpoints(tmp_path_factory, tokenizer, default_gguf):
+    """name -> (transformers' tokens per prompt, checkpoint directory); the same weights as <name>.gguf"""
     root = tmp_path_factory.mktemp("families")
     out = {}
     for name in CASES:
         ref, path = write_checkpoint(name, root, tokenizer)
+        if name in GGUF_CASES:
+            write_gguf(path, ref.config, CASES[name][0], root / f"{name}.gguf", default_gguf.fields)
         short = prompts(SHORT_PROMPT_LENS) if name.startswith("phi") else []
         out[name] = ([transformers_greedy(ref, p) for p in prompts() + short], path)
     return out
@@ -113,3 +124,17 @@ def test_families_hf_longrope_short_context_matches_transformers(name, checkpoin
     expected, path = checkpoints[name]
     _, got = engine_greedy(path, SHORT_PROMPT_LENS, max_model_len=ORIG)
     assert got == expected[len(PROMPT_LENS):]
+
+
+@pytest.mark.parametrize("name", GGUF_CASES)
+def test_families_gguf_greedy_matches_transformers(name, checkpoints):
+    expected, path = checkpoints[name]
+    engine, got = engine_greedy(path.parent / f"{name}.gguf")
+    assert got == expected[:len(PROMPT_LENS)]
+    cfg = engine.model_config
+    assert cfg.architecture == ("qwen3_moe" if "moe" in name else CASES[name][0].lower())
+    rope = CASES[name][1].get("rope_scaling", {})
+    kind = rope.get("rope_type", rope.get("type"))
+    # llama.cpp's converter stores llama3 as per-dimension divisors (the rope_freqs tensor)
+    assert cfg.rope_scaling.get("rope_type") == ("factors" if kind == "llama3" else kind)
+    assert cfg.partial_rotary_factor == CASES[name][1].get("partial_rotary_factor", 1.0)
