@@ -16,6 +16,9 @@ from engine.loader.model_config import ModelConfig
 
 # GGUF architecture -> our family
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+UNSUPPORTED = {"deepseek2": "multi-head latent attention (MLA) is not implemented (DeepSeek, Kimi K2)",
+               "glm4": "the GLM architecture is not implemented", "glm4moe": "the GLM architecture is not implemented",
+               "gemma3": "Gemma 3 is not implemented", "gpt-oss": "gpt-oss is not implemented"}
 
 
 def _scaling_type(value, cfg):
@@ -57,7 +60,8 @@ def check_gguf_fields(fields: dict, source: str) -> str:
     """The file's GGUF architecture, after refusing any metadata key we do not honour."""
     arch = fields.get("general.architecture")
     if arch not in FAMILIES:
-        raise ValueError(f"{source}: GGUF architecture {arch!r} is not supported (supported: {sorted(FAMILIES)})")
+        why = f": {UNSUPPORTED[arch]}" if arch in UNSUPPORTED else ""
+        raise ValueError(f"{source}: GGUF architecture {arch!r} is not supported{why} (supported: {sorted(FAMILIES)})")
     own = {"_arch": arch}
     for key, value in fields.items():
         if key.startswith(f"{arch}."):

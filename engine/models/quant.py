@@ -225,7 +225,9 @@ def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None,
             if mode == "int8":
                 setattr(parent, attr, Int8Linear(linear.weight, linear.bias, dense))
                 continue
-            parts = [groups.get(src) for src in hf_sources(f"layers.{i}.{parent_name}.{attr}.weight")]
+            name = f"layers.{i}.{parent_name}.{attr}.weight"
+            stored = [groups.get("model." + name)]       # stored fused (Phi-3), else the parts stacked
+            parts = stored if stored[0] is not None else [groups.get(src) for src in hf_sources(name)]
             weights = Int4Groups.cat(parts) if all(p is not None for p in parts) else quantize_int4(linear.weight)
             setattr(parent, attr, Int4Linear(weights, linear.bias, dense))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -74,3 +74,53 @@ def test_families_unsupported_architecture_is_refused_by_name(arch, tmp_path):
     with pytest.raises(ValueError) as err:
         load_model_files(str(tmp_path))
     assert arch in str(err.value) and ARCHITECTURES[arch] in str(err.value)
+
+
+GGUF_BASE = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+             "attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": 128}
+GGUF_REFUSED = {  # case: (architecture, extra metadata (key without the arch prefix, or "=full.key"), text)
+    "sliding_window": ("phi3", {"attention.sliding_window": 64}, "'phi3.attention.sliding_window' = 64"),
+    "mistral_window": ("llama", {"attention.sliding_window": 128}, "'llama.attention.sliding_window' = 128"),
+    "rope_scaling_type": ("llama", {"rope.scaling.type": "su"}, "'llama.rope.scaling.type' = 'su'"),
+    "longrope_outside_phi3": ("qwen2", {"rope.scaling.type": "longrope"}, "'qwen2.rope.scaling.type' = 'longrope'"),
+    "attn_factor": ("qwen2", {"rope.scaling.attn_factor": 1.2}, "'qwen2.rope.scaling.attn_factor' = 1.2"),
+    "softcapping": ("llama", {"attn_logit_softcapping": 50.0}, "'llama.attn_logit_softcapping' = 50.0"),
+    "final_softcapping": ("qwen3", {"final_logit_softcapping": 30.0}, "'qwen3.final_logit_softcapping' = 30.0"),
+    "expert_shared": ("qwen3moe", {"expert_shared_count": 1}, "'qwen3moe.expert_shared_count' = 1"),
+    "split": ("llama", {"=split.count": 2}, "'split.count' = 2"),
+}
+GGUF_ARCHITECTURES = {"deepseek2": "(MLA)", "glm4moe": "GLM", "gemma3": "Gemma 3", "gpt-oss": "gpt-oss"}
+
+
+def _write_gguf(path, arch, extra):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {**GGUF_BASE, **extra}.items():
+        name = key[1:] if key.startswith("=") else f"{arch}.{key}"
+        if isinstance(value, str):
+            w.add_string(name, value)
+        elif isinstance(value, float):
+            w.add_float32(name, value)
+        else:
+            w.add_uint32(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_REFUSED))
+def test_families_refused_gguf_metadata_fails_the_load(case, tmp_path):
+    arch, extra, text = GGUF_REFUSED[case]
+    with pytest.raises(ValueError) as err:
+        load_model_files(_write_gguf(tmp_path / "m.gguf", arch, extra))
+    assert text in str(err.value)
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCHITECTURES))
+def test_families_unsupported_gguf_architecture_is_refused_by_name(arch, tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_model_files(_write_gguf(tmp_path / "m.gguf", arch, {}))
+    assert f"GGUF architecture '{arch}' is not supported" in str(err.value)
+    assert GGUF_ARCHITECTURES[arch] in str(err.value)
