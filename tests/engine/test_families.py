@@ -138,3 +138,34 @@ def test_families_gguf_greedy_matches_transformers(name, checkpoints):
     # llama.cpp's converter stores llama3 as per-dimension divisors (the rope_freqs tensor)
     assert cfg.rope_scaling.get("rope_type") == ("factors" if kind == "llama3" else kind)
     assert cfg.partial_rotary_factor == CASES[name][1].get("partial_rotary_factor", 1.0)
+
+
+KERNEL_CASES = ["qwen25_yarn", "phi3_longrope", "phi4mini_partial", "qwen3_moe_yarn"]
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_families_torch_paths_match_transformers(name, checkpoints):
+    """The tests above run the CPU C kernels (decode attention, RoPE + K/V write) where they apply; the
+    pure-torch paths they fall back to give transformers' tokens too."""
+    expected, path = checkpoints[name]
+    _, got = engine_greedy(path, cpu_kernels=False)
+    assert got == expected[:len(PROMPT_LENS)]
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_families_bf16_kernels_compute_the_torch_paths_values(name, checkpoints, caplog):
+    """bfloat16 prefill on the CPU: the C layer operations (add + RMSNorm, SwiGLU) and RoPE + K/V write on
+    the scaled tables, q/k/v biases, fused Phi-3 weights and MoE layers give the pure-torch paths' logits
+    bit for bit (the decode kernel, which sums in another order, is not in a prefill); a partial rotary
+    model says in the log that its RoPE stays in torch (the kernel rotates whole heads)."""
+    _, path = checkpoints[name]
+    out = {}
+    for kernels in (True, False):
+        with caplog.at_level("INFO", logger="engine.models.llama"):
+            engine = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=2048, max_batched_tokens=64,
+                                            dtype="bfloat16", cpu_kernels=kernels))
+            res = engine.generate(prompts(), SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+        out[kernels] = [(r.token_ids, r.logprobs[0].top) for r in res]
+        assert (engine.model.cpu_ops is not None) == kernels
+    assert out[True] == out[False]
+    assert ("not the C rope_store kernel" in caplog.text) == name.startswith("phi4mini")
