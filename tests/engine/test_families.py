@@ -22,7 +22,7 @@ COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidde
 LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
             "long_factor": [1.0 + 0.9 * i for i in range(8)]}
 CASES = {  # name: (transformers class prefix, config kwargs)
-    "llama3": ("Llama", {"rope_theta": 500000.0, "rope_scaling": {
+    "llama3": ("Llama", {"rope_scaling": {   # wavelengths 6.3 (kept), 19.9 (smoothed), 63+ (divided)
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": ORIG}}),
     "llama_linear": ("Llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),

@@ -18,7 +18,7 @@ CASES = {  # name: (config class, config kwargs)
     "dynamic": ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "llama3": ("LlamaConfig", {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}}),
+        "original_max_position_embeddings": 64}}),   # one wavelength (32.5) in the smoothed band
     "yarn": ("Qwen2Config", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
     "yarn_mscale": ("Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
                                                      "mscale_all_dim": 1.0, "beta_fast": 16,
