@@ -93,18 +93,26 @@ def engine_greedy(path, lens=PROMPT_LENS, **config):
     return engine, [r.token_ids for r in res]
 
 
+class Checkpoints(dict):
+    """name -> (transformers' tokens per prompt, checkpoint directory), each written on first use (so a
+    ``-k`` selection writes only its own); the same weights as <name>.gguf for GGUF_CASES."""
+
+    def __init__(self, root, tokenizer, default_gguf):
+        super().__init__()
+        self.root, self.tokenizer, self.fields = root, tokenizer, default_gguf.fields
+
+    def __missing__(self, name):
+        ref, path = write_checkpoint(name, self.root, self.tokenizer)
+        if name in GGUF_CASES:
+            write_gguf(path, ref.config, CASES[name][0], self.root / f"{name}.gguf", self.fields)
+        short = prompts(SHORT_PROMPT_LENS) if name.startswith("phi") else []
+        self[name] = ([transformers_greedy(ref, p) for p in prompts() + short], path)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer, default_gguf):
-    """name -> (transformers' tokens per prompt, checkpoint directory); the same weights as <name>.gguf"""
-    root = tmp_path_factory.mktemp("families")
-    out = {}
-    for name in CASES:
-        ref, path = write_checkpoint(name, root, tokenizer)
-        if name in GGUF_CASES:
-            write_gguf(path, ref.config, CASES[name][0], root / f"{name}.gguf", default_gguf.fields)
-        short = prompts(SHORT_PROMPT_LENS) if name.startswith("phi") else []
-        out[name] = ([transformers_greedy(ref, p) for p in prompts() + short], path)
-    return out
+    return Checkpoints(tmp_path_factory.mktemp("families"), tokenizer, default_gguf)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
