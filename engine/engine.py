@@ -67,6 +67,7 @@ class LLMEngine:
             self.model = self._build_expert_parallel(mcfg, state, dtype)
         else:
             self.model = build_model(mcfg, state, dtype, self.device, self.quantization, int4_groups)
+        self.model.rope.fit_context(self.max_model_len)   # longrope: its long table only past the original length
         del state, int4_groups
         P = config.page_size
         self.pool = PagePool(config.num_pages)

@@ -31,7 +31,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = model.rope.__class__(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    model.rope = model.rope.__class__(cfg).to(device)
     model.load_hf_state_dict(state)
     keep_float32_norms(model)
     _quantize(model, quantization, int4_groups)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.qmatmul import Q4Blocks, Q8Blocks, QMatmulLib, load
-from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantize_int4
+from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantize_int4, stored_parts
 
 
 class BlockLinear(nn.Module):
@@ -69,7 +69,7 @@ def quantize_model_blocks(model: nn.Module, blocks: dict | None = None, lib: QMa
     blocks = blocks or {}
     for parent, attr, sources in projections(model):
         linear = getattr(parent, attr)
-        parts = [blocks.get(src) for src in sources]
+        parts = stored_parts(blocks, sources)
         setattr(parent, attr, BlockLinear(lib, _layer_blocks(parts, linear.weight), linear.weight, linear.bias))
     tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight

@@ -203,8 +203,8 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def projections(model: nn.Module):
-    """``(parent module, attribute, checkpoint names of its weight)`` of every decoder layer's dense
-    projection: ``qkv_proj``, ``o_proj`` and (dense MLPs only; MoE experts stay as they are)
+    """``(parent module, attribute, checkpoint names of its weight: its own name, then the parts it is
+    stacked from)`` of every decoder layer's dense projection: ``qkv_proj``, ``o_proj`` and (dense MLPs only; MoE experts stay as they are)
     ``gate_up_proj`` and ``down_proj``."""
     from engine.models.llama import MLP, hf_sources
 
@@ -213,7 +213,17 @@ def projections(model: nn.Module):
         if isinstance(layer.mlp, MLP):
             targets += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
         for parent, parent_name, attr in targets:
-            yield parent, attr, hf_sources(f"layers.{i}.{parent_name}.{attr}.weight")
+            name = f"layers.{i}.{parent_name}.{attr}.weight"
+            yield parent, attr, ["model." + name] + hf_sources(name)
+
+
+def stored_parts(blocks: dict, sources: list[str]) -> list:
+    """A projection's stored blocks from ``projections``' ``sources``: the weight's own where the file stores
+    it fused (Phi-3's attn_qkv / ffn_up), else its parts' (None where a part has none)."""
+    fused, parts = sources[0], sources[1:]
+    if fused in blocks and fused not in parts:
+        return [blocks[fused]]
+    return [blocks.get(src) for src in parts]
 
 
 def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None, keep_dense: bool = True) -> None:
@@ -233,7 +243,7 @@ def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None,
         if mode == "int8":
             setattr(parent, attr, Int8Linear(linear.weight, linear.bias, dense))
             continue
-        parts = [groups.get(src) for src in sources]
+        parts = stored_parts(groups, sources)
         weights = Int4Groups.cat(parts) if all(p is not None for p in parts) else quantize_int4(linear.weight)
         setattr(parent, attr, Int4Linear(weights, linear.bias, dense))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -2,6 +2,7 @@
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,6 +161,12 @@ def test_without_the_kernel_the_torch_plans_serve():
     assert backend.kernel_decode is None and (backend.decode is not None or backend.cascade is not None)
 
 
+def _rope_cfg(head_dim: int, max_pos: int) -> SimpleNamespace:
+    """What RotaryEmbedding reads of a ModelConfig: plain RoPE, theta 10000."""
+    return SimpleNamespace(head_dim=head_dim, max_position_embeddings=max_pos, rope_theta=10000.0,
+                           rope_scaling={}, partial_rotary_factor=1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 8, 2, 128), (3, 4, 4, 24)])
 def test_rope_store_is_the_models_rope_and_the_pools_write(dtype, T, Hq, Hkv, D):
@@ -171,7 +178,7 @@ def test_rope_store_is_the_models_rope_and_the_pools_write(dtype, T, Hq, Hkv, D)
     torch.manual_seed(T * D)
     P, num_pages = 16, 64
     qkv = (torch.randn(T, Hq + 2 * Hkv, D) * 3).to(dtype)
-    table = RotaryEmbedding(D, 8192, 10000.0).table(torch.randint(0, 8000, (T,)), dtype)
+    table = RotaryEmbedding(_rope_cfg(D, 8192)).table(torch.randint(0, 8000, (T,)), dtype)
     slots = torch.randperm(num_pages * P)[:T]
     kv_ref = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
     kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
@@ -207,7 +214,7 @@ def test_backend_stores_in_c_only_where_every_slot_is_in_the_pool():
 
     P, Hq, Hkv, D = 16, 4, 2, 32
     kv = KVCache(1, 8, P, Hkv, D, torch.float32, "cpu", layout="HSD")
-    table = RotaryEmbedding(D, 256, 10000.0).table(torch.tensor([4]), torch.float32)
+    table = RotaryEmbedding(_rope_cfg(D, 256)).table(torch.tensor([4]), torch.float32)
     qkv = torch.randn(1, Hq + 2 * Hkv, D)
     inside = BatchLayout([1], [5], [[2]], torch.tensor([2 * P + 4]))
     outside = BatchLayout([1], [5], [[8]], torch.tensor([8 * P + 4]))
