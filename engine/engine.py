@@ -81,6 +81,7 @@ class LLMEngine:
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
+        attn.set_layer_attention(self.model.layer_attention())   # windows, sinks, ...: refused if unsupported
         self.runner = ModelRunner(self.model, attn, P, self.device)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.loader.hf_families import FAMILY_ARCHITECTURES, family_config, mistral_windows
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer
@@ -34,8 +35,11 @@ MOE_ARCHITECTURES = {
 def config_from_hf(cfg: dict, source: str) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in DENSE_ARCHITECTURES or a in MOE_ARCHITECTURES), None)
+    family_arch = next((a for a in archs if a in FAMILY_ARCHITECTURES), None)
+    if arch is None and family_arch is not None:
+        return family_config(family_arch, cfg, source)
     if arch is None:
-        supported = sorted(DENSE_ARCHITECTURES) + sorted(MOE_ARCHITECTURES)
+        supported = sorted(DENSE_ARCHITECTURES) + sorted(MOE_ARCHITECTURES) + sorted(FAMILY_ARCHITECTURES)
         raise ValueError(f"{source}: architectures {archs} not supported (supported: {supported})")
     family = DENSE_ARCHITECTURES.get(arch) or MOE_ARCHITECTURES[arch]
     n_head = int(cfg["num_attention_heads"])
@@ -64,6 +68,7 @@ def config_from_hf(cfg: dict, source: str) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "qwen2_moe"))),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         moe=moe,
+        sliding_windows=mistral_windows(cfg, int(cfg["num_hidden_layers"])) if family == "mistral" else (),
     )
 
 
