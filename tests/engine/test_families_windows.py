@@ -22,7 +22,7 @@ FAMILIES = {
     # layers 0, 2 slide (local RoPE base 10k), 1, 3 are global; scores scaled by 1/sqrt(24), not 1/4
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                dict(SMALL, intermediate_size=128, num_hidden_layers=4, sliding_window=12, sliding_window_pattern=2,
-                    query_pre_attn_scalar=24, tie_word_embeddings=True, final_logit_softcapping=30.0)),
+                    query_pre_attn_scalar=24, tie_word_embeddings=True, final_logit_softcapping=2.0)),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                 dict(SMALL, intermediate_size=32, num_hidden_layers=2, sliding_window=8, num_local_experts=4,
                      num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
@@ -39,6 +39,10 @@ def write_checkpoint(family, path, tokenizer, **overrides):
                 p.mul_(4.0)
             elif "norm" in name and family == "gemma3":   # Gemma's norms are 1 + w: make w matter
                 p.normal_(0.0, 0.5)
+            elif name.endswith("bias"):                     # transformers starts biases at zero
+                p.normal_(0.0, 0.2)
+            if name.endswith("gate_up_proj"):               # past swiglu_limit (7) often: the clamps matter
+                p.mul_(2.0)
     ref.save_pretrained(path)
     save_tokenizer(tokenizer, path)
     return ref
@@ -50,11 +54,13 @@ def prompts():
 
 
 def greedy_reference(ref, prompt, n):
+    """transformers' greedy tokens and each one's log-probability."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                           eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -64,9 +70,12 @@ def test_families_windows_greedy_matches_transformers(family, tmp_path, tokenize
     assert ours.model_config.architecture == family
     windows = [a.window for a in ours.runner.attn.layer_attention]
     assert windows == {"mistral": [8, 8], "gemma3": [12, None, 12, None], "gpt_oss": [8, None]}[family]
-    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
     for prompt, r in zip(prompts(), res):
-        assert r.token_ids == greedy_reference(ref, prompt, 10)
+        tokens, logprobs = greedy_reference(ref, prompt, 10)
+        assert r.token_ids == tokens
+        # the log-probabilities too: a monotone change (a final soft-cap) keeps greedy tokens
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=1e-3)
         assert len(set(r.token_ids)) > 1  # a test that could not tell models apart would be useless
 
 
