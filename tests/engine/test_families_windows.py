@@ -35,14 +35,14 @@ def write_checkpoint(family, path, tokenizer, **overrides):
     ref = model_cls(cfg_cls(**dict(kwargs, **overrides))).eval()
     with torch.no_grad():  # random init is tiny; scale up so greedy paths are not all one token
         for name, p in ref.named_parameters():
-            if p.dim() > 1 or name.endswith("sinks"):
+            if name.endswith("bias"):                       # transformers starts biases at zero
+                p.normal_(0.0, 0.2)
+            elif p.dim() > 1 or name.endswith("sinks"):
                 p.mul_(4.0)
             elif "norm" in name and family == "gemma3":   # Gemma's norms are 1 + w: make w matter
                 p.normal_(0.0, 0.5)
-            elif name.endswith("bias"):                     # transformers starts biases at zero
-                p.normal_(0.0, 0.2)
             if name.endswith("gate_up_proj"):               # past swiglu_limit (7) often: the clamps matter
-                p.mul_(2.0)
+                p.mul_(6.0)
     ref.save_pretrained(path)
     save_tokenizer(tokenizer, path)
     return ref
@@ -75,7 +75,7 @@ def test_families_windows_greedy_matches_transformers(family, tmp_path, tokenize
         tokens, logprobs = greedy_reference(ref, prompt, 10)
         assert r.token_ids == tokens
         # the log-probabilities too: a monotone change (a final soft-cap) keeps greedy tokens
-        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=1e-3)
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
         assert len(set(r.token_ids)) > 1  # a test that could not tell models apart would be useless
 
 
