@@ -99,3 +99,19 @@ def test_families_windows_refused_fields(family, field, value, tmp_path, tokeniz
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=field.split(".")[0]):
         LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=256))
+
+
+def test_families_windows_gemma3_geglu_is_the_tanh_gelu():
+    """GeGLU against transformers' Gemma 3 MLP on large activations (the tanh and erf GELUs differ by
+    ~1e-3 there, below what greedy tokens of a tiny model show)."""
+    from engine.models.gemma3 import GeGLU
+    cfg = transformers.Gemma3TextConfig(**dict(FAMILIES["gemma3"][2], vocab_size=16))
+    torch.manual_seed(3)
+    ref = transformers.models.gemma3.modeling_gemma3.Gemma3MLP(cfg)
+    ours = GeGLU(cfg.hidden_size, cfg.intermediate_size)
+    with torch.no_grad():
+        ours.gate_up_proj.weight.copy_(torch.cat([ref.gate_proj.weight, ref.up_proj.weight]))
+        ours.down_proj.weight.copy_(ref.down_proj.weight)
+    x = torch.randn(32, cfg.hidden_size) * 20
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
