@@ -148,6 +148,9 @@ class LLMEngine:
 
     def _build_expert_parallel(self, mcfg, state, dtype):
         """This process is rank 0; the other ranks start here and stop in ``close``."""
+        if not mcfg.moe:   # dense models, and gpt-oss whose MoE block is its own (engine/models/gpt_oss.py)
+            raise ValueError(f"ep_size > 1: expert parallelism serves Mixtral / Qwen MoE models, "
+                             f"not {mcfg.architecture!r}")
         from engine.models.moe_model import build_moe_model
         from engine.moe.ep_group import ExpertParallelGroup
 

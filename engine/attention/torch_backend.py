@@ -72,6 +72,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernel: bool = True) -> None:
         super().__init__(kv, num_heads, num_kv_heads, head_dim)
         self._windows: set[int | None] = set()   # the windows of the non-plain layers (None: no window)
+        self._plain_layers = True                  # whether any layer takes the plans below
         self.kernel = None
         if cpu_kernel and kv.k[0].device.type == "cpu" and 256 % kv.page_size == 0:
             from engine.attention.cpu_kernel import load
@@ -86,6 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.layer_attention = list(layers)
         special = [i for i, a in enumerate(layers) if not a.plain]
         self._windows = {layers[i].window for i in special}
+        self._plain_layers = len(special) < len(layers)
         if special:
             log.info("attention: layers %s (%s) use the torch masked path%s", special,
                      "; ".join(sorted({layers[i].describe() for i in special})),
@@ -102,6 +104,9 @@ class TorchAttentionBackend(AttentionBackend):
                            and (self.slots.numel() == 0 or (int(self.slots.min()) >= 0
                                                             and int(self.slots.max()) < self.kv.k[0].shape[1])))
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        self.decode = self.cascade = self.kernel_decode = None
+        if not self._plain_layers:   # every layer takes the masked path (Gemma 3, gpt-oss)
+            return
         rows, dec_pages, dec_lens = [], [], []
         row = 0
         for ql, kl, pages in zip(layout.q_lens, layout.kv_lens, layout.page_tables):
@@ -120,7 +125,6 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.from_numpy(np.arange(kl)[None, :] <= qpos).to(dev)  # (ql, kl)
                 self.prefills.append((row, row + ql, torch.from_numpy(idx).to(dev), mask))
             row += ql
-        self.decode = self.cascade = self.kernel_decode = None
         if rows and self.kernel is not None and self.force_decode_plan in (None, "kernel"):
             self.kernel_decode = _KernelDecode(self.kernel, rows, dec_pages, dec_lens, P, dev, row)
         elif rows:
@@ -178,7 +182,6 @@ class TorchAttentionBackend(AttentionBackend):
                 return kd.attend(self.kv, layer, q)
             out[kd.rows] = kd.attend(self.kv, layer, q[kd.rows])
         return out
-
 
     def _attend_special(self, layer: int, q: torch.Tensor, spec: LayerAttention) -> torch.Tensor:
         """q: (T, Hq, D) -> (T, Hq, D), each sequence over the keys its window keeps, masked."""

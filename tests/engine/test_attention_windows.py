@@ -86,3 +86,19 @@ def test_a_backend_without_the_feature_refuses_it():
 def test_layer_attention_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         LayerAttention(**{field: value})
+
+
+def test_every_layer_special_skips_the_plain_plans():
+    """With no plain layer (Gemma 3, gpt-oss) a step builds only the masked plan, and it still matches."""
+    torch.manual_seed(5)
+    kv, backend = random_backend(2, 120, plan=None)
+    backend.set_layer_attention([LayerAttention(window=4, sinks=SINKS), LayerAttention(scale=0.1)])
+    layout = make_batch(random.Random(6), 120, SPECS)
+    q = torch.randn(layout.num_tokens, HQ, D) * 3
+    backend.plan(layout)
+    assert backend.prefills == [] and backend.kernel_decode is None and backend.cascade is None
+    for layer in range(2):
+        k, v = torch.randn(layout.num_tokens, HKV, D), torch.randn(layout.num_tokens, HKV, D)
+        out = backend.forward(layer, q, k, v)
+        torch.testing.assert_close(out, reference_attention(kv, layer, layout, q, backend.layer_attention[layer]),
+                                   atol=2e-5, rtol=2e-5)

@@ -115,3 +115,10 @@ def test_families_windows_gemma3_geglu_is_the_tanh_gelu():
     x = torch.randn(32, cfg.hidden_size) * 20
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_families_windows_gpt_oss_refuses_expert_parallelism(tmp_path, tokenizer):
+    """gpt-oss's MoE block is its own (biased router, clamped SwiGLU): engine.moe's ranks would not run it."""
+    write_checkpoint("gpt_oss", tmp_path, tokenizer)
+    with pytest.raises(ValueError, match="ep_size > 1.*'gpt_oss'"):
+        LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=256, ep_size=2))
