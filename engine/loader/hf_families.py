@@ -97,7 +97,8 @@ def gpt_oss_config(cfg: dict, source: str) -> ModelConfig:
                 "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
                 "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
     if not 1 <= settings["top_k"] <= settings["num_experts"]:
-        raise refuse(source, "num_experts_per_tok", settings["top_k"], f"1..num_local_experts ({settings['num_experts']})")
+        raise refuse(source, "num_experts_per_tok", settings["top_k"],
+                     f"1..num_local_experts ({settings['num_experts']})")
     return _base(cfg, "gpt_oss", rope_theta=_rope_theta(rope, source, "rope_parameters"), attention_bias=True,
                  tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_windows=windows,
                  family_settings=settings)
