@@ -83,6 +83,7 @@ class LLMEngine:
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
+        attn.set_layer_attention(self.model.layer_attention())   # windows, sinks, ...: refused if unsupported
         self.runner = ModelRunner(self.model, attn, P, self.device)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels)
@@ -163,6 +164,9 @@ class LLMEngine:
 
     def _build_expert_parallel(self, mcfg, state, dtype):
         """This process is rank 0; the other ranks start here and stop in ``close``."""
+        if not mcfg.moe:   # dense models, and gpt-oss whose MoE block is its own (engine/models/gpt_oss.py)
+            raise ValueError(f"ep_size > 1: expert parallelism serves Mixtral / Qwen MoE models, "
+                             f"not {mcfg.architecture!r}")
         from engine.models.moe_model import build_moe_model
         from engine.moe.ep_group import ExpertParallelGroup
 

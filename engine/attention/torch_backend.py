@@ -44,8 +44,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, BatchLayout
-from engine.attention.cpu_kernel import KernelRows
+from engine.attention.base import AttentionBackend, BatchLayout, LayerAttention
+from engine.attention.cpu_kernel import KernelRows, log
+from engine.attention.windowed import WindowedPlan
 
 # read the union as one range when it wastes at most this factor over the union itself
 _RANGE_SLACK = 1.5
@@ -70,6 +71,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernel: bool = True) -> None:
         super().__init__(kv, num_heads, num_kv_heads, head_dim)
+        self._windows: set[int | None] = set()   # the windows of the non-plain layers (None: no window)
+        self._plain_layers = True                  # whether any layer takes the plans below
         self.kernel = None
         if cpu_kernel and kv.k[0].device.type == "cpu" and 256 % kv.page_size == 0:
             from engine.attention.cpu_kernel import load
@@ -77,8 +80,22 @@ class TorchAttentionBackend(AttentionBackend):
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
 
+    def set_layer_attention(self, layers: list[LayerAttention]) -> None:
+        """Every kind is supported: a non-plain layer (window, sinks, soft-cap, scale) is attended by
+        the masked per-sequence path of engine/attention/windowed.py, never the CPU decode kernel
+        or the union / cascade plans."""
+        self.layer_attention = list(layers)
+        special = [i for i, a in enumerate(layers) if not a.plain]
+        self._windows = {layers[i].window for i in special}
+        self._plain_layers = len(special) < len(layers)
+        if special:
+            log.info("attention: layers %s (%s) use the torch masked path%s", special,
+                     "; ".join(sorted({layers[i].describe() for i in special})),
+                     ", not the CPU decode kernel" if self.kernel is not None else "")
+
     def plan(self, layout: BatchLayout) -> None:
         dev = self.kv.k[0].device
+        self.windowed = WindowedPlan(layout, self._windows, self.kv.page_size, dev) if self._windows else None
         P = self.kv.page_size
         self.slots = layout.slot_mapping
         # rotate_and_store's C side writes slots unchecked: every one must lie in the pool
@@ -87,6 +104,9 @@ class TorchAttentionBackend(AttentionBackend):
                            and (self.slots.numel() == 0 or (int(self.slots.min()) >= 0
                                                             and int(self.slots.max()) < self.kv.k[0].shape[1])))
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        self.decode = self.cascade = self.kernel_decode = None
+        if not self._plain_layers:   # every layer takes the masked path (Gemma 3, gpt-oss)
+            return
         rows, dec_pages, dec_lens = [], [], []
         row = 0
         for ql, kl, pages in zip(layout.q_lens, layout.kv_lens, layout.page_tables):
@@ -105,7 +125,6 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.from_numpy(np.arange(kl)[None, :] <= qpos).to(dev)  # (ql, kl)
                 self.prefills.append((row, row + ql, torch.from_numpy(idx).to(dev), mask))
             row += ql
-        self.decode = self.cascade = self.kernel_decode = None
         if rows and self.kernel is not None and self.force_decode_plan in (None, "kernel"):
             self.kernel_decode = _KernelDecode(self.kernel, rows, dec_pages, dec_lens, P, dev, row)
         elif rows:
@@ -130,6 +149,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer, q, k, v):
         if k is not None:
             self.kv.write(layer, self.slots, k, v)
+        if self.layer_attention and not self.layer_attention[layer].plain:
+            return self._attend_special(layer, q, self.layer_attention[layer])
         out = torch.empty_like(q)                                     # (T, Hq, D)
         for start, end, idx, mask in self.prefills:
             ks, vs = self.kv.gather(layer, idx)                       # (Hkv, kl, D)
@@ -160,6 +181,14 @@ class TorchAttentionBackend(AttentionBackend):
             if kd.rows is None:                                       # every row decodes
                 return kd.attend(self.kv, layer, q)
             out[kd.rows] = kd.attend(self.kv, layer, q[kd.rows])
+        return out
+
+    def _attend_special(self, layer: int, q: torch.Tensor, spec: LayerAttention) -> torch.Tensor:
+        """q: (T, Hq, D) -> (T, Hq, D), each sequence over the keys its window keeps, masked."""
+        out = torch.empty_like(q)
+        for start, end, idx, mask in self.windowed.by_window[spec.window]:
+            ks, vs = self.kv.gather(layer, idx)                       # (Hkv, n, D)
+            out[start:end] = grouped_attention(q[start:end], ks, vs, mask, spec.scale, spec.softcap, spec.sinks)
         return out
 
 
@@ -372,19 +401,29 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention with grouped KV heads.
 
     q: (Q, Hq, D); k, v: (Hkv, N, D); mask: (Q, N) bool, True = may attend -> (Q, Hq, D).
-    Query head h reads KV head h // (Hq // Hkv), as Hugging Face's repeat_kv does.
+    Query head h reads KV head h // (Hq // Hkv), as Hugging Face's repeat_kv does. ``scale``,
+    ``softcap``, ``sinks`` (Hq,): as ``LayerAttention`` defines them (None: plain).
     """
     Q, Hq, D = q.shape
     Hkv, N, _ = k.shape
     G = Hq // Hkv
     qg = q.view(Q, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * Q, D)   # (Hkv, G*Q, D)
     s = torch.bmm(qg, k.transpose(1, 2)).view(Hkv, G, Q, N)                # (Hkv, G, Q, N)
-    s = s.float().mul_(1.0 / math.sqrt(D)).masked_fill_(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype).view(Hkv, G * Q, N)
+    s = s.float().mul_(1.0 / math.sqrt(D) if scale is None else scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap).mul_(softcap)
+    s.masked_fill_(~mask, float("-inf"))
+    if sinks is not None:  # one more logit per head in the denominator, attending to nothing
+        sink = sinks.float().view(Hkv, G, 1, 1).expand(Hkv, G, Q, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :N].to(v.dtype).reshape(Hkv, G * Q, N)
+    else:
+        p = torch.softmax(s, dim=-1).to(v.dtype).view(Hkv, G * Q, N)
     o = torch.bmm(p, v).view(Hkv, G, Q, D)                                  # (Hkv, G, Q, D)
     return o.permute(2, 0, 1, 3).reshape(Q, Hq, D)
 

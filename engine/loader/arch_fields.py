@@ -91,7 +91,8 @@ _MOE = {"num_experts_per_tok": HONOURED, "moe_intermediate_size": HONOURED, "nor
 
 FIELDS: dict[str, dict[str, Rule]] = {
     "llama": {**_DENSE, "attention_bias": HONOURED, "mlp_bias": _equals(False, "no MLP biases")},
-    "mistral": {**_DENSE},
+    # Mistral slides every layer over sliding_window keys (engine/loader/hf_families.mistral_windows)
+    "mistral": {**_DENSE, "sliding_window": HONOURED},
     "qwen2": {**_DENSE, **_QWEN},
     "qwen3": {**_DENSE, **_QWEN, "attention_bias": HONOURED},
     "phi3": {**_DENSE, "original_max_position_embeddings": HONOURED, "partial_rotary_factor": HONOURED,

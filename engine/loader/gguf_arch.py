@@ -18,7 +18,8 @@ from engine.loader.model_config import ModelConfig
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 UNSUPPORTED = {"deepseek2": "multi-head latent attention (MLA) is not implemented (DeepSeek, Kimi K2)",
                "glm4": "the GLM architecture is not implemented", "glm4moe": "the GLM architecture is not implemented",
-               "gemma3": "Gemma 3 is not implemented", "gpt-oss": "gpt-oss is not implemented"}
+               "gemma3": "Gemma 3 is implemented for Hugging Face directories only (Gemma3ForCausalLM), not GGUF",
+               "gpt-oss": "gpt-oss is implemented for Hugging Face directories only (GptOssForCausalLM), not GGUF"}
 
 
 def _scaling_type(value, cfg):

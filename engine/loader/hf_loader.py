@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.loader.arch_fields import FIELDS, check_fields
+from engine.loader.hf_families import FAMILY_ARCHITECTURES, family_config, mistral_windows
 from engine.loader.model_config import ModelConfig
 from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer
@@ -41,9 +42,8 @@ UNSUPPORTED_ARCHITECTURES = {
     "Glm4ForCausalLM": "the GLM architecture is not implemented",
     "Glm4MoeForCausalLM": "the GLM architecture is not implemented",
     "ChatGLMModel": "the GLM architecture is not implemented",
-    "Gemma3ForCausalLM": "Gemma 3 (sliding-window layers, soft-capping, scaled embeddings) is not implemented",
-    "Gemma3ForConditionalGeneration": "Gemma 3 is not implemented",
-    "GptOssForCausalLM": "gpt-oss (sliding windows with attention sinks, clamped SwiGLU) is not implemented",
+    "Gemma3ForConditionalGeneration": "Gemma 3's vision model is not implemented (its text model, "
+                                      "Gemma3ForCausalLM, is)",
 }
 
 
@@ -52,7 +52,7 @@ def _architecture(cfg: dict, source: str) -> tuple[str, str]:
     arch = next((a for a in archs if a in DENSE_ARCHITECTURES or a in MOE_ARCHITECTURES), None)
     if arch is None:
         why = next((UNSUPPORTED_ARCHITECTURES[a] for a in archs if a in UNSUPPORTED_ARCHITECTURES), None)
-        supported = sorted(DENSE_ARCHITECTURES) + sorted(MOE_ARCHITECTURES)
+        supported = sorted(DENSE_ARCHITECTURES) + sorted(MOE_ARCHITECTURES) + sorted(FAMILY_ARCHITECTURES)
         raise ValueError(f"{source}: architectures {archs} not supported" + (f": {why}" if why else "")
                          + f" (supported: {supported})")
     return arch, DENSE_ARCHITECTURES.get(arch) or MOE_ARCHITECTURES[arch]
@@ -79,6 +79,10 @@ def rope_from_hf(cfg: dict, family: str) -> tuple[float, dict, float]:
 
 
 def config_from_hf(cfg: dict, source: str) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    family_arch = next((a for a in archs if a in FAMILY_ARCHITECTURES), None)
+    if family_arch is not None and not any(a in DENSE_ARCHITECTURES or a in MOE_ARCHITECTURES for a in archs):
+        return family_config(family_arch, cfg, source)   # Gemma 3, gpt-oss: engine/loader/hf_families.py
     arch, family = _architecture(cfg, source)
     check_fields(FIELDS[family], cfg, source, family)
     n_head = int(cfg["num_attention_heads"])
@@ -112,6 +116,7 @@ def config_from_hf(cfg: dict, source: str) -> ModelConfig:
             rope_scaling=rope,
             partial_rotary_factor=partial,
             moe=moe,
+            sliding_windows=mistral_windows(cfg, int(cfg["num_hidden_layers"])) if family == "mistral" else (),
         )
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None

@@ -28,6 +28,10 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     partial_rotary_factor: float = 1.0   # rotate the first head_dim * this dimensions of each head
     moe: dict[str, Any] = field(default_factory=dict)  # empty for dense models
+    # per layer: its attention's sliding window (None: the whole context); empty: no layer slides
+    sliding_windows: tuple[int | None, ...] = ()
+    # what only one family has (Gemma 3, gpt-oss), read by engine/loader/hf_families.py
+    family_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -42,3 +46,6 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple "
                              f"of num_kv_heads ({self.num_kv_heads})")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"model config: sliding_windows has {len(self.sliding_windows)} entries "
+                             f"for {self.num_layers} layers")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.base import LayerAttention
 from engine.loader.model_config import ModelConfig
 from engine.models.rope import RopeTable, RotaryEmbedding
 
@@ -48,12 +49,12 @@ class Attention(nn.Module):
     """q, k and v come from one fused projection (``qkv_proj``: one matmul instead of three, the
     loader stacks the checkpoint's q_proj / k_proj / v_proj rows, ``FUSED``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, o_bias: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=o_bias)   # gpt-oss: o_bias
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -176,6 +177,11 @@ class LlamaModel(nn.Module):
             yield layer.input_layernorm
             yield layer.post_attention_layernorm
         yield self.norm
+
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's attention, for ``AttentionBackend.set_layer_attention``: the config's sliding
+        window (Mistral), else plain."""
+        return [LayerAttention(window=w) for w in self.cfg.sliding_windows or (None,) * self.cfg.num_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, d) -> (B, vocab) in float32."""

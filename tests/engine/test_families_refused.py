@@ -40,8 +40,7 @@ REFUSED = {  # case: (config class, overrides, text the error must contain)
 ARCHITECTURES = {  # architecture: text the error must contain
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
     "Glm4MoeForCausalLM": "GLM",
-    "Gemma3ForCausalLM": "Gemma 3",
-    "GptOssForCausalLM": "gpt-oss",
+    "Gemma3ForConditionalGeneration": "vision model",
 }
 
 
