@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
 REFUSED = {  # case: (config class, overrides, text the error must contain)
-    "mistral_sliding_window": ("Mistral", {"sliding_window": 64}, "'sliding_window' = 64"),
     "qwen2_use_sliding_window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 64},
                                  "'use_sliding_window' = True"),
     "qwen3_sliding_layers": ("Qwen3", {"layer_types": ["sliding_attention", "full_attention"]},
@@ -59,7 +58,7 @@ def test_families_refused_field_fails_the_load(case, tmp_path):
     assert text in str(err.value)
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding_window", "phi3_sliding_window"])
+@pytest.mark.parametrize("case", ["phi3_sliding_window"])
 def test_families_window_as_long_as_the_context_loads_its_config(case, tmp_path):
     """A window no shorter than the context never slides: accepted (the load goes on to the weights)."""
     prefix, overrides, _ = REFUSED[case]
