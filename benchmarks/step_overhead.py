@@ -26,7 +26,11 @@ and the LM head), measured on the default model with the default engine settings
   alternating blocks of steps, so that a noisy machine's slow minutes fall on both alike: medians
   and their ratio.
 
-    python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
+* ``kv_pages`` (``--kv-cache-dtype int8``): the engine runs on 8-bit KV pages, and the same model is
+  also timed over a second pool of ``--kv-baseline`` pages (default bfloat16, with the same
+  activations) in alternating blocks: per page dtype each shape's step and ``attention_scaling``.
+
+    python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels] [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -131,10 +136,9 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
     """The KV read of a b64_ctx2048 step at this machine's read bandwidth, and the scaling it bounds."""
     if "b64_ctx2048" not in auto or "b64_ctx64" not in auto or engine.device != "cpu":
         return None
-    mc = engine.model_config
     batch, ctx, _ = SHAPES["b64_ctx2048"]
-    kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.kv.k[0].element_size()
-    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), engine.kv.k[0].dtype)
+    kv_bytes = batch * ctx * engine.kv.bytes_per_token      # int8 pages: values and scales
+    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), torch.float32 if engine.kv.quantized else engine.kv.k[0].dtype)
     read_ms = kv_bytes / gb_s / 1e6
     base = auto["b64_ctx64"]["step_ms"]
     return {"kv_bytes_per_step": kv_bytes, "read_gb_s": round(gb_s, 1), "kv_read_ms": round(read_ms, 1),
@@ -150,6 +154,30 @@ def cpu_model() -> str | None:
         return None
 
 
+def alternate(engine: LLMEngine, shapes: list[str], steps: int, blocks: int,
+              sides: dict[str, Callable[[], None]]) -> dict[str, dict[str, list[float]]]:
+    """Per shape, each side (a setter that switches the engine to it) timed in alternating blocks of
+    ``steps`` steps (a warm-up step first), ``blocks`` of each, the order reversed every other block
+    (ABBA): {shape: {side: [block medians, ms]}}."""
+    out = {}
+    for name in shapes:
+        batch = decode_batch(engine, *SHAPES[name])
+        medians: dict[str, list[float]] = {side: [] for side in sides}
+        for b in range(blocks):
+            for side in (list(sides) if b % 2 == 0 else list(sides)[::-1]):
+                sides[side]()
+                engine.runner.run(batch)
+                times = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    engine.runner.run(batch)
+                    times.append(time.perf_counter() - t)
+                medians[side].append(statistics.median(times) * 1000)
+        free_batch(engine, batch)
+        out[name] = medians
+    return out
+
+
 def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3) -> dict:
     """The CPU's C kernels (decode attention, RoPE + K/V write, add + RMSNorm, SiLU-multiply) against the
     pure-torch paths on the same batch, in alternating blocks of ``steps`` steps (a warm-up step
@@ -163,26 +191,44 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3
         model.use_cpu_ops(on)
 
     out = {}
-    for name in shapes:
-        batch = decode_batch(engine, *SHAPES[name])
-        medians: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(blocks):
-            for on in (True, False):
-                kernels(on)
-                engine.runner.run(batch)
-                times = []
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    engine.runner.run(batch)
-                    times.append(time.perf_counter() - t)
-                medians[on].append(statistics.median(times) * 1000)
-        free_batch(engine, batch)
-        c, t = statistics.median(medians[True]), statistics.median(medians[False])
+    timed = alternate(engine, shapes, steps, blocks, {"kernels": lambda: kernels(True), "torch": lambda: kernels(False)})
+    for name, medians in timed.items():
+        c, t = statistics.median(medians["kernels"]), statistics.median(medians["torch"])
         out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3),
-                     "kernels_blocks_ms": [round(x, 2) for x in medians[True]],
-                     "torch_blocks_ms": [round(x, 2) for x in medians[False]]}
+                     "kernels_blocks_ms": [round(x, 2) for x in medians["kernels"]],
+                     "torch_blocks_ms": [round(x, 2) for x in medians["torch"]]}
         print(f"ab       {name:22s} C kernels {c:9.1f} ms  pure torch {t:9.1f} ms  ratio {c / t:.3f}", flush=True)
     kernels(True)
+    return out
+
+
+def ab_kv_pages(engine: LLMEngine, baseline: str, shapes: list[str], steps: int, blocks: int = 3) -> dict:
+    """The engine's KV pages (``--kv-cache-dtype``) against ``baseline`` pages of the same pool geometry,
+    one model, in alternating blocks: per page dtype each shape's median step and attention_scaling
+    (b64_ctx2048 / b64_ctx64)."""
+    from engine.kv_pool import KVCache
+
+    mine, mc, P = engine.runner.attn, engine.model_config, engine.config.page_size
+    kv = KVCache(mc.num_layers, engine.pool.num_pages, P, mc.num_kv_heads, mc.head_dim, engine.kv.dtype,
+                 engine.device, layout=type(mine).kv_layout, kv_dtype=getattr(torch, baseline))
+    other = type(mine)(kv=kv, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+    name = engine.config.kv_cache_dtype
+    sides = {name: mine, baseline: other}
+    timed = alternate(engine, shapes, steps, blocks,
+                      {side: (lambda a=attn: setattr(engine.runner, "attn", a)) for side, attn in sides.items()})
+    engine.runner.attn = mine
+    out = {side: {"bytes_per_token": attn.kv.bytes_per_token, "step_ms": {}, "blocks_ms": {}}
+           for side, attn in sides.items()}
+    for shape, medians in timed.items():
+        for side, ms in medians.items():
+            out[side]["step_ms"][shape] = round(statistics.median(ms), 2)
+            out[side]["blocks_ms"][shape] = [round(x, 2) for x in ms]
+        print(f"kv       {shape:22s} " + "  ".join(f"{side} {out[side]['step_ms'][shape]:9.1f} ms" for side in sides),
+              flush=True)
+    for side in sides:
+        st = out[side]["step_ms"]
+        if "b64_ctx2048" in st and "b64_ctx64" in st:
+            out[side]["attention_scaling"] = round(st["b64_ctx2048"] / st["b64_ctx64"], 2)
     return out
 
 
@@ -196,6 +242,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--plans", default="auto,torch", help="decode plans to compare (auto, torch, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pages of the engine (engine.config.KV_CACHE_DTYPES); "
+                    "other than auto, also timed against --kv-baseline pages in alternating blocks")
+    ap.add_argument("--kv-baseline", default="bfloat16", help="the page dtype --kv-cache-dtype is timed against")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
     args = ap.parse_args()
@@ -205,9 +254,11 @@ def main() -> None:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     P = EngineConfig.page_size
     need = max(b * -(-c // P) * P for b, c, _ in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     backend = engine.runner.attn
-    print(f"device {engine.device}, dtype {args.dtype}, quantization {engine.quantization}, "
+    print(f"device {engine.device}, dtype {args.dtype}, KV pages {engine.config.resolved_kv_cache_dtype()}, "
+          f"quantization {engine.quantization}, "
           f"backend {engine.backend_name}, torch threads "
           f"{torch.get_num_threads()}", flush=True)
     results: dict[str, dict[str, dict]] = {}
@@ -232,6 +283,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     ab = ab_kernels(engine, shapes, args.steps) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
+    kv_pages = ab_kv_pages(engine, args.kv_baseline, shapes, args.steps) if args.kv_cache_dtype != "auto" else None
     auto = results.get("auto", {})
     out = {
         "device": f"{engine.device} ({cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
@@ -246,9 +298,14 @@ def main() -> None:
             for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
         "attention_floor": attention_floor(engine, auto),
         "ab_kernels": ab,
+        "kv_cache_dtype": engine.config.resolved_kv_cache_dtype(),
+        "kv_pages": kv_pages,
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))
+    if kv_pages:
+        print(json.dumps({side: {k: r[k] for k in ("step_ms", "attention_scaling") if k in r}
+                          for side, r in kv_pages.items()}))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
