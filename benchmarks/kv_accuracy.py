@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agentrt.bench.report import write_json  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -155,12 +156,9 @@ def main() -> None:
           if args.quick else AgenticWorkload(sessions=1, turns=6, system_tokens=900, tool_result_tokens=150,
                                              reply_tokens=32))
     result = measure(tuple(args.page_dtypes.split(",")), wl)
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agentrt.bench.report import write_json  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -101,12 +102,9 @@ def main() -> None:
         result[side] = run_side(side, budget, wl)
         print(side, json.dumps(result[side]), flush=True)
     result["tokens_held_ratio"] = round(result["int8"]["tokens_held"] / result["bfloat16"]["tokens_held"], 3)
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ Longer prefill chunks: per sequence, the keys are gathered (one copy) and attend
 a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SDPA's
 ``is_causal`` when nothing was cached before the chunk.
 
+On an int8 pool (``EngineConfig.kv_cache_dtype="int8"``) the kernel reads the int8 pages in place and
+``rope_store`` writes them quantized; the torch paths read through ``KVCache.gather`` / ``slot_range``,
+which dequantize the slots they read.
+
 ``engine/attention/reference.py`` is the plain oracle both paths are tested against.
 """
 

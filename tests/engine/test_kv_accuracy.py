@@ -9,8 +9,8 @@ from benchmarks.workload import AgenticWorkload
 from engine import EngineConfig, LLMEngine
 from engine.chat import encode_chat
 
-# int8 pages against float32 pages (float32 activations); measured 0.985 / 0.024 / 0.18 on ~700 tokens
-TOP1_MIN, MEAN_MAX, P99_MAX = 0.97, 0.04, 0.3
+# int8 pages against float32 pages (float32 activations): measured 0.979 / 0.024 / 0.14 on this session
+TOP1_MIN, MEAN_MAX, P99_MAX = 0.96, 0.04, 0.3
 REPLY = ("I ran the test suite. Three tests failed in the cache module: the eviction order is wrong when "
          "two sessions share a prefix. I will read scheduler.py next and propose a fix.")
 
@@ -42,7 +42,6 @@ def test_int8_pages_track_float32_teacher_forced(engine):
     got, pages = teacher_forced(engine, attn, ids)
     engine.pool.free(pages)
     r = compare(ref, got, ids)
-    print(r)
     assert r["top1_agreement"] >= TOP1_MIN
     assert r["mean_abs_dlogprob"] <= MEAN_MAX and r["p99_abs_dlogprob"] <= P99_MAX
     assert r["mean_abs_dlogprob"] > 0   # the pages were int8: not float32 read twice
