@@ -71,6 +71,8 @@ class LLMEngine:
         kv_dtype = _DTYPES[config.resolved_kv_cache_dtype()]
         num_pages = pool_pages(config, kv_bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype))
         self.pool = PagePool(num_pages)
+        # max_waiting_tokens, or twice the pool (sized by tokens, or by bytes at the KV precision)
+        self.waiting_tokens_limit = config.max_waiting_tokens or 2 * (num_pages - 1) * P
         self.backend_name = config.resolved_backend()
         backend_cls = backend_class(self.backend_name)
         self.kv = KVCache(mcfg.num_layers, num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
@@ -209,7 +211,7 @@ class LLMEngine:
             if queued >= self.config.max_waiting:
                 raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
             queued_tokens = self._pending_tokens + self.scheduler.waiting_tokens
-            limit = self.config.waiting_tokens_limit
+            limit = self.waiting_tokens_limit
             if queued and queued_tokens + tokens > limit:
                 raise EngineOverloaded(f"{queued_tokens} tokens of queued requests are waiting for KV cache "
                                        f"and this request's prompt adds {tokens}, over the limit of "
@@ -321,7 +323,7 @@ class LLMEngine:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions, page_size=self.config.page_size,
-            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit,
+            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.waiting_tokens_limit,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
