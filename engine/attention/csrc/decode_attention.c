@@ -152,11 +152,41 @@ INLINE void chunk_generic(const float *qf, const void *kh, const void *vh, int b
     softmax_values(s, vbuf, n, G, D, m, l, acc);
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+/* int8 -> float32 of a row of D values, and a += w * row: AVX2 (vpmovsxbd + vcvtdq2ps, 8 lanes) where the
+ * build has it and D is a multiple of 8, plain C elsewhere (GCC leaves these conversions scalar: measured
+ * 4.5x slower than the bfloat16 path before they were written out). */
+INLINE void widen_i8(const int8_t *x, float *dst, int D) {
+#if defined(__AVX2__)
+    if (D % 8 == 0) {
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + d)))));
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) dst[d] = (float)x[d];
+}
+
+INLINE void axpy_i8(float *a, float w, const int8_t *x, int D) {
+#if defined(__AVX2__)
+    if (D % 8 == 0) {
+        __m256 wv = _mm256_set1_ps(w);
+        for (int d = 0; d < D; d += 8) {
+            __m256 xv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + d))));
+            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, xv, _mm256_loadu_ps(a + d)));
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) a[d] += w * (float)x[d];
+}
+
 /* An int8 pool's chunk (int8 K/V rows, one float32 scale per KV head and slot: ks, vs): scores are
  * q . k * ks[slot], each key row widened once into a register-sized stack row; values are summed as
  * (p * vs[slot]) * v straight from the pool's int8 rows (pass 3 walks the pages again): no chunk of
- * dequantized values is ever written. Vectorised by the compiler for the build's CPU (AVX2:
- * vpmovsxbd + vcvtdq2ps + vfmadd; AVX-512 alike; plain C elsewhere). */
+ * dequantized values is ever written. The int8 rows go through widen_i8 / axpy_i8 (AVX2 or plain C). */
 INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh,
                      const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D, float *m, float *l,
                      float *acc) {
@@ -173,9 +203,7 @@ INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const 
         }
         if (ahead >= 0)
             prefetch_row((const char *)(kh + (ahead + t % P) * D), (const char *)(vh + (ahead + t % P) * D), D);
-        const int8_t *kr = kh + slot[t] * D;
-#pragma omp simd
-        for (int d = 0; d < D; d++) row[d] = (float)kr[d];
+        widen_i8(kh + slot[t] * D, row, D);
         float sk = ksh[slot[t]];
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
@@ -191,10 +219,7 @@ INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const 
         float a[MAX_D];
         for (int d = 0; d < D; d++) a[d] = 0.0f;
         for (int t = 0; t < n; t++) {
-            float w = sg[t] * vsh[slot[t]];
-            const int8_t *vr = vh + slot[t] * D;
-#pragma omp simd
-            for (int d = 0; d < D; d++) a[d] += w * (float)vr[d];
+            axpy_i8(a, sg[t] * vsh[slot[t]], vh + slot[t] * D, D);
         }
         memcpy(acc + g * D, a, sizeof(float) * D);
     }
