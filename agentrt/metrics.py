@@ -88,6 +88,9 @@ class _EngineCollector:
                 ("agentrt_kv_pages_capacity",
                  f"KV cache pages in the pool that requests can use (one page holds {s.page_size} tokens)",
                  s.pages_total),
+                ("agentrt_kv_cache_bytes_per_token",
+                 "Bytes of K and V one token takes in the KV pool over every layer (--kv-cache-dtype: int8 pages "
+                 "hold values and a float32 scale per KV head)", s.kv_cache_bytes_per_token),
                 ("agentrt_kv_pages_used",
                  "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or not)",
                  s.pages_used),

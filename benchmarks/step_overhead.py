@@ -30,7 +30,11 @@ and the LM head), measured on the default model with the default engine settings
   ``gguf``) against this one, in alternating blocks of steps as above: medians and their ratio.
 
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
-        [--ab-quantization gguf]
+        [--ab-quantization gguf] [--kv-cache-dtype int8]
+
+* ``kv_pages`` (``--kv-cache-dtype int8``): the engine runs on 8-bit KV pages, and the same model is
+  also timed over a second pool of ``--kv-baseline`` pages (default bfloat16, with the same
+  activations) in alternating blocks: per page dtype each shape's step and ``attention_scaling``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -135,10 +140,9 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
     """The KV read of a b64_ctx2048 step at this machine's read bandwidth, and the scaling it bounds."""
     if "b64_ctx2048" not in auto or "b64_ctx64" not in auto or engine.device != "cpu":
         return None
-    mc = engine.model_config
     batch, ctx, _ = SHAPES["b64_ctx2048"]
-    kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.kv.k[0].element_size()
-    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), engine.kv.k[0].dtype)
+    kv_bytes = batch * ctx * engine.kv.bytes_per_token      # int8 pages: values and scales
+    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), torch.float32 if engine.kv.quantized else engine.kv.k[0].dtype)
     read_ms = kv_bytes / gb_s / 1e6
     base = auto["b64_ctx64"]["step_ms"]
     return {"kv_bytes_per_step": kv_bytes, "read_gb_s": round(gb_s, 1), "kv_read_ms": round(read_ms, 1),
@@ -211,6 +215,41 @@ def ab_quantization(engine: LLMEngine, mode: str, shapes: list[str], steps: int,
     return out
 
 
+def ab_kv_pages(engine: LLMEngine, baseline: str, shapes: list[str], steps: int, blocks: int = 3,
+                order: str = "alternate") -> dict:
+    """The engine's KV pages (``--kv-cache-dtype``) against ``baseline`` pages of the same pool geometry,
+    one model, in alternating blocks: per page dtype each shape's median step and attention_scaling
+    (b64_ctx2048 / b64_ctx64)."""
+    from engine.kv_pool import KVCache
+
+    mine, mc, P = engine.runner.attn, engine.model_config, engine.config.page_size
+    kv = KVCache(mc.num_layers, engine.pool.num_pages, P, mc.num_kv_heads, mc.head_dim, engine.kv.dtype,
+                 engine.device, layout=type(mine).kv_layout, kv_dtype=getattr(torch, baseline))
+    other = type(mine)(kv=kv, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+    sides = {engine.config.kv_cache_dtype: mine, baseline: other}
+    out = {side: {"bytes_per_token": attn.kv.bytes_per_token, "step_ms": {}, "blocks_ms": {}}
+           for side, attn in sides.items()}
+    for shape in shapes:
+        batch = decode_batch(engine, *SHAPES[shape])
+
+        def on(attn):
+            engine.runner.attn = attn
+            engine.runner.run(batch)
+        medians = alternate({side: (lambda a=attn: on(a)) for side, attn in sides.items()}, steps, blocks, order)
+        engine.runner.attn = mine
+        free_batch(engine, batch)
+        for side, ms in medians.items():
+            out[side]["step_ms"][shape] = round(statistics.median(ms), 2)
+            out[side]["blocks_ms"][shape] = [round(x, 2) for x in ms]
+        print(f"kv       {shape:22s} " + "  ".join(f"{side} {out[side]['step_ms'][shape]:9.1f} ms" for side in sides),
+              flush=True)
+    for side in sides:
+        st = out[side]["step_ms"]
+        if "b64_ctx2048" in st and "b64_ctx64" in st:
+            out[side]["attention_scaling"] = round(st["b64_ctx2048"] / st["b64_ctx64"], 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_common_args(ap, repeats=3)   # --repeats: blocks per side of --ab-kernels
@@ -221,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--plans", default="auto,torch", help="decode plans to compare (auto, torch, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pages of the engine (engine.config.KV_CACHE_DTYPES); "
+                    "other than auto, also timed against --kv-baseline pages in alternating blocks")
+    ap.add_argument("--kv-baseline", default="bfloat16", help="the page dtype --kv-cache-dtype is timed against")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
     ap.add_argument("--ab-quantization", metavar="MODE",
@@ -234,9 +276,11 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     P = EngineConfig.page_size
     need = max(b * -(-c // P) * P for b, c, _ in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     backend = engine.runner.attn
-    print(f"device {engine.device}, dtype {args.dtype}, quantization {engine.quantization}, "
+    print(f"device {engine.device}, dtype {args.dtype}, KV pages {engine.config.resolved_kv_cache_dtype()}, "
+          f"quantization {engine.quantization}, "
           f"backend {engine.backend_name}, torch threads "
           f"{torch.get_num_threads()}", flush=True)
     results: dict[str, dict[str, dict]] = {}
@@ -262,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     ab = ab_kernels(engine, shapes, args.steps, args.repeats, args.order) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
     abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None
+    kv_pages = ab_kv_pages(engine, args.kv_baseline, shapes, args.steps, args.repeats, args.order) \
+        if args.kv_cache_dtype != "auto" else None
     auto = results.get("auto", {})
     out = {
         "device": engine.device,
@@ -277,9 +323,14 @@ def main(argv: list[str] | None = None) -> None:
         "attention_floor": attention_floor(engine, auto),
         "ab_kernels": ab,
         "ab_quantization": abq,
+        "kv_cache_dtype": engine.config.resolved_kv_cache_dtype(),
+        "kv_pages": kv_pages,
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))
+    if kv_pages:
+        print(json.dumps({"kv_pages": {side: {"attention_scaling": r.get("attention_scaling"),
+                                              "step_ms": r["step_ms"]} for side, r in kv_pages.items()}}))
     run.write(out, engine=engine)
 
 

@@ -13,6 +13,7 @@ BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
 SPECULATIVE = ("off", "ngram", "suffix", "auto")
 QUANTIZATIONS = ("auto", "off", "int4", "int8", "gguf")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")   # vLLM's --kv-cache-dtype names
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -94,6 +95,14 @@ class EngineConfig:
     system C compiler. Where they cannot be built the engine logs why and runs the
     pure-torch paths, as it does with False.
 
+    KV cache precision (docs/kv_cache.md): ``kv_cache_dtype`` ``auto`` stores K/V in the activation
+    dtype; ``bfloat16`` / ``float32`` store that dtype whatever the activations; ``int8`` stores each
+    token's K and V row per KV head as int8 values and one float32 scale (symmetric absmax), written
+    quantized by the RoPE + store step and read by every attention path without a dequantized pool
+    (torch backend only). ``fp8`` is refused (no kernel here reads it; FlashInfer's is not wired).
+    ``kv_cache_memory_bytes``, when set, sizes the pool by bytes instead of ``kv_cache_tokens``: as many
+    pages as fit at the chosen precision (int8 holds ~3.8x the tokens of float32, ~1.9x of bfloat16).
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -157,6 +166,11 @@ class EngineConfig:
     kv_disk_drop_page_cache: bool = setting(False, "fsync each disk-tier page and drop it from the OS page cache "
                                             "after writing, so reads come from the device (a cold disk tier, as "
                                             "benchmarks/kv_tiers.py measures it); off, the OS caches them")
+    kv_cache_dtype: str = setting("auto", "KV cache precision: auto (the activations' dtype), bfloat16, float32, "
+                                  "int8 (8-bit pages, a scale per token and KV head: ~1.9x the tokens of bfloat16 "
+                                  "a byte, docs/kv_cache.md) or fp8 (refused: not implemented)", KV_CACHE_DTYPES)
+    kv_cache_memory_bytes: int | None = setting(None, "size the KV cache by bytes instead of kv_cache_tokens (as "
+                                                "many tokens as fit at kv_cache_dtype)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -204,7 +218,23 @@ class EngineConfig:
         if self.kv_disk_path is not None and os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
             raise ValueError(f"kv_disk_path must be a directory (it is created if missing), got the file "
                              f"{self.kv_disk_path!r}")
+        self._validate_kv_cache()
         self._validate_expert_parallel()
+
+    def _validate_kv_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8' is not implemented: no CPU kernel reads fp8 pages and the "
+                             "FlashInfer fp8 path is not wired; use 'int8' (8-bit pages, torch backend), "
+                             "'bfloat16', 'float32' or 'auto'")
+        if self.kv_cache_dtype == "int8" and self.resolved_backend() != "torch":
+            raise ValueError(f"kv_cache_dtype='int8' needs the torch attention backend, got "
+                             f"{self.resolved_backend()!r}")
+        m = self.kv_cache_memory_bytes
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer (or None: kv_cache_tokens "
+                             f"sizes the pool), got {m!r}")
 
     def _validate_expert_parallel(self) -> None:
         for name in ("ep_size", "ep_nodes"):
@@ -241,6 +271,10 @@ class EngineConfig:
         if self.resolved_device().startswith("cuda") or cpu_has_native_bf16():
             return "bfloat16"
         return "float32"
+
+    def resolved_kv_cache_dtype(self) -> str:
+        """``auto``: the activation dtype (``resolved_dtype``)."""
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def resolved_quantization(self, weight_types: set[str] | None = None) -> str:
         """``auto``: ``int4`` when the model is a GGUF file whose layer weights are all Q4_0 / Q4_1

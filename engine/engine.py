@@ -30,8 +30,8 @@ from engine.client import check_closing, check_request
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import block_hashes, make_seed
-from engine.kv_pool import KVCache, PagePool
-from engine.kv_tier import DiskTier, HostTier, KVTiers, page_shape
+from engine.kv_pool import KVCache, PagePool, kv_bytes_per_token, pool_pages
+from engine.kv_tier import DiskTier, HostTier, KVTiers
 from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
@@ -47,7 +47,7 @@ from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, Gener
                           RequestOutput, SamplingParams)
 
 _log = logging.getLogger("engine")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 class LLMEngine:
@@ -70,16 +70,20 @@ class LLMEngine:
         self.model.rope.fit_context(self.max_model_len)   # longrope: its long table only past the original length
         del state, int4_groups
         P = config.page_size
-        self.pool = PagePool(config.num_pages)
+        kv_dtype = _DTYPES[config.resolved_kv_cache_dtype()]
+        num_pages = pool_pages(config, kv_bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype))
+        self.pool = PagePool(num_pages)
+        # max_waiting_tokens, or twice the pool (sized by tokens, or by bytes at the KV precision)
+        self.waiting_tokens_limit = config.max_waiting_tokens or 2 * (num_pages - 1) * P
         self.backend_name = config.resolved_backend()
         backend_cls = backend_class(self.backend_name)
-        self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
-                          dtype, self.device, layout=backend_cls.kv_layout)
+        self.kv = KVCache(mcfg.num_layers, num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
+                          dtype, self.device, layout=backend_cls.kv_layout, kv_dtype=kv_dtype)
         self.on_kv_event = on_kv_event
         self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event, event_tokens=kv_event_tokens)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
-        self.tiers = self._build_tiers(mcfg, dtype, backend_cls.kv_layout)
+        self.tiers = self._build_tiers()
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
@@ -129,12 +133,13 @@ class LLMEngine:
                 "dtype": self.config.resolved_dtype(), "quantization": self.quantization,
                 "torch_threads": torch.get_num_threads()}
 
-    def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
-        """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
+    def _build_tiers(self) -> KVTiers | None:
+        """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler. They
+        hold pages as the pool stores them (int8 pages with their scales, as bytes)."""
         cfg = self.config
         if not (cfg.kv_host_tokens or cfg.kv_disk_tokens) or not cfg.enable_prefix_cache:
             return None
-        shape = page_shape(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, layout)
+        shape, dtype = self.kv.page_shape, self.kv.page_dtype
         host = disk = None
         if cfg.kv_host_tokens:
             host = HostTier(cfg.kv_host_tokens // cfg.page_size, shape, dtype,
@@ -226,7 +231,7 @@ class LLMEngine:
             if queued >= self.config.max_waiting:
                 raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
             queued_tokens = self._pending_tokens + self.scheduler.waiting_tokens
-            limit = self.config.waiting_tokens_limit
+            limit = self.waiting_tokens_limit
             if queued and queued_tokens + tokens > limit:
                 raise EngineOverloaded(f"{queued_tokens} tokens of queued requests are waiting for KV cache "
                                        f"and this request's prompt adds {tokens}, over the limit of "
@@ -338,11 +343,12 @@ class LLMEngine:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions, page_size=self.config.page_size,
-            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit,
+            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.waiting_tokens_limit,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels)
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
+            kv_cache_bytes_per_token=self.kv.bytes_per_token)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:

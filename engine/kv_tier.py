@@ -57,7 +57,7 @@ TierEvent = Callable[[str, list[int], str], None]   # (kind "stored"|"removed", 
 _MAGIC = b"AGKVPG01"
 # magic, block hash, payload crc32, dtype code, ndim, 6 dims, payload bytes
 _HEADER = struct.Struct("<8sQIII6IQ")
-_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4}   # uint8: int8 pages + scales
 _DTYPE_OF = {v: k for k, v in _DTYPES.items()}
 SUFFIX = ".kvpage"
 
@@ -601,10 +601,4 @@ class KVTiers:
             self.on_event(kind, hashes, medium)
 
 
-def page_shape(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, layout: str) -> tuple[int, ...]:
-    """Shape of one page's K and V over every layer: ``[2, layers, *one layer's page]``."""
-    one = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
-    return (2, num_layers, *one)
-
-
-__all__ = ["MEDIA", "PENDING", "DiskTier", "HostTier", "KVTiers", "TierStats", "page_shape"]
+__all__ = ["MEDIA", "PENDING", "DiskTier", "HostTier", "KVTiers", "TierStats"]

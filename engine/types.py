@@ -150,6 +150,8 @@ class EngineStats:
     kv_tiers: dict = field(default_factory=dict)
     # the C kernels (engine/cpu_build.py KERNELS) and whether this engine runs each: Engine.active_kernels
     cpu_kernels: dict = field(default_factory=dict)
+    # bytes of K and V a token takes in the pool over every layer (EngineConfig.kv_cache_dtype)
+    kv_cache_bytes_per_token: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

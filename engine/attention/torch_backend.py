@@ -33,6 +33,10 @@ Longer prefill chunks: per sequence, the keys are gathered (one copy) and attend
 a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SDPA's
 ``is_causal`` when nothing was cached before the chunk.
 
+On an int8 pool (``EngineConfig.kv_cache_dtype="int8"``) the kernel reads the int8 pages in place and
+``rope_store`` writes them quantized; the torch paths read through ``KVCache.gather`` / ``slot_range``,
+which dequantize the slots they read.
+
 ``engine/attention/reference.py`` is the plain oracle both paths are tested against.
 """
 
@@ -141,7 +145,12 @@ class TorchAttentionBackend(AttentionBackend):
     def rotate_and_store(self, layer, qkv, rope):
         """With the CPU kernel loaded: RoPE and the K/V write in one C call (the kernel library's
         ``rope_store``), the same values as the model's RoPE and ``KVCache.write``."""
-        if not self.store_in_c or qkv.dtype != self.kv.k[layer].dtype:
+        if not self.store_in_c or qkv.dtype != self.kv.dtype:
+            return None
+        if self.kv.quantized:   # int8 pages: quantized in the same call
+            return self.kernel.rope_store_int8(qkv, rope.cos, rope.signed_sin, self.slots, self.kv, layer,
+                                               self.num_heads)
+        if qkv.dtype != self.kv.k[layer].dtype:
             return None
         return self.kernel.rope_store(qkv, rope.cos, rope.signed_sin, self.slots, self.kv.k[layer],
                                       self.kv.v[layer], self.num_heads)
@@ -169,7 +178,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows, source, mask = self.decode
             if isinstance(source, tuple):
                 s0, n = source
-                kd, vd = self.kv.k[layer][:, s0:s0 + n], self.kv.v[layer][:, s0:s0 + n]  # views
+                kd, vd = self.kv.slot_range(layer, s0, n)                 # views (int8 pages: dequantized)
             else:
                 kd, vd = self.kv.gather(layer, source)
             # every decode row is a "query position" that may see only its own columns
@@ -206,13 +215,12 @@ class _KernelDecode:
 
     def attend(self, kv, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: (B, Hq, D), one query per decode row -> (B, Hq, D)."""
-        k, v = kv.k[layer], kv.v[layer]
         if self.shared is None:
-            return self.kernel(q, k, v, self.own)
+            return self.kernel.paged(q, kv, layer, self.own)
         B, Hq, D = q.shape
-        Hkv = k.shape[0]
+        Hkv = kv.k[layer].shape[0]
         lse_own = torch.empty(B, Hq, dtype=torch.float32)
-        o_own = self.kernel(q, k, v, self.own, lse=lse_own)                     # (B, Hq, D)
+        o_own = self.kernel.paged(q, kv, layer, self.own, lse=lse_own)          # (B, Hq, D)
         qh = q.view(B, Hkv, Hq // Hkv, D).transpose(0, 1)                        # (Hkv, B, G, D)
         o_sh, lse_sh = _attend_shared(kv, layer, qh, self.shared)               # (Hkv, B, G, D), (Hkv, B, G)
         o_sh, lse_sh = o_sh.transpose(0, 1).reshape(B, Hq, D), lse_sh.transpose(0, 1).reshape(B, Hq)
@@ -311,7 +319,7 @@ class _Cascade:
                                  valid[None, :, None, :])                        # (Hkv, n, G, D)
             o_own[:, idx], lse_own[:, idx] = o, lse
         for b, s0, n in self.in_place:
-            k, v = kv.k[layer][:, None, s0:s0 + n], kv.v[layer][:, None, s0:s0 + n]  # views, (Hkv, 1, n, D)
+            k, v = (t[:, None] for t in kv.slot_range(layer, s0, n))             # views, (Hkv, 1, n, D)
             o, lse = _attend_lse(qh[:, b:b + 1], k, v, None)
             o_own[:, b:b + 1], lse_own[:, b:b + 1] = o, lse
         if self.shared is not None:
@@ -349,7 +357,7 @@ def _attend_shared(kv, layer: int, qh: torch.Tensor, shared) -> tuple[torch.Tens
     Hkv, B, G, D = qh.shape
     if isinstance(shared, tuple):
         s0, S = shared
-        ks, vs = kv.k[layer][:, s0:s0 + S], kv.v[layer][:, s0:s0 + S]           # views, (Hkv, S, D)
+        ks, vs = kv.slot_range(layer, s0, S)                                    # views, (Hkv, S, D)
     else:
         ks, vs = kv.gather(layer, shared)
     o, lse = _attend_lse(qh.reshape(Hkv, 1, B * G, D), ks[:, None], vs[:, None], None)  # (Hkv, 1, B*G, D)

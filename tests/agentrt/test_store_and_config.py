@@ -99,6 +99,21 @@ def test_speculative_settings_reach_the_engine_and_metrics():
         assert line in text, line
 
 
+def test_kv_cache_dtype_reaches_the_engine_and_metrics_and_fp8_is_refused():
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--kv-cache-memory-bytes", "1000000"])
+    assert (args.kv_cache_dtype, args.kv_cache_memory_bytes) == ("int8", 1000000)
+    cfg = ServerConfig.from_sources(environ={"AGENTRT_KV_CACHE_DTYPE": "int8"})
+    assert cfg.engine_config().kv_cache_dtype == "int8" and ServerConfig().engine_config().kv_cache_dtype == "auto"
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8' is not implemented"):
+        ServerConfig.from_sources({"kv_cache_dtype": "fp8"}, environ={})
+    metrics = Metrics()
+    metrics.attach_engine(lambda: EngineStats(
+        running=0, waiting=0, pages_total=8, pages_used=0, pages_free=8, pages_cached=0, pages_pinned=0, num_pins=0,
+        prompt_tokens_total=0, cached_tokens_total=0, generation_tokens_total=0, num_preemptions=0, page_size=16,
+        kv_cache_bytes_per_token=12240))
+    assert "agentrt_kv_cache_bytes_per_token 12240.0" in metrics.render().decode()
+
+
 def _subparsers():
     parser = build_parser()
     return next(a for a in parser._actions if a.choices and "serve" in a.choices).choices

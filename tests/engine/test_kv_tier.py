@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from engine.kv_tier import PENDING, DiskTier, HostTier, KVTiers, page_shape
+from engine.kv_tier import PENDING, DiskTier, HostTier, KVTiers
 
-SHAPE = page_shape(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, layout="HSD")
+SHAPE = (2, 2, 2, 4, 8)   # KVCache.page_shape of an HSD pool: [K/V, layers, Hkv, page_size, D]
 
 
 def page(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -313,8 +313,10 @@ def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
     assert spec_counts(spec_engine)[1] > before[1]
 
 
-def test_preemption_with_a_tiny_pool():
-    cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_preemption_with_a_tiny_pool(kv_cache_dtype):
+    """Rolled-back drafts and preemptions, with pages of the activation dtype and 8-bit pages."""
+    cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
     off, on = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, speculative="ngram"))
     tok = off.tokenizer
     prompts = [quote(tok, f"{i} apples, {i + 1} pears, {i + 2} plums, {i} apples, {i + 1} pears.") for i in range(6)]
