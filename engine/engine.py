@@ -90,7 +90,7 @@ class LLMEngine:
         attn.set_layer_attention(self.model.layer_attention())   # windows, sinks, ...: refused if unsupported
         self.runner = ModelRunner(self.model, attn, P, self.device)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
-            self.model.use_cpu_ops(config.cpu_kernels)
+            self.model.use_cpu_ops(config.cpu_kernels) and dtype == torch.bfloat16   # they run on bf16 steps only
         decode_kernel = getattr(attn, "kernel", None)
         # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
         self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused),

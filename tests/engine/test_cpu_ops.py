@@ -88,6 +88,7 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is not None
+    assert engine.active_kernels == {"decode_attention": True, "layer_ops": True}   # logged, in /metrics
     prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     agree = n = 0
@@ -108,3 +109,10 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     assert agree >= 0.90 * n
     assert kl / n <= 0.005
     assert worst <= 0.35
+
+
+def test_float32_engines_do_not_count_the_bf16_layer_ops_as_active():
+    """The layer ops run on bfloat16 steps only: a float32 engine reports them off (decode attention on)."""
+    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_tokens=1024))
+    assert engine.active_kernels == {"decode_attention": True, "layer_ops": False}
+    assert engine.stats().cpu_kernels == engine.active_kernels
