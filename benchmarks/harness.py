@@ -168,7 +168,6 @@ class Run:
         e.g. ``serve_settings``); ``kernels``: else the engine's active ones, else those this process loads."""
         import torch
 
-        from engine.cpu_build import loaded_kernels
         from engine.cpu_info import machine
 
         if kernels is None:
@@ -200,3 +199,13 @@ def write_json(path: Path | str, result: dict) -> None:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def loaded_kernels() -> dict[str, bool]:
+    """Whether each C kernel library (engine/cpu_build.py KERNELS) builds and loads in this process (built
+    now unless cached), for a result with no engine in-process; an engine reports the ones it runs
+    (``LLMEngine.active_kernels``)."""
+    from engine.attention import cpu_kernel
+    from engine.models import cpu_ops, qmatmul
+    return {"decode_attention": cpu_kernel.load() is not None, "layer_ops": cpu_ops.load() is not None,
+            "qmatmul": qmatmul.load() is not None}

@@ -16,13 +16,9 @@ jobs, steps of one row measured 2-8 s and the costs came out non-monotonic in k)
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,8 +30,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 from engine.step_cost import fit_step_cost  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import harness  # noqa: E402
 
 
 def one_row(engine: LLMEngine, ctx: int, max_drafts: int) -> Request:
@@ -75,57 +70,35 @@ def measure(engine: LLMEngine, ctx: int, max_drafts: int, steps: int, blocks: in
     return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-
-
-def header(argv: list[str], started: str, engine: LLMEngine) -> dict:
-    """The run's provenance (the fields of benchmarks/harness.py's header this script can know)."""
-    diff = git("diff", "HEAD")
-    return {"schema": "agentrt-bench/1", "script": "benchmarks/step_cost.py", "argv": argv,
-            "commit": git("rev-parse", "HEAD").strip() or "unknown", "dirty": bool(diff),
-            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
-            "machine": {"cpu_model": engine.step_cost_setup()["cpu_model"], "cpus": os.cpu_count(),
-                        "platform": platform.platform()},
-            "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
-            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ},
-            "kernels": engine.attention_desc, "started_at": started,
-            "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the results here (the engine reads benchmarks/results/step_cost.json)")
+    harness.add_common_args(ap, repeats=None)   # the engine reads benchmarks/results/step_cost.json
     ap.add_argument("--ctx", type=int, default=512, help="context tokens of the decoding row (default 512)")
     ap.add_argument("--max-drafts", type=int, default=EngineConfig.num_speculative_tokens,
                     help="draft lengths 0..this are timed (default: the engine's num_speculative_tokens)")
     ap.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
     ap.add_argument("--blocks", type=int, default=4, help="blocks per draft length, order alternating (default 4)")
-    ap.add_argument("--dtype", default=EngineConfig.dtype)
-    ap.add_argument("--quantization", default=EngineConfig.quantization)
+    ap.add_argument("--dtype", default=EngineConfig.dtype, help="engine dtype (the setup the cost applies to)")
+    ap.add_argument("--quantization", default=EngineConfig.quantization,
+                    help="weight quantization (engine.config.QUANTIZATIONS; the setup the cost applies to)")
     args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     for name in ("ctx", "steps", "blocks"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.max_drafts < 2:
         ap.error(f"--max-drafts must be at least 2 (a line needs two points), got {args.max_drafts}")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     P = EngineConfig.page_size
     engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization,
                                     kv_cache_tokens=(-(-(args.ctx + args.max_drafts) // P) + 1) * P))
     ms_by_k = measure(engine, args.ctx, args.max_drafts, args.steps, args.blocks)
     fixed, row = fit_step_cost(ms_by_k)
-    out = {"header": header(sys.argv[1:] if argv is None else argv, started, engine),
-           "setup": engine.step_cost_setup(), "ctx": args.ctx, "steps": args.steps, "blocks": args.blocks,
+    out = {"setup": engine.step_cost_setup(), "ctx": args.ctx, "steps": args.steps, "blocks": args.blocks,
            "ms_by_k": {str(k): v for k, v in ms_by_k.items()},
            "cost_by_k": {str(k): round(v / ms_by_k[0], 3) for k, v in ms_by_k.items()},
            "step_cost": [round(fixed, 4), round(row, 4)]}
     print(json.dumps({k: out[k] for k in ("setup", "ms_by_k", "cost_by_k", "step_cost")}, indent=2))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    run.write(out, engine=engine)
 
 
 if __name__ == "__main__":

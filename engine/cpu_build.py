@@ -58,15 +58,6 @@ def no_compiler_reason() -> str | None:
 KERNELS = ("decode_attention", "layer_ops", "qmatmul")
 
 
-def loaded_kernels() -> dict[str, bool]:
-    """Whether each C kernel library builds and loads in this process (built now unless cached); an
-    engine uses the ones that fit its dtype and model (``Engine.active_kernels``)."""
-    from engine.attention import cpu_kernel
-    from engine.models import cpu_ops, qmatmul
-    return {"decode_attention": cpu_kernel.load() is not None, "layer_ops": cpu_ops.load() is not None,
-            "qmatmul": qmatmul.load() is not None}
-
-
 def _version(cc: str) -> str:
     try:
         return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
