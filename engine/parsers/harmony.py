@@ -57,7 +57,7 @@ class HarmonyParser:
         elif self.kind is not None:
             events.append((self.kind, rest))
         elif rest and not any(m in rest for m in HEADER_MARKERS) and partial_suffix(rest, HEADER_MARKERS) < 2:
-            events.append(("content", rest))
+            events.append(("content", _unmarked(rest)))
         self.kind = None
         return [e for e in events if e[1] != ""]
 
@@ -81,11 +81,11 @@ class HarmonyParser:
         starts = [i for m in HEADER_MARKERS if (i := self.buf.find(m)) >= 0]
         if not starts:  # text outside any message (a template that opened the channel itself): content
             keep = partial_suffix(self.buf, HEADER_MARKERS + ENDS)
-            events.append(("content", self.buf[:len(self.buf) - keep]))
+            events.append(("content", _unmarked(self.buf[:len(self.buf) - keep])))
             self.buf = self.buf[len(self.buf) - keep:]
             return False
         first = min(starts)
-        events.append(("content", self.buf[:first]))
+        events.append(("content", _unmarked(self.buf[:first])))
         self.buf = self.buf[first:]
         i = self.buf.find(MESSAGE)
         if i < 0:
@@ -107,6 +107,13 @@ class HarmonyParser:
                 return True
         self._scanned = max(self._scanned, len(self.buf) - max(map(len, ENDS)) + 1)
         return False
+
+
+def _unmarked(text: str) -> str:
+    """Text between messages without stray end markers."""
+    for m in ENDS:
+        text = text.replace(m, "")
+    return text
 
 
 def _all(text: str, sub: str, start: int) -> list[int]:
