@@ -47,6 +47,8 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallOut] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning (vLLM's name; templates that keep it)
+    reasoning: str | None = None          # the same, as newer vLLM names it
 
 
 class StreamOptions(_Request):
@@ -83,6 +85,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None  # the conversation, for routing (agentrt/affinity.py)
+    # vLLM's extension: the chat template's own switches (enable_thinking, reasoning_effort, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

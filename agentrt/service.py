@@ -42,6 +42,18 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+    """A request's ``chat_template_kwargs``: 400 for names the server itself passes to the template."""
+    clash = sorted(set(kwargs or {}) & set(_TEMPLATE_VARIABLES))
+    if clash:
+        raise bad_request(f"{param} may not set {', '.join(clash)} (the server passes them to the chat template)",
+                          param=param)
+    return kwargs or None
+
+
 def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
@@ -86,11 +98,13 @@ class OpenAIService:
         return await self.gen.start_chat(messages, req.model_dump(), options,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                          started_at=started, session=affinity_hint(tenant, affinity),
-                                         tenant=tenant)
+                                         tenant=tenant, template_kwargs=template_kwargs(req.chat_template_kwargs))
 
     async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
         result = await generation.collect()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
+        if result.reasoning is not None:
+            message["reasoning_content"] = result.reasoning
         if result.tool_calls:
             message["tool_calls"] = tool_call_dicts(result.tool_calls)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": result.finish_reason,
@@ -116,6 +130,8 @@ class OpenAIService:
         n_calls = 0
         async for d in generation.deltas():
             logprobs = {"content": self._chat_logprobs(d.logprobs)} if d.logprobs else None
+            if d.reasoning:
+                yield chunk({"reasoning_content": d.reasoning})
             if d.content or logprobs:
                 yield chunk({"content": d.content}, logprobs=logprobs)
             for call in d.tool_calls:
