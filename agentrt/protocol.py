@@ -89,6 +89,24 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` (+ ``tools``) through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 class CompletionRequest(SamplingFields):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]

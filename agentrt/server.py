@@ -46,7 +46,8 @@ from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
 from agentrt.generation import Generation, Generator
 from agentrt.metrics import CONTENT_TYPE, Metrics
-from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
+from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, ForkRequest,
+                              ModelList, TokenizeRequest,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
                               TurnResponse)
 from agentrt.responses_api import ResponseCreateRequest, ResponseDeleted, ResponsesService
@@ -262,6 +263,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     if body.stream:
         return await _sse_reply(request, generation, svc.chat_chunks(body, generation), generation.close)
     return await _json_reply(request, response, generation, svc.chat(body, generation), generation.close)
+
+
+@api.post("/tokenize", dependencies=[Depends(_auth)])
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """vLLM's ``/tokenize``: token ids of a prompt, or of messages through the chat template."""
+    return request.app.state.openai.tokenize(body)
+
+
+@api.post("/detokenize", dependencies=[Depends(_auth)])
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    return request.app.state.openai.detokenize(body)
 
 
 @api.post("/v1/completions")

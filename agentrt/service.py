@@ -20,7 +20,8 @@ from engine.types import CLOSED_BY_BUDGET
 from agentrt.affinity import affinity_hint
 from agentrt.errors import bad_request
 from agentrt.generation import Generation, Generator, Result
-from agentrt.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from agentrt.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              TokenizeRequest)
 from agentrt.tenants import Tenant
 
 
@@ -158,6 +159,34 @@ class OpenAIService:
 
     def _token_text(self, token_id: int) -> str:
         return self.gen.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ tokenize (vLLM's extension)
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """The token ids of a prompt, or of messages rendered as a chat request renders them."""
+        self.gen.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give either prompt or messages", param="prompt")
+        tok = self.gen.tokenizer
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = self.gen.chat_text(message_dicts(req.messages), tools, template_kwargs(req.chat_template_kwargs),
+                                      add_generation_prompt=req.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.gen.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.gen.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.gen.tokenizer.vocab_size]
+        if bad:
+            raise bad_request(f"tokens {bad[:5]} are outside the vocabulary (0..{self.gen.tokenizer.vocab_size - 1})",
+                              param="tokens")
+        return {"prompt": self.gen.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     # ------------------------------------------------------------ completions
 
