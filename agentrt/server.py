@@ -340,7 +340,8 @@ async def fork_session(session_id: str, request: Request, body: ForkRequest | No
 @api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
 async def session_turn(session_id: str, body: TurnRequest, request: Request, response: Response,
                        tenant: Tenant = Depends(_auth)) -> Any:
-    """Append messages and generate the reply. Streaming sends ``turn.delta`` events, then ``turn.completed``."""
+    """Append messages and generate the reply. Streaming sends ``turn.delta`` events (``turn.reasoning_delta``
+    for reasoning, ``turn.tool_call`` for calls), then ``turn.completed``."""
     sessions: SessionManager = request.app.state.sessions
     started = await sessions.start_turn(session_id, body, tenant)
     if not isinstance(started, TurnRun):  # a retried turn id: the recorded reply, nothing appended
@@ -361,6 +362,8 @@ async def session_turn(session_id: str, body: TurnRequest, request: Request, res
 async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
     index = 0
     async for d in run.deltas():
+        if d.reasoning:
+            yield {"type": "turn.reasoning_delta", "reasoning": d.reasoning}
         if d.content:
             yield {"type": "turn.delta", "content": d.content}
         for call in d.tool_calls:
