@@ -15,7 +15,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from engine import AsyncEngine, EngineConfig, LLMEngine
+from engine import AsyncEngine, EngineConfig
 from engine.grammar.compiler import compiler_cache_for
 from engine.grammar.constraint import XGrammarConstraint
 from engine.parsers import OutputParser
@@ -43,12 +43,15 @@ REASONING = {"qwen3": "\nNeed the weather.", "mistral": None, "gpt-oss": "Need t
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256))
+    """One engine thread for the module (one AsyncEngine per engine: each steps it in its own thread); no
+    closing within max_tokens, so that the cut reply ends inside its second call."""
+    return AsyncEngine.from_config(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256,
+                                                close_constrained_outputs=False))
 
 
-async def _generation(engine, family: str, max_tokens: int = 400):
+async def _generation(engine: AsyncEngine, family: str, max_tokens: int = 400):
     tool, reasoning, text = TEXTS[family]
-    gen = Generator(AsyncEngine(engine), engine, ServerConfig(tool_call_parser=tool, reasoning_parser=reasoning),
+    gen = Generator(engine, engine.engine, ServerConfig(tool_call_parser=tool, reasoning_parser=reasoning),
                     Metrics())
     cache = compiler_cache_for(engine.tokenizer)
     compiled = cache.get("forced:" + text, lambda: cache.compiler.compile_grammar(

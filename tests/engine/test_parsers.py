@@ -108,6 +108,11 @@ def test_parsers_whole_and_in_50_random_chunkings_give_the_expected_structures(f
         expected = ("think ", "twice" + "Calling.", expected[2])
     whole = parse_output(text, tool, reasoning, prompt_text=prompt, tools=TOOLS)
     assert summary(whole) == expected
+    ids = [c.id for c in whole.tool_calls]
+    if family == "kimi_k2":  # Kimi names its calls; the name is the id (vLLM's kimi_k2 parser does the same)
+        assert [i.rsplit(":", 1)[0] for i in ids] == ["functions.get_weather"] * 2
+    else:
+        assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
     rng = random.Random(family)
     for _ in range(60):
         assert summary(streamed(text, tool, reasoning, prompt, rng)) == expected
@@ -128,6 +133,24 @@ def test_a_call_cut_by_max_tokens_is_never_a_complete_call(family):
     last_call = text.rfind("get_weather")  # cut inside the last call: only the first call comes back
     out = parse_output(text[:last_call + 20], tool, reasoning, prompt_text=prompt, tools=TOOLS, truncated=True)
     assert [json.loads(c.arguments) for c in out.tool_calls] == [TRICKY]
+
+
+def test_mistral_call_ids_and_the_nemo_array_format():
+    out = parse_output('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}', "mistral")
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("a1b2c3d4e", "get_weather",
+                                                                                 {"city": "Oslo"})]
+    nemo = '[TOOL_CALLS][{"name": "a", "arguments": {"x": "]"}, "id": "abcdefghi"}, {"name": "b", "arguments": {}}]'
+    out = parse_output(nemo, "mistral")
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("a", {"x": "]"}), ("b", {})]
+    assert out.tool_calls[0].id == "abcdefghi" and out.content == ""
+
+
+def test_xml_values_are_typed_by_the_tools_schema():
+    text = qwen3_coder("get_weather", {"city": "123", "days": "4"})
+    (call,) = parse_output(text, "qwen3_coder", tools=TOOLS).tool_calls
+    assert json.loads(call.arguments) == {"city": "123", "days": 4}  # city is a string, days an integer
+    (call,) = parse_output(glm45("get_weather", {"city": "123", "days": "4"}), "glm45", tools=TOOLS).tool_calls
+    assert json.loads(call.arguments) == {"city": "123", "days": 4}
 
 
 def test_the_thinking_switch_decides_where_the_reply_starts():
