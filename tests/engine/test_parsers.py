@@ -39,9 +39,8 @@ def deepseek(name, args):
     return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{json.dumps(args)}<｜tool▁call▁end｜>"
 
 
-def kimi(name, args, i=[0]):
-    i[0] += 1
-    return f"<|tool_call_begin|>functions.{name}:{i[0]}<|tool_call_argument_begin|>{json.dumps(args)}<|tool_call_end|>"
+def kimi(name, args, i):
+    return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{json.dumps(args)}<|tool_call_end|>"
 
 
 def mistral(name, args):
@@ -76,7 +75,7 @@ def case(family: str) -> tuple[str, str, str | None, str, str, str]:
             "<｜tool▁calls▁end｜>"
         return (text, "deepseek_v31", "deepseek_r1", "<｜Assistant｜><think>", "thinking it over", "Sure.")
     if family == "kimi_k2":
-        text = "Sure.<|tool_calls_section_begin|>" + "".join(kimi(*c) for c in CALLS) + "<|tool_calls_section_end|>"
+        text = "Sure.<|tool_calls_section_begin|>" + "".join(kimi(n, a, i) for i, (n, a) in enumerate(CALLS)) + "<|tool_calls_section_end|>"
         return (text, "kimi_k2", None, "", "", "Sure.")
     assert family == "openai"
     text = ("<|channel|>analysis<|message|>think <|end|> twice<|end|><|start|>assistant<|channel|>commentary"
@@ -110,7 +109,7 @@ def test_parsers_whole_and_in_50_random_chunkings_give_the_expected_structures(f
     assert summary(whole) == expected
     ids = [c.id for c in whole.tool_calls]
     if family == "kimi_k2":  # Kimi names its calls; the name is the id (vLLM's kimi_k2 parser does the same)
-        assert [i.rsplit(":", 1)[0] for i in ids] == ["functions.get_weather"] * 2
+        assert ids == ["functions.get_weather:0", "functions.get_weather:1"]
     else:
         assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
     rng = random.Random(family)
@@ -118,21 +117,35 @@ def test_parsers_whole_and_in_50_random_chunkings_give_the_expected_structures(f
         assert summary(streamed(text, tool, reasoning, prompt, rng)) == expected
 
 
+def call_ends(family: str, text: str) -> list[int]:
+    """Where each call of the case's text ends (its end marker, or its JSON when it has none)."""
+    if family == "llama3_json":
+        pieces = [json.dumps({"name": n, "parameters": a}) for n, a in CALLS]
+    else:
+        writer = {"hermes": hermes, "qwen3_coder": qwen3_coder, "glm45": glm45, "mistral": mistral,
+                  "deepseek_v31": deepseek, "openai": harmony, "kimi_k2": kimi}[family]
+        pieces = [writer(n, a, i) if family == "kimi_k2" else writer(n, a) for i, (n, a) in enumerate(CALLS)]
+    ends, pos = [], 0
+    for piece in pieces:
+        pos = text.index(piece, pos) + len(piece)
+        ends.append(pos)
+    return ends
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_call_cut_by_max_tokens_is_never_a_complete_call(family):
+    """Cut anywhere, the reply's calls are exactly those that ended before the cut: a call whose end
+    marker (or, without one, whose JSON) was cut off is never returned, not even with complete arguments."""
     text, tool, reasoning, prompt, _, _ = case(family)
-    full = len(parse_output(text, tool, reasoning, prompt_text=prompt, tools=TOOLS).tool_calls)
+    ends = call_ends(family, text)
     rng = random.Random(family)
-    for cut in range(len(text)):
+    for cut in range(len(text) + 1):
+        want = [(n, a) for (n, a), end in zip(CALLS, ends) if end <= cut]
         out = streamed(text[:cut], tool, reasoning, prompt, rng, truncated=True)
-        assert len(out.tool_calls) <= full
-        for call in out.tool_calls:  # every call returned is one of the complete calls of the text
-            assert (call.name, json.loads(call.arguments)) in CALLS
+        assert summary(out)[2] == want, (cut, text[:cut])
         whole = parse_output(text[:cut], tool, reasoning, prompt_text=prompt, tools=TOOLS, truncated=True)
-        assert summary(whole)[2] == summary(out)[2]
-    last_call = text.rfind("get_weather")  # cut inside the last call: only the first call comes back
-    out = parse_output(text[:last_call + 20], tool, reasoning, prompt_text=prompt, tools=TOOLS, truncated=True)
-    assert [json.loads(c.arguments) for c in out.tool_calls] == [TRICKY]
+        assert summary(whole)[2] == want
+        assert "Lima" not in whole.content  # the cut call's text is not content either
 
 
 def test_mistral_call_ids_and_the_nemo_array_format():
@@ -156,6 +169,7 @@ def test_xml_values_are_typed_by_the_tools_schema():
 def test_the_thinking_switch_decides_where_the_reply_starts():
     # Qwen3 with enable_thinking=False renders an empty think block: the reply is content
     assert summary(parse_output("Hi.", "hermes", "qwen3", prompt_text="<think>\n\n</think>\n\n")) == ("", "Hi.", [])
+    assert parse_output("<think>r</think>\n\nHi.", "hermes", "qwen3").content == "Hi."  # the newlines after it go
     # a prompt that opens the block (DeepSeek V3.1 thinking): the reply starts in reasoning
     assert summary(parse_output("a</think>b", "deepseek_v31", "deepseek_r1", prompt_text="<think>")) == ("a", "b", [])
     assert summary(parse_output("cut in reas", None, "qwen3", prompt_text="<think>", truncated=True)) == \
