@@ -68,8 +68,6 @@ async def _generation(engine: AsyncEngine, family: str, max_tokens: int = 400):
 async def _surfaces(engine, family: str) -> dict:
     """Every surface's view of the reply, the generations running at once (one engine batch)."""
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Weather?"}])
-    text = TEXTS[family][2]
-    cut = len(engine.tokenizer.encode(text[:text.rfind("London") + 3]))  # tokens up to inside the second call
 
     async def chat(max_tokens=400):
         gen, g = await _generation(engine, family, max_tokens)
@@ -84,17 +82,21 @@ async def _surfaces(engine, family: str) -> dict:
         out = OutputBuilder()
         async for delta in g.deltas():
             out.feed(delta)
-        return out.finish("completed")
+        return out.finish("completed"), g.token_ids
 
     async def anthropic(stream: bool):
         gen, g = await _generation(engine, family)
         svc = AnthropicService(gen)
         return [e async for e in svc.events(g)] if stream else (await svc.message(g))["content"]
 
-    names = ["chat", "chat_stream", "responses", "anthropic", "anthropic_stream", "cut"]
-    results = await asyncio.gather(chat(), chat_stream(), responses(), anthropic(False), anthropic(True),
-                                   chat(max_tokens=cut))
-    return dict(zip(names, results))
+    names = ["chat", "chat_stream", "responses", "anthropic", "anthropic_stream"]
+    seen = dict(zip(names, await asyncio.gather(chat(), chat_stream(), responses(), anthropic(False),
+                                                anthropic(True))))
+    seen["responses"], ids = seen["responses"]
+    # the reply's own tokens up to inside the second call ("Lon" of London written)
+    cut = next(n for n in range(len(ids)) if "Lon" in engine.tokenizer.decode(ids[:n], skip_special_tokens=False))
+    seen["cut"] = await chat(max_tokens=cut)
+    return seen
 
 
 @pytest.mark.parametrize("family", sorted(TEXTS))
