@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: no server processes, no clusters, no slow end-to-end tests (make test runs them all).
+test-fast: setup
+	$(PY) -m pytest -q -m "not server and not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/engine_sessions.py --quick --json out/engine_sessions.json

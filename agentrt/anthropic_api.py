@@ -208,6 +208,9 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     stream: bool = False
+    # extensions vLLM also accepts (the other surfaces take them too): a sampling seed, and EOS not ending the reply
+    seed: int | None = None
+    ignore_eos: bool | None = None
 
 
 class TokenCount(BaseModel):
@@ -466,7 +469,7 @@ class AnthropicService:
         started = time.monotonic()
         chat = self._chat(req)
         fields = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "top_k": req.top_k, "stop": req.stop_sequences}
+                  "top_k": req.top_k, "stop": req.stop_sequences, "seed": req.seed, "ignore_eos": req.ignore_eos}
         return await self.gen.start_chat(chat.messages, fields, chat.options, pin_ttl_s=chat.pin_ttl_s,
                                          started_at=started, session=affinity_hint(tenant, affinity), tenant=tenant)
 

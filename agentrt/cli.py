@@ -45,7 +45,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         try:
             app = create_app(config)
-        except ValueError as exc:  # a model the settings cannot serve (e.g. --ep with a dense model)
+        except ValueError as exc:  # a model the settings cannot serve (e.g. --ep-size with a dense model)
             print(f"agentrt serve: {exc}", file=sys.stderr)
             return 2
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,

@@ -15,14 +15,15 @@ import dataclasses
 import os
 import re
 import types
+import typing
 from contextvars import ContextVar
 from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, Self, Union, get_args, get_origin
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from engine.config import DEVICES, DTYPES, EP_PLACEMENTS, QUANTIZATIONS, SPECULATIVE, EngineConfig
+from engine.config import EngineConfig
 from engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 from agentrt import tracing
@@ -200,88 +201,64 @@ def _flag_type(name: str, field: FieldInfo) -> Callable[[str], Any]:
 
 # ------------------------------------------------------------ agentrt serve
 
-# What the engine does unless told otherwise (engine.config.EngineConfig); ServerConfig passes its
-# engine settings through, and where its default differs the field says so and why.
-_ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# Engine settings are declared once, as engine.config.EngineConfig's fields (each with its help line and
+# choices); the settings models below are generated from them. A server on a laptop chooses four defaults of
+# its own, each with the reason; the engine library keeps its defaults.
+SERVED_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "device": ("cpu", "cpu unless asked"),
+    "dtype": ("auto", "the fastest exact-enough precision this machine computes natively"),
+    # 1.5 GB of fp32 KV for the default model, 0.75 GB bf16
+    "kv_cache_tokens": (32768, "a laptop's share"),
+    # chosen by benchmarks/speculative.py (docs/benchmarking.md)
+    "speculative": ("auto", "suffix drafting on the CPU, where it was measured to win"),
+}
+# The settings that name the model: the router needs them too (its tokenizer and chat template).
+MODEL_FIELDS = ("model", "served_model_name", "max_model_len")
 
 
-class ServerConfig(Settings):
-    """How ``agentrt serve`` runs: the model, the listener, and the limits it enforces.
+def _engine_settings(names: Iterable[str]) -> dict[str, Any]:
+    """pydantic fields for the EngineConfig fields ``names``: the engine's type (a Literal of its choices
+    for a text field with choices), default (or the served one) and help line."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for name in names:
+        f = fields[name]
+        choices, description = f.metadata["choices"], f.metadata["help"]
+        annotation = Literal[choices] if choices else hints[name]
+        default = f.default
+        if name in SERVED_DEFAULTS:
+            default, why = SERVED_DEFAULTS[name]
+            description += f" (served default {default}: {why}; the engine library's default is {f.default})"
+        out[name] = (annotation, Field(default, description=description))
+    return out
 
-    Engine settings (``model`` ... ``num_speculative_tokens``) go to ``engine.EngineConfig``
-    (:meth:`engine_config`; the engine validates them) and take its defaults, except three chosen
-    for a server on a laptop: ``device`` cpu, ``dtype`` auto and a smaller KV pool. ``max_waiting``
-    (requests) and ``max_waiting_tokens`` (their tokens) bound the engine's waiting queue: past
-    either, a request gets 429 with ``Retry-After``; so does one past ``max_concurrent_requests``
-    (generations in flight, the HTTP admission limit). ``tenants_file`` (``agentrt/tenants.py``)
-    replaces ``api_keys``; neither means no authentication. ``turn_coalesce_max_s`` is
-    engine/coalesce.py's cap. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
+
+ModelSettings = create_model(
+    "ModelSettings", __base__=Settings, __doc__="The model a process serves or routes for (engine settings the "
+    "router needs as well: its tokenizer and chat template come from the model files).",
+    **_engine_settings(MODEL_FIELDS))
+
+EngineSettings = create_model(
+    "EngineSettings", __base__=ModelSettings, __doc__="Every engine.EngineConfig field, as a setting.",
+    **_engine_settings(f.name for f in dataclasses.fields(EngineConfig) if f.name not in MODEL_FIELDS))
+
+
+class ServingSettings(Settings):
+    """How an HTTP front (``agentrt serve``, ``agentrt worker``, ``agentrt router``) serves: the listener,
+    the limits it enforces, authentication, sessions and tracing.
+
+    ``max_concurrent_requests`` (generations in flight, the HTTP admission limit): past it a request
+    gets 429 with ``Retry-After``. ``tenants_file`` (``agentrt/tenants.py``) replaces ``api_keys``;
+    neither means no authentication. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
     turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for;
     ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
-    KV tiers (``kv_host_tokens``, ``kv_disk_tokens``, ``kv_disk_path``, ``kv_disk_keep``;
-    docs/kv_tiers.md): off by default, as in the engine library (docs/kv_tiers.md says why).
     ``otlp_endpoint`` switches request tracing on (``agentrt/tracing.py``); without the ``agentrt[otel]``
     packages it is a configuration error saying to install them.
     """
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    model: str | None = Field(_ENGINE["model"], description="a .gguf file or a Hugging Face model directory "
-                              "(default: the embedded SmolLM2-135M-Instruct)")
-    served_model_name: str | None = Field(_ENGINE["served_model_name"], description="the model name clients send "
-                                          "and /v1/models lists (default: from the model files)")
-    device: Literal[DEVICES] = Field("cpu", description="where the engine runs: cpu, cuda, or auto (cuda when "
-                                     f"available); cpu unless asked, where the engine library's default is "
-                                     f"{_ENGINE['device']}")
-    dtype: Literal[DTYPES] = Field("auto", description="weights and KV cache precision: float32, bfloat16, float16, "
-                                   "or auto (bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32; the "
-                                   f"engine library's default is {_ENGINE['dtype']})")
-    # 1.5 GB of fp32 KV for the default model, 0.75 GB bf16
-    kv_cache_tokens: int = Field(32768, description="tokens the paged KV cache holds (sizes its memory; a laptop's "
-                                 f"share, where the engine library's default is {_ENGINE['kv_cache_tokens']})")
-    max_num_seqs: int = Field(_ENGINE["max_num_seqs"], description="most sequences in one engine step (the batch)")
-    max_model_len: int | None = Field(_ENGINE["max_model_len"],
-                                      description="context window in tokens (default: the model's)")
-    max_waiting: int = Field(_ENGINE["max_waiting"],
-                             description="requests queued for the engine before new ones get 429")
-    max_waiting_tokens: int | None = Field(_ENGINE["max_waiting_tokens"], description="prompt tokens queued for "
-                                           "the engine before new requests get 429 (default: twice the KV cache)")
-    enable_prefix_cache: bool = Field(_ENGINE["enable_prefix_cache"], description="reuse cached KV of earlier "
-                                      "prompts' prefixes (false computes every prompt in full, for ablations)")
-    turn_coalesce_max_s: float = Field(_ENGINE["turn_coalesce_max_s"], description="how long the engine may hold "
-                                       "its next step after a session turn ends, for the agent's next turn to join "
-                                       "(0: off)")
-    ep: int = Field(_ENGINE["ep_size"], description="expert-parallel ranks for MoE models (this process is rank 0)")
-    ep_nodes: int = Field(_ENGINE["ep_nodes"], description="nodes the expert-parallel ranks are laid out over")
-    ep_placement: Literal[EP_PLACEMENTS] = Field(_ENGINE["ep_placement"], description="how experts are placed on "
-                                                 "ranks: contiguous, balanced or locality")
-    ep_redundant: int = Field(_ENGINE["ep_redundant"], description="extra expert slots for replicas of hot experts")
-    # served default chosen by benchmarks/speculative.py (docs/benchmarking.md); the engine's own stays off
-    speculative: Literal[SPECULATIVE] = Field("auto", description="speculative decoding: off, "
-                                              "ngram (drafts from the request's own context, verified in the same "
-                                              "step; greedy output unchanged) or suffix (ngram, and the recent outputs "
-                                              "of the tenant's other requests on the worker) or auto (suffix on the CPU, where "
-                                              "docs/benchmarking.md measured it, off on a GPU; the engine library's default is "
-                                              f"{_ENGINE['speculative']})")
-    num_speculative_tokens: int = Field(_ENGINE["num_speculative_tokens"], description="most draft tokens a "
-                                        "request verifies per step with --speculative ngram or suffix")
-    quantization: Literal[QUANTIZATIONS] = Field(_ENGINE["quantization"], description="weight-only quantization "
-                                                 "on the CPU: int4, int8, off, or auto (int4 for a Q4_0/Q4_1 GGUF "
-                                                 "served in bfloat16, as the default model is on AVX512-BF16 CPUs; "
-                                                 "off otherwise, float32 included)")
-    cpu_kernels: bool = Field(_ENGINE["cpu_kernels"], description="on the CPU, decode attention and the bf16 "
-                              "residual add + RMSNorm through C kernels built on first use by the system C "
-                              "compiler (false, or no compiler: the pure-torch paths)")
-    kv_host_tokens: int = Field(_ENGINE["kv_host_tokens"], ge=0, description="tokens of KV the host memory tier "
-                                "below the pool holds (pinned CPU memory; for a GPU pool; 0: off)")
-    kv_disk_tokens: int = Field(_ENGINE["kv_disk_tokens"], ge=0, description="tokens of KV the disk tier below the "
-                                "pool holds: evicted pages are kept there and loaded back instead of recomputed (one "
-                                "file per page, at most half the disk's free space; 0: off, the default until a "
-                                "measurement shows it wins, docs/kv_tiers.md)")
-    kv_disk_path: str | None = Field(_ENGINE["kv_disk_path"], description="directory of the disk tier's files "
-                                     "(default: a new one under the system temp directory, logged at start)")
-    kv_disk_keep: bool = Field(_ENGINE["kv_disk_keep"], description="keep the disk tier's files at shutdown (the "
-                               "next start with the same --kv-disk-path serves them; default: deleted)")
     api_keys: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], NoDecode, Flag("--api-key", "KEY")] = Field(
         (), description="accept this API key (repeatable; default: no authentication)")
     tenants_file: str | None = Field(None, description="JSON or TOML file of tenants: hashed API keys, limits, "
@@ -344,23 +321,32 @@ class ServerConfig(Settings):
         if max(self.pin_ttl_s, self.pin_ttl_tool_s) > self.max_pin_ttl_s:
             raise ValueError(f"pin_ttl_s ({self.pin_ttl_s}) and pin_ttl_tool_s ({self.pin_ttl_tool_s}) "
                              f"must not exceed max_pin_ttl_s ({self.max_pin_ttl_s})")
+        return self
+
+
+class RouterServerConfig(ServingSettings, ModelSettings):
+    """``agentrt router``'s HTTP side: serving settings and the model it routes for (no engine runs there)."""
+
+
+class ServerConfig(ServingSettings, EngineSettings):
+    """How ``agentrt serve`` (and the HTTP side of ``agentrt worker``) runs: the serving settings and every
+    engine setting (``engine.EngineConfig``'s fields, :meth:`engine_config`; the engine validates them)."""
+
+    @model_validator(mode="after")
+    def _engine_valid(self) -> Self:
         self.engine_config()  # the engine's own checks, now rather than when the model loads
         return self
 
     def engine_config(self) -> EngineConfig:
         """The ``engine.EngineConfig`` these settings describe."""
-        return EngineConfig(model=self.model, served_model_name=self.served_model_name, device=self.device,
-                            dtype=self.dtype, kv_cache_tokens=self.kv_cache_tokens, max_num_seqs=self.max_num_seqs,
-                            max_model_len=self.max_model_len, max_waiting=self.max_waiting,
-                            max_waiting_tokens=self.max_waiting_tokens, enable_prefix_cache=self.enable_prefix_cache,
-                            turn_coalesce_max_s=self.turn_coalesce_max_s, ep_size=self.ep, ep_nodes=self.ep_nodes,
-                            ep_placement=self.ep_placement, ep_redundant=self.ep_redundant,
-                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-                            quantization=self.quantization, cpu_kernels=self.cpu_kernels,
-                            kv_host_tokens=self.kv_host_tokens, kv_disk_tokens=self.kv_disk_tokens,
-                            kv_disk_path=self.kv_disk_path, kv_disk_keep=self.kv_disk_keep)
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:
     """``agentrt serve``'s flags: one per :class:`ServerConfig` field."""
     add_flags(parser, ServerConfig)
+
+
+def configure_router_http(parser: argparse.ArgumentParser) -> None:
+    """``agentrt router``'s HTTP flags: one per :class:`RouterServerConfig` field (no engine flag)."""
+    add_flags(parser, RouterServerConfig)

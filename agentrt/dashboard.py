@@ -57,10 +57,12 @@ class StatusSource(Protocol):
 
 def kv_tiers(stats: Any) -> dict[str, dict[str, int]]:
     """A worker's KV use keyed by tier, from ``engine.stats()``: the device pool's pages (total, used,
-    free, held by the prefix cache, pinned for sessions) and the page size in tokens."""
+    free, held by the prefix cache, pinned for sessions), the page size in tokens and the bytes a token
+    takes (``--kv-cache-dtype``: int8 pages take about half the bytes of bfloat16)."""
     return {"device": {"pages_total": stats.pages_total, "pages_used": stats.pages_used,
                        "pages_free": stats.pages_free, "pages_cached": stats.pages_cached,
-                       "pages_pinned": stats.pages_pinned, "page_size": stats.page_size}}
+                       "pages_pinned": stats.pages_pinned, "page_size": stats.page_size,
+                       "bytes_per_token": stats.kv_cache_bytes_per_token}}
 
 
 def engine_worker(worker_id: str, state: str, stats: Any, url: str | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, Re
 
 from agentrt import tracing
 from agentrt.affinity import AffinityPins
-from agentrt.config import ServerConfig
+from agentrt.config import ServingSettings
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
@@ -232,7 +232,7 @@ class Generator:
     (``tenant_limits``: this process's :class:`TenantLimits` unless another :class:`TenantLimiter` is
     given, such as the router's Redis one, shared by its replicas)."""
 
-    def __init__(self, engine: EngineClient, llm: Any, config: ServerConfig, metrics: Metrics,
+    def __init__(self, engine: EngineClient, llm: Any, config: ServingSettings, metrics: Metrics,
                  tenant_limits: TenantLimiter | None = None) -> None:
         self.engine = engine
         self.tokenizer = llm.tokenizer

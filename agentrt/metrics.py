@@ -88,6 +88,9 @@ class _EngineCollector:
                 ("agentrt_kv_pages_capacity",
                  f"KV cache pages in the pool that requests can use (one page holds {s.page_size} tokens)",
                  s.pages_total),
+                ("agentrt_kv_cache_bytes_per_token",
+                 "Bytes of K and V one token takes in the KV pool over every layer (--kv-cache-dtype: int8 pages "
+                 "hold values and a float32 scale per KV head)", s.kv_cache_bytes_per_token),
                 ("agentrt_kv_pages_used",
                  "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or not)",
                  s.pages_used),
@@ -143,6 +146,15 @@ class _EngineCollector:
                  s.spec_verifications_total)):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _tier_metrics(getattr(s, "kv_tiers", None) or {})
+        kernels = getattr(s, "cpu_kernels", None) or {}
+        if kernels:
+            family = GaugeMetricFamily("agentrt_cpu_kernel_active",
+                                       "1 where the engine runs the C kernel (engine/cpu_build.py), 0 where it "
+                                       "fell back to torch (no compiler, a failed build, or a dtype it lacks)",
+                                       labels=["kernel"])
+            for name, on in kernels.items():
+                family.add_metric([name], 1.0 if on else 0.0)
+            yield family
 
 
 # KV tiers (engine/kv_tier.py): one series per tier ("host", "disk") of each

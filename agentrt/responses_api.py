@@ -77,6 +77,9 @@ class ResponseCreateRequest(BaseModel):
     safety_identifier: str | None = None
     service_tier: str | None = None
     stream_options: dict[str, Any] | None = None
+    # extensions vLLM also accepts (the other surfaces take them too): a sampling seed, and EOS not ending the reply
+    seed: int | None = None
+    ignore_eos: bool | None = None
     # refused unless unset or their "off" value
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
@@ -467,7 +470,8 @@ class ResponsesService:
         options = StructuredOutput(convert_text_format(req.text), tools, convert_tool_choice(req.tool_choice, tools),
                                    req.parallel_tool_calls)
         self.gen.constraint(options)  # 400 now for options no request could run with
-        fields = {"temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_output_tokens}
+        fields = {"temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_output_tokens,
+                  "seed": req.seed, "ignore_eos": req.ignore_eos}
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         store = req.store is not False
 

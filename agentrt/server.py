@@ -41,7 +41,7 @@ from agentrt.anthropic_api import (AnthropicErrorResponse, AnthropicService, Cou
 from agentrt import tracing
 from agentrt.affinity import affinity_key
 from agentrt.dashboard import LocalStatus, dashboard_routes
-from agentrt.config import ServerConfig
+from agentrt.config import ServerConfig, ServingSettings
 from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
 from agentrt.generation import Generation, Generator
@@ -438,7 +438,7 @@ def create_app(config: ServerConfig, engine: Any = None, store: SessionStore | N
     return assemble_app(config, async_engine, llm, store, role=role)
 
 
-def assemble_app(config: ServerConfig, backend: EngineClient, model: Any, store: SessionStore | None = None,
+def assemble_app(config: ServingSettings, backend: EngineClient, model: Any, store: SessionStore | None = None,
                  title: str = "agentrt", tenant_limits: TenantLimiter | None = None,
                  metrics: Metrics | None = None, role: str = "serve") -> FastAPI:
     """The app over ``backend``, an ``engine.client.EngineClient``: the in-process ``engine.AsyncEngine``

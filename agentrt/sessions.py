@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Callable
 from engine.chat import template_handles_tools
 from engine.client import SessionHint, StructuredOutput
 
-from agentrt.config import ServerConfig
+from agentrt.config import ServingSettings
 from agentrt.errors import APIError, bad_request, not_found
 from agentrt.generation import Generation, Generator, Result
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
@@ -104,7 +104,7 @@ class TurnPlan:
 
 
 class SessionManager:
-    def __init__(self, store: SessionStore, generator: Generator, config: ServerConfig) -> None:
+    def __init__(self, store: SessionStore, generator: Generator, config: ServingSettings) -> None:
         self.store = store
         self.gen = generator
         self.config = config

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agentrt  # noqa: E402
 from agentrt.bench.progress import bar  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 
@@ -161,14 +161,14 @@ def run_against_engine(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--system-tokens", type=int, default=1500)
-    parser.add_argument("--tool-result-tokens", type=int, default=200)
-    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the agentrt server to drive")
+    parser.add_argument("--api-key", default=None, help="bearer token for the server, if it wants one")
+    harness.add_common_args(parser, repeats=None)
+    parser.add_argument("--sessions", type=int, default=8, help="agent sessions in the workload")
+    parser.add_argument("--turns", type=int, default=8, help="turns per session")
+    parser.add_argument("--system-tokens", type=int, default=1500, help="tokens of the shared system prompt")
+    parser.add_argument("--tool-result-tokens", type=int, default=200, help="tokens of each turn's tool result")
+    parser.add_argument("--reply-tokens", type=int, default=32, help="max_tokens of each reply")
     parser.add_argument("--model-path", default=None, help="GGUF whose tokenizer sizes the text (default model)")
     parser.add_argument("--quick", action="store_true", help="4 sessions x 4 turns")
     parser.add_argument("--against-engine", action="store_true",
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra flag for the server --against-engine starts (repeatable, e.g. "
                              "--serve-flag=--turn-coalesce-max-s=0)")
     args = parser.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     if args.quick:
         args.sessions, args.turns = 4, 4
     if args.against_engine:
@@ -196,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
               f"wall {eng['wall_s']:.1f} s; HTTP/in-process TTFT p50 ratio "
               f"{both['ttft_p50_turns_2_plus_ratio']:.3f} (target <= 1.15), wall ratio {both['wall_ratio']:.3f}")
         result = both
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    run.write(result, settings=harness.serve_settings(args.serve_flag) if args.against_engine else None)
     return 0
 
 

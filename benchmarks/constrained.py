@@ -9,7 +9,7 @@ constrained; throughput is ``batch / median step time`` of each mode (robust on 
 shared, noisy machine), and the ratio is constrained / unconstrained. The
 constraint's own cost (bitmask fill + masking) is timed per request and step.
 
-    python benchmarks/constrained.py --json OUT [--batch 8] [--tokens 64] [--rounds 3]
+    python benchmarks/constrained.py --json OUT [--batch 8] [--tokens 64] [--repeats 3] [--order alternate|fixed]
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from engine.chat import encode_chat
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.grammar import XGrammarConstraint, constraint_for_request
 from engine.types import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: benchmarks/ importable
+from benchmarks import harness  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -91,15 +96,15 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], tokens: int, constra
     return counted / (time.perf_counter() - t0), full_steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", metavar="OUT", help="write the results here")
-    ap.add_argument("--batch", type=int, default=8)
+    harness.add_common_args(ap, repeats=3)
+    ap.add_argument("--batch", type=int, default=8, help="requests decoded together (max_num_seqs)")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
+    ap.add_argument("--device", default="cpu", help="torch device the engine runs on")
+    ap.add_argument("--dtype", default="float32", help="engine dtype (float32 or bfloat16)")
+    args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
 
     # The schema cannot complete within the run's tokens on purpose (the batch stays full), so the
     # engine must not refuse it or close it early: closing is off (benchmarks/constrained_budget.py measures it).
@@ -115,21 +120,23 @@ def main() -> None:
 
     free, constrained, cost = [], [], [0.0, 0]  # cost: [seconds in the constraint, request-steps]
     free_steps, cons_steps = [], []
-    for _ in range(args.rounds):
-        rate, steps = decode_run(engine, prompts, args.tokens, None)
-        free.append(rate)
-        free_steps += steps
-        cons = [_TimedConstraint(constraint_for_request(tok, response_format=RESPONSE_FORMAT), cost)
-                for _ in prompts]
-        rate, steps = decode_run(engine, prompts, args.tokens, cons)
-        constrained.append(rate)
-        cons_steps += steps
+    for _, side in harness.ab_order(["unconstrained", "constrained"], args.repeats, args.order):
+        if side == "unconstrained":
+            rate, steps = decode_run(engine, prompts, args.tokens, None)
+            free.append(rate)
+            free_steps += steps
+        else:
+            cons = [_TimedConstraint(constraint_for_request(tok, response_format=RESPONSE_FORMAT), cost)
+                    for _ in prompts]
+            rate, steps = decode_run(engine, prompts, args.tokens, cons)
+            constrained.append(rate)
+            cons_steps += steps
     # The machine is shared: a round's wall clock absorbs other people's bursts. The median
     # step time of each mode is the robust figure; whole-round rates are kept for reference.
     free_step, cons_step = statistics.median(free_steps), statistics.median(cons_steps)
     result = {
         "model": engine.model_id, "device": args.device, "dtype": args.dtype,
-        "batch": args.batch, "decode_tokens_per_request": args.tokens, "rounds": args.rounds,
+        "batch": args.batch, "decode_tokens_per_request": args.tokens, "rounds": args.repeats,
         "unconstrained_tok_s": round(args.batch / free_step, 2),
         "constrained_tok_s": round(args.batch / cons_step, 2),
         "ratio": round(free_step / cons_step, 4),
@@ -143,9 +150,7 @@ def main() -> None:
         "schema_compile_ms_first": round(compile_ms, 1),
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    run.write(result, engine=engine)
 
 
 if __name__ == "__main__":

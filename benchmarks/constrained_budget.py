@@ -25,7 +25,9 @@ import argparse
 import collections
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import jsonschema
 
@@ -34,6 +36,9 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.grammar import XGrammarConstraint, constraint_for_request
 from engine.types import CLOSED_BY_BUDGET, InvalidRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: benchmarks/ importable
+from benchmarks import harness  # noqa: E402
 
 PROFILE = {
     "type": "object",
@@ -156,17 +161,18 @@ def run_mode(engine: LLMEngine, draws: list[dict]) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", metavar="OUT", help="write the results here")
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--min-tokens", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    harness.add_common_args(ap, repeats=None)
+    ap.add_argument("--requests", type=int, default=200, help="constrained requests per mode")
+    ap.add_argument("--min-tokens", type=int, default=8, help="smallest max_tokens drawn for a request")
+    ap.add_argument("--max-tokens", type=int, default=256, help="largest max_tokens drawn for a request")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drawn requests (both modes get the same)")
     ap.add_argument("--batch", type=int, default=64, help="max_num_seqs")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
+    ap.add_argument("--device", default="cpu", help="torch device the engine runs on")
+    ap.add_argument("--dtype", default="float32", help="engine dtype (float32 or bfloat16)")
+    args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
 
     draws = draw_requests(args.requests, args.seed, args.min_tokens, args.max_tokens)
     result = {"requests": args.requests, "seed": args.seed, "max_tokens_range": [args.min_tokens, args.max_tokens],
@@ -177,9 +183,7 @@ def main() -> None:
         result["model"] = engine.model_id
         result[mode] = run_mode(engine, draws)
         print(mode, json.dumps({k: v for k, v in result[mode].items() if k != "invalid_examples"}), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    run.write(result, engine=engine)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ processor, i.e. right after the prefill forward.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentrt.bench.progress import bar  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -153,12 +153,12 @@ def summarize(ttft, wl, wall, generated, prompt_total, computed, served) -> dict
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", required=True, help="where to write the results")
+    harness.add_common_args(ap, repeats=None, json_required=True)
     ap.add_argument("--quick", action="store_true", help="4 sessions x 3 turns")
-    ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--system-tokens", type=int, default=1500)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--sessions", type=int, default=8, help="agent sessions in the workload")
+    ap.add_argument("--turns", type=int, default=8, help="turns per session")
+    ap.add_argument("--system-tokens", type=int, default=1500, help="tokens of the shared system prompt")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
     ap.add_argument("--speculative", default="suffix", choices=list(SPECULATIVE),
                     help="speculative decoding (default: what agentrt serve runs)")
     ap.add_argument("--no-baseline", action="store_true", help="engine only")
@@ -166,6 +166,7 @@ def main(argv=None) -> int:
                     help="torch intra-op threads for both runs (default: torch's choice); 1 keeps "
                          "figures meaningful on a machine shared with other jobs")
     args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     if args.quick:
         args.sessions, args.turns = 4, 3
     if args.threads:
@@ -178,8 +179,7 @@ def main(argv=None) -> int:
     ours = run_engine(engine, wl, system)
     print(f"engine:   TTFT p50 turns 2+ {ours['ttft_p50_s_turns2plus']:.3f}s, "
           f"cached {ours['cached_token_fraction']:.1%}, {ours['tokens_per_s']:.1f} tok/s", flush=True)
-    result = {"workload": vars(wl), "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-              "dtype": args.dtype, "speculative": args.speculative, "engine": ours}
+    result = {"workload": vars(wl), "dtype": args.dtype, "speculative": args.speculative, "engine": ours}
     if not args.no_baseline:
         import transformers
         from engine.loader.gguf_loader import default_model_path
@@ -206,9 +206,7 @@ def main(argv=None) -> int:
     for part in ("engine", "baseline"):
         if part in result:
             result[part].pop("_replies")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    run.write(result, engine=engine)
     return 0
 
 

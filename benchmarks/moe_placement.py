@@ -21,7 +21,6 @@ step for every placement.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from benchmarks import harness
 from benchmarks.moe_checkpoint import write_tiny_checkpoint
 from benchmarks.moe_launch import run_distributed
 from benchmarks.moe_selfcheck import ep_matches_reference
@@ -199,11 +199,12 @@ def _table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", required=True, help="write the results here")
+    harness.add_common_args(ap, repeats=None, json_required=True)
     ap.add_argument("--quick", action="store_true", help="smaller traces (about a quarter of the tokens)")
     ap.add_argument("--trace", action="append", default=[], help="a top-k dump (.npz/.jsonl, see benchmarks/moe_traces.py)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces and the tiny checkpoints")
     args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     topo, bc = Topology(nodes=2, ranks_per_node=2), BenchConfig()
     traces = make_traces(args.quick, args.seed, topo.world_size)
     traces += [load_topk_dump(p, topo.world_size) for p in args.trace]
@@ -222,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(result))
     print(f"reference_ok={result['reference_ok']} (max abs diff {result['reference_max_abs_diff']:.2e}); "
           f"{result['seconds']:.0f} s")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    run.write(result)
     return 0
 
 

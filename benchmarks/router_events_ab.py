@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import redis.asyncio as aioredis  # noqa: E402
 
 import router_scale as rs  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.event_consumer import KVEventConsumer, Snapshot  # noqa: E402
 from router.index import PrefixIndex  # noqa: E402
@@ -81,14 +82,15 @@ def poll_body(consumer):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", required=True, help="git revision to compare the working tree with")
-    p.add_argument("--workers", type=int, default=128)
-    p.add_argument("--blocks-per-worker", type=int, default=100_000)
+    p.add_argument("--workers", type=int, default=128, help="workers in the synthetic fleet")
+    p.add_argument("--blocks-per-worker", type=int, default=100_000, help="KV blocks each worker holds at start")
     p.add_argument("--rounds", type=int, default=10, help="one-block rounds (trace-size: half as many)")
-    p.add_argument("--events-per-round", type=int, default=10_000)
+    p.add_argument("--events-per-round", type=int, default=10_000, help="one-block events per round")
     p.add_argument("--blocks-per-round", type=int, default=300_000, help="trace-size rounds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the fleet and the churn")
+    harness.add_common_args(p, repeats=None)
     args = p.parse_args(argv)
+    run_info = harness.Run(args, __file__, argv)
     with tempfile.TemporaryDirectory() as tmp:
         rev = load_revision(args.rev, Path(tmp))
     cfg = RouterConfig()
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     seqs = {w.worker_id: w.n_events for w in fleet}
     out: dict = {"rev": args.rev, "workers": args.workers, "blocks_per_worker": args.blocks_per_worker,
                  "rounds": args.rounds, "events_per_round": args.events_per_round,
-                 "blocks_per_round": args.blocks_per_round, "cpus": os.cpu_count(),
+                 "blocks_per_round": args.blocks_per_round, "order": "rev first on even rounds, tree first on odd",
                  "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     for label, one, n_events, n_blocks, rounds in (
             ("1block", True, args.events_per_round, 0, args.rounds),
@@ -143,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.index._holders != b.index._holders or a._next_seq != b._next_seq or a.stats.applied != b.stats.applied:
         raise RuntimeError("the two stacks disagree after the same events")
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    run_info.write(out, kernels={})
     return 0
 
 

@@ -66,6 +66,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import harness  # noqa: E402
 from engine.hashing import block_hashes, make_seed  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.event_consumer import KVEventConsumer, Snapshot  # noqa: E402
@@ -563,20 +564,22 @@ def shared_pairs(index) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="8,32,128", help="comma-separated fleet sizes, one run each")
-    p.add_argument("--blocks-per-worker", type=int, default=100_000)
+    p.add_argument("--blocks-per-worker", type=int, default=100_000, help="KV blocks each worker holds")
     p.add_argument("--shared-fraction", type=float, default=0.5,
                    help="share of each worker's blocks taken from the trace's common prefixes")
-    p.add_argument("--decisions", type=int, default=2000)
+    p.add_argument("--decisions", type=int, default=2000, help="routing decisions timed per fleet size")
     p.add_argument("--churn-events", type=int, default=100_000, help="events in the one-block churn stream")
     p.add_argument("--churn-blocks", type=int, default=2_000_000,
                    help="blocks in the trace-size churn stream (its events carry ~500 blocks each)")
     p.add_argument("--batch", type=int, default=1000, help="stream entries per apply_entries call (poll's count)")
     p.add_argument("--tokenize", type=int, default=50, help="8k-prompt tokenize+hash repetitions (0: skip)")
-    p.add_argument("--index", choices=("bitset", "reference"), default="bitset")
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--index", choices=("bitset", "reference"), default="bitset",
+                   help="prefix index: the bitset one the router runs, or the plain reference")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace whose common prefixes shape the fleet")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fleet and the churn")
+    harness.add_common_args(p, repeats=None)
     args = p.parse_args(argv)
+    run_info = harness.Run(args, __file__, argv)
     try:
         sizes = [int(s) for s in args.workers.split(",") if s.strip()]
     except ValueError:
@@ -597,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     trace = common_prefixes(load_records(args.trace))
     out: dict = {"block_size": BLOCK, "prompt_tokens": PROMPT_TOKENS, "shared_fraction": args.shared_fraction,
-                 "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load0], "runs": []}
+                 "loadavg_start": [round(x, 2) for x in load0], "runs": []}
     if args.tokenize:
         out["prompt"] = tokenize_and_hash(args.tokenize)
         print(f"8k prompt: tokenize p50 {out['prompt']['tokenize_p50_ms']:.2f} ms, "
@@ -618,15 +621,11 @@ def main(argv: list[str] | None = None) -> int:
               f"frozen (CPU {r['gc_full_cpu_ms']:.1f} / {r['gc_full_frozen_cpu_ms']:.1f} ms)", flush=True)
         gc.unfreeze()
         gc.collect()
-        if args.json:  # after every run: a long run interrupted keeps what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(out, indent=2) + "\n")
+        run_info.write(out, kernels={})   # after every run: a long run interrupted keeps what it measured
     out["elapsed_s"] = round(time.perf_counter() - started, 1)
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"elapsed {out['elapsed_s']} s; load average {out['loadavg_start']} -> {out['loadavg_end']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    run_info.write(out, kernels={})
     return 0
 
 

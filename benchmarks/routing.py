@@ -56,6 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import harness  # noqa: E402
 from router.index import PrefixIndex  # noqa: E402
 from router.inflight import InFlightTracker  # noqa: E402
 from router.policy import RouteRequest, WorkerState, make_policy, policy_names  # noqa: E402
@@ -279,36 +280,42 @@ def default_cache_tokens(records: list[dict], n_workers: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the request trace replayed (part a)")
     p.add_argument("--workers", type=int, default=None, help="default 8 simulated, 3 live")
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="per-worker cache in tokens (default: distinct blocks / 4 / workers)")
-    p.add_argument("--policies", default=",".join(policy_names()))
-    p.add_argument("--prefill-tok-s", type=float, default=LatencyModel.prefill_tok_s)
-    p.add_argument("--decode-s-per-tok", type=float, default=LatencyModel.decode_s_per_tok)
+    p.add_argument("--policies", default=",".join(policy_names()), help="comma-separated routing policies to replay")
+    p.add_argument("--prefill-tok-s", type=float, default=LatencyModel.prefill_tok_s,
+                   help="simulated worker prefill speed (tokens/s) of the replay's latency model")
+    p.add_argument("--decode-s-per-tok", type=float, default=LatencyModel.decode_s_per_tok,
+                   help="simulated seconds per decoded token of the replay's latency model")
     p.add_argument("--quick", type=int, nargs="?", const=2000, default=None, metavar="N",
                    help="replay only the first N records (default 2000)")
     p.add_argument("--no-sessions", action="store_true",
                    help="replay without session ids (no last worker, no session_hash key)")
     p.add_argument("--no-tentative", action="store_true",
                    help="route on KV events alone (no entries for dispatched, not yet prefilled requests)")
-    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    harness.add_common_args(p, repeats=1)
     live = p.add_argument_group("part (b), --live: real workers behind agentrt router and sglang-router")
     live.add_argument("--live", action="store_true", help="run part (b) instead of the trace replay")
-    live.add_argument("--sessions", type=int, default=8)
-    live.add_argument("--turns", type=int, default=4)
-    live.add_argument("--system-tokens", type=int, default=1000)
-    live.add_argument("--tool-result-tokens", type=int, default=150)
-    live.add_argument("--reply-tokens", type=int, default=16)
+    live.add_argument("--sessions", type=int, default=8, help="agent sessions, run concurrently")
+    live.add_argument("--turns", type=int, default=4, help="turns per session")
+    live.add_argument("--system-tokens", type=int, default=1000, help="tokens of each agent type's system prompt")
+    live.add_argument("--tool-result-tokens", type=int, default=150, help="tokens of each turn's tool result")
+    live.add_argument("--reply-tokens", type=int, default=16, help="max_tokens of each reply")
     live.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV pool per live worker")
     live.add_argument("--live-fronts", default="agentrt,sglang", help="fronts to drive, in order")
-    live.add_argument("--repeats", type=int, default=1,
-                      help="passes per front, in ABBA order (A B B A ...); figures pool every pass's turns")
+    live.add_argument("--live-tuning", choices=("defaults", "tuned"), default="defaults",
+                      help="defaults: both routers as started plainly; tuned: both fitted to the workload "
+                           "(agentrt tokens_per_queued_request, sglang-router --balance-abs-threshold)")
     live.add_argument("--live-policy-option", action="append", default=[], metavar="KEY=VALUE",
-                      help="extra option for agentrt router's policy (repeatable)")
+                      help="extra option for agentrt router's policy (repeatable; only with --live-tuning tuned)")
     args = p.parse_args(argv)
+    run_info = harness.Run(args, __file__, argv)
     if args.live:
-        return main_live(p, args)
+        return main_live(p, args, run_info)
+    if args.repeats != 1:
+        p.error("--repeats applies to --live (passes per front); the trace replay is deterministic")
     args.workers = 8 if args.workers is None else args.workers
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -332,13 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {f['hit_rate']:7.4f} {f['hit_rate'] / max(out['ideal_hit_rate'], 1e-9):7.3f}"
               f" {f['load_max_mean']:14.3f} {f['requests_max_mean']:14.3f}"
               f" {f['ttft_p50_s']:9.3f} {f['ttft_p99_s']:9.3f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    run_info.write(out, kernels={})
     return 0
 
 
-def main_live(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def main_live(p: argparse.ArgumentParser, args: argparse.Namespace, run: harness.Run) -> int:
     from benchmarks.routing_live import LiveOptions, print_live, run_live
 
     fronts = tuple(f for f in args.live_fronts.split(",") if f)
@@ -348,17 +353,20 @@ def main_live(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         opts = LiveOptions(workers=args.workers or 3, sessions=args.sessions, turns=args.turns,
                            system_tokens=args.system_tokens, tool_result_tokens=args.tool_result_tokens,
                            reply_tokens=args.reply_tokens, kv_cache_tokens=args.kv_cache_tokens, fronts=fronts,
-                           repeats=args.repeats, policy_options=tuple(args.live_policy_option))
+                           repeats=args.repeats, policy_options=tuple(args.live_policy_option),
+                           tuning=args.live_tuning, order=args.order)
         if min(opts.workers, opts.sessions, opts.turns, opts.reply_tokens, opts.repeats) < 1:
             p.error("--workers, --sessions, --turns, --reply-tokens and --repeats must be >= 1")
         out = run_live(opts)
+    except ValueError as exc:
+        p.error(str(exc))
     except RuntimeError as exc:
         print(f"routing --live: {exc}", file=sys.stderr)
         return 1
     print_live(out)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    for name, cmd in out["front_cmds"].items():
+        run.add_server(name, cmd, harness.non_default_flags(out["router_tuning"]["non_default_flags"][name]))
+    run.write(out, settings=harness.serve_settings(["--kv-cache-tokens", str(args.kv_cache_tokens)]))
     return 0
 
 

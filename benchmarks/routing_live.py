@@ -5,7 +5,10 @@
 One run starts a private Redis, N real ``agentrt worker`` processes (the default model),
 ``agentrt router`` and ``sglang-router`` (``--policy cache_aware``, launched as FACTS.md
 says) in front of the *same* workers, and drives the same agentic workload through each
-front in turn, flushing every worker's cache before each pass so both start cold. Before
+front in turn, flushing every worker's cache before each pass so both start cold. Both routers run
+at their defaults (``--live-tuning defaults``, the default) or both fitted to the workload
+(``tuned``: agentrt's ``tokens_per_queued_request`` = an average prompt, sglang-router's
+``--balance-abs-threshold`` = sessions per worker); ``router_tuning`` in the JSON says which. Before
 the first pass every worker serves one warm-up turn (the first pass on fresh processes
 otherwise pays first-use costs the later ones do not); with ``--repeats N`` each front runs N
 passes in ABBA order (A B B A ...) and its figures pool all its passes' turns, each pass's own
@@ -59,7 +62,31 @@ class LiveOptions:
     kv_cache_tokens: int = 8192
     fronts: tuple[str, ...] = ("agentrt", "sglang")
     repeats: int = 1   # passes per front, in ABBA order
-    policy_options: tuple[str, ...] = ()  # extra KEY=VALUE options for agentrt router's policy
+    policy_options: tuple[str, ...] = ()  # extra KEY=VALUE options for agentrt router's policy (tuned only)
+    tuning: str = "defaults"   # "defaults": both routers as started plainly; "tuned": both fitted to the workload
+    order: str = "alternate"   # pass order over the repeats (benchmarks/harness.py ab_order)
+
+
+TUNINGS = ("defaults", "tuned")
+
+
+def router_settings(opts: LiveOptions) -> dict:
+    """The non-default settings each front gets: none with ``defaults``; with ``tuned``, each fitted to
+    the workload the same way: agentrt's ``tokens_per_queued_request`` (what a queued request weighs
+    against cached tokens) = one of its average prompts, sglang-router's ``--balance-abs-threshold``
+    (the queue imbalance past which it balances instead of following the cache, 64 by default) = the
+    sessions' fair share per worker."""
+    if opts.tuning not in TUNINGS:
+        raise ValueError(f"tuning must be one of {TUNINGS}, got {opts.tuning!r}")
+    if opts.tuning == "defaults":
+        if opts.policy_options:
+            raise ValueError("policy options tune agentrt's router only: with tuning 'defaults' both routers run "
+                             "their defaults (use tuning 'tuned', which fits both)")
+        return {"agentrt": [], "sglang": []}
+    per_request = opts.system_tokens + opts.turns * (opts.tool_result_tokens + opts.reply_tokens) // 2
+    return {"agentrt": ["--policy-option", f"tokens_per_queued_request={per_request}",
+                        *[a for opt in opts.policy_options for a in ("--policy-option", opt)]],
+            "sglang": ["--balance-abs-threshold", str(max(1, opts.sessions // opts.workers))]}
 
 
 def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
@@ -70,22 +97,19 @@ def start_fleet(procs: Procs, opts: LiveOptions) -> dict:
     for worker in workers:
         worker.wait_ready()
     fronts = {}
+    tuned = router_settings(opts)
     if "agentrt" in opts.fronts:
-        # A queued request is worth about one of this workload's prompts (the default, 4096, models
-        # the GPU trace of part a).
-        per_request = opts.system_tokens + opts.turns * (opts.tool_result_tokens + opts.reply_tokens) // 2
-        fronts["agentrt"] = procs.agentrt(
-            "agentrt-router", "router", "--redis", redis_url, *common,
-            "--policy-option", f"tokens_per_queued_request={per_request}",
-            *[a for opt in opts.policy_options for a in ("--policy-option", opt)]).wait_ready()
+        fronts["agentrt"] = procs.agentrt("agentrt-router", "router", "--redis", redis_url, *common,
+                                          *tuned["agentrt"]).wait_ready()
     if "sglang" in opts.fronts:
         sport = free_port()
         fronts["sglang"] = procs.spawn("sglang-router", [
             sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sport),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--worker-urls", *[w.url for w in workers], "--policy", "cache_aware"],
+            "--worker-urls", *[w.url for w in workers], "--policy", "cache_aware", *tuned["sglang"]],
             url=f"http://127.0.0.1:{sport}", port=sport).wait_ready(timeout_s=120)
-    return {"redis": redis_url, "workers": [w.url for w in workers],
+    return {"redis": redis_url, "workers": [w.url for w in workers], "tuned": tuned,
+            "cmds": {name: list(p.cmd) for name, p in fronts.items()},
             "fronts": {name: p.url for name, p in fronts.items()}, "pids": {name: p.pid for name, p in fronts.items()}}
 
 
@@ -212,9 +236,10 @@ def first_turns(turns: list[dict]) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def pass_order(fronts: tuple[str, ...], repeats: int) -> list[str]:
+def pass_order(fronts: tuple[str, ...], repeats: int, order: str = "alternate") -> list[str]:
     """Fronts in ABBA order (A B, B A, A B, ...): drift and the position in the run weigh on both alike."""
-    return [f for r in range(repeats) for f in (fronts if r % 2 == 0 else fronts[::-1])]
+    from benchmarks.harness import ab_order
+    return [f for _, f in ab_order(fronts, repeats, order)]
 
 
 def run_live(opts: LiveOptions) -> dict:
@@ -231,7 +256,7 @@ def run_live(opts: LiveOptions) -> dict:
         fleet = start_fleet(procs, opts)
         asyncio.run(_warm_up(fleet["workers"], model.model_id, wl, model.tokenizer, systems))
         raw: dict[str, list[dict]] = {f: [] for f in opts.fronts}
-        for position, front in enumerate(pass_order(opts.fronts, opts.repeats)):
+        for position, front in enumerate(pass_order(opts.fronts, opts.repeats, opts.order)):
             url = fleet["fronts"][front]
             print(f"pass {position + 1}: {front} ({url}) ...", flush=True)
             cpu = cpu_seconds(fleet["pids"][front])
@@ -241,7 +266,8 @@ def run_live(opts: LiveOptions) -> dict:
     finally:
         procs.stop()
     return {"options": opts.__dict__ | {"fronts": list(opts.fronts)},
-            "passes": {f: summarize(f, raw[f]) for f in opts.fronts}}
+            "router_tuning": {"mode": opts.tuning, "non_default_flags": {f: fleet["tuned"][f] for f in opts.fronts}},
+            "front_cmds": fleet["cmds"], "passes": {f: summarize(f, raw[f]) for f in opts.fronts}}
 
 
 def _has_sglang_router() -> bool:

@@ -27,7 +27,10 @@ from pathlib import Path
 import httpx
 import psutil
 
-from agentrt.procs import Proc, Procs, free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: benchmarks/ importable
+
+from agentrt.procs import Proc, Procs, free_port  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,21 +217,23 @@ def start_cluster(args: argparse.Namespace) -> tuple[Procs, Proc]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sessions", type=int, default=200)
-    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--sessions", type=int, default=200, help="concurrent agent sessions at full ramp")
+    p.add_argument("--minutes", type=float, default=5.0, help="how long to drive the cluster")
     p.add_argument("--url", default=None, help="drive this server instead of starting agentrt up")
     p.add_argument("--pids", default="", help="with --url: pid=role,... to sample RSS of")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--kv-cache-tokens", type=int, default=8192)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--turns-per-session", type=int, default=8)
-    p.add_argument("--ramp-s", type=float, default=10.0)
-    p.add_argument("--window-s", type=float, default=30.0)
-    p.add_argument("--warmup-frac", type=float, default=0.2)
+    p.add_argument("--workers", type=int, default=2, help="workers agentrt up starts (when started here)")
+    p.add_argument("--kv-cache-tokens", type=int, default=8192, help="KV pool per worker (when started here)")
+    p.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each reply")
+    p.add_argument("--turns-per-session", type=int, default=8, help="turns before a session ends and a new one starts")
+    p.add_argument("--ramp-s", type=float, default=10.0, help="seconds over which sessions are started")
+    p.add_argument("--window-s", type=float, default=30.0, help="seconds per reporting window (RSS, latency)")
+    p.add_argument("--warmup-frac", type=float, default=0.2,
+                   help="share of the run left out of the steady-state figures at its start")
     p.add_argument("--log-dir", default=".", help="where agentrt up's output goes (when started here): "
                                                   "DIR/soak-cluster.log")
-    p.add_argument("--json", default=None, help="write the report here")
+    harness.add_common_args(p, repeats=None)
     args = p.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     if args.sessions < 1 or args.minutes <= 0:
         p.error("--sessions must be >= 1 and --minutes > 0")
     procs = None
@@ -238,17 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         procs, up = start_cluster(args)
         url, pids = up.url, children(up.pid)
+        run.add_server("agentrt up", up.cmd, harness.non_default_flags(up.cmd[up.cmd.index("up") + 1:]))
     try:
         stats = asyncio.run(drive(url, args, pids))
     finally:
         if procs is not None:
             procs.stop(timeout_s=60.0)
     result = report(stats, args)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-    print(text)
+    print(json.dumps(result, indent=2))
+    run.write(result, settings=harness.serve_settings(["--kv-cache-tokens", str(args.kv_cache_tokens)]))
     return 0 if result["errors_other_than_429"] == 0 else 1
 
 

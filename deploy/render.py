@@ -33,7 +33,7 @@ ROOT = DEPLOY.parent
 if str(ROOT) not in sys.path:  # `python deploy/render.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
-from agentrt.config import ServerConfig  # noqa: E402
+from agentrt.config import RouterServerConfig, ServerConfig  # noqa: E402
 from router.config import RouterConfig, WorkerSettings  # noqa: E402
 
 
@@ -138,7 +138,7 @@ def worker_command(c: Cluster, worker_id: str, advertise_url: str) -> list[str]:
 
 
 def router_command(c: Cluster) -> list[str]:
-    return ["agentrt", "router", *_flags(ServerConfig, host="0.0.0.0", port=c.router_port,
+    return ["agentrt", "router", *_flags(RouterServerConfig, host="0.0.0.0", port=c.router_port,
                                          shutdown_timeout_s=c.drain_timeout_s)]
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 # The values EngineConfig accepts (public: settings layered on the engine offer the same choices).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -11,8 +12,16 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "flashinfer")
 EP_PLACEMENTS = ("contiguous", "balanced", "locality")  # engine.moe.placement registers these
 SPECULATIVE = ("off", "ngram", "suffix", "auto")
-QUANTIZATIONS = ("auto", "off", "int4", "int8")
+QUANTIZATIONS = ("auto", "off", "int4", "int8", "gguf")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")   # vLLM's --kv-cache-dtype names
 MAX_SPECULATIVE_TOKENS = 16
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field with its one-line ``help`` (and the ``choices`` a text field accepts): the one
+    declaration the server's flags, environment variables and ``--help`` are generated from
+    (agentrt/config.py, ``EngineSettings``)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class EngineConfig:
     file per page under ``kv_disk_path``, default a new directory under the system's temp directory,
     logged at start; emptied at shutdown unless ``kv_disk_keep``), and come back from there instead
     of being recomputed. 0 turns a tier off (the engine library's default: both off).
+    ``kv_disk_drop_page_cache`` fsyncs each page file and drops it from the OS page cache after
+    writing, so reads come from the device (benchmarks/kv_tiers.py's cold disk tier).
 
     Weight-only quantization (engine/models/quant.py, dense models on the CPU): ``int4`` keeps the
     attention and MLP weights as 4-bit groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as stored, other
@@ -69,6 +80,12 @@ class EngineConfig:
     ``auto`` is ``int4`` for a GGUF file whose layer weights are Q4_0 / Q4_1, served on the CPU in
     bfloat16 (a decode step then reads a quarter of the bf16 bytes), and ``off`` otherwise: float32
     stays exact, and a checkpoint stored in full precision is not quantized unless asked.
+    ``gguf`` (engine/models/qlinear.py) multiplies decode steps (at most ``MAX_QUANT_ROWS`` rows) on the
+    file's own blocks (Q4_0 / Q4_1 layers, a Q8_0 LM head; other weights quantized to Q4_1 / Q8_0) with
+    activations quantized to 8 bits per block of 32 and integer dot products (a C kernel), and longer
+    steps on the dense weights in ``dtype``. With ``dtype="auto"`` too, ``auto`` on the CPU is measured:
+    the fastest of ``off``, ``int4`` (bfloat16 only) and ``gguf`` at this model's shapes, once per CPU
+    (engine/models/cpu_pick.py).
 
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
     (torch backend) goes through a C kernel that reads each row's own pages in place
@@ -78,41 +95,82 @@ class EngineConfig:
     system C compiler. Where they cannot be built the engine logs why and runs the
     pure-torch paths, as it does with False.
 
+    KV cache precision (docs/kv_cache.md): ``kv_cache_dtype`` ``auto`` stores K/V in the activation
+    dtype; ``bfloat16`` / ``float32`` store that dtype whatever the activations; ``int8`` stores each
+    token's K and V row per KV head as int8 values and one float32 scale (symmetric absmax), written
+    quantized by the RoPE + store step and read by every attention path without a dequantized pool
+    (torch backend only). ``fp8`` is refused (no kernel here reads it; FlashInfer's is not wired).
+    ``kv_cache_memory_bytes``, when set, sizes the pool by bytes instead of ``kv_cache_tokens``: as many
+    pages as fit at the chosen precision (int8 holds ~3.8x the tokens of float32, ~1.9x of bfloat16).
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
     expert slots, which ``ep_size`` must divide.
     """
 
-    model: str | None = None
-    served_model_name: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    attention_backend: str = "auto"
-    page_size: int = 16
-    kv_cache_tokens: int = 131072
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 512
-    max_model_len: int | None = None
-    max_waiting: int = 1024
-    max_waiting_tokens: int | None = None
-    turn_coalesce_max_s: float = 0.2
-    turn_coalesce_fraction: float = 0.1
-    enable_prefix_cache: bool = True
-    seed: int = 0
-    ep_size: int = 1
-    ep_nodes: int = 1
-    ep_placement: str = "contiguous"
-    ep_redundant: int = 0
-    speculative: str = "off"
-    num_speculative_tokens: int = 4
-    quantization: str = "auto"
-    cpu_kernels: bool = True
-    close_constrained_outputs: bool = True
-    kv_host_tokens: int = 0
-    kv_disk_tokens: int = 0
-    kv_disk_path: str | None = None
-    kv_disk_keep: bool = False
+    model: str | None = setting(None, "a .gguf file or a Hugging Face model directory (default: the embedded "
+                                "SmolLM2-135M-Instruct)")
+    served_model_name: str | None = setting(None, "the model name clients send and /v1/models lists (default: "
+                                            "from the model files)")
+    device: str = setting("auto", "where the engine runs: cpu, cuda, or auto (cuda when available)", DEVICES)
+    dtype: str = setting("float32", "weights and KV cache precision: float32, bfloat16, float16, or auto "
+                         "(bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32)", DTYPES)
+    attention_backend: str = setting("auto", "attention kernels: torch, flashinfer (CUDA), or auto (flashinfer "
+                                     "on CUDA, else torch)", BACKENDS)
+    page_size: int = setting(16, "tokens per KV page; a router's --block-size must equal it")
+    kv_cache_tokens: int = setting(131072, "tokens the paged KV cache holds (sizes its memory)")
+    max_num_seqs: int = setting(64, "most sequences in one engine step (the batch)")
+    max_batched_tokens: int = setting(512, "tokens one step computes at most (chunked prefill works within it)")
+    max_model_len: int | None = setting(None, "context window in tokens (default: the model's)")
+    max_waiting: int = setting(1024, "requests queued for the engine before new ones get 429")
+    max_waiting_tokens: int | None = setting(None, "prompt tokens queued for the engine before new requests get "
+                                             "429 (default: twice the KV cache)")
+    turn_coalesce_max_s: float = setting(0.2, "how long the engine may hold its next step after a session turn "
+                                         "ends, for the agent's next turn to join (0: off)")
+    turn_coalesce_fraction: float = setting(0.1, "that hold as a fraction of the recent prefill step time")
+    enable_prefix_cache: bool = setting(True, "reuse cached KV of earlier prompts' prefixes (false computes every "
+                                        "prompt in full, for ablations)")
+    seed: int = setting(0, "seed of the sampler's random generator")
+    ep_size: int = setting(1, "expert-parallel ranks for MoE models (this process is rank 0)")
+    ep_nodes: int = setting(1, "nodes the expert-parallel ranks are laid out over")
+    ep_placement: str = setting("contiguous", "how experts are placed on ranks: contiguous, balanced or locality",
+                                EP_PLACEMENTS)
+    ep_redundant: int = setting(0, "extra expert slots for replicas of hot experts")
+    speculative: str = setting("off", "speculative decoding: off, ngram (drafts from the request's own context, "
+                               "verified in the same step; greedy output unchanged), suffix (ngram, and the recent "
+                               "outputs of the tenant's other requests on the engine) or auto (suffix on the CPU, "
+                               "where docs/benchmarking.md measured it, off on a GPU)", SPECULATIVE)
+    num_speculative_tokens: int = setting(4, "most draft tokens a request verifies per step with speculative "
+                                          "ngram or suffix")
+    quantization: str = setting("auto", "weight-only quantization on the CPU: int4, int8 (torch's bf16 packed "
+                                "kernels), gguf (the GGUF's own Q4/Q8 blocks x 8-bit activations in a C kernel), "
+                                "off, or auto (with dtype auto and a Q4_0/Q4_1 GGUF: the fastest of off, int4 and "
+                                "gguf measured once per CPU; int4 for such a GGUF in bfloat16; off otherwise, "
+                                "float32 included)", QUANTIZATIONS)
+    cpu_kernels: bool = setting(True, "on the CPU, decode attention and the bf16 residual add + RMSNorm through C "
+                                "kernels built on first use by the system C compiler (false, or no compiler: the "
+                                "pure-torch paths)")
+    close_constrained_outputs: bool = setting(True, "a grammar-constrained reply always ends complete and valid "
+                                              "within max_tokens (false: cut at max_tokens, for comparisons)")
+    kv_host_tokens: int = setting(0, "tokens of KV the host memory tier below the pool holds (pinned CPU memory; "
+                                  "for a GPU pool; 0: off)")
+    kv_disk_tokens: int = setting(0, "tokens of KV the disk tier below the pool holds: evicted pages are kept there "
+                                  "and loaded back instead of recomputed (one file per page, at most half the "
+                                  "disk's free space; 0: off, the default until a measurement shows it wins, "
+                                  "docs/kv_tiers.md)")
+    kv_disk_path: str | None = setting(None, "directory of the disk tier's files (default: a new one under the "
+                                       "system temp directory, logged at start)")
+    kv_disk_keep: bool = setting(False, "keep the disk tier's files at shutdown (the next start with the same "
+                                 "--kv-disk-path serves them; default: deleted)")
+    kv_disk_drop_page_cache: bool = setting(False, "fsync each disk-tier page and drop it from the OS page cache "
+                                            "after writing, so reads come from the device (a cold disk tier, as "
+                                            "benchmarks/kv_tiers.py measures it); off, the OS caches them")
+    kv_cache_dtype: str = setting("auto", "KV cache precision: auto (the activations' dtype), bfloat16, float32, "
+                                  "int8 (8-bit pages, a scale per token and KV head: ~1.9x the tokens of bfloat16 "
+                                  "a byte, docs/kv_cache.md) or fp8 (refused: not implemented)", KV_CACHE_DTYPES)
+    kv_cache_memory_bytes: int | None = setting(None, "size the KV cache by bytes instead of kv_cache_tokens (as "
+                                                "many tokens as fit at kv_cache_dtype)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -146,10 +204,10 @@ class EngineConfig:
                              f"got {self.num_speculative_tokens!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization in ("int4", "int8") and self.resolved_device() != "cpu":
+        if self.quantization in ("int4", "int8", "gguf") and self.resolved_device() != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only (torch's CPU packed "
-                             f"kernels); on {self.resolved_device()} use 'off'")
-        if self.quantization in ("int4", "int8") and self.ep_size > 1:
+                             f"kernels, the C kernel of 'gguf'); on {self.resolved_device()} use 'off'")
+        if self.quantization in ("int4", "int8", "gguf") and self.ep_size > 1:
             raise ValueError("quantization applies to dense models; with ep_size > 1 use 'off'")
         for name in ("kv_host_tokens", "kv_disk_tokens"):
             value = getattr(self, name)
@@ -160,7 +218,23 @@ class EngineConfig:
         if self.kv_disk_path is not None and os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
             raise ValueError(f"kv_disk_path must be a directory (it is created if missing), got the file "
                              f"{self.kv_disk_path!r}")
+        self._validate_kv_cache()
         self._validate_expert_parallel()
+
+    def _validate_kv_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8' is not implemented: no CPU kernel reads fp8 pages and the "
+                             "FlashInfer fp8 path is not wired; use 'int8' (8-bit pages, torch backend), "
+                             "'bfloat16', 'float32' or 'auto'")
+        if self.kv_cache_dtype == "int8" and self.resolved_backend() != "torch":
+            raise ValueError(f"kv_cache_dtype='int8' needs the torch attention backend, got "
+                             f"{self.resolved_backend()!r}")
+        m = self.kv_cache_memory_bytes
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer (or None: kv_cache_tokens "
+                             f"sizes the pool), got {m!r}")
 
     def _validate_expert_parallel(self) -> None:
         for name in ("ep_size", "ep_nodes"):
@@ -198,18 +272,25 @@ class EngineConfig:
             return "bfloat16"
         return "float32"
 
+    def resolved_kv_cache_dtype(self) -> str:
+        """``auto``: the activation dtype (``resolved_dtype``)."""
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def resolved_quantization(self, weight_types: set[str] | None = None) -> str:
         """``auto``: ``int4`` when the model is a GGUF file whose layer weights are all Q4_0 / Q4_1
         (``weight_types``, as ``engine.loader.gguf_weight_types`` reads them) and it runs on the CPU in
-        bfloat16 with torch's packed kernels available; else ``off``."""
+        bfloat16 with torch's packed kernels available; else ``off``. With ``dtype="auto"`` such a file
+        gets the fastest of the paths measured on this CPU (engine/models/cpu_pick.py)."""
         if self.quantization != "auto":
             return self.quantization
         from engine.models.quant import kernels_available
 
-        if (weight_types and weight_types <= {"Q4_0", "Q4_1"} and self.resolved_device() == "cpu"
-                and self.resolved_dtype() == "bfloat16" and kernels_available()):
-            return "int4"
-        return "off"
+        if not (weight_types and weight_types <= {"Q4_0", "Q4_1"} and self.resolved_device() == "cpu"):
+            return "off"
+        if self.dtype == "auto":
+            from engine.models.cpu_pick import pick_quantization
+            return pick_quantization(self.model, self.resolved_dtype())
+        return "int4" if self.resolved_dtype() == "bfloat16" and kernels_available() else "off"
 
     def resolved_speculative(self) -> str:
         """``auto``: ``suffix`` on the CPU, where benchmarks/speculative.py chose it
@@ -233,14 +314,5 @@ class EngineConfig:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bf16 dot products natively (x86 AVX512-BF16 or AMX-BF16 flags;
     ``cpuinfo`` is /proc/cpuinfo's text, read when not given). Unknown (no /proc/cpuinfo): False."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    from engine.cpu_info import has_native_bf16
+    return has_native_bf16(cpuinfo)

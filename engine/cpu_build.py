@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from engine.cpu_info import flags_line
+
 # reassociation lets the dot products and sums vectorise (1.7x); infinities and NaNs keep their meaning
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared", "-std=gnu11")
@@ -35,7 +37,34 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """The C compiler to build with: ``$CC`` where it names one on PATH (or a path), else ``cc`` or ``gcc``."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def no_compiler_reason() -> str | None:
+    """Why no kernel can be built here (no C compiler on PATH), or ``None`` when one is: the one
+    reason the kernel tests may skip for; a compiler that fails on a source is an error, not this."""
+    if compiler() is not None:
+        return None
+    cc = os.environ.get("CC")
+    where = f"CC={cc!r} is not on PATH" if cc else "neither cc nor gcc is on PATH"
+    return f"no C compiler: {where} (shutil.which found none)"
+
+
+# the C libraries: engine/attention/cpu_kernel.py, engine/models/cpu_ops.py, engine/models/qmatmul.py
+KERNELS = ("decode_attention", "layer_ops", "qmatmul")
+
+
+def loaded_kernels() -> dict[str, bool]:
+    """Whether each C kernel library builds and loads in this process (built now unless cached); an
+    engine uses the ones that fit its dtype and model (``Engine.active_kernels``)."""
+    from engine.attention import cpu_kernel
+    from engine.models import cpu_ops, qmatmul
+    return {"decode_attention": cpu_kernel.load() is not None, "layer_ops": cpu_ops.load() is not None,
+            "qmatmul": qmatmul.load() is not None}
 
 
 def _version(cc: str) -> str:
@@ -45,30 +74,17 @@ def _version(cc: str) -> str:
         return ""
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (a library built with -march=native for one CPU can crash on another:
-    a cache shared between machines keeps one library per CPU kind)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library for ``source`` (built now unless cached); raises ``RuntimeError`` when it
     cannot be. ``extra_flags`` follow ``FLAGS`` (the tests build the portable path with
     ``-mno-avx512bf16``)."""
     cc = compiler()
     if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+        raise RuntimeError(no_compiler_reason() or "no C compiler")
     flags = (*FLAGS, *extra_flags)
     text = source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+                                     platform.machine().encode(), flags_line().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out

@@ -30,8 +30,8 @@ from engine.client import check_closing, check_request
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import block_hashes, make_seed
-from engine.kv_pool import KVCache, PagePool
-from engine.kv_tier import DiskTier, HostTier, KVTiers, page_shape
+from engine.kv_pool import KVCache, PagePool, kv_bytes_per_token, pool_pages
+from engine.kv_tier import DiskTier, HostTier, KVTiers
 from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
@@ -41,12 +41,13 @@ from engine.request import Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeState, TenantCorpora, verify
+from engine.step_cost import cpu_model, step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams)
 
 _log = logging.getLogger("engine")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 class LLMEngine:
@@ -56,7 +57,7 @@ class LLMEngine:
         dtype = _DTYPES[config.resolved_dtype()]
         self.quantization = config.resolved_quantization(gguf_weight_types(config.model))
         mcfg, state, tok, model_id, int4_groups = load_model_files(config.model, dtype,
-                                                                   int4_groups=self.quantization == "int4")
+                                                                   int4_groups=self.quantization in ("int4", "gguf"))
         self.model_config, self.tokenizer = mcfg, tok
         self.model_id = config.served_model_name or model_id
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
@@ -66,25 +67,34 @@ class LLMEngine:
             self.model = self._build_expert_parallel(mcfg, state, dtype)
         else:
             self.model = build_model(mcfg, state, dtype, self.device, self.quantization, int4_groups)
+        self.model.rope.fit_context(self.max_model_len)   # longrope: its long table only past the original length
         del state, int4_groups
         P = config.page_size
-        self.pool = PagePool(config.num_pages)
+        kv_dtype = _DTYPES[config.resolved_kv_cache_dtype()]
+        num_pages = pool_pages(config, kv_bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype))
+        self.pool = PagePool(num_pages)
+        # max_waiting_tokens, or twice the pool (sized by tokens, or by bytes at the KV precision)
+        self.waiting_tokens_limit = config.max_waiting_tokens or 2 * (num_pages - 1) * P
         self.backend_name = config.resolved_backend()
         backend_cls = backend_class(self.backend_name)
-        self.kv = KVCache(mcfg.num_layers, config.num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
-                          dtype, self.device, layout=backend_cls.kv_layout)
+        self.kv = KVCache(mcfg.num_layers, num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
+                          dtype, self.device, layout=backend_cls.kv_layout, kv_dtype=kv_dtype)
         self.on_kv_event = on_kv_event
         self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event, event_tokens=kv_event_tokens)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
-        self.tiers = self._build_tiers(mcfg, dtype, backend_cls.kv_layout)
+        self.tiers = self._build_tiers()
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
+        attn.set_layer_attention(self.model.layer_attention())   # windows, sinks, ...: refused if unsupported
         self.runner = ModelRunner(self.model, attn, P, self.device)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
-            self.model.use_cpu_ops(config.cpu_kernels)
+            self.model.use_cpu_ops(config.cpu_kernels) and dtype == torch.bfloat16   # they run on bf16 steps only
         decode_kernel = getattr(attn, "kernel", None)
+        # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
+        self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused),
+                               "qmatmul": self.quantization == "gguf"}
         self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
                                + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -103,29 +113,41 @@ class LLMEngine:
         self.speculative = config.resolved_speculative()
         # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
         self.corpora = TenantCorpora() if self.speculative == "suffix" else None
+        # a verification's cost in decode steps, for the draft-length rule (engine/step_cost.py)
+        self.step_cost, step_cost_why = step_cost_for(self.step_cost_setup())
         if self.speculative != "off":
+            _log.info("speculative step cost (fixed, per draft) %s: %s", self.step_cost, step_cost_why)
             self.scheduler.propose = self._propose
             # quantized layers run steps of more rows on their bf16 copies, at 2-3x a row's cost:
             # drafts never take a step past that (a step already past it drafts freely)
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
         self._snapshot()
-        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads", self.model_id,
-                  config.resolved_dtype(), self.device, self.quantization, self.attention_desc, self.speculative,
-                  torch.get_num_threads())
+        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads, C kernels "
+                  "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
+                  self.attention_desc, self.speculative, torch.get_num_threads(),
+                  ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
 
-    def _build_tiers(self, mcfg, dtype, layout: str) -> KVTiers | None:
-        """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler."""
+    def step_cost_setup(self) -> dict:
+        """What a step-cost measurement must match to apply here (engine/step_cost.py)."""
+        return {"device": self.device, "cpu_model": cpu_model() if self.device == "cpu" else self.device,
+                "dtype": self.config.resolved_dtype(), "quantization": self.quantization,
+                "torch_threads": torch.get_num_threads()}
+
+    def _build_tiers(self) -> KVTiers | None:
+        """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler. They
+        hold pages as the pool stores them (int8 pages with their scales, as bytes)."""
         cfg = self.config
         if not (cfg.kv_host_tokens or cfg.kv_disk_tokens) or not cfg.enable_prefix_cache:
             return None
-        shape = page_shape(mcfg.num_layers, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim, layout)
+        shape, dtype = self.kv.page_shape, self.kv.page_dtype
         host = disk = None
         if cfg.kv_host_tokens:
             host = HostTier(cfg.kv_host_tokens // cfg.page_size, shape, dtype,
                             pin=self.device.startswith("cuda"))
         if cfg.kv_disk_tokens:
             disk = DiskTier(cfg.kv_disk_path, cfg.kv_disk_tokens // cfg.page_size, shape, dtype,
-                            keep=cfg.kv_disk_keep, on_event=self._tier_event)
+                            keep=cfg.kv_disk_keep, on_event=self._tier_event,
+                            drop_page_cache=cfg.kv_disk_drop_page_cache)
         tiers = KVTiers(host, disk, on_event=self._tier_event)
         self.cache.on_evict = self._offload
         self.scheduler.tiers, self.scheduler.write_page = tiers, self.kv.write_page
@@ -147,6 +169,9 @@ class LLMEngine:
 
     def _build_expert_parallel(self, mcfg, state, dtype):
         """This process is rank 0; the other ranks start here and stop in ``close``."""
+        if not mcfg.moe:   # dense models, and gpt-oss whose MoE block is its own (engine/models/gpt_oss.py)
+            raise ValueError(f"ep_size > 1: expert parallelism serves Mixtral / Qwen MoE models, "
+                             f"not {mcfg.architecture!r}")
         from engine.models.moe_model import build_moe_model
         from engine.moe.ep_group import ExpertParallelGroup
 
@@ -206,7 +231,7 @@ class LLMEngine:
             if queued >= self.config.max_waiting:
                 raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
             queued_tokens = self._pending_tokens + self.scheduler.waiting_tokens
-            limit = self.config.waiting_tokens_limit
+            limit = self.waiting_tokens_limit
             if queued and queued_tokens + tokens > limit:
                 raise EngineOverloaded(f"{queued_tokens} tokens of queued requests are waiting for KV cache "
                                        f"and this request's prompt adds {tokens}, over the limit of "
@@ -318,11 +343,12 @@ class LLMEngine:
             cached_tokens_total=self.cached_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions, page_size=self.config.page_size,
-            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.config.waiting_tokens_limit,
+            waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.waiting_tokens_limit,
             spec_draft_tokens_total=self.spec_draft_tokens_total,
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else {})
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
+            kv_cache_bytes_per_token=self.kv.bytes_per_token)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
@@ -407,7 +433,8 @@ class LLMEngine:
         if limit <= 0:
             return []
         if req.speculative is None:
-            req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens)
+            req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens,
+                                               step_cost=self.step_cost)
         corpus = self.corpora.get(req.cache_salt) if self.corpora is not None else None
         draft = req.speculative.propose(req.output_ids, limit, corpus)
         if draft and req.constraint is not None:

@@ -55,51 +55,150 @@ class PagePool:
             heapq.heappush(self._free, p)
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 over the last dim: x (..., D) -> values (..., D) int8, scales (...) float32,
+    with x ~= values * scale. scale = absmax / 127 (1 for an all-zero row); values round half to even,
+    as the C ``rope_store`` does, so both write the same bytes."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127.0                                    # (...)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of K and V a token takes in the pool, over every layer (int8: values and one float32 scale
+    per KV head)."""
+    per_head = head_dim + 4 if kv_dtype == torch.int8 else head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+def pool_pages(config, bytes_per_token: int) -> int:
+    """Pages of the pool for an ``EngineConfig``: ``config.num_pages``, or with ``kv_cache_memory_bytes``
+    as many pages as that many bytes hold at ``bytes_per_token`` (at least 4)."""
+    if config.kv_cache_memory_bytes is None:
+        return config.num_pages
+    return max(4, config.kv_cache_memory_bytes // (bytes_per_token * config.page_size))
+
+
 class KVCache:
-    """The K and V tensors of every layer, in the layout the attention backend asked for."""
+    """The K and V tensors of every layer, in the layout the attention backend asked for.
+
+    ``dtype`` is the activations' dtype (what ``gather`` returns); ``kv_dtype`` the stored one (default:
+    ``dtype``). With ``torch.int8`` (HSD layout only) each token's K and V row of each KV head is stored
+    as int8 values with one float32 scale (``quantize_int8``): ``k_scale[layer]``, ``v_scale[layer]``
+    are ``[Hkv, num_pages * page_size]``, and every read dequantizes.
+    """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str, layout: str = "NHD") -> None:
+                 head_dim: int, dtype: torch.dtype, device: str, layout: str = "NHD",
+                 kv_dtype: torch.dtype | None = None) -> None:
         if layout == "NHD":
             shape = (num_pages, page_size, num_kv_heads, head_dim)
         elif layout == "HSD":
             shape = (num_kv_heads, num_pages * page_size, head_dim)
         else:
             raise ValueError(f"unknown KV layout {layout!r} (NHD or HSD)")
+        self.kv_dtype = kv_dtype or dtype
+        self.quantized = self.kv_dtype == torch.int8
+        if self.quantized and layout != "HSD":
+            raise ValueError("int8 KV pages need the torch attention backend (HSD layout)")
         self.layout = layout
         self.page_size = page_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype = dtype
+        self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(num_layers)]
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = [torch.ones(shape[:2], device=device) for _ in range(num_layers)]   # (Hkv, S) float32
+            self.v_scale = [torch.ones(shape[:2], device=device) for _ in range(num_layers)]
+        self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.kv_dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slots`` [T] int64; ``k``, ``v`` [T, Hkv, D]."""
-        if self.layout == "HSD":
-            self.k[layer][:, slots] = k.transpose(0, 1)
-            self.v[layer][:, slots] = v.transpose(0, 1)
+        if self.quantized:
+            for t, st, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                q, s = quantize_int8(x.transpose(0, 1))                   # (Hkv, T, D), (Hkv, T)
+                t[layer][:, slots] = q
+                st[layer][:, slots] = s
+        elif self.layout == "HSD":
+            self.k[layer][:, slots] = k.transpose(0, 1).to(self.kv_dtype)
+            self.v[layer][:, slots] = v.transpose(0, 1).to(self.kv_dtype)
         else:
-            self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k  # (pages*P, Hkv, D)
-            self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v
+            self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k.to(self.kv_dtype)  # (pages*P, Hkv, D)
+            self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(self.kv_dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of ``slots`` [N] as ``[Hkv, N, D]`` (a copy)."""
+        """K, V of ``slots`` [N] as ``[Hkv, N, D]`` in ``dtype`` (a copy)."""
+        if self.quantized:
+            return tuple(self._dequant(t[layer].index_select(1, slots), st[layer].index_select(1, slots))
+                         for t, st in ((self.k, self.k_scale), (self.v, self.v_scale)))
         if self.layout == "HSD":
-            return self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
-        kf = self.k[layer].flatten(0, 1)
-        vf = self.v[layer].flatten(0, 1)
-        return kf.index_select(0, slots).transpose(0, 1), vf.index_select(0, slots).transpose(0, 1)
+            k, v = self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
+        else:
+            kf = self.k[layer].flatten(0, 1)
+            vf = self.v[layer].flatten(0, 1)
+            k, v = kf.index_select(0, slots).transpose(0, 1), vf.index_select(0, slots).transpose(0, 1)
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def slot_range(self, layer: int, s0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the slots ``s0 .. s0 + n`` (HSD) as ``[Hkv, n, D]`` in ``dtype``: views of the pool when
+        it stores ``dtype``, else dequantized / converted copies."""
+        k, v = self.k[layer][:, s0:s0 + n], self.v[layer][:, s0:s0 + n]
+        if self.quantized:
+            return (self._dequant(k, self.k_scale[layer][:, s0:s0 + n]),
+                    self._dequant(v, self.v_scale[layer][:, s0:s0 + n]))
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def _dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """int8 values (Hkv, N, D) and scales (Hkv, N) -> (Hkv, N, D) in ``dtype``."""
+        return (q.float() * scale[..., None]).to(self.dtype)
 
     # -- whole pages, for the KV tiers (engine/kv_tier.py) ------------------------------------------------
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of what :meth:`read_page` returns: ``[2, layers, *one layer's page]``; int8 pools: bytes,
+        ``[2, layers, Hkv, P * D + 4 * P]`` (each head's values, then its P float32 scales)."""
+        t = self.k[0]
+        if self.quantized:
+            return (2, len(self.k), t.shape[0], self.page_size * (t.shape[2] + 4))
+        one = tuple(t.shape[1:]) if self.layout == "NHD" else (t.shape[0], self.page_size, t.shape[2])
+        return (2, len(self.k), *one)
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quantized else self.kv_dtype
+
     def _page_view(self, t: torch.Tensor, page: int) -> torch.Tensor:
         P = self.page_size
         return t[:, page * P:(page + 1) * P] if self.layout == "HSD" else t[page]
 
+    def _page_bytes(self, layer: int, i: int, page: int) -> torch.Tensor:
+        """One int8 layer page as bytes: (Hkv, P * D + 4 * P)."""
+        vals, scales = (self.k, self.k_scale) if i == 0 else (self.v, self.v_scale)
+        q = self._page_view(vals[layer], page)                               # (Hkv, P, D) int8
+        s = self._page_view(scales[layer], page)                              # (Hkv, P) float32
+        return torch.cat([q.reshape(q.shape[0], -1).view(torch.uint8), s.contiguous().view(torch.uint8)], dim=1)
+
     def read_page(self, page: int) -> torch.Tensor:
-        """A CPU copy of one page's K and V in every layer: ``[2, layers, *page]`` (see kv_tier.page_shape)."""
-        out = torch.stack([torch.stack([self._page_view(t, page) for t in kv]) for kv in (self.k, self.v)])
+        """A CPU copy of one page's K and V in every layer (int8 pools: with their scales), shaped
+        :attr:`page_shape`."""
+        if self.quantized:
+            out = torch.stack([torch.stack([self._page_bytes(layer, i, page) for layer in range(len(self.k))])
+                               for i in (0, 1)])
+        else:
+            out = torch.stack([torch.stack([self._page_view(t, page) for t in kv]) for kv in (self.k, self.v)])
         return out.to("cpu") if out.device.type != "cpu" else out
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
         """Copy ``data`` (as :meth:`read_page` returns it) into ``page``: bit for bit."""
         for i, kv in enumerate((self.k, self.v)):
             for layer, t in enumerate(kv):
-                self._page_view(t, page).copy_(data[i, layer])
+                if not self.quantized:
+                    self._page_view(t, page).copy_(data[i, layer])
+                    continue
+                Hkv, P, D = t.shape[0], self.page_size, t.shape[2]
+                raw = data[i, layer].to(t.device)                             # (Hkv, P * D + 4 * P) uint8
+                self._page_view(t, page).copy_(raw[:, :P * D].contiguous().view(torch.int8).view(Hkv, P, D))
+                scales = (self.k_scale, self.v_scale)[i][layer]
+                self._page_view(scales, page).copy_(raw[:, P * D:].contiguous().view(torch.float32))

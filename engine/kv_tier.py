@@ -57,7 +57,7 @@ TierEvent = Callable[[str, list[int], str], None]   # (kind "stored"|"removed", 
 _MAGIC = b"AGKVPG01"
 # magic, block hash, payload crc32, dtype code, ndim, 6 dims, payload bytes
 _HEADER = struct.Struct("<8sQIII6IQ")
-_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4}   # uint8: int8 pages + scales
 _DTYPE_OF = {v: k for k, v in _DTYPES.items()}
 SUFFIX = ".kvpage"
 
@@ -166,7 +166,8 @@ class DiskTier:
     medium = "disk"
 
     def __init__(self, path: str | None, capacity: int, page_shape: Sequence[int], dtype: torch.dtype,
-                 keep: bool = False, on_event: TierEvent | None = None, max_pending: int = 256) -> None:
+                 keep: bool = False, on_event: TierEvent | None = None, max_pending: int = 256,
+                 drop_page_cache: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"a disk tier needs at least 1 page, got {capacity}")
         self.page_shape = tuple(page_shape)
@@ -174,6 +175,9 @@ class DiskTier:
         self.keep = keep
         self.on_event = on_event
         self.max_pending = max_pending
+        # after each write: fsync the file and drop it from the OS page cache, so reads come from the
+        # device (benchmarks measure the tier cold; otherwise recent pages are read back from memory)
+        self.drop_page_cache = drop_page_cache
         self._created_dir = path is None or not os.path.isdir(path)
         if path is None:
             path = tempfile.mkdtemp(prefix="agentrt-kv-tier-")
@@ -352,6 +356,10 @@ class DiskTier:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(raw.data)
+                if self.drop_page_cache:
+                    f.flush()
+                    os.fsync(f.fileno())   # dirty pages stay cached: written first, then dropped
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             os.replace(tmp, final)
         except OSError:
             try:
@@ -593,10 +601,4 @@ class KVTiers:
             self.on_event(kind, hashes, medium)
 
 
-def page_shape(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, layout: str) -> tuple[int, ...]:
-    """Shape of one page's K and V over every layer: ``[2, layers, *one layer's page]``."""
-    one = (page_size, num_kv_heads, head_dim) if layout == "NHD" else (num_kv_heads, page_size, head_dim)
-    return (2, num_layers, *one)
-
-
-__all__ = ["MEDIA", "PENDING", "DiskTier", "HostTier", "KVTiers", "TierStats", "page_shape"]
+__all__ = ["MEDIA", "PENDING", "DiskTier", "HostTier", "KVTiers", "TierStats"]

@@ -16,7 +16,8 @@ The index is a dict from n-gram to the end of its latest occurrence, brought up 
 when a draft is asked for (O(new tokens x n-gram sizes), never a scan of the context).
 
 Draft length adapts per request (:class:`DraftLength`) to the acceptance it sees: the length
-that commits the most tokens per unit of step cost (``STEP_COST``, measured), and at
+that commits the most tokens per unit of step cost (engine/step_cost.py: measured on this setup by
+benchmarks/step_cost.py, else the constant ``STEP_COST``), and at
 0 the request stops drafting, re-probing with one token after a back-off that doubles while
 probes fail; so a request whose output does not repeat its context soon pays nothing. The
 engine also caps a step's rows where its weights are quantized (engine/models/quant.py): past
@@ -41,13 +42,10 @@ import torch
 
 from engine.constraints import TokenConstraint
 from engine.sampler import draw, probabilities
+from engine.step_cost import STEP_COST
 from engine.types import SamplingParams
 
 
-# What a verification step costs relative to a decode step of the same request: 1 + FIXED +
-# ROW x (tokens drafted). Measured on this CPU at batch 1 with int4 weights (1 thread, the
-# default model, ~700-token contexts): a decode step 30 ms, with 1 draft 43 ms, 3: 52 ms, 4: 64 ms.
-STEP_COST = (0.2, 0.23)   # (FIXED, ROW)
 
 
 class DraftLength:

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from agentrt.errors import APIError
 
-from agentrt.config import ServerConfig
+from agentrt.config import RouterServerConfig
 from router.config import RouterConfig
 
 router_routes = APIRouter()
@@ -45,7 +45,7 @@ async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
                     headers={"Retry-After": str(retry)}).response(request.url.path)
 
 
-def create_router_app(config: ServerConfig, rconfig: RouterConfig) -> FastAPI:
+def create_router_app(config: RouterServerConfig, rconfig: RouterConfig) -> FastAPI:
     from agentrt.metrics import Metrics
     from agentrt.server import assemble_app
     from router.core import RouterCore

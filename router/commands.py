@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentrt.config import KEEP_ALIVE_S, ServerConfig, add_flags, configure_serve
+from agentrt.config import (KEEP_ALIVE_S, RouterServerConfig, ServerConfig, ServingSettings, add_flags,
+                            configure_router_http, configure_serve)
 from router.config import RouterConfig, WorkerSettings
 
 # The RouterConfig fields each command takes as flags (the rest keep their defaults, or env).
@@ -21,21 +22,21 @@ ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_ma
                               "vllm_workers", "vllm_events_topic", "vllm_health_interval_s")
 
 
-def _serve(app, config: ServerConfig) -> None:
+def _serve(app, config: ServingSettings) -> None:
     import uvicorn
 
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1, timeout_keep_alive=KEEP_ALIVE_S)
 
 
-def _logging(config: ServerConfig) -> None:
+def _logging(config: ServingSettings) -> None:
     import logging
 
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _tracing(config: ServerConfig, service: str) -> None:
+def _tracing(config: ServingSettings, service: str) -> None:
     """Tracing on when ``--otlp-endpoint`` is given (agentrt/tracing.py); ``service``: the default service.name."""
     if config.otlp_endpoint:
         from agentrt import tracing
@@ -81,7 +82,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def configure_router(parser: argparse.ArgumentParser) -> None:
-    configure_serve(parser)
+    configure_router_http(parser)
     add_flags(parser, RouterConfig, ROUTER_FIELDS)
 
 
@@ -90,7 +91,7 @@ def run_router(args: argparse.Namespace) -> int:
     from router.policy import make_policy
 
     try:
-        config = ServerConfig.from_args(args)
+        config = RouterServerConfig.from_args(args)
         rconfig = RouterConfig.from_args(args)
         try:
             make_policy(rconfig.policy, **rconfig.policy_options)

@@ -19,10 +19,10 @@ hold the API keys (docs/deploy.md).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, fields
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -67,18 +67,41 @@ class PinBody(BaseModel):
 # ------------------------------------------------------------ wire format
 
 
+class WireOutput(msgspec.Struct):
+    """One ``/internal/generate`` NDJSON line: a ``RequestOutput`` without its request id (the router
+    knows it). Typed: a line whose fields have other types is refused with the field's path."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    error: str | None
+    # (token id, logprob, [(token id, logprob), ...] of the top alternatives), per generated token
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None
+    stop_reason: str | int | None = None          # the stop string or token id (absent from older workers)
+    cached_tokens_by_tier: dict[str, int] = {}
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(WireOutput)
+
+
 def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
     return asdict(params)
 
 
 def sampling_from_wire(data: dict[str, Any]) -> SamplingParams:
-    """The parameters as sent; the engine checks their values with the prompt (``check_request``)."""
+    """The parameters as sent, typed (a field of another type is a 400 naming it); the engine checks their
+    values with the prompt (``check_request``)."""
     unknown = set(data) - _SAMPLING_FIELDS
     if unknown:
         raise bad_request(f"unknown sampling fields {sorted(unknown)}", param="sampling")
     try:
-        return SamplingParams(**data)
-    except TypeError as exc:
+        return msgspec.convert(data, SamplingParams)
+    except msgspec.ValidationError as exc:
         raise bad_request(f"sampling: {exc}", param="sampling") from None
 
 
@@ -87,37 +110,26 @@ def structured_to_wire(options: StructuredOutput) -> dict[str, Any]:
 
 
 def output_to_wire(out: RequestOutput) -> bytes:
-    d = {"text": out.text, "token_ids": list(out.token_ids), "finished": out.finished,
-         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "prompt_tokens": out.prompt_tokens,
-         "cached_tokens": out.cached_tokens, "completion_tokens": out.completion_tokens, "error": out.error,
-         "cached_tokens_by_tier": out.cached_tokens_by_tier,
-         "logprobs": None if out.logprobs is None else
-         [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs]}
-    return (json.dumps(d, ensure_ascii=False) + "\n").encode()
+    logprobs = None if out.logprobs is None else [(lp.token_id, lp.logprob, list(lp.top)) for lp in out.logprobs]
+    wire = WireOutput(text=out.text, token_ids=list(out.token_ids), finished=out.finished,
+                      finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                      cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens, error=out.error,
+                      logprobs=logprobs, stop_reason=out.stop_reason,
+                      cached_tokens_by_tier=dict(out.cached_tokens_by_tier or {}))
+    return _ENCODER.encode(wire) + b"\n"
 
 
-def output_from_wire(line: str, request_id: str) -> RequestOutput:
-    """One NDJSON line back into a ``RequestOutput``; ``ValueError`` if it is not one."""
+def output_from_wire(line: str | bytes, request_id: str) -> RequestOutput:
+    """One NDJSON line back into a ``RequestOutput``; ``ValueError`` naming the field if it is not one."""
     try:
-        d = json.loads(line)
-        logprobs = None if d["logprobs"] is None else [
-            TokenLogprob(int(t), float(lp), [(int(i), float(v)) for i, v in top]) for t, lp, top in d["logprobs"]]
-        return RequestOutput(request_id=request_id, text=str(d["text"]), token_ids=[int(t) for t in d["token_ids"]],
-                             finished=bool(d["finished"]), finish_reason=d["finish_reason"],
-                             stop_reason=_stop_reason(d.get("stop_reason")),
-                             prompt_tokens=int(d["prompt_tokens"]), cached_tokens=int(d["cached_tokens"]),
-                             completion_tokens=int(d["completion_tokens"]), logprobs=logprobs, error=d["error"],
-                             cached_tokens_by_tier={str(k): int(v) for k, v in
-                                                    (d.get("cached_tokens_by_tier") or {}).items()})
-    except (KeyError, TypeError, ValueError) as exc:
+        w = _DECODER.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(f"malformed generate line from worker: {exc}") from None
-
-
-def _stop_reason(value: Any) -> str | int | None:
-    """The stop string or stop token id that ended a request (absent from an older worker's lines)."""
-    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    raise ValueError(f"stop_reason must be a string, a token id or null, not {type(value).__name__}")
+    logprobs = None if w.logprobs is None else [TokenLogprob(t, lp, list(top)) for t, lp, top in w.logprobs]
+    return RequestOutput(request_id=request_id, text=w.text, token_ids=w.token_ids, finished=w.finished,
+                         finish_reason=w.finish_reason, stop_reason=w.stop_reason, prompt_tokens=w.prompt_tokens,
+                         cached_tokens=w.cached_tokens, completion_tokens=w.completion_tokens, logprobs=logprobs,
+                         error=w.error, cached_tokens_by_tier=w.cached_tokens_by_tier)
 
 
 # ------------------------------------------------------------ routes

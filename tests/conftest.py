@@ -27,6 +27,17 @@ from agentrt.procs import Proc, Procs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Tests that use one of these start server processes (an agentrt server, redis-server, a cluster of
+# workers and routers): they get the ``server`` mark, which ``make test-fast`` leaves out.
+SERVER_FIXTURES = frozenset({"agentrt_server", "start_agentrt_server", "redis_server", "redis_url",
+                             "redis_server_factory"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
+
 
 def start_server(tmp_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Proc:
     """``python -m agentrt.cli serve`` on a free port, its log in ``tmp_dir``; returns once /health

@@ -109,7 +109,8 @@ def test_metric_names_are_found_in_promql():
 def _stats() -> EngineStats:
     return EngineStats(running=1, waiting=2, pages_total=100, pages_used=40, pages_free=60, pages_cached=30,
                        pages_pinned=5, num_pins=1, prompt_tokens_total=10, cached_tokens_total=4,
-                       generation_tokens_total=3, num_preemptions=0, page_size=16, pages_evictable=20)
+                       generation_tokens_total=3, num_preemptions=0, page_size=16, pages_evictable=20,
+                       cpu_kernels={"decode_attention": True, "layer_ops": False})
 
 
 def _sample_names(text: str) -> set[str]:

@@ -44,7 +44,7 @@ class Step:
     def worker_flags(self, ep: int) -> tuple[str, ...]:
         flags = ("--enable-prefix-cache", "true" if self.prefix_cache else "false")
         if self.ep_placement is not None:
-            flags += ("--ep", str(ep), "--ep-placement", self.ep_placement)
+            flags += ("--ep-size", str(ep), "--ep-placement", self.ep_placement)
         return flags
 
 

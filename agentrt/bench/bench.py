@@ -24,6 +24,7 @@ from agentrt.bench.driver import CallFailed
 from agentrt.bench.estimate import ProbeResult, describe, estimate_s, plan_record, plan_volume, probe
 from agentrt.bench.progress import note
 from agentrt.bench.runner import RunOptions, run_plans
+from engine.cpu_info import cpu_model
 from agentrt.bench.summary import SLO, best_rate, summarize
 from agentrt.bench.trace import load_records, plan_trace
 from agentrt.bench.workload import preset as load_preset
@@ -154,7 +155,7 @@ def machine() -> dict:
     import os
 
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "processor": _cpu_model()}
+            "processor": cpu_model()}
     try:
         import torch
 
@@ -162,17 +163,6 @@ def machine() -> dict:
     except ImportError:
         info["cuda"] = None
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _jsonable(d: dict) -> dict:

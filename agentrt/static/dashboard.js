@@ -60,7 +60,8 @@
       line.appendChild(bar);
       line.appendChild(document.createTextNode(
         tier + " " + fmtInt(used) + "/" + fmtInt(total) + " pages" +
-        (t.pages_pinned ? " (" + fmtInt(t.pages_pinned) + " pinned)" : "")));
+        (t.pages_pinned ? " (" + fmtInt(t.pages_pinned) + " pinned)" : "") +
+        (t.bytes_per_token ? ", " + fmtInt(t.bytes_per_token) + " B/token" : "")));
       td.appendChild(line);
     }
     return td;

@@ -46,6 +46,12 @@ class DecodeKernel:
             fn.argtypes = [p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, p]
             self.fns[dtype] = fn
         self.dpbf16 = bool(lib.decode_attention_dpbf16())   # bfloat16 scores on vdpbf16ps (AVX512-BF16)
+        self.fn_i8 = lib.decode_attention_i8
+        self.fn_i8.restype = i32
+        self.fn_i8.argtypes = [p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, i32, p, p]
+        self.rope_i8 = lib.rope_store_i8
+        self.rope_i8.restype = None
+        self.rope_i8.argtypes = [p, i32, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, p]
         self.rope_fns = {}
         for dtype, name in ROPE_DTYPES.items():
             fn = getattr(lib, name)
@@ -54,7 +60,8 @@ class DecodeKernel:
             self.rope_fns[dtype] = fn
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (dtype in self.fns and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+        """``dtype``: the pool's (float32, bfloat16, or int8 with scales)."""
+        return ((dtype in self.fns or dtype == torch.int8) and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
                 and head_dim <= MAX_HEAD_DIM)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: "KernelRows",
@@ -75,6 +82,46 @@ class DecodeKernel:
             raise RuntimeError(f"decode kernel returned {rc} (B={B}, Hq={Hq}, Hkv={Hkv}, D={D})")
         return out
 
+
+    def paged(self, q: torch.Tensor, kv, layer: int, rows: "KernelRows", lse: torch.Tensor | None = None):
+        """Decode attention over one layer of a ``KVCache`` (engine/kv_pool.py), whatever it stores: q (B, Hq, D)
+        float32 or bfloat16 -> (B, Hq, D) in q's dtype. An int8 pool is read in place with its scales; a
+        float pool of another dtype than q gets q converted to the pool's dtype and back."""
+        k, v = kv.k[layer], kv.v[layer]
+        if not kv.quantized:
+            return self(q.to(k.dtype), k, v, rows, lse).to(q.dtype)
+        B, Hq, D = q.shape
+        Hkv, S, _ = k.shape
+        if q.dtype not in self.fns or not q.is_contiguous():
+            raise ValueError("decode kernel: q must be contiguous float32 or bfloat16")
+        if (rows.max_page + 1) * rows.page_size > S:   # the C side reads pages unchecked
+            raise ValueError(f"decode kernel: page {rows.max_page} is outside a pool of {S // rows.page_size} pages")
+        out = torch.empty_like(q)
+        rc = self.fn_i8(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.k_scale[layer].data_ptr(),
+                        kv.v_scale[layer].data_ptr(), S, rows.pages.data_ptr(), rows.page_start.data_ptr(),
+                        rows.kv_len.data_ptr(), B, Hq, Hkv, D, rows.page_size, 1.0 / D ** 0.5,
+                        int(q.dtype == torch.bfloat16), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"decode kernel returned {rc} (B={B}, Hq={Hq}, Hkv={Hkv}, D={D})")
+        return out
+
+    def rope_store_int8(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                        kv, layer: int, num_heads: int) -> torch.Tensor:
+        """:meth:`rope_store` into an int8 ``KVCache`` layer: k and v quantized per token and KV head
+        (``engine.kv_pool.quantize_int8``, the same bytes) -> q rotated, (T, Hq, D)."""
+        T, H, D = qkv.shape
+        k, v = kv.k[layer], kv.v[layer]
+        Hkv, S, _ = k.shape
+        if (qkv.dtype not in self.fns or not all(t.is_contiguous() and t.dtype == qkv.dtype for t in (qkv, cos, signed_sin))
+                or H != num_heads + 2 * Hkv or cos.numel() != T * D or signed_sin.numel() != T * D
+                or slots.dtype != torch.int64 or slots.numel() != T or not slots.is_contiguous() or k.shape[2] != D):
+            raise ValueError("rope_store_int8: contiguous qkv (T, Hq + 2 Hkv, D), cos and sin (T, D) of one float "
+                             "dtype, int64 slots (T,), an int8 pool (Hkv, S, D)")
+        q = torch.empty(T, num_heads, D, dtype=qkv.dtype)
+        self.rope_i8(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), cos.data_ptr(), signed_sin.data_ptr(),
+                     slots.data_ptr(), k.data_ptr(), v.data_ptr(), kv.k_scale[layer].data_ptr(),
+                     kv.v_scale[layer].data_ptr(), S, T, num_heads, Hkv, D, q.data_ptr())
+        return q
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:

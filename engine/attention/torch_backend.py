@@ -33,6 +33,10 @@ Longer prefill chunks: per sequence, the keys are gathered (one copy) and attend
 a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SDPA's
 ``is_causal`` when nothing was cached before the chunk.
 
+On an int8 pool (``EngineConfig.kv_cache_dtype="int8"``) the kernel reads the int8 pages in place and
+``rope_store`` writes them quantized; the torch paths read through ``KVCache.gather`` / ``slot_range``,
+which dequantize the slots they read.
+
 ``engine/attention/reference.py`` is the plain oracle both paths are tested against.
 """
 
@@ -44,8 +48,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, BatchLayout
-from engine.attention.cpu_kernel import KernelRows
+from engine.attention.base import AttentionBackend, BatchLayout, LayerAttention
+from engine.attention.cpu_kernel import KernelRows, log
+from engine.attention.windowed import WindowedPlan
 
 # read the union as one range when it wastes at most this factor over the union itself
 _RANGE_SLACK = 1.5
@@ -70,6 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernel: bool = True) -> None:
         super().__init__(kv, num_heads, num_kv_heads, head_dim)
+        self._windows: set[int | None] = set()   # the windows of the non-plain layers (None: no window)
+        self._plain_layers = True                  # whether any layer takes the plans below
         self.kernel = None
         if cpu_kernel and kv.k[0].device.type == "cpu" and 256 % kv.page_size == 0:
             from engine.attention.cpu_kernel import load
@@ -77,8 +84,22 @@ class TorchAttentionBackend(AttentionBackend):
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
 
+    def set_layer_attention(self, layers: list[LayerAttention]) -> None:
+        """Every kind is supported: a non-plain layer (window, sinks, soft-cap, scale) is attended by
+        the masked per-sequence path of engine/attention/windowed.py, never the CPU decode kernel
+        or the union / cascade plans."""
+        self.layer_attention = list(layers)
+        special = [i for i, a in enumerate(layers) if not a.plain]
+        self._windows = {layers[i].window for i in special}
+        self._plain_layers = len(special) < len(layers)
+        if special:
+            log.info("attention: layers %s (%s) use the torch masked path%s", special,
+                     "; ".join(sorted({layers[i].describe() for i in special})),
+                     ", not the CPU decode kernel" if self.kernel is not None else "")
+
     def plan(self, layout: BatchLayout) -> None:
         dev = self.kv.k[0].device
+        self.windowed = WindowedPlan(layout, self._windows, self.kv.page_size, dev) if self._windows else None
         P = self.kv.page_size
         self.slots = layout.slot_mapping
         # rotate_and_store's C side writes slots unchecked: every one must lie in the pool
@@ -87,6 +108,9 @@ class TorchAttentionBackend(AttentionBackend):
                            and (self.slots.numel() == 0 or (int(self.slots.min()) >= 0
                                                             and int(self.slots.max()) < self.kv.k[0].shape[1])))
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        self.decode = self.cascade = self.kernel_decode = None
+        if not self._plain_layers:   # every layer takes the masked path (Gemma 3, gpt-oss)
+            return
         rows, dec_pages, dec_lens = [], [], []
         row = 0
         for ql, kl, pages in zip(layout.q_lens, layout.kv_lens, layout.page_tables):
@@ -105,7 +129,6 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.from_numpy(np.arange(kl)[None, :] <= qpos).to(dev)  # (ql, kl)
                 self.prefills.append((row, row + ql, torch.from_numpy(idx).to(dev), mask))
             row += ql
-        self.decode = self.cascade = self.kernel_decode = None
         if rows and self.kernel is not None and self.force_decode_plan in (None, "kernel"):
             self.kernel_decode = _KernelDecode(self.kernel, rows, dec_pages, dec_lens, P, dev, row)
         elif rows:
@@ -122,7 +145,12 @@ class TorchAttentionBackend(AttentionBackend):
     def rotate_and_store(self, layer, qkv, rope):
         """With the CPU kernel loaded: RoPE and the K/V write in one C call (the kernel library's
         ``rope_store``), the same values as the model's RoPE and ``KVCache.write``."""
-        if not self.store_in_c or qkv.dtype != self.kv.k[layer].dtype:
+        if not self.store_in_c or qkv.dtype != self.kv.dtype:
+            return None
+        if self.kv.quantized:   # int8 pages: quantized in the same call
+            return self.kernel.rope_store_int8(qkv, rope.cos, rope.signed_sin, self.slots, self.kv, layer,
+                                               self.num_heads)
+        if qkv.dtype != self.kv.k[layer].dtype:
             return None
         return self.kernel.rope_store(qkv, rope.cos, rope.signed_sin, self.slots, self.kv.k[layer],
                                       self.kv.v[layer], self.num_heads)
@@ -130,6 +158,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer, q, k, v):
         if k is not None:
             self.kv.write(layer, self.slots, k, v)
+        if self.layer_attention and not self.layer_attention[layer].plain:
+            return self._attend_special(layer, q, self.layer_attention[layer])
         out = torch.empty_like(q)                                     # (T, Hq, D)
         for start, end, idx, mask in self.prefills:
             ks, vs = self.kv.gather(layer, idx)                       # (Hkv, kl, D)
@@ -148,7 +178,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows, source, mask = self.decode
             if isinstance(source, tuple):
                 s0, n = source
-                kd, vd = self.kv.k[layer][:, s0:s0 + n], self.kv.v[layer][:, s0:s0 + n]  # views
+                kd, vd = self.kv.slot_range(layer, s0, n)                 # views (int8 pages: dequantized)
             else:
                 kd, vd = self.kv.gather(layer, source)
             # every decode row is a "query position" that may see only its own columns
@@ -160,6 +190,14 @@ class TorchAttentionBackend(AttentionBackend):
             if kd.rows is None:                                       # every row decodes
                 return kd.attend(self.kv, layer, q)
             out[kd.rows] = kd.attend(self.kv, layer, q[kd.rows])
+        return out
+
+    def _attend_special(self, layer: int, q: torch.Tensor, spec: LayerAttention) -> torch.Tensor:
+        """q: (T, Hq, D) -> (T, Hq, D), each sequence over the keys its window keeps, masked."""
+        out = torch.empty_like(q)
+        for start, end, idx, mask in self.windowed.by_window[spec.window]:
+            ks, vs = self.kv.gather(layer, idx)                       # (Hkv, n, D)
+            out[start:end] = grouped_attention(q[start:end], ks, vs, mask, spec.scale, spec.softcap, spec.sinks)
         return out
 
 
@@ -177,13 +215,12 @@ class _KernelDecode:
 
     def attend(self, kv, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: (B, Hq, D), one query per decode row -> (B, Hq, D)."""
-        k, v = kv.k[layer], kv.v[layer]
         if self.shared is None:
-            return self.kernel(q, k, v, self.own)
+            return self.kernel.paged(q, kv, layer, self.own)
         B, Hq, D = q.shape
-        Hkv = k.shape[0]
+        Hkv = kv.k[layer].shape[0]
         lse_own = torch.empty(B, Hq, dtype=torch.float32)
-        o_own = self.kernel(q, k, v, self.own, lse=lse_own)                     # (B, Hq, D)
+        o_own = self.kernel.paged(q, kv, layer, self.own, lse=lse_own)          # (B, Hq, D)
         qh = q.view(B, Hkv, Hq // Hkv, D).transpose(0, 1)                        # (Hkv, B, G, D)
         o_sh, lse_sh = _attend_shared(kv, layer, qh, self.shared)               # (Hkv, B, G, D), (Hkv, B, G)
         o_sh, lse_sh = o_sh.transpose(0, 1).reshape(B, Hq, D), lse_sh.transpose(0, 1).reshape(B, Hq)
@@ -282,7 +319,7 @@ class _Cascade:
                                  valid[None, :, None, :])                        # (Hkv, n, G, D)
             o_own[:, idx], lse_own[:, idx] = o, lse
         for b, s0, n in self.in_place:
-            k, v = kv.k[layer][:, None, s0:s0 + n], kv.v[layer][:, None, s0:s0 + n]  # views, (Hkv, 1, n, D)
+            k, v = (t[:, None] for t in kv.slot_range(layer, s0, n))             # views, (Hkv, 1, n, D)
             o, lse = _attend_lse(qh[:, b:b + 1], k, v, None)
             o_own[:, b:b + 1], lse_own[:, b:b + 1] = o, lse
         if self.shared is not None:
@@ -320,7 +357,7 @@ def _attend_shared(kv, layer: int, qh: torch.Tensor, shared) -> tuple[torch.Tens
     Hkv, B, G, D = qh.shape
     if isinstance(shared, tuple):
         s0, S = shared
-        ks, vs = kv.k[layer][:, s0:s0 + S], kv.v[layer][:, s0:s0 + S]           # views, (Hkv, S, D)
+        ks, vs = kv.slot_range(layer, s0, S)                                    # views, (Hkv, S, D)
     else:
         ks, vs = kv.gather(layer, shared)
     o, lse = _attend_lse(qh.reshape(Hkv, 1, B * G, D), ks[:, None], vs[:, None], None)  # (Hkv, 1, B*G, D)
@@ -372,19 +409,29 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention with grouped KV heads.
 
     q: (Q, Hq, D); k, v: (Hkv, N, D); mask: (Q, N) bool, True = may attend -> (Q, Hq, D).
-    Query head h reads KV head h // (Hq // Hkv), as Hugging Face's repeat_kv does.
+    Query head h reads KV head h // (Hq // Hkv), as Hugging Face's repeat_kv does. ``scale``,
+    ``softcap``, ``sinks`` (Hq,): as ``LayerAttention`` defines them (None: plain).
     """
     Q, Hq, D = q.shape
     Hkv, N, _ = k.shape
     G = Hq // Hkv
     qg = q.view(Q, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * Q, D)   # (Hkv, G*Q, D)
     s = torch.bmm(qg, k.transpose(1, 2)).view(Hkv, G, Q, N)                # (Hkv, G, Q, N)
-    s = s.float().mul_(1.0 / math.sqrt(D)).masked_fill_(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype).view(Hkv, G * Q, N)
+    s = s.float().mul_(1.0 / math.sqrt(D) if scale is None else scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap).mul_(softcap)
+    s.masked_fill_(~mask, float("-inf"))
+    if sinks is not None:  # one more logit per head in the denominator, attending to nothing
+        sink = sinks.float().view(Hkv, G, 1, 1).expand(Hkv, G, Q, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :N].to(v.dtype).reshape(Hkv, G * Q, N)
+    else:
+        p = torch.softmax(s, dim=-1).to(v.dtype).view(Hkv, G * Q, N)
     o = torch.bmm(p, v).view(Hkv, G, Q, D)                                  # (Hkv, G, Q, D)
     return o.permute(2, 0, 1, 3).reshape(Q, Hq, D)
 

@@ -201,6 +201,15 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     raise ValueError(f"tensor {t.name} is {t.type_name}, not Q4_0 or Q4_1")
 
 
+def q8_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's blocks as stored: ``(q, d)`` with ``w = d * q``, q (blocks, 32) int8, d (blocks, 1)
+    float32."""
+    if t.type_name != "Q8_0":
+        raise ValueError(f"tensor {t.name} is {t.type_name}, not Q8_0")
+    b = _blocks(t, 34)
+    return b[:, 2:].contiguous().view(torch.int8), _f16(b[:, :2])
+
+
 def dequantize(t: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, shaped as its row-major array (``reversed(t.shape)``). F32/F16/BF16, Q4_0,
     Q4_1 and Q8_0 are decoded here in torch, exactly as ``gguf.quants.dequantize`` computes them (float32,

@@ -1,4 +1,4 @@
-"""Load a Llama-architecture GGUF file: weights (dequantized), config, tokenizer, template."""
+"""Load a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3): weights (dequantized), config, tokenizer, template."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import os
 
 import torch
 
-from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks
-from engine.loader.model_config import ModelConfig
+from engine.loader.gguf_arch import config_from_gguf
+from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.progress import load_bar
+from engine.models.qmatmul import Q8Blocks
 from engine.models.quant import Int4Groups
 from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
 
@@ -27,7 +28,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",      # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",       # Phi-3: q, k, v fused
+    "ffn_gate_inp": "mlp.gate",             # MoE router
 }
+_PHI3_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}   # Phi-3's ffn_up holds [gate; up]
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")  # in rope_scaling
 
 
 def default_model_path() -> str:
@@ -88,63 +96,57 @@ def gguf_context_length(reader) -> int:
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict | None = None):
-    """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)``.
+    """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)`` (architectures: engine/loader/gguf_arch.py).
 
     ``int4_groups``: a dict that receives, by HF name, every Q4_0 / Q4_1 weight's blocks as
-    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving."""
+    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving, and the
+    Q8_0 ``token_embd`` / ``output`` weights as ``engine.models.qmatmul.Q8Blocks`` (the LM head of
+    ``quantization="gguf"``)."""
     reader = GGUFFile(path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama)")
-    n_head = int(_field(reader, "llama.attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
-    cfg = ModelConfig(
-        architecture="llama",
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=n_head,
-        num_kv_heads=n_kv,
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // n_head)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-    )
+    cfg = config_from_gguf(reader, path)
+    arch = reader.fields["general.architecture"]
+    names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
+    # llama.cpp's converter interleaves q/k rows for llama only (the others use NEOX-style RoPE)
+    permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}
     state: dict[str, torch.Tensor] = {}
     progress = load_bar([path], f"loading {os.path.basename(path)}")
     for t in reader.tensors:
         progress.update(int(t.n_bytes))
+        if t.name in _ROPE_TENSORS:
+            continue
         arr = dequantize(t)
-        name = t.name
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            base, kind = rest.rsplit(".", 1)
-            if base not in _LAYER_NAMES:
-                raise ValueError(f"{path}: unexpected tensor {name}")
-            heads = {"attn_q": n_head, "attn_k": n_kv}.get(base)
+        key, heads = _hf_name(path, t.name, names, permuted)
+        if heads is not None:
+            arr = _unpermute_qk(arr, heads)
+        if key.endswith("_exps"):             # (E, out, in) stacked experts -> one HF weight per expert
+            for i, w in enumerate(arr):
+                state[key[:-len("_exps")].replace("{i}", str(i))] = w.to(dtype)
+            continue
+        if int4_groups is not None and t.type_name in ("Q4_0", "Q4_1") and key.startswith("model.layers."):
+            groups = Int4Groups.from_blocks(*q4_blocks(t), arr.shape[0])
             if heads is not None:
-                arr = _unpermute_qk(arr, heads)
-            key = f"model.layers.{idx}.{_LAYER_NAMES[base]}.{kind}"
-            if int4_groups is not None and t.type_name in ("Q4_0", "Q4_1"):
-                groups = Int4Groups.from_blocks(*q4_blocks(t), arr.shape[0])
-                if heads is not None:
-                    groups = groups.rows(_unpermute_rows(arr.shape[0], heads))
-                int4_groups[key] = groups
-        else:
-            raise ValueError(f"{path}: unexpected tensor {name}")
+                groups = groups.rows(_unpermute_rows(arr.shape[0], heads))
+            int4_groups[key] = groups
+        if int4_groups is not None and t.type_name == "Q8_0" and key in ("model.embed_tokens.weight",
+                                                                          "lm_head.weight"):
+            int4_groups[key] = Q8Blocks.from_blocks(*q8_blocks(t), arr.shape[0])
         state[key] = arr.to(dtype)
     progress.close()
+    return cfg, state, gguf_tokenizer(reader)
 
-    tok = gguf_tokenizer(reader)
-    return cfg, state, tok
+
+def _hf_name(path: str, name: str, names: dict, permuted: dict) -> tuple[str, int | None]:
+    """A GGUF tensor's Hugging Face name (experts: a ``{i}`` pattern ending in ``_exps``) and the head count
+    to undo llama.cpp's q/k interleaving with (None: stored as is)."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    if name in top:
+        return top[name], None
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        base, kind = rest.rsplit(".", 1)
+        if base in _EXPERTS:
+            return f"model.layers.{idx}.mlp.experts.{{i}}.{_EXPERTS[base]}.{kind}_exps", None
+        if base in names:
+            return f"model.layers.{idx}.{names[base]}.{kind}", permuted.get(base)
+    raise ValueError(f"{path}: unexpected tensor {name}")

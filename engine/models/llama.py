@@ -7,11 +7,17 @@ reads and writes the paged KV cache using per-step metadata.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.base import LayerAttention
 from engine.loader.model_config import ModelConfig
+from engine.models.rope import RopeTable, RotaryEmbedding
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -39,54 +45,16 @@ def keep_float32_norms(model: nn.Module) -> None:
             m.weight.data = m.weight.data.float()
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face layout) with a precomputed cos/sin table."""
-
-    def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_pos, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)                       # (max_pos, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)                # (max_pos, D)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
-
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeTable":
-        """This step's cos/sin rows, gathered once for every layer. positions: (T,)."""
-        sin = self.sin[positions].unsqueeze(1).to(dtype)               # (T, 1, D)
-        half = sin.shape[-1] // 2
-        return RopeTable(self.cos[positions].unsqueeze(1).to(dtype),   # (T, 1, D)
-                         torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (T, H, D); positions: (T,)
-        return self.table(positions, x.dtype).apply(x)
-
-
-class RopeTable:
-    """cos and sign-folded sin of one step's positions, (T, 1, D) each, applied to any (T, H, D) heads.
-
-    Rotate-half RoPE is ``x * cos + cat(-x2, x1) * sin`` (x1, x2 the halves of x); ``cat(x2, x1)`` is
-    ``x.roll(D/2)``, so with ``signed_sin = cat(-sin1, sin2)`` it is ``x * cos + x.roll(D/2) * signed_sin``:
-    the same products, bit for bit, in four operations instead of seven."""
-
-    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-        self.cos, self.signed_sin = cos, signed_sin
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
-
-
 class Attention(nn.Module):
     """q, k and v come from one fused projection (``qkv_proj``: one matmul instead of three, the
     loader stacks the checkpoint's q_proj / k_proj / v_proj rows, ``FUSED``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, o_bias: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=o_bias)   # gpt-oss: o_bias
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -98,7 +66,8 @@ class Attention(nn.Module):
         nq, nkv = self.nh, self.nkv
         qkv = self.qkv_proj(x).view(T, nq + 2 * nkv, self.hd)  # (T, Hq + 2 Hkv, D)
         if self.q_norm is None:
-            q = attn.rotate_and_store(self.layer_idx, qkv, rope)  # the backend's fused RoPE + KV write
+            # the backend's fused RoPE + KV write (it rotates whole heads: not for a partial rotary)
+            q = None if rope.partial else attn.rotate_and_store(self.layer_idx, qkv, rope)
             if q is not None:
                 return self.o_proj(attn.forward(self.layer_idx, q, None, None).reshape(T, nq * self.hd))
             qk = rope.apply(qkv[:, :nq + nkv])                 # q and k rotated together, (T, Hq + Hkv, D)
@@ -152,7 +121,11 @@ class LlamaModel(nn.Module):
             DecoderLayer(cfg, i, mlp_factory(i) if mlp_factory else None) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg)
+        if self.rope.partial:
+            log.info("RoPE on %d of %d dimensions a head (partial_rotary_factor %s): RoPE and the K/V write run "
+                     "in torch, not the C rope_store kernel (it rotates whole heads)",
+                     self.rope.rotary_dim, cfg.head_dim, cfg.partial_rotary_factor)
 
     # set by the engine (``use_cpu_ops``): the residual add and the next RMSNorm, and SwiGLU's activation,
     # each as one C call (engine/models/cpu_ops.py) when the activations are bfloat16 on the CPU; None: the
@@ -205,6 +178,11 @@ class LlamaModel(nn.Module):
             yield layer.post_attention_layernorm
         yield self.norm
 
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's attention, for ``AttentionBackend.set_layer_attention``: the config's sliding
+        window (Mistral), else plain."""
+        return [LayerAttention(window=w) for w in self.cfg.sliding_windows or (None,) * self.cfg.num_layers]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, d) -> (B, vocab) in float32."""
         if self.lm_head is None:
@@ -244,6 +222,8 @@ def hf_sources(name: str) -> list[str]:
 def hf_weight(state, name: str, missing: list[str]) -> torch.Tensor | None:
     """Our parameter ``name`` from a checkpoint in HF names (fused ones stacked); None (and the names
     appended to ``missing``) when the checkpoint lacks it."""
+    if name.rpartition(".")[0].endswith(tuple(FUSED)) and "model." + name in state:
+        return state["model." + name]      # stored fused (Phi-3's qkv_proj, gate_up_proj)
     sources = hf_sources(name)
     absent = [s for s in sources if s not in state]
     if absent:

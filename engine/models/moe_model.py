@@ -68,7 +68,7 @@ def build_moe_model(cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: 
     with torch.device("meta"):
         model = MoEModel(cfg, moe_layer_indices(hf), make_moe, ep)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = model.rope.__class__(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    model.rope = model.rope.__class__(cfg).to(device)
     with torch.no_grad():
         model.load_hf_state_dict(state)
     if ep is not None:

@@ -202,6 +202,30 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x.to(torch.bfloat16).float(), weight, None if bias is None else bias.to(torch.bfloat16).float())
 
 
+def projections(model: nn.Module):
+    """``(parent module, attribute, checkpoint names of its weight: its own name, then the parts it is
+    stacked from)`` of every decoder layer's dense projection: ``qkv_proj``, ``o_proj`` and (dense MLPs only; MoE experts stay as they are)
+    ``gate_up_proj`` and ``down_proj``."""
+    from engine.models.llama import MLP, hf_sources
+
+    for i, layer in enumerate(model.layers):
+        targets = [(layer.self_attn, "self_attn", "qkv_proj"), (layer.self_attn, "self_attn", "o_proj")]
+        if isinstance(layer.mlp, MLP):
+            targets += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
+        for parent, parent_name, attr in targets:
+            name = f"layers.{i}.{parent_name}.{attr}.weight"
+            yield parent, attr, ["model." + name] + hf_sources(name)
+
+
+def stored_parts(blocks: dict, sources: list[str]) -> list:
+    """A projection's stored blocks from ``projections``' ``sources``: the weight's own where the file stores
+    it fused (Phi-3's attn_qkv / ffn_up), else its parts' (None where a part has none)."""
+    fused, parts = sources[0], sources[1:]
+    if fused in blocks and fused not in parts:
+        return [blocks[fused]]
+    return [blocks.get(src) for src in parts]
+
+
 def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None, keep_dense: bool = True) -> None:
     """Swap a loaded ``LlamaModel``'s dense projections for quantized layers, in place: every decoder
     layer's ``qkv_proj``, ``o_proj`` and (dense MLPs only; MoE experts stay as they are) ``gate_up_proj``
@@ -210,23 +234,17 @@ def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None,
     4-bit blocks by HF name (``engine.loader.ModelFiles.int4_groups``), used as stored where every part
     of a (fused) weight has them; other weights are quantized from their float values. ``keep_dense``:
     each layer keeps the model's weight in bf16 for steps of more than ``MAX_QUANT_ROWS`` rows."""
-    from engine.models.llama import MLP, hf_sources
-
     if mode not in ("int4", "int8"):
         raise ValueError(f"quantize_model: mode must be 'int4' or 'int8', got {mode!r}")
     groups = int4_groups or {}
-    for i, layer in enumerate(model.layers):
-        targets = [(layer.self_attn, "self_attn", "qkv_proj"), (layer.self_attn, "self_attn", "o_proj")]
-        if isinstance(layer.mlp, MLP):
-            targets += [(layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")]
-        for parent, parent_name, attr in targets:
-            linear = getattr(parent, attr)
-            dense = linear.weight if keep_dense else None
-            if mode == "int8":
-                setattr(parent, attr, Int8Linear(linear.weight, linear.bias, dense))
-                continue
-            parts = [groups.get(src) for src in hf_sources(f"layers.{i}.{parent_name}.{attr}.weight")]
-            weights = Int4Groups.cat(parts) if all(p is not None for p in parts) else quantize_int4(linear.weight)
-            setattr(parent, attr, Int4Linear(weights, linear.bias, dense))
+    for parent, attr, sources in projections(model):
+        linear = getattr(parent, attr)
+        dense = linear.weight if keep_dense else None
+        if mode == "int8":
+            setattr(parent, attr, Int8Linear(linear.weight, linear.bias, dense))
+            continue
+        parts = stored_parts(groups, sources)
+        weights = Int4Groups.cat(parts) if all(p is not None for p in parts) else quantize_int4(linear.weight)
+        setattr(parent, attr, Int4Linear(weights, linear.bias, dense))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int8Linear(head, dense=head if keep_dense else None)

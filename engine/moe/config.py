@@ -85,7 +85,7 @@ class MoEConfig:
             )
         return cls(
             family=family,
-            num_experts=int(hf["num_experts"]),
+            num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),  # transformers 5 writes the latter
             top_k=int(hf["num_experts_per_tok"]),
             hidden=int(hf["hidden_size"]),
             intermediate=int(hf["moe_intermediate_size"]),

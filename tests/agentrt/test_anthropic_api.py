@@ -207,3 +207,14 @@ def test_api_keys_x_api_key_and_bearer(server):
                                                          "message": missing.json()["error"]["message"]}}
     models = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY})  # the same keys on every route
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+
+
+def test_ignore_eos_runs_the_reply_to_max_tokens(client):
+    """The vLLM extension every surface takes (benchmarks/protocols.py sends it on each): without it
+    the short reply ends at EOS, with it the reply runs to max_tokens."""
+    ask = [{"role": "user", "content": "Reply with the single word: yes."}]
+    short = client.messages.create(model=MODEL, max_tokens=48, messages=ask, extra_body=GREEDY)
+    full = client.messages.create(model=MODEL, max_tokens=48, messages=ask, extra_body={**GREEDY, "ignore_eos": True,
+                                                                                         "seed": 7})
+    assert short.stop_reason == "end_turn" and short.usage.output_tokens < 48
+    assert full.stop_reason == "max_tokens" and full.usage.output_tokens == 48

@@ -98,6 +98,7 @@ def test_status_reports_what_metrics_and_usage_report(server, traffic):
     assert dev["pages_used"] == metric(server.url, "agentrt_kv_pages_used") > 0
     assert dev["pages_pinned"] == metric(server.url, "agentrt_kv_pages_pinned") > 0  # the session's pin
     assert dev["pages_used"] + dev["pages_free"] == dev["pages_total"] and dev["page_size"] == 16
+    assert dev["bytes_per_token"] == metric(server.url, "agentrt_kv_cache_bytes_per_token") > 0
     assert w["cached_blocks"] == dev["pages_cached"] == metric(server.url, "agentrt_kv_pages_cached") > 0
     assert w["pins"] == metric(server.url, "agentrt_kv_pins") == 1
     prompt = sum(u["prompt_tokens"] for u in traffic)

@@ -136,3 +136,26 @@ def test_kv_utilisation_follows_what_holds_pages(server):
                                                             / value(pinned, "agentrt_kv_pages_capacity"))
         assert http.delete(f"/v1/sessions/{sid}").status_code == 200
     assert wait_for(lambda: value(scrape(server.url), "vllm:kv_cache_usage_perc") == 0.0, timeout_s=30)
+
+
+def test_the_active_c_kernels_are_exposed(server):
+    """``agentrt_cpu_kernel_active{kernel=...}``: one series per C kernel, 1 where the engine runs it.
+    The decode-attention kernel runs wherever a compiler built it (page size 16 divides its chunks)."""
+    from engine.cpu_build import KERNELS, no_compiler_reason
+    families = scrape(server.url)
+    active = {s.labels["kernel"]: s.value for s in families["agentrt_cpu_kernel_active"].samples}
+    assert set(active) == set(KERNELS)
+    assert active["decode_attention"] == (1.0 if no_compiler_reason() is None else 0.0)
+
+
+def test_kernel_gauge_follows_the_engine_stats():
+    from engine.types import EngineStats
+    from agentrt.metrics import Metrics
+    m = Metrics()
+    m.attach_engine(lambda: EngineStats(running=0, waiting=0, pages_total=1, pages_used=0, pages_free=1,
+                                        pages_cached=0, pages_pinned=0, num_pins=0, prompt_tokens_total=0,
+                                        cached_tokens_total=0, generation_tokens_total=0, num_preemptions=0,
+                                        page_size=16, cpu_kernels={"decode_attention": True, "layer_ops": False}))
+    text = m.render().decode()
+    assert 'agentrt_cpu_kernel_active{kernel="decode_attention"} 1.0' in text
+    assert 'agentrt_cpu_kernel_active{kernel="layer_ops"} 0.0' in text

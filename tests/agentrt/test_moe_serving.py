@@ -1,6 +1,6 @@
-"""A tiny MoE checkpoint served by the real ``agentrt serve``: with ``--ep 2`` (a second rank
+"""A tiny MoE checkpoint served by the real ``agentrt serve``: with ``--ep-size 2`` (a second rank
 in its own process, gloo) the HTTP API gives the same greedy output as without expert
-parallelism; stopping the server stops its expert-parallel rank; ``--ep`` the model cannot
+parallelism; stopping the server stops its expert-parallel rank; ``--ep-size`` the model cannot
 use fails at start with a clear message."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_ep2_over_http_equals_single_process(checkpoint, start_agentrt_server, t
         expected = _greedy_replies(single.url)
     finally:
         assert single.stop() in CLEAN_EXIT
-    server = start_agentrt_server(tmp_path, "--model", checkpoint, "--ep", "2", "--ep-placement", "balanced")
+    server = start_agentrt_server(tmp_path, "--model", checkpoint, "--ep-size", "2", "--ep-placement", "balanced")
     try:
         children = _children(server.process.pid)  # the rank, and multiprocessing's resource tracker
         assert sum("spawn_main" in cmd for cmd in children.values()) == 1, children
@@ -63,7 +63,7 @@ def test_ep2_over_http_equals_single_process(checkpoint, start_agentrt_server, t
 
 
 def test_ep_that_does_not_divide_the_experts_fails_at_start(checkpoint):
-    proc = subprocess.run([sys.executable, "-m", "agentrt.cli", "serve", "--model", checkpoint, "--ep", "3"],
+    proc = subprocess.run([sys.executable, "-m", "agentrt.cli", "serve", "--model", checkpoint, "--ep-size", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "ep_size=3 must divide the expert slot count: 8 experts + 0 redundant = 8 slots" in proc.stderr

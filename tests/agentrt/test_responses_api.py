@@ -469,3 +469,13 @@ def test_response_ids_name_their_session():
     assert rid == "resp_" + "a" * 32 + "b" * 32 and parse_response_id(rid) == "sess_" + "a" * 32
     for bad in ("resp_" + "a" * 63, "resp_" + "A" * 64, "sess_" + "a" * 64, "resp_" + "g" * 64):
         assert parse_response_id(bad) is None
+
+
+def test_ignore_eos_runs_the_reply_to_max_output_tokens(http):
+    """The vLLM extension every surface takes (benchmarks/protocols.py sends it on each)."""
+    body = {"model": MODEL, "input": "Reply with the single word: yes.", "max_output_tokens": 48, "temperature": 0,
+            "store": False}
+    short = http.post("/v1/responses", json=body).json()
+    full = http.post("/v1/responses", json={**body, "ignore_eos": True, "seed": 7}).json()
+    assert short["status"] == "completed" and short["usage"]["output_tokens"] < 48
+    assert full["status"] == "incomplete" and full["usage"]["output_tokens"] == 48

@@ -8,7 +8,10 @@ import asyncio
 import pytest
 
 from agentrt.cli import build_parser
-from agentrt.config import ConfigError, ServerConfig
+import dataclasses
+
+from agentrt.config import (MODEL_FIELDS, ConfigError, EngineSettings, ModelSettings, RouterServerConfig, ServerConfig,
+                            ServingSettings)
 from agentrt.metrics import Metrics
 from engine import EngineConfig, EngineStats
 from router.commands import CONNECTION, ROUTER_FIELDS, WORKER_FIELDS
@@ -96,6 +99,21 @@ def test_speculative_settings_reach_the_engine_and_metrics():
         assert line in text, line
 
 
+def test_kv_cache_dtype_reaches_the_engine_and_metrics_and_fp8_is_refused():
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--kv-cache-memory-bytes", "1000000"])
+    assert (args.kv_cache_dtype, args.kv_cache_memory_bytes) == ("int8", 1000000)
+    cfg = ServerConfig.from_sources(environ={"AGENTRT_KV_CACHE_DTYPE": "int8"})
+    assert cfg.engine_config().kv_cache_dtype == "int8" and ServerConfig().engine_config().kv_cache_dtype == "auto"
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8' is not implemented"):
+        ServerConfig.from_sources({"kv_cache_dtype": "fp8"}, environ={})
+    metrics = Metrics()
+    metrics.attach_engine(lambda: EngineStats(
+        running=0, waiting=0, pages_total=8, pages_used=0, pages_free=8, pages_cached=0, pages_pinned=0, num_pins=0,
+        prompt_tokens_total=0, cached_tokens_total=0, generation_tokens_total=0, num_preemptions=0, page_size=16,
+        kv_cache_bytes_per_token=12240))
+    assert "agentrt_kv_cache_bytes_per_token 12240.0" in metrics.render().decode()
+
+
 def _subparsers():
     parser = build_parser()
     return next(a for a in parser._actions if a.choices and "serve" in a.choices).choices
@@ -107,7 +125,7 @@ def test_flags_are_generated_from_the_settings_fields():
     the server chooses itself."""
     commands = {"serve": [(ServerConfig, None)],
                 "worker": [(ServerConfig, None), (RouterConfig, WORKER_FIELDS), (WorkerSettings, None)],
-                "router": [(ServerConfig, None), (RouterConfig, ROUTER_FIELDS)],
+                "router": [(RouterServerConfig, None), (RouterConfig, ROUTER_FIELDS)],
                 "status": [(RouterConfig, CONNECTION)]}
     subparsers = _subparsers()
     for command, models in commands.items():
@@ -122,10 +140,50 @@ def test_flags_are_generated_from_the_settings_fields():
     engine, server = EngineConfig(), ServerConfig()
     for name in ("max_num_seqs", "max_waiting", "enable_prefix_cache", "turn_coalesce_max_s", "ep_placement"):
         assert getattr(server, name) == getattr(engine, name)
-    differ = {n for n in ("device", "dtype", "kv_cache_tokens", "speculative") if getattr(server, n) != getattr(engine, n)}
+    differ = {f.name for f in dataclasses.fields(EngineConfig) if getattr(server, f.name) != getattr(engine, f.name)}
     assert differ == {"device", "dtype", "kv_cache_tokens", "speculative"}
     for name in differ:  # said where the default is declared
         assert f"engine library's default is {getattr(engine, name)}" in ServerConfig.model_fields[name].description
+
+
+def _own_fields(cls) -> set[str]:
+    """The fields a settings class declares itself (not inherited)."""
+    inherited = set().union(*(getattr(base, "model_fields", {}) for base in cls.__bases__))
+    return set(cls.model_fields) - inherited
+
+
+def test_no_setting_is_declared_twice():
+    """Each setting has one declaration: the engine's in EngineConfig (its help line and choices there, the
+    server's flag generated from it), the serving ones in ServingSettings, the router's in RouterConfig and
+    WorkerSettings; the composed models (ServerConfig, RouterServerConfig) declare nothing of their own."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(EngineSettings.model_fields) == engine_fields and set(ModelSettings.model_fields) == set(MODEL_FIELDS)
+    for f in dataclasses.fields(EngineConfig):
+        assert EngineSettings.model_fields[f.name].description.startswith(f.metadata["help"])
+    assert _own_fields(ServerConfig) == set() and _own_fields(RouterServerConfig) == set()
+    declared = [ServingSettings, ModelSettings, EngineSettings, RouterConfig, WorkerSettings]
+    seen: dict[str, str] = {}
+    for cls in declared:
+        for name in _own_fields(cls):
+            assert name not in seen, f"{name} declared in both {seen[name]} and {cls.__name__}"
+            seen[name] = cls.__name__
+    assert engine_fields <= set(seen)
+
+
+def test_router_help_lists_no_engine_flag():
+    """``agentrt router`` runs no engine: of the engine settings it offers only the model's (its tokenizer and
+    template); ``agentrt serve`` and ``agentrt worker`` offer every engine setting."""
+    subparsers = _subparsers()
+    router_flags = {s for a in subparsers["router"]._actions for s in a.option_strings}
+    engine_only = {EngineSettings.flag_name(f.name) for f in dataclasses.fields(EngineConfig)
+                   if f.name not in MODEL_FIELDS}
+    assert not router_flags & engine_only, sorted(router_flags & engine_only)
+    assert {"--model", "--served-model-name", "--max-model-len"} <= router_flags
+    for command in ("serve", "worker"):
+        flags = {s for a in subparsers[command]._actions for s in a.option_strings}
+        assert engine_only <= flags, (command, sorted(engine_only - flags))
+    help_lines = [a.help for cmd in ("serve", "worker", "router", "status", "up") for a in subparsers[cmd]._actions]
+    assert all(help_lines), "every flag has help text"
 
 
 def test_router_and_worker_settings_take_flag_then_env_then_default():

@@ -72,32 +72,72 @@ def test_cached_tokens_prefers_usage_then_llama_timings():
     assert cached_tokens_of({"prompt_tokens": 10}, None) == (None, None)
 
 
-def test_decode_rate_and_ratios():
+def test_decode_rate_and_ratios_per_repeat():
     assert decode_tok_s(33, 1.0, 2.0) == pytest.approx(32.0)
     assert decode_tok_s(1, 1.0, 2.0) is None
     assert decode_tok_s(10, 2.0, 2.0) is None
-    sides = {"agentrt": {"wall_s": 30.0, "ttft_p50_s_turns2plus": 0.5, "decode_tok_s_b1": 20.0},
-             "llama_server": {"wall_s": 10.0, "ttft_p50_s_turns2plus": 0.25, "decode_tok_s_b1": None}}
-    assert compare(sides) == {"wall_s": 3.0, "ttft_p50_s_turns2plus": 2.0, "decode_tok_s_b1": None}
-    assert compare({"agentrt": sides["agentrt"]}) == dict.fromkeys(("wall_s", "ttft_p50_s_turns2plus",
-                                                                     "decode_tok_s_b1"))
+    runs = {"agentrt": [{"wall_s": 30.0, "decode_tok_s_b1": 20.0}, {"wall_s": 10.0, "decode_tok_s_b1": 30.0}],
+            "llama_server": [{"wall_s": 10.0, "decode_tok_s_b1": None}, {"wall_s": 20.0, "decode_tok_s_b1": 10.0}]}
+    r = compare(runs)
+    assert set(r) == {"agentrt"}
+    assert r["agentrt"]["wall_s"] == {"runs": [3.0, 0.5], "median": 1.75, "min": 0.5, "max": 3.0}
+    assert r["agentrt"]["decode_tok_s_b1"] == {"runs": [None, 3.0], "median": 3.0, "min": 3.0, "max": 3.0}
+    assert compare({"agentrt": runs["agentrt"]}) == {}
 
 
-def test_table_shows_both_sides_and_dashes_for_missing():
+def _result(sides_runs, peer=None):
+    from benchmarks import harness
+    from benchmarks.vs_llamacpp import FIGURES
+    sides = {n: {"summary": {k: harness.spread(x.get(k) for x in rs) for k in FIGURES}, "runs": rs}
+             for n, rs in sides_runs.items()}
+    return {"sides": sides, "ratios": compare(sides_runs),
+            "peer_flags": peer or {"flags": [], "why": None, "agentrt_equivalent": []}}
+
+
+def test_table_shows_median_range_and_dashes_for_missing():
     a = summarize_side(RECORDS, 10.0, DECODE)
-    text = format_table({"agentrt": a, "ratios": compare({"agentrt": a})})
+    b = dict(a, wall_s=14.0)
+    text = format_table(_result({"agentrt": [a, dict(a, wall_s=12.0)]}))
     wall = next(line for line in text.splitlines() if line.startswith("wall (s)"))
-    assert wall.split()[2:] == ["10.0", "-", "-"]
-    cached = next(line for line in text.splitlines() if line.startswith("cached fraction"))
-    assert cached.split()[-3] == "0.773"
+    assert wall.split()[2:] == ["11.0", "[10.0-12.0]"]
+    text = format_table(_result({"agentrt": [a], "llama_server": [b]}))
+    wall = next(line for line in text.splitlines() if line.startswith("wall (s)"))
+    assert wall.split()[2:] == ["10.0", "14.0", "0.71"]
+    spec_off = next(line for line in text.splitlines() if line.startswith("decode b1 tok/s, spec off"))
+    assert spec_off.split()[-3:] == ["-", "-", "-"]
 
 
-def test_table_says_when_llama_server_ran_with_the_crash_fallback():
+def test_table_says_beside_the_figures_when_llama_server_ran_with_the_crash_fallback():
     a = summarize_side(RECORDS, 10.0, DECODE)
-    b = dict(a, crash_fallback={"flags": ["--no-repack"], "signal": 11, "default_cmd": ["llama-server"]})
-    text = format_table({"agentrt": a, "llama_server": b, "ratios": compare({"agentrt": a, "llama_server": b})})
-    assert text.splitlines()[-1] == "llama-server's defaults were killed by signal 11 at start-up; it ran with --no-repack"
-    assert "killed" not in format_table({"agentrt": a, "llama_server": a, "ratios": compare({"agentrt": a})})
+    peer = {"flags": ["--no-repack"], "why": "its defaults were killed by signal 11 at start-up",
+            "agentrt_equivalent": ["--dtype", "float32"]}
+    text = format_table(_result({"agentrt": [a], "llama_server": [a], "agentrt_float32": [a]}, peer))
+    assert "llama_server (--no-repack)" in text.splitlines()[0]
+    assert text.splitlines()[-1].startswith("llama-server ran with --no-repack (its defaults were killed by signal 11")
+    assert "agentrt_float32 is agentrt with bf16 off" in text
+    text = format_table(_result({"agentrt": [a], "llama_server": [a]}, peer))
+    assert "NOT A HEADLINE" in text
+    assert "ran with" not in format_table(_result({"agentrt": [a], "llama_server": [a]}))
+
+
+def test_decode_prompts_are_distinct_over_repeats_and_runs():
+    from benchmarks.vs_llamacpp import decode_prompts
+    prompts = [p for r in range(4) for p in decode_prompts(r, 3)]
+    assert len(set(prompts)) == 12 and decode_prompts(1, 3) == prompts[3:6]
+    with pytest.raises(ValueError, match="distinct prompts"):
+        decode_prompts(8, 3)
+
+
+def test_side_commands_add_the_float32_side_only_when_llama_needs_its_fallback():
+    import argparse
+    from benchmarks.vs_llamacpp import side_commands
+    args = argparse.Namespace(model=None, only=None, agentrt_flag=[], llama_flag=[], concurrency=2)
+    plain = side_commands(args, "llama-server", "m.gguf", {"flags": [], "agentrt_equivalent": []})
+    assert list(plain) == ["agentrt", "llama_server"]
+    fb = side_commands(args, "llama-server", "m.gguf", {"flags": ["--no-repack"],
+                                                         "agentrt_equivalent": ["--dtype", "float32"]})
+    assert list(fb) == ["agentrt", "llama_server", "agentrt_float32"]
+    assert fb["llama_server"][-1] == "--no-repack" and fb["agentrt_float32"][-2:] == ["--dtype", "float32"]
 
 
 def test_llama_threads_from_log():

@@ -2,18 +2,26 @@
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.attention import BatchLayout, create_backend
-from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows, load
+from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows
 from engine.cpu_build import build
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache
+from kernel_build import KernelBuild
 
-kernel = load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel could not be built")
+BUILD = KernelBuild(lambda: DecodeKernel(build(SOURCE)))   # skipped only without a compiler on PATH
+kernel = BUILD.value
+pytestmark = BUILD.skip_mark()
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    BUILD.require()   # a compile error fails every test here
 
 
 def paged_rows(rng, lens, page_size, num_pages):
@@ -153,6 +161,12 @@ def test_without_the_kernel_the_torch_plans_serve():
     assert backend.kernel_decode is None and (backend.decode is not None or backend.cascade is not None)
 
 
+def _rope_cfg(head_dim: int, max_pos: int) -> SimpleNamespace:
+    """What RotaryEmbedding reads of a ModelConfig: plain RoPE, theta 10000."""
+    return SimpleNamespace(head_dim=head_dim, max_position_embeddings=max_pos, rope_theta=10000.0,
+                           rope_scaling={}, partial_rotary_factor=1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 8, 2, 128), (3, 4, 4, 24)])
 def test_rope_store_is_the_models_rope_and_the_pools_write(dtype, T, Hq, Hkv, D):
@@ -164,7 +178,7 @@ def test_rope_store_is_the_models_rope_and_the_pools_write(dtype, T, Hq, Hkv, D)
     torch.manual_seed(T * D)
     P, num_pages = 16, 64
     qkv = (torch.randn(T, Hq + 2 * Hkv, D) * 3).to(dtype)
-    table = RotaryEmbedding(D, 8192, 10000.0).table(torch.randint(0, 8000, (T,)), dtype)
+    table = RotaryEmbedding(_rope_cfg(D, 8192)).table(torch.randint(0, 8000, (T,)), dtype)
     slots = torch.randperm(num_pages * P)[:T]
     kv_ref = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
     kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
@@ -200,7 +214,7 @@ def test_backend_stores_in_c_only_where_every_slot_is_in_the_pool():
 
     P, Hq, Hkv, D = 16, 4, 2, 32
     kv = KVCache(1, 8, P, Hkv, D, torch.float32, "cpu", layout="HSD")
-    table = RotaryEmbedding(D, 256, 10000.0).table(torch.tensor([4]), torch.float32)
+    table = RotaryEmbedding(_rope_cfg(D, 256)).table(torch.tensor([4]), torch.float32)
     qkv = torch.randn(1, Hq + 2 * Hkv, D)
     inside = BatchLayout([1], [5], [[2]], torch.tensor([2 * P + 4]))
     outside = BatchLayout([1], [5], [[8]], torch.tensor([8 * P + 4]))
@@ -228,5 +242,26 @@ def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="undeclared_name"):
         build(bad)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(OSError):
+    with pytest.raises(RuntimeError, match="no-such-compiler' is not on PATH"):
         build(bad)
+
+
+def test_skips_only_without_a_compiler_and_fails_on_a_compile_error(tmp_path, monkeypatch):
+    """The guard above: a broken source with a compiler on PATH is an error, never a skip; with no
+    compiler on PATH (CC unset, an empty PATH) it is a skip whose reason says so."""
+    monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return 1 }\n")
+    guard = KernelBuild(lambda: build(broken))
+    assert guard.skip_reason is None and guard.value is None
+    assert isinstance(guard.error, RuntimeError) and "broken.c" in str(guard.error)
+    with pytest.raises(pytest.fail.Exception, match="did not build although a compiler is on PATH"):
+        guard.require()
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    guard = KernelBuild(lambda: build(broken))
+    assert guard.error is None and guard.value is None
+    assert guard.skip_reason == "no C compiler: neither cc nor gcc is on PATH (shutil.which found none)"
+    guard.require()   # no error: the skip mark alone decides
+    monkeypatch.setenv("CC", "no-such-cc")
+    assert "CC='no-such-cc' is not on PATH" in KernelBuild(lambda: None).skip_reason

@@ -7,10 +7,18 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
-from engine.models.cpu_ops import load
+from engine.cpu_build import build
+from engine.models.cpu_ops import SOURCE, LayerOps
+from kernel_build import KernelBuild
 
-ops = load()
-pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler: the C layer operations could not be built")
+BUILD = KernelBuild(lambda: LayerOps(build(SOURCE)))   # skipped only without a compiler on PATH
+ops = BUILD.value
+pytestmark = BUILD.skip_mark()
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    BUILD.require()   # a compile error fails every test here
 op = ops.add_rms_norm if ops is not None else None
 
 
@@ -80,6 +88,7 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is not None
+    assert engine.active_kernels == {"decode_attention": True, "layer_ops": True}   # logged, in /metrics
     prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     agree = n = 0
@@ -100,3 +109,10 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     assert agree >= 0.90 * n
     assert kl / n <= 0.005
     assert worst <= 0.35
+
+
+def test_float32_engines_do_not_count_the_bf16_layer_ops_as_active():
+    """The layer ops run on bfloat16 steps only: a float32 engine reports them off (decode attention on)."""
+    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_tokens=1024))
+    assert engine.active_kernels == {"decode_attention": True, "layer_ops": False}
+    assert engine.stats().cpu_kernels == engine.active_kernels

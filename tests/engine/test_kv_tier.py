@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from engine.kv_tier import PENDING, DiskTier, HostTier, KVTiers, page_shape
+from engine.kv_tier import PENDING, DiskTier, HostTier, KVTiers
 
-SHAPE = page_shape(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, layout="HSD")
+SHAPE = (2, 2, 2, 4, 8)   # KVCache.page_shape of an HSD pool: [K/V, layers, Hkv, page_size, D]
 
 
 def page(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -229,3 +229,40 @@ def test_a_turns_tier_breakdown_survives_the_session_store():
     assert SessionManager.turn_view("s", again.turns[0])["usage"]["cached_tokens_by_tier"] == by_tier
     old = TurnRecord("t0", 0, {"role": "assistant", "content": "ok"}, "stop", 10, 2, 0, 0.0)
     assert "cached_tokens_by_tier" not in SessionManager.turn_view("s", old)["usage"]
+
+
+def resident_pages(path: str) -> int:
+    """Pages of ``path`` in the OS page cache (mincore(2) over a read-only map of it)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)       # the map's address, without touching its pages
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec)
+        del view
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_dropping_the_page_cache_leaves_written_pages_on_the_device_only(tmp_path, drop):
+    """With ``drop_page_cache`` the written files are not in the page cache (a read goes to the
+    device); without it they are (what a warm read-back measures). The bytes read back are the same."""
+    tier = DiskTier(str(tmp_path / "t"), 8, SHAPE, torch.float32, drop_page_cache=drop)
+    try:
+        for h in (1, 2, 3):
+            tier.put(h, page(h))
+        settle(tier)
+        files = [os.path.join(tier.path, f"{h:016x}.kvpage") for h in (1, 2, 3)]
+        resident = [resident_pages(f) for f in files]
+        assert all(r == 0 for r in resident) if drop else all(r > 0 for r in resident), resident
+        assert all(torch.equal(tier.read(h), page(h)) for h in (1, 2, 3))
+    finally:
+        tier.close()

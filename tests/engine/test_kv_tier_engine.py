@@ -1,6 +1,6 @@
 """KV tiers in the engine, on the default model with a pool too small for two prompts: a prompt's pages
 evicted by another one come back from the host and disk tiers, and the output is exactly what
-recomputing them gives; a damaged page is recomputed; a session turn whose pin expired during a
+recomputing them gives (also with 8-bit pages); a damaged page is recomputed; a session turn whose pin expired during a
 pause resumes from the tiers; a full disk fails no request."""
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ P = 16
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def engine(tmp_path_factory, request):
     # 4 usable pages (64 tokens): one ~40-token prompt at a time. Host tier 1 page, disk tier 128.
+    # Every test runs with the activation dtype's pages and with 8-bit pages (their scales travel along).
     path = str(tmp_path_factory.mktemp("kv") / "tier")
     llm = LLMEngine(EngineConfig(kv_cache_tokens=5 * P, max_batched_tokens=32, kv_host_tokens=1 * P,
-                                 kv_disk_tokens=128 * P, kv_disk_path=path))
+                                 kv_disk_tokens=128 * P, kv_disk_path=path, kv_cache_dtype=request.param))
+    assert llm.kv.quantized == (request.param == "int8") and llm.tiers.disk.dtype == llm.kv.page_dtype
     yield llm
     llm.close()
     assert not os.path.exists(path)   # the tier's directory is gone at shutdown (it created it)

@@ -158,6 +158,25 @@ def position_logprobs(engine: LLMEngine, seq: list[int], last: int, chunk: int |
         engine.pool.free(pages)
 
 
+def agreement(reference: LLMEngine, engine: LLMEngine, prompts: list, outs: list, scored: int):
+    """``engine`` teacher-forced on the reference's greedy continuations ``outs`` of ``prompts``, in chunks
+    of MAX_QUANT_ROWS tokens (every matmul on the quantized kernels), scored over each one's last
+    ``scored`` positions: (top-1 agreements, positions, summed KL(reference || engine), largest change
+    of the reference's top-token log-prob)."""
+    agree = n = 0
+    kl = worst = 0.0
+    for prompt, out in zip(prompts, outs):
+        seq = prompt + out.token_ids[:-1]
+        ref, got = position_logprobs(reference, seq, scored), position_logprobs(engine, seq, scored, MAX_QUANT_ROWS)
+        assert torch.equal(ref.argmax(-1), torch.tensor(out.token_ids))   # the scoring path is the engine's
+        top = ref.argmax(-1, keepdim=True)
+        agree += int((got.argmax(-1) == top[:, 0]).sum())
+        n += scored
+        kl += float((ref.exp() * (ref - got)).sum())
+        worst = max(worst, float((ref.gather(-1, top) - got.gather(-1, top)).abs().max()))
+    return agree, n, kl, worst
+
+
 def test_int4_engine_stays_as_close_to_float32_as_bf16_does(default_engine):
     """The default model in 4 bits (its own Q4_1 blocks, bf16 activations, 8-bit LM head) against the
     same file dequantized in float32 (the transformers-exact path), over 240 teacher-forced positions.
@@ -173,18 +192,7 @@ def test_int4_engine_stays_as_close_to_float32_as_bf16_does(default_engine):
     assert isinstance(int4.model.lm_head, Int8Linear)
     prompts = [encode_chat(default_engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = default_engine.generate(prompts, SamplingParams(max_tokens=SCORED, temperature=0, ignore_eos=True))
-    agree = n = 0
-    kl = worst = 0.0
-    for prompt, out in zip(prompts, outs):
-        seq = prompt + out.token_ids[:-1]
-        # the int4 engine in chunks of MAX_QUANT_ROWS tokens: every matmul on the 4-bit / 8-bit kernels
-        ref, got = position_logprobs(default_engine, seq, SCORED), position_logprobs(int4, seq, SCORED, MAX_QUANT_ROWS)
-        assert torch.equal(ref.argmax(-1), torch.tensor(out.token_ids))   # the scoring path is the engine's
-        top = ref.argmax(-1, keepdim=True)
-        agree += int((got.argmax(-1) == top[:, 0]).sum())
-        n += SCORED
-        kl += float((ref.exp() * (ref - got)).sum())
-        worst = max(worst, float((ref.gather(-1, top) - got.gather(-1, top)).abs().max()))
+    agree, n, kl, worst = agreement(default_engine, int4, prompts, outs, SCORED)
     print(f"int4 vs float32: top-1 {agree}/{n}, mean KL {kl / n:.4f}, top-token change {worst:.3f}")
     assert agree >= 0.95 * n, f"top-1 agreement {agree}/{n}"
     assert kl / n <= 0.005, f"mean KL {kl / n:.4f}"

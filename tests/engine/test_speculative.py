@@ -16,7 +16,9 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
 from engine.grammar import constraint_for_request
+from engine.request import Request
 from engine.speculative import DraftLength, NgramDrafter, OutputCorpus, TenantCorpora, verify
+from engine.step_cost import MIN_ROW, STEP_COST, fit_step_cost, step_cost_for
 
 QUOTED = '''def alloc(self, n: int) -> list[int]:
     if n > len(self._free):
@@ -152,6 +154,59 @@ def test_draft_length_makes_the_most_tokens_per_step_cost():
         DraftLength(4, (0.1, 0.0))
 
 
+def test_fit_step_cost_is_the_least_squares_line_of_the_relative_costs():
+    fixed, row = 0.15, 0.1
+    exact = {0: 20.0, **{k: 20.0 * (1 + fixed + row * k) for k in range(1, 5)}}
+    assert fit_step_cost(exact) == pytest.approx((fixed, row), abs=1e-12)
+    # noise around the line: the closed form against numpy's least squares
+    noisy = {0: 10.0, 1: 12.9, 2: 13.1, 3: 15.2, 4: 15.9}
+    slope, intercept = torch.linalg.lstsq(torch.tensor([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0], [4.0, 1.0]],
+                                                       dtype=torch.float64),
+                                          torch.tensor([[0.29], [0.31], [0.52], [0.59]], dtype=torch.float64)
+                                          ).solution.flatten().tolist()
+    assert fit_step_cost(noisy) == pytest.approx((intercept, slope), abs=1e-12)
+    assert fit_step_cost({0: 10.0, 1: 12.0, 2: 11.0}) == (pytest.approx(0.3), MIN_ROW)  # a slope <= 0
+    with pytest.raises(ValueError, match="k=0"):
+        fit_step_cost({1: 12.0, 2: 13.0})
+
+
+def test_a_step_cost_file_applies_only_to_the_setup_it_was_measured_on(tmp_path):
+    setup = {"device": "cpu", "cpu_model": "Some CPU", "dtype": "bfloat16", "quantization": "int4",
+             "torch_threads": 2}
+    path = tmp_path / "step_cost.json"
+    cost, why = step_cost_for(setup, path)
+    assert cost == STEP_COST and why.startswith("unmeasured: no step_cost.json")
+    path.write_text(json.dumps({"setup": setup, "step_cost": [0.05, 0.12]}))
+    assert step_cost_for(setup, path) == ((0.05, 0.12), "measured by benchmarks/step_cost.py (step_cost.json)")
+    cost, why = step_cost_for({**setup, "torch_threads": 1}, path)
+    assert cost == STEP_COST and "torch_threads 2 there, 1 here" in why
+    path.write_text(json.dumps({"setup": setup, "step_cost": [0.05, 0.0]}))
+    with pytest.raises(ValueError, match="row > 0"):
+        step_cost_for(setup, path)
+
+
+def test_the_engine_drafts_with_its_setups_step_cost(spec_engine, tokenizer):
+    """The engine's cost is what step_cost_for gives its setup, and a request's DraftLength uses it:
+    at the prior (alpha 0.4) a cheap verification drafts at once, the constant's does not."""
+    assert spec_engine.step_cost == step_cost_for(spec_engine.step_cost_setup())[0]
+    ids = tokenizer.encode(QUOTED)
+    prompt = ids + ids[:12]  # its last tokens occurred before: the drafter has a continuation
+
+    def first_draft(cost):
+        kept, spec_engine.step_cost = spec_engine.step_cost, cost
+        try:
+            req = Request("step-cost", prompt, greedy(32), detok=None)
+            draft = spec_engine._propose(req, 8)
+            assert (req.speculative.length.fixed, req.speculative.length.row) == cost
+            return draft
+        finally:
+            spec_engine.step_cost = kept
+
+    assert first_draft(STEP_COST) == []
+    assert DraftLength(4, (0.0, 0.05)).k == 2       # 1.56 tokens for 1.1 steps: the best k at the prior
+    assert first_draft((0.0, 0.05)) == ids[12:14]
+
+
 def test_draft_length_stops_drafting_and_reprobes():
     ln = DraftLength(4)
     ln.update(1, 1)
@@ -258,8 +313,10 @@ def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
     assert spec_counts(spec_engine)[1] > before[1]
 
 
-def test_preemption_with_a_tiny_pool():
-    cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_preemption_with_a_tiny_pool(kv_cache_dtype):
+    """Rolled-back drafts and preemptions, with pages of the activation dtype and 8-bit pages."""
+    cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
     off, on = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, speculative="ngram"))
     tok = off.tokenizer
     prompts = [quote(tok, f"{i} apples, {i + 1} pears, {i + 2} plums, {i} apples, {i + 1} pears.") for i in range(6)]

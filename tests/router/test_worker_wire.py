@@ -3,6 +3,8 @@ services read, the stop string that ended a reply included (Anthropic's ``stop_s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.types import RequestOutput, TokenLogprob
@@ -17,10 +19,28 @@ def test_an_output_round_trips(stop_reason):
     assert output_from_wire(output_to_wire(out).decode(), "r") == out
 
 
-def test_a_malformed_stop_reason_is_refused():
-    line = output_to_wire(RequestOutput(request_id="r", text="", token_ids=[])).decode()
-    with pytest.raises(ValueError, match="stop_reason"):
-        output_from_wire(line.replace('"stop_reason": null', '"stop_reason": [1]'), "r")
+@pytest.mark.parametrize("field, value", [("stop_reason", [1]), ("prompt_tokens", "40"), ("finished", 1),
+                                          ("token_ids", [1.5]), ("logprobs", [[6, -0.5]]),
+                                          ("cached_tokens_by_tier", {"host": "3"})])
+def test_a_field_of_another_type_is_refused_by_name(field, value):
+    """The typed wire (msgspec): a line whose field has another type is a ValueError naming that field."""
+    good = json.loads(output_to_wire(RequestOutput(request_id="r", text="", token_ids=[])))
+    with pytest.raises(ValueError, match=rf"malformed generate line from worker: .*\$\.{field}"):
+        output_from_wire(json.dumps({**good, field: value}), "r")
+    del good["prompt_tokens"]
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        output_from_wire(json.dumps(good), "r")
+
+
+def test_sampling_fields_are_typed():
+    from agentrt.errors import APIError
+    from router.worker_api import sampling_from_wire
+
+    assert sampling_from_wire({"max_tokens": 5, "stop": ["x"]}).max_tokens == 5
+    for bad, name in (({"max_tokens": "5"}, "max_tokens"), ({"stop": "x"}, "stop"), ({"temprature": 1}, "temprature")):
+        with pytest.raises(APIError) as info:
+            sampling_from_wire(bad)
+        assert info.value.status == 400 and name in info.value.message, info.value.message
 
 
 def test_worker_names_itself_on_every_response():

@@ -152,6 +152,79 @@ INLINE void chunk_generic(const float *qf, const void *kh, const void *vh, int b
     softmax_values(s, vbuf, n, G, D, m, l, acc);
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+/* int8 -> float32 of a row of D values, and a += w * row: AVX2 (vpmovsxbd + vcvtdq2ps, 8 lanes) where the
+ * build has it and D is a multiple of 8, plain C elsewhere (GCC leaves these conversions scalar: measured
+ * 4.5x slower than the bfloat16 path before they were written out). */
+INLINE void widen_i8(const int8_t *x, float *dst, int D) {
+#if defined(__AVX2__)
+    if (D % 8 == 0) {
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + d)))));
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) dst[d] = (float)x[d];
+}
+
+INLINE void axpy_i8(float *a, float w, const int8_t *x, int D) {
+#if defined(__AVX2__)
+    if (D % 8 == 0) {
+        __m256 wv = _mm256_set1_ps(w);
+        for (int d = 0; d < D; d += 8) {
+            __m256 xv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + d))));
+            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, xv, _mm256_loadu_ps(a + d)));
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < D; d++) a[d] += w * (float)x[d];
+}
+
+/* An int8 pool's chunk (int8 K/V rows, one float32 scale per KV head and slot: ks, vs): scores are
+ * q . k * ks[slot], each key row widened once into a register-sized stack row; values are summed as
+ * (p * vs[slot]) * v straight from the pool's int8 rows (pass 3 walks the pages again): no chunk of
+ * dequantized values is ever written. The int8 rows go through widen_i8 / axpy_i8 (AVX2 or plain C). */
+INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh,
+                     const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D, float *m, float *l,
+                     float *acc) {
+    float s[MAX_G * CHUNK];
+    float row[MAX_D];
+    int64_t slot[CHUNK];
+    int n = (int)(k1 - k0);
+    int64_t ahead = -1;                            /* first slot of the page PREFETCH_PAGES pages on */
+    for (int t = 0; t < n; t++) {                  /* k0 is a multiple of P: P divides CHUNK */
+        slot[t] = (int64_t)pages[(k0 + t) / P] * P + t % P;
+        if (t % P == 0) {
+            ahead = t + PREFETCH_PAGES * P < n ? (int64_t)pages[(k0 + t) / P + PREFETCH_PAGES] * P : -1;
+            if (ahead >= 0) prefetch_row((const char *)(ksh + ahead), (const char *)(vsh + ahead), 4 * P);
+        }
+        if (ahead >= 0)
+            prefetch_row((const char *)(kh + (ahead + t % P) * D), (const char *)(vh + (ahead + t % P) * D), D);
+        widen_i8(kh + slot[t] * D, row, D);
+        float sk = ksh[slot[t]];
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+            for (int d = 0; d < D; d++) dot += qg[d] * row[d];
+            s[g * CHUNK + t] = dot * sk;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * CHUNK;
+        exponentials(sg, n, m + g, l + g);
+        float a[MAX_D];
+        for (int d = 0; d < D; d++) a[d] = 0.0f;
+        for (int t = 0; t < n; t++) {
+            axpy_i8(a, sg[t] * vsh[slot[t]], vh + slot[t] * D, D);
+        }
+        memcpy(acc + g * D, a, sizeof(float) * D);
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 /* Values of two keys interleaved (a0 b0 a1 b1 ..., within each 128-bit lane, as unpack does), the
@@ -227,18 +300,23 @@ INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, c
 #define HAVE_DPBF16 0
 #endif
 
-/* One (row, KV head, chunk) task: q rows of that KV head's G query heads, keys [k0, k1). */
-static void run_task(const void *qh, int bf16, float scale, const void *kh, const void *vh, const int32_t *pages,
-                     int P, int64_t k0, int64_t k1, int G, int D, float *vbuf, float *part) {
+/* One (row, KV head, chunk) task: q rows of that KV head's G query heads, keys [k0, k1). bf16: q (and
+ * the pool unless i8) is bfloat16; i8: the pool is int8 with scales ksh, vsh (that head's, [S]). */
+static void run_task(const void *qh, int bf16, int i8, float scale, const void *kh, const void *vh, const float *ksh,
+                     const float *vsh, const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D,
+                     float *vbuf, float *part) {
     float *m = part, *l = part + G, *acc = part + 2 * G;
 #if HAVE_DPBF16
-    if (bf16 && D == 64) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 64, vbuf, m, l, acc); return; }
-    if (bf16 && D == 128) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 128, vbuf, m, l, acc); return; }
+    if (!i8 && bf16 && D == 64) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 64, vbuf, m, l, acc); return; }
+    if (!i8 && bf16 && D == 128) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 128, vbuf, m, l, acc); return; }
 #endif
     float qf[MAX_G * MAX_D];
     for (int i = 0; i < G * D; i++) qf[i] = (bf16 ? bf16_to_f32(((const uint16_t *)qh)[i]) : ((const float *)qh)[i]) * scale;
     /* constant arguments: each call inlines into a loop nest of its own (unrolled for D 64, 128) */
-    if (bf16 && D == 64) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 64, vbuf, m, l, acc);
+    if (i8 && D == 64) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, G, 64, m, l, acc);
+    else if (i8 && D == 128) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, G, 128, m, l, acc);
+    else if (i8) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, G, D, m, l, acc);
+    else if (bf16 && D == 64) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 64, vbuf, m, l, acc);
     else if (bf16 && D == 128) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 128, vbuf, m, l, acc);
     else if (bf16) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, D, vbuf, m, l, acc);
     else if (D == 64) chunk_generic(qf, kh, vh, 0, pages, P, k0, k1, G, 64, vbuf, m, l, acc);
@@ -250,11 +328,11 @@ static void run_task(const void *qh, int bf16, float scale, const void *kh, cons
  * kv_len[b] keys per row (0 allowed: zeros out, lse -inf); out: [B, Hq, D]; lse: [B, Hq] or NULL.
  * Returns 0, -1 when G or D exceed what the kernel was built for, -2 when memory ran out (nothing
  * written either way). */
-static int decode_attention(const void *q, const void *k, const void *v, int bf16, int64_t S, const int32_t *pages,
-                            const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,
-                            float scale, void *out, float *lse) {
+static int decode_attention(const void *q, const void *k, const void *v, const float *ks, const float *vs, int bf16,
+                            int i8, int64_t S, const int32_t *pages, const int64_t *page_start, const int64_t *kv_len,
+                            int B, int Hq, int Hkv, int D, int P, float scale, void *out, float *lse) {
     int G = Hq / Hkv;
-    int64_t esize = bf16 ? 2 : 4;
+    int64_t esize = bf16 ? 2 : 4, kvsize = i8 ? 1 : esize;   /* bytes of a q element, of a pool element */
     if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));     /* first chunk of each row */
     if (!first) return -2;
@@ -281,9 +359,9 @@ static int decode_attention(const void *q, const void *k, const void *v, int bf1
         int64_t k0 = (c - first[lo]) * CHUNK;
         int64_t k1 = k0 + CHUNK < kv_len[lo] ? k0 + CHUNK : kv_len[lo];
         const char *qh = (const char *)q + ((int64_t)lo * Hq + (int64_t)h * G) * D * esize;
-        run_task(qh, bf16, scale, (const char *)k + h * S * D * esize, (const char *)v + h * S * D * esize,
-                 pages + page_start[lo], P, k0, k1, G, D, vbufs + (int64_t)omp_get_thread_num() * CHUNK * D,
-                 part + task * stride);
+        run_task(qh, bf16, i8, scale, (const char *)k + h * S * D * kvsize, (const char *)v + h * S * D * kvsize,
+                 i8 ? ks + h * S : NULL, i8 ? vs + h * S : NULL, pages + page_start[lo], P, k0, k1, G, D,
+                 vbufs + (int64_t)omp_get_thread_num() * CHUNK * D, part + task * stride);
     }
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < (int64_t)B * Hq; bh++) {
@@ -318,13 +396,20 @@ static int decode_attention(const void *q, const void *k, const void *v, int bf1
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int32_t *pages,
                           const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,
                           float scale, uint16_t *out, float *lse) {
-    return decode_attention(q, k, v, 1, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
+    return decode_attention(q, k, v, NULL, NULL, 1, 0, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
 }
 
 int decode_attention_f32(const float *q, const float *k, const float *v, int64_t S, const int32_t *pages,
                          const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv, int D, int P,
                          float scale, float *out, float *lse) {
-    return decode_attention(q, k, v, 0, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
+    return decode_attention(q, k, v, NULL, NULL, 0, 0, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
+}
+
+/* int8 pool (k, v [Hkv, S, D] int8; ks, vs [Hkv, S] float32 scales); q and out float32 or (qbf16) bfloat16. */
+int decode_attention_i8(const void *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs, int64_t S,
+                        const int32_t *pages, const int64_t *page_start, const int64_t *kv_len, int B, int Hq, int Hkv,
+                        int D, int P, float scale, int qbf16, void *out, float *lse) {
+    return decode_attention(q, k, v, ks, vs, qbf16, 1, S, pages, page_start, kv_len, B, Hq, Hkv, D, P, scale, out, lse);
 }
 
 /* RoPE on a step's fused q/k/v projection, and k, v stored into the pool: what a layer does before its
@@ -336,12 +421,12 @@ int decode_attention_f32(const float *q, const float *k, const float *v, int64_t
  * do, so the result is torch's bit for bit; float32 keeps the products apart (no fused multiply-add). */
 __attribute__((optimize("fp-contract=off")))
 static void rope_store(const void *qkv, int bf16, const void *cos, const void *ssin, const int64_t *slots,
-                       void *k, void *v, int64_t S, int64_t T, int Hq, int Hkv, int D, void *q_out) {
-    int H = Hq + 2 * Hkv, half = D / 2;
+                       void *k, void *v, int64_t S, int64_t T, int Hq, int Hkv, int D, void *q_out, int only_q) {
+    int H = Hq + 2 * Hkv, half = D / 2, heads = only_q ? Hq : H;   /* only_q: k, v are not touched */
     int64_t esize = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int64_t t = 0; t < T; t++) {
-        for (int h = 0; h < H; h++) {
+        for (int h = 0; h < heads; h++) {
             const char *x = (const char *)qkv + (t * H + h) * D * esize;
             char *dst;
             if (h < Hq) dst = (char *)q_out + (t * Hq + h) * D * esize;
@@ -376,12 +461,66 @@ static void rope_store(const void *qkv, int bf16, const void *cos, const void *s
 
 void rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *ssin, const int64_t *slots,
                      uint16_t *k, uint16_t *v, int64_t S, int64_t T, int Hq, int Hkv, int D, uint16_t *q_out) {
-    rope_store(qkv, 1, cos, ssin, slots, k, v, S, T, Hq, Hkv, D, q_out);
+    rope_store(qkv, 1, cos, ssin, slots, k, v, S, T, Hq, Hkv, D, q_out, 0);
 }
 
 void rope_store_f32(const float *qkv, const float *cos, const float *ssin, const int64_t *slots,
                     float *k, float *v, int64_t S, int64_t T, int Hq, int Hkv, int D, float *q_out) {
-    rope_store(qkv, 0, cos, ssin, slots, k, v, S, T, Hq, Hkv, D, q_out);
+    rope_store(qkv, 0, cos, ssin, slots, k, v, S, T, Hq, Hkv, D, q_out, 0);
+}
+
+/* One row of D floats -> int8 values and their scale, symmetric absmax (engine/kv_pool.py's
+ * quantize_int8, bit for bit: scale = absmax / 127, 1 for a zero row; x / scale rounded half to even). */
+INLINE void quantize_row(const float *x, int D, int8_t *dst, float *scale) {
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    float sc = amax / 127.0f;
+    sc = sc == 0.0f ? 1.0f : sc;
+    for (int d = 0; d < D; d++) {
+        float r = nearbyintf(x[d] / sc);
+        dst[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    *scale = sc;
+}
+
+/* rope_store into an int8 pool: q rotated as rope_store does (bfloat16 or float32, qbf16), k rotated in
+ * the same arithmetic (bfloat16: rounded to bfloat16 first, as torch's rotated tensor is) and v as given,
+ * each row quantized into k, v [Hkv, S, D] int8 with its scale in ks, vs [Hkv, S]. */
+__attribute__((optimize("fp-contract=off")))
+void rope_store_i8(const void *qkv, int qbf16, const void *cos, const void *ssin, const int64_t *slots, int8_t *k,
+                   int8_t *v, float *ks, float *vs, int64_t S, int64_t T, int Hq, int Hkv, int D, void *q_out) {
+    int H = Hq + 2 * Hkv, half = D / 2;
+    int64_t esize = qbf16 ? 2 : 4;
+    rope_store(qkv, qbf16, cos, ssin, slots, NULL, NULL, S, T, Hq, Hkv, D, q_out, 1);   /* q heads only */
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        for (int h = Hq; h < H; h++) {
+            const char *x = (const char *)qkv + (t * H + h) * D * esize;
+            float row[MAX_D];
+            for (int d = 0; d < D; d++) row[d] = qbf16 ? bf16_to_f32(((const uint16_t *)x)[d]) : ((const float *)x)[d];
+            int is_k = h < Hq + Hkv, kh = is_k ? h - Hq : h - Hq - Hkv;
+            int64_t at = (int64_t)kh * S + slots[t];
+            if (is_k) {
+                float rot[MAX_D];
+                const char *c = (const char *)cos + t * D * esize, *sn = (const char *)ssin + t * D * esize;
+                for (int d = 0; d < D; d++) {
+                    float cd = qbf16 ? bf16_to_f32(((const uint16_t *)c)[d]) : ((const float *)c)[d];
+                    float sd = qbf16 ? bf16_to_f32(((const uint16_t *)sn)[d]) : ((const float *)sn)[d];
+                    float a = row[d] * cd, b = row[d < half ? d + half : d - half] * sd;
+                    if (qbf16) {
+                        a = bf16_to_f32(f32_to_bf16(a));
+                        b = bf16_to_f32(f32_to_bf16(b));
+                        rot[d] = bf16_to_f32(f32_to_bf16(a + b));
+                    } else {
+                        rot[d] = a + b;
+                    }
+                }
+                quantize_row(rot, D, k + at * D, ks + at);
+            } else {
+                quantize_row(row, D, v + at * D, vs + at);
+            }
+        }
+    }
 }
 
 /* Whether the bfloat16 scores run on vdpbf16ps (built for a CPU with AVX512-BF16). */

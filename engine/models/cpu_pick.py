@@ -1,0 +1,124 @@
+"""``quantization="auto"`` with ``dtype="auto"`` on the CPU: the fastest path for this machine, by measurement.
+
+The candidates for a GGUF file whose layer weights are Q4_0 / Q4_1, in the dtype already resolved
+(bfloat16 where the CPU has native bf16 dot products, float32 elsewhere): ``off`` (dense matmuls in that
+dtype), ``int4`` (torch's packed kernel; bfloat16 only, where torch has it) and ``gguf`` (the file's
+blocks with 8-bit activations, engine/models/qlinear.py; where its C kernel builds). Each is timed on the
+weight matmuls of a batch-1 decode step at this model's shapes (read from the file's header: the fused
+q/k/v, o, gate/up and down projections of ``LAYERS`` layers with weights of their own, so they stream
+from memory as a step's do, and the LM head), rounds alternating between candidates, the best round of
+each kept; the fastest wins. The times are cached as JSON in the kernel cache
+(engine/cpu_build.cache_dir), keyed by the CPU's flags, torch's version, the shapes, the dtype and the
+kernel's source, so a machine measures once; the pick and the times are logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_build import cache_dir
+from engine.cpu_info import flags_line
+
+log = logging.getLogger("engine")
+
+LAYERS = 8    # layers of weights timed per round: more than a CPU's last-level cache in float32
+ROUNDS = 5
+
+
+def model_shapes(path: str | None) -> dict[str, tuple[int, int]]:
+    """(out, in) of one layer's fused projections and of the LM head, from a GGUF file's header."""
+    from engine.loader import resolve_model
+    from engine.loader.gguf_file import GGUFFile
+
+    shape = {t.name: tuple(reversed(t.shape)) for t in GGUFFile(resolve_model(path)[0]).tensors}
+    q, k, v = (shape[f"blk.0.attn_{x}.weight"] for x in "qkv")
+    gate, up = shape["blk.0.ffn_gate.weight"], shape["blk.0.ffn_up.weight"]
+    return {"qkv": (q[0] + k[0] + v[0], q[1]), "o": shape["blk.0.attn_output.weight"],
+            "gate_up": (gate[0] + up[0], gate[1]), "down": shape["blk.0.ffn_down.weight"],
+            "head": shape.get("output.weight", shape["token_embd.weight"])}
+
+
+def _layers(mode: str, shapes: dict, dtype: torch.dtype):
+    """Callables x -> y for LAYERS layers' projections and the head, as ``mode`` would run them."""
+    from engine.models.qlinear import BlockLinear, Q4Blocks, Q8Blocks, load
+    from engine.models.quant import Int4Groups, Int4Linear, Int8Linear
+
+    def weights(n, k):
+        return torch.randn(n, k).to(dtype) * 0.02
+
+    def q4(n, k):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        return Int4Groups(q, torch.full((n, k // 32), 0.01), torch.full((n, k // 32), -0.08))
+
+    fns = []
+    names = ["qkv", "o", "gate_up", "down"] * LAYERS + ["head"]
+    for name, (n, k) in [(s, shapes[s]) for s in names]:
+        if mode == "off":
+            w = weights(n, k)
+            fns.append((k, functools.partial(F.linear, weight=w)))
+        elif mode == "int4":
+            fns.append((k, Int8Linear(weights(n, k)) if name == "head" else Int4Linear(q4(n, k))))
+        else:
+            blocks = (Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.full((n, k // 32), 0.01))
+                      if name == "head" else Q4Blocks.from_groups(q4(n, k)))
+            dense = torch.zeros(()).expand(n, k)                  # never read: one row runs on the blocks
+            fns.append((k, BlockLinear(load(), blocks, dense)))
+    return fns
+
+
+def measure(candidates: list[str], shapes: dict, dtype: torch.dtype) -> dict[str, float]:
+    """Best-of-ROUNDS milliseconds of each candidate's batch-1 step matmuls (rounds alternate)."""
+    paths = {c: _layers(c, shapes, dtype) for c in candidates}
+    xs = {k: torch.randn(1, k).to(dtype) for _, (_, k) in shapes.items()}
+    best = {c: float("inf") for c in candidates}
+    with torch.inference_mode():
+        for r in range(ROUNDS + 1):
+            for c in candidates if r % 2 else reversed(candidates):
+                t0 = time.perf_counter()
+                for k, fn in paths[c]:
+                    fn(xs[k])
+                if r:                                                      # round 0 warms up
+                    best[c] = min(best[c], (time.perf_counter() - t0) * 1000)
+    return best
+
+
+def _key(candidates: list[str], shapes: dict, dtype: torch.dtype) -> str:
+    from engine.models.qmatmul import SOURCE
+
+    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS])
+    return hashlib.sha256(text.encode() + SOURCE.read_bytes()).hexdigest()[:16]
+
+
+@functools.cache
+def pick_quantization(path: str | None, dtype_name: str) -> str:
+    """The fastest of the candidates for the model at ``path`` (None: the default) in ``dtype_name``."""
+    from engine.models.qmatmul import load
+    from engine.models.quant import kernels_available
+
+    dtype = getattr(torch, dtype_name)
+    candidates = ["off"] + (["int4"] if dtype == torch.bfloat16 and kernels_available() else [])
+    candidates += ["gguf"] if load() is not None else []
+    if len(candidates) == 1:
+        return "off"
+    shapes = model_shapes(path)
+    file = cache_dir() / f"pick-{_key(candidates, shapes, dtype)}.json"
+    try:
+        times, how = json.loads(file.read_text()), f"cached in {file}"
+    except (OSError, ValueError):
+        times, how = measure(candidates, shapes, dtype), "measured now"
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(times))
+        os.replace(tmp, file)
+    choice = min(times, key=times.get)
+    log.info("quantization auto picked %s in %s: batch-1 step matmuls of %d layers + the LM head %s (%s)",
+             choice, dtype_name, LAYERS, ", ".join(f"{c} {t:.1f} ms" for c, t in times.items()), how)
+    return choice

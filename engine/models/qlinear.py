@@ -1,0 +1,78 @@
+"""``quantization="gguf"``: a model's dense projections multiply decode steps on the GGUF file's own blocks.
+
+Every decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` and the LM head become
+a ``BlockLinear``: steps of at most ``max_rows`` rows (decode, small batches, short verifications) run
+through engine/models/csrc/qmatmul.c (activations quantized to 8 bits per block of 32, integer dot
+products against the 4-bit / 8-bit weight blocks, float32 out); longer steps (prefill chunks) multiply the
+model's dense weights as before. The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0
+``token_embd`` for a tied head); a weight the file holds in another form is quantized here (4-bit as
+Q4_1, round to nearest; the LM head to Q8_0), as is every weight of a Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.qmatmul import Q4Blocks, Q8Blocks, QMatmulLib, load
+from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantize_int4, stored_parts
+
+
+class BlockLinear(nn.Module):
+    """``y = x @ w.T + b`` on weight blocks for steps of at most ``max_rows`` rows, on ``dense`` above."""
+
+    def __init__(self, lib: QMatmulLib, blocks: Q4Blocks | Q8Blocks, dense: torch.Tensor,
+                 bias: torch.Tensor | None = None, max_rows: int = MAX_QUANT_ROWS) -> None:
+        super().__init__()
+        self.lib, self.blocks, self.max_rows = lib, blocks, max_rows
+        self.out_features, self.in_features = blocks.shape
+        if tuple(dense.shape) != blocks.shape:
+            raise ValueError(f"dense weight shape {tuple(dense.shape)} != blocks' {blocks.shape}")
+        self.register_buffer("dense", dense.detach(), persistent=False)    # the model's own weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])               # (T, K)
+        if x2.shape[0] > self.max_rows:
+            return F.linear(x, self.dense, self.bias)
+        xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+        y = self.lib.matmul(xf, self.blocks)                                   # (T, N) float32
+        if self.bias is not None:
+            y = y + self.bias
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "4-bit" if isinstance(self.blocks, Q4Blocks) else "8-bit"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {kind} blocks, "
+                f"max_rows={self.max_rows}, kernel={self.lib.variant}")
+
+
+def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks:
+    """A (fused) layer's 4-bit blocks: the file's where every part has them, else Q4_1 from its weight."""
+    if parts and all(isinstance(p, Int4Groups) and p.group_size == 32 for p in parts):
+        return Q4Blocks.from_groups(Int4Groups.cat(parts))
+    return Q4Blocks.from_groups(quantize_int4(weight))
+
+
+def quantize_model_blocks(model: nn.Module, blocks: dict | None = None, lib: QMatmulLib | None = None) -> None:
+    """Swap a loaded ``LlamaModel``'s dense projections (dense MLPs; MoE experts stay as they are) and
+    its LM head for ``BlockLinear`` layers, in place. ``blocks``: a GGUF file's blocks by HF name
+    (``engine.loader.ModelFiles.int4_groups``: ``Int4Groups`` of Q4_0 / Q4_1 weights, ``Q8Blocks`` of Q8_0
+    ones). Raises ``RuntimeError`` when the kernel cannot be built."""
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("quantization='gguf' needs the C kernel engine/models/csrc/qmatmul.c, which could "
+                           "not be built (see the log; a C compiler is needed)")
+    blocks = blocks or {}
+    for parent, attr, sources in projections(model):
+        linear = getattr(parent, attr)
+        parts = stored_parts(blocks, sources)
+        setattr(parent, attr, BlockLinear(lib, _layer_blocks(parts, linear.weight), linear.weight, linear.bias))
+    tied = model.lm_head is None
+    head = model.embed_tokens.weight if tied else model.lm_head.weight
+    stored = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    q8 = stored if isinstance(stored, Q8Blocks) else Q8Blocks.quantize(head)
+    model.lm_head = BlockLinear(lib, q8, head)

@@ -1,0 +1,33 @@
+"""The one reason the C kernel tests may skip: no C compiler on PATH (``engine.cpu_build.no_compiler_reason``,
+which checks ``shutil.which``). With a compiler, a source that fails to build fails every test of the
+file with the compiler's message; the product's ``load()`` would quietly fall back to torch instead."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from engine.cpu_build import no_compiler_reason
+
+
+class KernelBuild:
+    """``make()``'s library (built now), or why there is none: ``skip_reason`` (no compiler) or
+    ``error`` (the build failed)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.value = self.error = None
+        self.skip_reason = no_compiler_reason()
+        if self.skip_reason is None:
+            try:
+                self.value = make()
+            except (RuntimeError, OSError) as exc:
+                self.error = exc
+
+    def skip_mark(self) -> pytest.MarkDecorator:
+        return pytest.mark.skipif(self.skip_reason is not None, reason=self.skip_reason or "")
+
+    def require(self) -> None:
+        """Fail the calling test when a compiler was there but the build failed."""
+        if self.error is not None:
+            pytest.fail(f"the C kernel did not build although a compiler is on PATH: {self.error}", pytrace=False)

@@ -1,0 +1,161 @@
+"""The GGUF-block matmul kernel (engine/models/csrc/qmatmul.c) against its plain references.
+
+* Exactness: the kernel computes, per block, ``d * xd * sum(q * xq) (+ m * xs)`` on the activations
+  ``quantize_activations`` gives; ``reference_matmul`` computes the same in float64. Tolerance: 1e-5 of
+  ``|x| @ |W|.T`` (float32 accumulation of the blocks in another order) plus 1e-6.
+* Against the plain float matmul on the dequantized weights: the error of rounding each activation to
+  8 bits is at most half a step, so ``|y - x @ W.T| <= sum_b (xd_b / 2) * sum_j |w_bj|`` (plus the
+  float32 tolerance above); the test asserts that bound.
+* Random blocks (odd N, K a multiple of 32, M = 1..8 and 11 past one pass), the default model's real
+  layers (Q4_1 layers, the Q8_0 token_embd LM head), and the portable build against the AVX2 one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
+from engine.loader.gguf_loader import default_model_path
+from engine.models.qlinear import BlockLinear
+from engine.cpu_build import build
+from engine.models.qmatmul import SOURCE, Q4Blocks, Q8Blocks, QMatmulLib, quantize_activations, reference_matmul
+from engine.models.quant import Int4Groups, quantize_int4
+from kernel_build import KernelBuild
+
+BUILD = KernelBuild(lambda: QMatmulLib(build(SOURCE)))   # skipped only without a compiler on PATH
+lib = BUILD.value
+pytestmark = BUILD.skip_mark()
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    BUILD.require()   # a compile error fails every test here
+
+
+def random_q4(n: int, k: int, gen: torch.Generator, q4_0: bool = False) -> Q4Blocks:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    m = -8 * d if q4_0 else (torch.rand(n, k // 32, generator=gen) - 0.5) * 0.2
+    return Q4Blocks.from_groups(Int4Groups(q, d, m))
+
+
+def random_q8(n: int, k: int, gen: torch.Generator) -> Q8Blocks:
+    return Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+                    torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4)
+
+
+def activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen)
+    x[:, 5] *= 40                  # an outlier channel, as real residual streams have
+    x[0, 32:64] = 0                # an all-zero block: scale 0
+    return x
+
+
+def assert_exact(y: torch.Tensor, x: torch.Tensor, w) -> None:
+    scale = x.abs().double() @ w.dequantize().abs().double().t()             # (M, N)
+    err = (y.double() - reference_matmul(x, w)).abs()
+    bound = 1e-5 * scale + 1e-6
+    assert bool((err <= bound).all()), f"max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w) -> None:
+    M, K = x.shape
+    wd = w.dequantize().double()
+    _, xd, _ = quantize_activations(x)
+    per_block = wd.abs().view(wd.shape[0], K // 32, 32).sum(-1)             # (N, K/32)
+    bound = (xd.double() / 2) @ per_block.t() + 1e-5 * (x.abs().double() @ wd.abs().t()) + 1e-6
+    err = (y.double() - x.double() @ wd.t()).abs()
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max():.3g}"
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
+@pytest.mark.parametrize("n,k", [(37, 96), (101, 576), (5, 32)])
+def test_kernel_matches_its_reference_on_random_blocks(kind, n, k):
+    gen = torch.Generator().manual_seed(n * k + len(kind))
+    w = random_q8(n, k, gen) if kind == "q8_0" else random_q4(n, k, gen, q4_0=kind == "q4_0")
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11):
+        x = activations(m, k, gen)
+        y = lib.matmul(x, w)
+        assert y.shape == (m, n)
+        assert_exact(y, x, w)
+        assert_within_rounding(y, x, w)
+
+
+def test_activation_quantization_is_the_kernels():
+    """quantize_activations (the reference's) rounds as the C code does, element for element."""
+    gen = torch.Generator().manual_seed(1)
+    x = activations(3, 128, gen)
+    xq, xd, xs = (torch.empty(3, 128, dtype=torch.int8), torch.empty(3, 4), torch.empty(3, 4))
+    fn = lib.lib.qmm_quantize_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    fn(x.data_ptr(), 3, 128, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+    rq, rd, rs = quantize_activations(x)
+    assert torch.equal(xq, rq.view(3, 128)) and torch.equal(xd, rd) and torch.equal(xs, rs)
+    assert xq.abs().max() == 127 and torch.all(xq[0, 32:64] == 0) and xd[0, 1] == 0
+
+
+def test_default_models_layers():
+    """Layer 0's Q4_1 projections and the Q8_0 token_embd (the tied LM head) as stored in the file:
+    the repacked blocks dequantize bit for bit as the reader does, and the kernel matches its reference."""
+    reader = GGUFFile(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    gen = torch.Generator().manual_seed(2)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight",
+                 "token_embd.weight"):
+        t = tensors[name]
+        want = dequantize(t)                                                   # (N, K) float32
+        if t.type_name == "Q8_0":
+            w = Q8Blocks.from_blocks(*q8_blocks(t), want.shape[0])
+        else:
+            assert t.type_name == "Q4_1"
+            w = Q4Blocks.from_groups(Int4Groups.from_blocks(*q4_blocks(t), want.shape[0]))
+        assert torch.equal(w.dequantize(), want), name
+        for m in (1, 5):
+            x = activations(m, want.shape[1], gen)
+            y = lib.matmul(x, w)
+            assert_exact(y, x, w)
+            assert_within_rounding(y, x, w)
+
+
+@pytest.mark.skipif(lib is None or lib.variant != "avx2", reason="the native build is not the AVX2 path")
+def test_portable_build_agrees_with_avx2():
+    portable = QMatmulLib(build(SOURCE, ("-mno-avx2",)))
+    assert portable is not None and portable.variant == "portable"
+    gen = torch.Generator().manual_seed(3)
+    for w in (random_q4(67, 192, gen), random_q8(67, 192, gen)):
+        for m in (1, 4, 8):
+            x = activations(m, 192, gen)
+            a, b = lib.matmul(x, w), portable.matmul(x, w)
+            assert_exact(b, x, w)
+            scale = x.abs() @ w.dequantize().abs().t()
+            assert bool(((a - b).abs() <= 2e-5 * scale + 1e-6).all())
+
+
+def test_block_linear_runs_few_rows_on_blocks_and_many_on_the_dense_weight():
+    gen = torch.Generator().manual_seed(4)
+    dense = torch.randn(48, 128, generator=gen) * 0.1
+    blocks = Q4Blocks.from_groups(quantize_int4(dense))
+    layer = BlockLinear(lib, blocks, dense, bias=torch.randn(48, generator=gen), max_rows=4)
+    few, many = torch.randn(4, 128, generator=gen), torch.randn(5, 128, generator=gen)
+    assert torch.equal(layer(few), lib.matmul(few, blocks) + layer.bias)
+    assert torch.equal(layer(many), F.linear(many, dense, layer.bias))
+    y = layer(few.bfloat16().view(2, 2, 128))                                  # dtype and leading shape kept
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 2, 48)
+
+
+def test_bad_shapes_are_refused():
+    gen = torch.Generator().manual_seed(5)
+    w = random_q4(8, 64, gen)
+    with pytest.raises(ValueError, match=r"contiguous float32 \(M, 64\)"):
+        lib.matmul(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match=r"contiguous float32"):
+        lib.matmul(torch.randn(1, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q8Blocks.quantize(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="dense weight shape"):
+        BlockLinear(lib, w, torch.randn(8, 32))
