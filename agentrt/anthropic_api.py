@@ -23,8 +23,12 @@ server's ``pin_ttl_s`` for ``{"type": "ephemeral"}`` (or ``ttl: "5m"``), an hour
 ``max_pin_ttl_s`` for ``ttl: "1h"``. Nothing unpins it early; it expires, or the engine drops it
 under memory pressure.
 
+A model with a reasoning parser (engine/parsers) answers with a ``thinking`` block first (streamed as
+``thinking_delta`` events; its ``signature`` is empty: nothing here signs reasoning); ``thinking``
+blocks sent back in assistant messages are that message's reasoning, which the template keeps or drops.
+
 What the server cannot do is refused with a 400 naming the field: content blocks other than text,
-``tool_use`` and ``tool_result`` (images, documents, thinking...), server tools, a last message from
+``thinking``, ``tool_use`` and ``tool_result`` (images, documents...), server tools, a last message from
 the assistant (prefill), and every top-level field the models below do not declare (extended
 ``thinking``, ``mcp_servers``, ``container``, ``output_config``, ``speed``...), except ``thinking:
 {"type": "disabled"}``.
@@ -84,7 +88,15 @@ class ToolResultBlock(_Part):
     cache_control: CacheControl | None = None
 
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result")
+class ThinkingBlock(_Part):
+    """An earlier reply's reasoning, sent back: the assistant message's ``reasoning_content``."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
 
 
 class UnsupportedBlock(BaseModel):
@@ -100,7 +112,8 @@ def _block_tag(value: Any) -> str:
 
 
 Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
-                        Annotated[ToolResultBlock, Tag("tool_result")], Annotated[UnsupportedBlock, Tag("other")]],
+                        Annotated[ToolResultBlock, Tag("tool_result")], Annotated[ThinkingBlock, Tag("thinking")],
+                        Annotated[UnsupportedBlock, Tag("other")]],
                   Discriminator(_block_tag)]
 
 
@@ -305,19 +318,23 @@ class _Converter:
                           f"(supported: {allowed})", param=_param(where + ".type"))
 
     def _assistant(self, blocks: list[Any], where: str) -> dict[str, Any]:
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for k, block in enumerate(blocks):
             self.mark(block)
             if isinstance(block, TextBlock):
                 text.append(block.text)
+            elif isinstance(block, ThinkingBlock):
+                thinking.append(block.thinking)
             elif isinstance(block, ToolUseBlock):
                 self.tool_use_ids.add(block.id)
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name,
                                            "arguments": json.dumps(block.input, ensure_ascii=False)}})
             else:
-                self._refuse(block, f"{where}[{k}]", "text and tool_use in assistant messages")
+                self._refuse(block, f"{where}[{k}]", "text, thinking and tool_use in assistant messages")
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+        if thinking:
+            message["reasoning_content"] = "".join(thinking)
         if calls:
             message["tool_calls"] = calls
         return message
@@ -414,6 +431,11 @@ def tool_use_block(call: ToolCall) -> dict[str, Any] | None:
             "input": arguments}
 
 
+def thinking_block(reasoning: str) -> dict[str, Any]:
+    """The reply's reasoning as a ``thinking`` block (no signature: nothing here signs reasoning)."""
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
+
+
 def stop_reason(result: Result, tool_use: bool) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finished generation."""
     if result.finish_reason == "length":
@@ -465,7 +487,8 @@ class AnthropicService:
                 text += ("\n" if text else "") + format_tool_call(call.name, call.arguments)
             else:
                 tool_uses.append(block)
-        content = ([{"type": "text", "text": text}] if text else []) + tool_uses
+        thinking = [thinking_block(result.reasoning)] if result.reasoning else []
+        content = thinking + ([{"type": "text", "text": text}] if text else []) + tool_uses
         reason, sequence = stop_reason(result, bool(tool_uses))
         return {"id": self._message_id(generation), "type": "message", "role": "assistant",
                 "model": self.gen.model_name, "content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -481,7 +504,7 @@ class AnthropicService:
                 started = True
                 yield self._message_start(generation)
                 yield {"type": "ping"}
-            for event in stream.text(delta.content):
+            for event in stream.thinking(delta.reasoning) + stream.text(delta.content):
                 yield event
             for call in delta.tool_calls:
                 for event in stream.tool_call(call):
@@ -490,7 +513,7 @@ class AnthropicService:
         if not started:
             yield self._message_start(generation)
             yield {"type": "ping"}
-        for event in stream.close_text():
+        for event in stream.close_thinking() + stream.close_text():
             yield event
         reason, sequence = stop_reason(result, stream.tool_uses > 0)
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -505,27 +528,50 @@ class AnthropicService:
 
 
 class _BlockStream:
-    """Content blocks as stream events: text opens a text block (whitespace alone waits, so that the
-    newline between parallel tool calls makes no block), a tool call closes it and is a block of its own."""
+    """Content blocks as stream events: reasoning is a thinking block, text opens a text block
+    (whitespace alone waits, so that the newline between parallel tool calls makes no block), a tool
+    call closes it and is a block of its own."""
 
     def __init__(self) -> None:
         self.index = -1
+        self.thinking_open = False
         self.text_open = False
         self.pending = ""
         self.tool_uses = 0
+
+    def thinking(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = self.close_text()
+        if not self.thinking_open:
+            self.index += 1
+            self.thinking_open = True
+            events.append({"type": "content_block_start", "index": self.index,
+                           "content_block": thinking_block("")})
+        return events + [{"type": "content_block_delta", "index": self.index,
+                          "delta": {"type": "thinking_delta", "thinking": text}}]
+
+    def close_thinking(self) -> list[dict[str, Any]]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        return [{"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta",
+                                                                            "signature": ""}},
+                {"type": "content_block_stop", "index": self.index}]
 
     def text(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
         if not self.text_open:
+            events = self.close_thinking()
             self.pending += text
             if not self.pending.strip():
-                return []
+                return events
             text, self.pending = self.pending, ""
             self.index += 1
             self.text_open = True
-            return [{"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}},
-                    self._text_delta(text)]
+            return events + [{"type": "content_block_start", "index": self.index,
+                              "content_block": {"type": "text", "text": ""}}, self._text_delta(text)]
         return [self._text_delta(text)]
 
     def _text_delta(self, text: str) -> dict[str, Any]:
@@ -542,7 +588,7 @@ class _BlockStream:
         block = tool_use_block(call)
         if block is None:  # as in a whole message: the call's text
             return self.text(("\n" if self.text_open else "") + format_tool_call(call.name, call.arguments))
-        events = self.close_text()
+        events = self.close_thinking() + self.close_text()
         self.index += 1
         self.tool_uses += 1
         events += [{"type": "content_block_start", "index": self.index, "content_block": {**block, "input": {}}},

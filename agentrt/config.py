@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from engine.config import EngineConfig
+from engine.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 from agentrt import tracing
 
@@ -267,6 +268,12 @@ class ServingSettings(Settings):
     retry_after_s: int = Field(1, ge=1, description="the Retry-After seconds sent with 429 and 503 answers")
     default_max_tokens: int = Field(1024, ge=1, description="reply token limit when a request gives none "
                                     "(capped by what is left of the context window)")
+    tool_call_parser: Literal[TOOL_PARSERS] | None = Field(None, description="how tool calls are read from "
+                                                           "replies, by vLLM's name (default: chosen from the chat "
+                                                           "template, logged at start)")
+    reasoning_parser: Literal[REASONING_PARSERS] | None = Field(None, description="how reasoning is split from "
+                                                                "replies, by vLLM's name (default: chosen from the "
+                                                                "chat template)")
     max_sessions: int = Field(10_000, ge=1, description="most sessions held at once")
     session_idle_ttl_s: float = Field(3600.0, gt=0, description="delete a session nobody used for this many seconds")
     pin_ttl_s: float = Field(30.0, gt=0, description="seconds a session's cached prefix stays pinned after a turn")

@@ -13,13 +13,16 @@ records TTFT and TPOT, and releases its admission slot exactly once, however it 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine.chat import StreamingToolCallParser, ToolCall, encode_chat
+from engine.chat import ToolCall, render_chat_prompt
 from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
+from engine.parsers import OutputParser, detect, needs_special_tokens
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams,
                           TokenLogprob)
 
@@ -30,11 +33,14 @@ from agentrt.errors import APIError, bad_request, draining, from_exception, not_
 from agentrt.metrics import Metrics
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
+log = logging.getLogger(__name__)
+
 @dataclass
 class Delta:
-    """New output of one step: content text, finished tool calls, logprobs of new tokens."""
+    """New output of one step: content text, reasoning text, finished tool calls, logprobs of new tokens."""
 
     content: str = ""
+    reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
 
@@ -56,6 +62,7 @@ class Result:
     logprobs: list[TokenLogprob] | None
     stop_sequence: str | None = None
     closed_by_budget: bool = False
+    reasoning: str | None = None  # split off by the reasoning parser (None: none)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # {"device", "host", "disk"}
 
 
@@ -64,8 +71,8 @@ class Generation:
     :meth:`outputs` (the engine's outputs as they are) once, or call :meth:`collect`. ``prompt_tokens``
     and ``cached_tokens`` are the engine's counts as of its latest output (0 before the first)."""
 
-    def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *, parse_tools: bool,
-                 parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
+    def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *,
+                 parser: OutputParser | None, parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
                  tenant: Tenant | None = None, reservation: Any = None, affinity_turn: bool = False) -> None:
         self.gen = generator
         self.affinity_turn = affinity_turn  # pinned as its conversation's latest turn (Generator.start)
@@ -73,13 +80,14 @@ class Generation:
         self._reservation = reservation
         self.request_id = request_id
         self._stream = stream
-        self._parser = StreamingToolCallParser() if parse_tools else None
+        self._parser = parser
         self._parallel = parallel_tool_calls
         self._want_logprobs = want_logprobs
         self._started_at = started_at
         self._first_token_at: float | None = None
         self._text: list[str] = []
         self._content: list[str] = []
+        self._reasoning: list[str] = []
         self._calls: list[ToolCall] = []
         self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
@@ -111,11 +119,11 @@ class Generation:
         """Deltas until the request finishes; raises :class:`APIError` if the engine failed it."""
         async for out in self.outputs():
             delta = self._parse(out)
-            if delta.content or delta.tool_calls or delta.logprobs:
+            if delta.content or delta.reasoning or delta.tool_calls or delta.logprobs:
                 yield delta
             if out.finished:
                 tail = self._finish(out)
-                if tail.content or tail.tool_calls:
+                if tail.content or tail.reasoning or tail.tool_calls:
                     yield tail
 
     async def collect(self) -> Result:
@@ -162,9 +170,18 @@ class Generation:
         if self._parser is None:
             self._content.append(out.text)
             return Delta(content=out.text, logprobs=logprobs)
-        content, calls = self._parser.push(out.text)
-        self._content.append(content)
-        return Delta(content=content, tool_calls=self._take(calls), logprobs=logprobs)
+        delta = self._delta(self._parser.push(out.text))
+        delta.logprobs = logprobs
+        return delta
+
+    def _delta(self, events: list) -> Delta:
+        """The parser's events as one delta (content, reasoning, calls), kept for the result."""
+        delta = Delta(content="".join(v for k, v in events if k == "content"),
+                      reasoning="".join(v for k, v in events if k == "reasoning"),
+                      tool_calls=self._take([v for k, v in events if k == "call"]))
+        self._content.append(delta.content)
+        self._reasoning.append(delta.reasoning)
+        return delta
 
     def _take(self, calls: list[ToolCall]) -> list[ToolCall]:
         if not self._parallel:
@@ -176,10 +193,8 @@ class Generation:
         """The parser's tail; raises for a failed request. :meth:`outputs` recorded the result with the
         raw text; its content, tool calls and finish reason are settled here."""
         tail = Delta()
-        if self._parser is not None:
-            content, calls = self._parser.finish()
-            tail = Delta(content=content, tool_calls=self._take(calls))
-            self._content.append(content)
+        if self._parser is not None:  # a reply cut by max_tokens: a call it cut is no call
+            tail = self._delta(self._parser.finish(truncated=out.finish_reason == "length"))
         if out.finish_reason in ("error", "abort"):
             raise APIError(500 if out.finish_reason == "error" else 503,
                            f"generation {out.finish_reason}ed: {out.error or 'the engine ended the request'}",
@@ -189,6 +204,7 @@ class Generation:
             content = content.strip() or None  # OpenAI: content is null next to tool calls
         reason = "tool_calls" if (self._calls and out.finish_reason == "stop") else out.finish_reason
         self.result.content, self.result.tool_calls = content, list(self._calls)
+        self.result.reasoning = "".join(self._reasoning) or None
         self.result.finish_reason = reason or "stop"
         if self.affinity_turn and reason == "tool_calls":  # the agent comes back after running the tool
             self.gen.engine.extend_pin(self.request_id, self.gen.config.pin_ttl_tool_s)
@@ -228,6 +244,11 @@ class Generator:
         self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
         self.tenant_limits = tenant_limits if tenant_limits is not None else TenantLimits()
         self.affinity_pins = AffinityPins(config.max_sessions)
+        detected = detect(self.tokenizer.chat_template)
+        self.tool_parser = config.tool_call_parser or detected[0]
+        self.reasoning_parser = config.reasoning_parser or (None if config.tool_call_parser else detected[1])
+        log.info("tool-call parser %s, reasoning parser %s (%s)", self.tool_parser, self.reasoning_parser,
+                 "set" if config.tool_call_parser or config.reasoning_parser else "chosen from the chat template")
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
@@ -272,27 +293,57 @@ class Generator:
 
     async def start_chat(self, messages: list[dict[str, Any]], fields: dict[str, Any], options: StructuredOutput, *,
                          logprobs: int | None = None, pin_ttl_s: float | None = None, started_at: float | None = None,
-                         session: SessionHint | None = None, tenant: Tenant | None = None) -> Generation:
+                         session: SessionHint | None = None, tenant: Tenant | None = None,
+                         template_kwargs: dict[str, Any] | None = None) -> Generation:
         """A chat request (a chat completion or a session turn): the messages rendered with
-        ``options.tools``, sampled by the OpenAI-named ``fields``, constrained by ``options``; its
-        tool calls are parsed unless ``tool_choice`` is "none"."""
-        prompt = self.chat_prompt(messages, options.tools)
+        ``options.tools`` (and the template's switches, ``template_kwargs``), sampled by the OpenAI-named
+        ``fields``, constrained by ``options``; its tool calls are parsed unless ``tool_choice`` is
+        "none", and its reasoning split off when the model has a reasoning parser."""
+        text = self.chat_text(messages, options.tools, template_kwargs)
+        prompt = self.tokenizer.encode(text)
         params = self.sampling_params(fields, len(prompt), logprobs=logprobs)
+        options, tool_parser = self._tool_format(options)
+        parser = None
+        if tool_parser is not None or self.reasoning_parser is not None:
+            parser = OutputParser(tool_parser, self.reasoning_parser, prompt_text=text, tools=options.tools)
+            params.skip_special_tokens = not needs_special_tokens(tool_parser, self.reasoning_parser)
         constraint = self.constraint(options)
-        return await self.start(prompt, params, constraint=constraint,
-                                parse_tools=bool(options.tools) and options.tool_choice != "none",
+        return await self.start(prompt, params, constraint=constraint, parser=parser,
                                 parallel_tool_calls=options.parallel_tool_calls is not False, pin_ttl_s=pin_ttl_s,
                                 started_at=started_at, session=session, tenant=tenant)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """The token ids :meth:`start_chat` submits for these messages and tools; 400 if they cannot be rendered."""
+    def _tool_format(self, options: StructuredOutput) -> tuple[StructuredOutput, str | None]:
+        """(the constraint's options, the tool-call parser) for a request. Constrained calls are written
+        in Hermes syntax (engine/grammar): a forced call (``tool_choice`` required or named) is parsed as
+        Hermes whatever the family; with ``auto`` a model of another family writes its own format,
+        unconstrained, and a strict schema, which only the Hermes grammar enforces, is refused."""
+        if not options.tools or options.tool_choice == "none":
+            return options, None
+        if self.tool_parser == "hermes" or options.tool_choice not in (None, "auto"):
+            return options, "hermes"
+        strict = [t for t in options.tools if (t.get("function") or {}).get("strict")]
+        if strict:
+            raise bad_request(f"strict tool schemas are enforced in Hermes syntax only, and this model calls tools "
+                              f"in the {self.tool_parser!r} format: set tool_choice to 'required' or a function",
+                              param="tools")
+        return dataclasses.replace(options, tool_choice="none"), self.tool_parser
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text :meth:`start_chat` submits for these messages and tools; 400 if they cannot be rendered."""
         try:
-            return encode_chat(self.tokenizer, messages, tools)
+            return render_chat_prompt(self.tokenizer, messages, tools, add_generation_prompt, template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
 
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The token ids :meth:`start_chat` submits for these messages and tools; 400 if they cannot be rendered."""
+        return self.tokenizer.encode(self.chat_text(messages, tools, template_kwargs))
+
     async def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
-                    parse_tools: bool = False, parallel_tool_calls: bool = True, pin_ttl_s: float | None = None,
+                    parser: OutputParser | None = None, parallel_tool_calls: bool = True,
+                    pin_ttl_s: float | None = None,
                     request_id: str | None = None, started_at: float | None = None,
                     session: SessionHint | None = None, tenant: Tenant | None = None,
                     cache_salt: str | None = None) -> Generation:
@@ -341,7 +392,7 @@ class Generator:
             previous = self.affinity_pins.replace(session.session_id, request_id)
             if previous is not None:
                 self.engine.unpin(previous)
-        return Generation(self, stream, request_id, parse_tools=parse_tools,
+        return Generation(self, stream, request_id, parser=parser,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic(),
                           tenant=tenant, reservation=reservation, affinity_turn=affinity_turn)

@@ -47,6 +47,8 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallOut] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning (vLLM's name; templates that keep it)
+    reasoning: str | None = None          # the same, as newer vLLM names it
 
 
 class StreamOptions(_Request):
@@ -83,6 +85,26 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None  # the conversation, for routing (agentrt/affinity.py)
+    # vLLM's extension: the chat template's own switches (enable_thinking, reasoning_effort, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` (+ ``tools``) through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 class CompletionRequest(SamplingFields):
@@ -192,6 +214,7 @@ class TurnUsage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 

@@ -26,22 +26,20 @@ Nothing here knows about HTTP: routes in ``server.py`` call :class:`ResponsesSer
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.chat import ToolCall
 from engine.client import SessionHint, StructuredOutput
 
 from agentrt.affinity import affinity_hint
 from agentrt.errors import APIError, bad_request, from_exception, not_found
 from agentrt.generation import Delta, Generation, Result
 from agentrt.protocol import ForkRequest, FunctionDef, SessionCreateRequest
+from agentrt.responses_output import OutputBuilder, content_part, hex_id, replay_events
 from agentrt.sessions import SessionManager, TurnPlan, TurnRun
 from agentrt.store import SessionRecord, TurnRecord
 from agentrt.tenants import Tenant
@@ -113,9 +111,9 @@ class ResponseDeleted(BaseModel):
 def _refuse_unsupported(req: ResponseCreateRequest) -> None:
     """400 naming the first field set to something this server cannot do."""
     reasoning = req.reasoning or {}
-    if reasoning.get("effort") not in (None, "none") or any(
-            reasoning.get(k) is not None for k in ("summary", "generate_summary")):
-        raise bad_request("reasoning is not supported by this model (only effort 'none')", param="reasoning")
+    if any(reasoning.get(k) is not None for k in ("summary", "generate_summary")):
+        raise bad_request("reasoning summaries are not supported (the reasoning itself comes as a reasoning item)",
+                          param="reasoning")
     if req.background:
         raise bad_request("background responses are not supported; send background: false", param="background")
     for i, value in enumerate(req.include or []):
@@ -146,15 +144,11 @@ def _refuse_unsupported(req: ResponseCreateRequest) -> None:
 # ------------------------------------------------------------ conversions
 
 
-def _hex() -> str:
-    return uuid.uuid4().hex
-
-
 def _text_parts(content: Any, allowed: tuple[str, ...], where: str) -> tuple[str, list[dict[str, Any]]]:
     """A message's content (a string or a list of text parts) as one string and as stored parts."""
     part_type = allowed[0]
     if isinstance(content, str):
-        return content, [_part(part_type, content)]
+        return content, [content_part(part_type, content)]
     if not isinstance(content, list):
         raise bad_request(f"{where}: content must be a string or a list of content parts", param=where)
     texts, parts = [], []
@@ -168,16 +162,8 @@ def _text_parts(content: Any, allowed: tuple[str, ...], where: str) -> tuple[str
             raise bad_request(f"{where}.{j}: a {kind} part needs a string "
                               f"{'refusal' if kind == 'refusal' else 'text'}", param=f"{where}.{j}")
         texts.append(text)
-        parts.append(_part(kind, text))
+        parts.append(content_part(kind, text))
     return "".join(texts), parts
-
-
-def _part(kind: str, text: str) -> dict[str, Any]:
-    if kind == "refusal":
-        return {"type": "refusal", "refusal": text}
-    if kind == "output_text":
-        return {"type": "output_text", "text": text, "annotations": []}
-    return {"type": kind, "text": text}
 
 
 def _string_field(item: dict[str, Any], name: str, where: str) -> str:
@@ -189,16 +175,18 @@ def _string_field(item: dict[str, Any], name: str, where: str) -> str:
 
 def convert_input(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The request's ``input`` as chat messages (what the template renders) and as stored input items
-    (each with an id). Messages (text content), ``function_call`` and ``function_call_output`` items
-    are taken; anything else is a 400 naming the item."""
+    (each with an id). Messages (text content), ``function_call``, ``function_call_output`` and
+    ``reasoning`` items are taken (a reasoning item is the next assistant message's
+    ``reasoning_content``); anything else is a 400 naming the item."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], [
-            {"id": "msg_" + _hex(), "type": "message", "role": "user", "status": "completed",
-             "content": [_part("input_text", value)]}]
+            {"id": "msg_" + hex_id(), "type": "message", "role": "user", "status": "completed",
+             "content": [content_part("input_text", value)]}]
     if not value:
         raise bad_request("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
+    reasoning: str | None = None  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(value):
         where = f"input.{i}"
         if item.get("id") is not None and not isinstance(item["id"], str):
@@ -212,7 +200,9 @@ def convert_input(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
             allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
             text, parts = _text_parts(item.get("content"), allowed, f"{where}.content")
             messages.append({"role": "system" if role == "developer" else role, "content": text})
-            stored = {"id": item.get("id") or "msg_" + _hex(), "type": "message", "role": role,
+            if role == "assistant" and reasoning is not None:
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
+            stored = {"id": item.get("id") or "msg_" + hex_id(), "type": "message", "role": role,
                       "status": "completed", "content": parts}
         elif kind == "function_call":
             call_id, name = _string_field(item, "call_id", where), _string_field(item, "name", where)
@@ -225,7 +215,9 @@ def convert_input(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
                 last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text, then its calls
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            stored = {"id": item.get("id") or "fc_" + _hex(), "type": "function_call", "call_id": call_id,
+            if reasoning is not None:
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
+            stored = {"id": item.get("id") or "fc_" + hex_id(), "type": "function_call", "call_id": call_id,
                       "name": name, "arguments": arguments, "status": "completed"}
         elif kind == "function_call_output":
             call_id = _string_field(item, "call_id", where)
@@ -235,10 +227,17 @@ def convert_input(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
             else:
                 text, _ = _text_parts(output, ("input_text",), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
-            stored = {"id": item.get("id") or "fco_" + _hex(), "type": "function_call_output", "call_id": call_id,
+            stored = {"id": item.get("id") or "fco_" + hex_id(), "type": "function_call_output", "call_id": call_id,
                       "output": output, "status": "completed"}
-        elif kind == "reasoning":
-            raise bad_request(f"{where}: reasoning items are not supported by this model", param=f"{where}.type")
+        elif kind == "reasoning":  # an earlier turn's reasoning: the next assistant message carries it
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or any(not isinstance(p, dict) or p.get("type") != "reasoning_text"
+                                                  or not isinstance(p.get("text"), str) for p in parts):
+                raise bad_request(f"{where}: a reasoning item's content must be reasoning_text parts",
+                                  param=f"{where}.content")
+            reasoning = "".join(p["text"] for p in parts)
+            stored = {"id": item.get("id") or "rs_" + hex_id(), "type": "reasoning", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": reasoning}]}
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported (messages, function_call "
                               "and function_call_output are)", param=f"{where}.type")
@@ -337,120 +336,6 @@ def _continuation_key(req: ResponseCreateRequest) -> str:
 
 
 # ------------------------------------------------------------ output items and their events
-
-
-class OutputBuilder:
-    """Builds a response's output items from generation deltas, and the stream events that announce
-    them. Text becomes message items (text between tool calls: one item each; whitespace-only text
-    next to a tool call makes none), tool calls ``function_call`` items. Events are queued and
-    taken with :meth:`take`; they lack ``sequence_number``, which the stream adds."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self._queue: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the message item text goes into
-        self._pending = ""  # whitespace not yet in an item
-        self.finished = False
-
-    def take(self) -> list[dict[str, Any]]:
-        events, self._queue = self._queue, []
-        return events
-
-    def feed(self, delta: Delta) -> None:
-        if delta.content:
-            self._text(delta.content)
-        for call in delta.tool_calls:
-            self._close_message("completed")
-            self._pending = ""
-            self._call(call)
-
-    def finish(self, status: str) -> list[dict[str, Any]]:
-        """Close the output (``status``: completed or incomplete); returns the items. Idempotent."""
-        if not self.finished:
-            self.finished = True
-            if not self.items:  # every response says something, if only an empty text
-                self._open_message(self._pending)
-                self._pending = ""
-            self._close_message(status)
-        return copy.deepcopy(self.items)
-
-    def _text(self, text: str) -> None:
-        if self._open is None:
-            text, self._pending = self._pending + text, ""
-            if not text.strip():
-                self._pending = text
-                return
-            self._open_message(text)
-        else:
-            self._add_text(text)
-
-    def _open_message(self, text: str) -> None:
-        item = {"id": "msg_" + _hex(), "type": "message", "role": "assistant", "status": "in_progress",
-                "content": []}
-        self.items.append(item)
-        self._open = item
-        index = len(self.items) - 1
-        self._queue.append({"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(item)})
-        part = _part("output_text", "")
-        item["content"].append(part)
-        self._queue.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
-                            "content_index": 0, "part": copy.deepcopy(part)})
-        if text:
-            self._add_text(text)
-
-    def _add_text(self, text: str) -> None:
-        item = self._open
-        item["content"][0]["text"] += text
-        self._queue.append({"type": "response.output_text.delta", "item_id": item["id"],
-                            "output_index": len(self.items) - 1, "content_index": 0, "delta": text, "logprobs": []})
-
-    def _close_message(self, status: str) -> None:
-        item, self._open = self._open, None
-        if item is None:
-            return
-        item["status"] = status
-        self._queue.extend(message_done_events(item, len(self.items) - 1))
-
-    def _call(self, call: ToolCall) -> None:
-        item = {"id": "fc_" + _hex(), "type": "function_call", "status": "completed", "call_id": call.id,
-                "name": call.name, "arguments": call.arguments}
-        self.items.append(item)
-        self._queue.extend(function_call_events(item, len(self.items) - 1))
-
-
-def message_done_events(item: dict[str, Any], index: int) -> list[dict[str, Any]]:
-    part = item["content"][0]
-    base = {"item_id": item["id"], "output_index": index, "content_index": 0}
-    return [{"type": "response.output_text.done", **base, "text": part["text"], "logprobs": []},
-            {"type": "response.content_part.done", **base, "part": copy.deepcopy(part)},
-            {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
-
-
-def function_call_events(item: dict[str, Any], index: int) -> list[dict[str, Any]]:
-    """A finished function call, announced: added (no arguments yet), its arguments, done."""
-    base = {"item_id": item["id"], "output_index": index}
-    return [{"type": "response.output_item.added", "output_index": index,
-             "item": {**item, "arguments": "", "status": "in_progress"}},
-            {"type": "response.function_call_arguments.delta", **base, "delta": item["arguments"]},
-            {"type": "response.function_call_arguments.done", **base, "arguments": item["arguments"]},
-            {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
-
-
-def replay_events(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The item events of a recorded response, as its stream sent them (each text in one delta)."""
-    events: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        if item["type"] == "function_call":
-            events.extend(function_call_events(item, index))
-            continue
-        part = item["content"][0]
-        base = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        events += [{"type": "response.output_item.added", "output_index": index,
-                    "item": {**item, "status": "in_progress", "content": []}},
-                   {"type": "response.content_part.added", **base, "part": {**part, "text": ""}},
-                   {"type": "response.output_text.delta", **base, "delta": part["text"], "logprobs": []},
-                   *message_done_events(item, index)]
-    return events
 
 
 # ------------------------------------------------------------ one response
@@ -579,6 +464,7 @@ class ResponsesService:
         header), which routes an unstored call with no ``previous_response_id`` as one conversation."""
         _refuse_unsupported(req)
         model = self.gen.check_model(req.model)
+        template_kwargs = self._effort(req.reasoning)
         new_messages, input_items = convert_input(req.input)
         tools = convert_tools(req.tools)
         options = StructuredOutput(convert_text_format(req.text), tools, convert_tool_choice(req.tool_choice, tools),
@@ -599,29 +485,30 @@ class ResponsesService:
         def plan_for(run: ResponseRun) -> Callable[[SessionRecord], TurnPlan]:
             def plan(record: SessionRecord) -> TurnPlan:
                 return TurnPlan(new_messages, system + self.sessions.history(record) + new_messages, fields,
-                                options, run.describe)
+                                options, run.describe, template_kwargs)
             return plan
 
         if not store:  # run once, record nothing
-            run = new_run(response_id("sess_" + _hex(), _hex()))
+            run = new_run(response_id("sess_" + hex_id(), hex_id()))
             # a stateless call (the client resends the history) routes by its affinity key, if it has one
             messages, hint = system + new_messages, affinity_hint(tenant, affinity)
             if parent is not None:
                 record, turn = parent
                 messages = system + self.sessions.history(record, upto=turn) + new_messages
                 hint = SessionHint(record.id, record.last_worker)
-            run.generation = await self.gen.start_chat(messages, fields, options, session=hint, tenant=tenant)
+            run.generation = await self.gen.start_chat(messages, fields, options, session=hint, tenant=tenant,
+                                                       template_kwargs=template_kwargs)
             return run
 
         if parent is None:
             record = await self.sessions.create(SessionCreateRequest(model=model), tenant)
-            return await self._in_new_session(new_run(response_id(record.id, _hex())), record, plan_for)
+            return await self._in_new_session(new_run(response_id(record.id, hex_id())), record, plan_for)
 
         record, turn = parent
         key = _continuation_key(req)
         done = record.find_turn(response_id(record.id, key))
         if done is not None and done.response is None:  # that response was deleted: this request is a new one
-            key, done = _hex(), None
+            key, done = hex_id(), None
         if done is not None or record.last_turn.turn_id == turn.turn_id:
             run = new_run(response_id(record.id, key))
             started = await self.sessions.begin_turn(record, tenant, run.base["id"], plan_for(run),
@@ -631,6 +518,20 @@ class ResponsesService:
         # Another response continues this one already, or is running after it: a branch of its own.
         fork = await self.sessions.fork(record.id, ForkRequest(), tenant, at_turn=turn.turn_id)
         return await self._in_new_session(new_run(response_id(fork.id, key)), fork, plan_for)
+
+    def _effort(self, reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``reasoning.effort`` as the chat template's ``reasoning_effort`` (gpt-oss's switch); 400 for a
+        model whose template has no such switch (only 'none' then)."""
+        effort = (reasoning or {}).get("effort")
+        if effort in (None, "none"):
+            return None
+        if "reasoning_effort" not in (self.gen.tokenizer.chat_template or ""):
+            raise bad_request(f"reasoning.effort {effort!r}: this model's chat template has no reasoning effort "
+                              "(only 'none')", param="reasoning.effort")
+        if effort not in ("minimal", "low", "medium", "high"):
+            raise bad_request(f"reasoning.effort must be minimal, low, medium or high, got {effort!r}",
+                              param="reasoning.effort")
+        return {"reasoning_effort": effort}
 
     async def _in_new_session(self, run: ResponseRun, record: SessionRecord,
                               plan_for: Callable[[ResponseRun], Callable[[SessionRecord], TurnPlan]]) -> ResponseRun:

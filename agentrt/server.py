@@ -46,7 +46,8 @@ from agentrt.debug import install_task_dump
 from agentrt.errors import APIError, from_exception, install_handlers
 from agentrt.generation import Generation, Generator
 from agentrt.metrics import CONTENT_TYPE, Metrics
-from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ForkRequest, ModelList,
+from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, ForkRequest,
+                              ModelList, TokenizeRequest,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
                               TurnResponse)
 from agentrt.responses_api import ResponseCreateRequest, ResponseDeleted, ResponsesService
@@ -264,6 +265,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     return await _json_reply(request, response, generation, svc.chat(body, generation), generation.close)
 
 
+@api.post("/tokenize", dependencies=[Depends(_auth)])
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """vLLM's ``/tokenize``: token ids of a prompt, or of messages through the chat template."""
+    return request.app.state.openai.tokenize(body)
+
+
+@api.post("/detokenize", dependencies=[Depends(_auth)])
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    return request.app.state.openai.detokenize(body)
+
+
 @api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response,
                       tenant: Tenant = Depends(_auth)) -> Any:
@@ -328,7 +340,8 @@ async def fork_session(session_id: str, request: Request, body: ForkRequest | No
 @api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
 async def session_turn(session_id: str, body: TurnRequest, request: Request, response: Response,
                        tenant: Tenant = Depends(_auth)) -> Any:
-    """Append messages and generate the reply. Streaming sends ``turn.delta`` events, then ``turn.completed``."""
+    """Append messages and generate the reply. Streaming sends ``turn.delta`` events (``turn.reasoning_delta``
+    for reasoning, ``turn.tool_call`` for calls), then ``turn.completed``."""
     sessions: SessionManager = request.app.state.sessions
     started = await sessions.start_turn(session_id, body, tenant)
     if not isinstance(started, TurnRun):  # a retried turn id: the recorded reply, nothing appended
@@ -349,6 +362,8 @@ async def session_turn(session_id: str, body: TurnRequest, request: Request, res
 async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
     index = 0
     async for d in run.deltas():
+        if d.reasoning:
+            yield {"type": "turn.reasoning_delta", "reasoning": d.reasoning}
         if d.content:
             yield {"type": "turn.delta", "content": d.content}
         for call in d.tool_calls:

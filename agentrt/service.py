@@ -20,7 +20,8 @@ from engine.types import CLOSED_BY_BUDGET
 from agentrt.affinity import affinity_hint
 from agentrt.errors import bad_request
 from agentrt.generation import Generation, Generator, Result
-from agentrt.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from agentrt.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              TokenizeRequest)
 from agentrt.tenants import Tenant
 
 
@@ -40,6 +41,18 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d.setdefault("content", None)
         out.append(d)
     return out
+
+
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+    """A request's ``chat_template_kwargs``: 400 for names the server itself passes to the template."""
+    clash = sorted(set(kwargs or {}) & set(_TEMPLATE_VARIABLES))
+    if clash:
+        raise bad_request(f"{param} may not set {', '.join(clash)} (the server passes them to the chat template)",
+                          param=param)
+    return kwargs or None
 
 
 def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -86,11 +99,13 @@ class OpenAIService:
         return await self.gen.start_chat(messages, req.model_dump(), options,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                          started_at=started, session=affinity_hint(tenant, affinity),
-                                         tenant=tenant)
+                                         tenant=tenant, template_kwargs=template_kwargs(req.chat_template_kwargs))
 
     async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
         result = await generation.collect()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
+        if result.reasoning is not None:
+            message["reasoning_content"] = result.reasoning
         if result.tool_calls:
             message["tool_calls"] = tool_call_dicts(result.tool_calls)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": result.finish_reason,
@@ -116,6 +131,8 @@ class OpenAIService:
         n_calls = 0
         async for d in generation.deltas():
             logprobs = {"content": self._chat_logprobs(d.logprobs)} if d.logprobs else None
+            if d.reasoning:
+                yield chunk({"reasoning_content": d.reasoning})
             if d.content or logprobs:
                 yield chunk({"content": d.content}, logprobs=logprobs)
             for call in d.tool_calls:
@@ -142,6 +159,34 @@ class OpenAIService:
 
     def _token_text(self, token_id: int) -> str:
         return self.gen.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ tokenize (vLLM's extension)
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """The token ids of a prompt, or of messages rendered as a chat request renders them."""
+        self.gen.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give either prompt or messages", param="prompt")
+        tok = self.gen.tokenizer
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = self.gen.chat_text(message_dicts(req.messages), tools, template_kwargs(req.chat_template_kwargs),
+                                      add_generation_prompt=req.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.gen.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.gen.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.gen.tokenizer.vocab_size]
+        if bad:
+            raise bad_request(f"tokens {bad[:5]} are outside the vocabulary (0..{self.gen.tokenizer.vocab_size - 1})",
+                              param="tokens")
+        return {"prompt": self.gen.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     # ------------------------------------------------------------ completions
 

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from engine.chat import template_handles_tools
 from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServingSettings
@@ -91,13 +92,15 @@ class TurnPlan:
     """What one turn sends and records: ``messages``, the whole prompt (system, history, then
     ``new_messages``, which are appended to the history with the reply); the OpenAI-named sampling
     ``fields``; the structured-output ``options`` (their tools are rendered into the prompt); and
-    ``describe``, which makes the turn record's ``response`` from the finished generation (None: none)."""
+    ``describe``, which makes the turn record's ``response`` from the finished generation (None: none);
+    ``template_kwargs``: the chat template's switches (``reasoning_effort``...)."""
 
     new_messages: list[dict[str, Any]]
     messages: list[dict[str, Any]]
     fields: dict[str, Any]
     options: StructuredOutput
     describe: Callable[[Result], dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 class SessionManager:
@@ -296,14 +299,17 @@ class SessionManager:
         pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
         generation = await self.gen.start_chat(plan.messages, plan.fields, plan.options, pin_ttl_s=pin_ttl,
                                                started_at=started, session=SessionHint(record.id, record.last_worker),
-                                               tenant=tenant)
+                                               tenant=tenant, template_kwargs=plan.template_kwargs)
         return TurnRun(self, record, turn_id, plan, generation, lock, pin_ttl, tenant)
 
-    @staticmethod
-    def history(record: SessionRecord, upto: TurnRecord | None = None) -> list[dict[str, Any]]:
-        """The prompt's messages so far: system, history (replies as the model wrote them, for exact cache
-        reuse); ``upto``: only up to the end of that turn."""
+    def history(self, record: SessionRecord, upto: TurnRecord | None = None) -> list[dict[str, Any]]:
+        """The prompt's messages so far: system, history; ``upto``: only up to the end of that turn. With
+        a template that knows nothing of tools, replies are as the model wrote them (for exact cache
+        reuse); a template that renders tools gets them as messages (content, calls, reasoning), the
+        form it was written for (gpt-oss's refuses its own markers in content)."""
         history = list(record.messages) if upto is None else record.messages[:upto.index + 1]
+        if template_handles_tools(self.gen.tokenizer.chat_template):
+            return ([{"role": "system", "content": record.system}] if record.system is not None else []) + history
         for t in record.turns:
             if t.raw_text is not None and 0 <= t.index < len(history):
                 history[t.index] = {"role": "assistant", "content": t.raw_text}
@@ -320,6 +326,8 @@ class SessionManager:
             self.gen.engine.extend_pin(run.generation.request_id, pin_ttl)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
+        if result.reasoning is not None:
+            message["reasoning_content"] = result.reasoning
         if result.tool_calls:
             message["tool_calls"] = tool_call_dicts(result.tool_calls)
         turn = TurnRecord(turn_id=run.turn_id, index=len(run.record.messages) + len(run.new_messages),

@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+sys.path.insert(0, str(REPO))
+
+from agentrt.bench.llamacpp_sdist import LLAMA_CPP_PYTHON_VERSION, llama_cpp_source  # noqa: E402
+
 BUILD_ROOT = REPO / "out" / "llamacpp"
 CMAKE_FLAGS = [
     "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
@@ -53,15 +56,9 @@ def build_llama_server(root: Path = BUILD_ROOT, jobs: int = 2) -> Path:
     started = time.perf_counter()
     with lock, open(log_path, "ab") as log:
         try:
-            sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-            if not sdist.exists():
+            if not (root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz").exists():
                 print(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist) ...", flush=True)
-                _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(root)], log)
-            src = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-            if not (src / "CMakeLists.txt").exists():
-                with tarfile.open(sdist) as tar:
-                    tar.extractall(root, filter="data")
+            src = llama_cpp_source(root, log)
             print(f"building llama-server with -j{jobs} (log: {log_path}) ...", flush=True)
             _run_logged(["cmake", "-S", str(src), "-B", str(root / "build"), *CMAKE_FLAGS], log)
             _run_logged(["cmake", "--build", str(root / "build"), "--target", "llama-server", f"-j{jobs}"], log)

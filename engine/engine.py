@@ -213,8 +213,8 @@ class LLMEngine:
             check_closing(constraint, params.max_tokens, self.max_model_len - len(prompt))
         self._admit(len(prompt))
         rid = request_id or uuid.uuid4().hex
-        req = Request(rid, prompt, params, IncrementalDetokenizer(self.tokenizer), constraint,
-                      cache_salt, pin_ttl_s, trace=trace)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        req = Request(rid, prompt, params, detok, constraint, cache_salt, pin_ttl_s, trace=trace)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None

@@ -8,6 +8,7 @@ transformers renders it (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``).
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,6 +46,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter: plain ``json.dumps`` (jinja's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 @dataclass
 class Tokenizer:
     """Encode/decode plus the model's chat template and its special token ids."""
@@ -59,7 +70,8 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(self.chat_template) if self.chat_template else None
 
     @property
@@ -83,13 +95,17 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **extra: Any) -> str:
-        """The prompt text for ``messages`` (each ``{"role", "content", ...}``)."""
+        """The prompt text for ``messages`` (each ``{"role", "content", ...}``); ``extra``: more template
+        variables (``tools``, ``enable_thinking``...), as transformers' ``apply_chat_template`` passes them."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos, **extra)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos, eos_token=eos, **extra)
+        except jinja2.TemplateError as exc:  # raise_exception() in the template, or a field it needs
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
 
 
 class IncrementalDetokenizer:

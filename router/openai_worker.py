@@ -171,6 +171,8 @@ def completion_body(model: str, prompt: list[int], params: SamplingParams, cache
         body["stop_token_ids"] = list(params.stop_token_ids)
     if params.ignore_eos:
         body["ignore_eos"] = True
+    if not params.skip_special_tokens:
+        body["skip_special_tokens"] = False
     if cache_salt:
         body["cache_salt"] = cache_salt
     return body

@@ -338,7 +338,8 @@ def test_concurrent_continuations_of_one_response_both_run(client, http):
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools.1.type"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # SmolLM2's template has no effort switch
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"include": ["file_search_call.results"]}, "include.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
@@ -346,7 +347,8 @@ def test_concurrent_continuations_of_one_response_both_run(client, http):
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_file",
                                                                                "file_id": "f"}]}]},
      "input.1.content.0.type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}]},
+     "input.0.content"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
@@ -427,6 +429,39 @@ def test_input_conversion():
     with pytest.raises(APIError) as exc:
         convert_input([{"role": "user", "content": "ok"}, {"type": "function_call", "call_id": "c", "name": "f"}])
     assert exc.value.status == 400 and exc.value.param == "input.1.arguments"
+
+
+def test_reasoning_items_in_and_out():
+    messages, items = convert_input([
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert messages[1] == {"role": "assistant", "content": None, "reasoning_content": "look", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert items[1] == {"id": "rs_1", "type": "reasoning", "summary": [],
+                        "content": [{"type": "reasoning_text", "text": "look"}]}
+
+    out = OutputBuilder()
+    for delta in (Delta(reasoning="Let me "), Delta(reasoning="think."), Delta(content="\n"),
+                  Delta(tool_calls=[ToolCall("call_1", "f", "{}")]), Delta(content="Done.")):
+        out.feed(delta)
+    items = out.finish("completed")
+    assert [i["type"] for i in items] == ["reasoning", "function_call", "message"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    events = out.take()
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Let me think."
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert [d["text"] for d in done] == ["Let me think."]
+    replayed = replay_events(items)
+    assert [e["type"] for e in replayed if e["type"].startswith("response.reasoning")] == \
+        ["response.reasoning_text.delta", "response.reasoning_text.done"]
+    for event in replayed + events:
+        EVENT.validate_python({**event, "sequence_number": 0})
+    cut = OutputBuilder()  # cut by max_tokens inside the reasoning: the item is incomplete, no message
+    cut.feed(Delta(reasoning="hmm"))
+    assert [(i["type"], i["status"]) for i in cut.finish("incomplete")] == [("reasoning", "incomplete")]
 
 
 def test_response_ids_name_their_session():

@@ -6,18 +6,18 @@ import json
 
 import pytest
 
-from engine.chat import StreamingToolCallParser, format_tool_call, parse_tool_calls
+from engine.chat import format_tool_call, parse_tool_calls
+from engine.parsers import OutputParser
 
 CALL = format_tool_call("get_weather", {"city": "Oslo"})
 
 
 def _stream(text: str, step: int = 3) -> tuple[str, list]:
-    parser, content, calls = StreamingToolCallParser(), [], []
+    parser, events = OutputParser("hermes", None), []
     for i in range(0, len(text), step):
-        c, k = parser.push(text[i:i + step])
-        content.append(c), calls.extend(k)
-    c, k = parser.finish()
-    return "".join(content) + c, calls + k
+        events += parser.push(text[i:i + step])
+    events += parser.finish()
+    return "".join(v for k, v in events if k == "content"), [v for k, v in events if k == "call"]
 
 
 @pytest.mark.parametrize("tail", ['<tool_call>\n{"name": "final_answer", "arguments": ',
@@ -26,9 +26,8 @@ def test_a_partial_call_at_the_end_is_dropped(tail):
     for step in (1, 3, 100):
         content, calls = _stream("Let me answer. " + tail, step)
         assert (content, calls) == ("Let me answer. ", [])
-    # the whole-text parser holds nothing back: only a started block is a partial call there
-    expected = "Let me answer. " if "<tool_call>" in tail else "Let me answer. " + tail
-    assert parse_tool_calls("Let me answer. " + tail) == (expected, [])
+    # the whole-text parser is the streaming one fed everything at once: the same result
+    assert parse_tool_calls("Let me answer. " + tail) == ("Let me answer. ", [])
 
 
 def test_an_unclosed_but_complete_call_is_a_call_and_text_stays_text():
