@@ -88,7 +88,8 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is not None
-    assert engine.active_kernels == {"decode_attention": True, "layer_ops": True}   # logged, in /metrics
+    # logged, in /metrics; the weights are not gguf blocks here (quantization auto in explicit bfloat16)
+    assert engine.active_kernels == {"decode_attention": True, "layer_ops": True, "qmatmul": False}
     prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     agree = n = 0
@@ -114,5 +115,5 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
 def test_float32_engines_do_not_count_the_bf16_layer_ops_as_active():
     """The layer ops run on bfloat16 steps only: a float32 engine reports them off (decode attention on)."""
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_tokens=1024))
-    assert engine.active_kernels == {"decode_attention": True, "layer_ops": False}
+    assert engine.active_kernels == {"decode_attention": True, "layer_ops": False, "qmatmul": False}
     assert engine.stats().cpu_kernels == engine.active_kernels

@@ -136,12 +136,16 @@ def test_int8_attention_is_within_tolerance_of_float32():
 def test_rope_store_writes_the_bytes_of_the_torch_path(dtype, T):
     """The C RoPE + int8 store against RopeTable.apply and KVCache.write on an int8 pool: the same q, and
     the same int8 values and scales in the pool, bit for bit."""
+    from types import SimpleNamespace
+
     from engine.models.llama import RotaryEmbedding
 
     torch.manual_seed(T)
     Hq, Hkv, D, P, num_pages = 9, 3, 64, 16, 32
     qkv = (torch.randn(T, Hq + 2 * Hkv, D) * 3).to(dtype)
-    table = RotaryEmbedding(D, 8192, 10000.0).table(torch.randint(0, 8000, (T,)), dtype)
+    plain = SimpleNamespace(head_dim=D, max_position_embeddings=8192, rope_theta=10000.0, rope_scaling={},
+                            partial_rotary_factor=1.0)   # what RotaryEmbedding reads of a ModelConfig
+    table = RotaryEmbedding(plain).table(torch.randint(0, 8000, (T,)), dtype)
     slots = torch.randperm(num_pages * P)[:T]
     ref = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD", kv_dtype=torch.int8)
     kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD", kv_dtype=torch.int8)

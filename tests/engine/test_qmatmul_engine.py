@@ -32,6 +32,7 @@ def test_gguf_engine_agrees_with_float32(default_engine):
     assert isinstance(layer.self_attn.qkv_proj, BlockLinear) and isinstance(layer.mlp.down_proj.blocks, Q4Blocks)
     assert isinstance(head, BlockLinear) and isinstance(head.blocks, Q8Blocks)      # the file's Q8_0 token_embd
     assert torch.equal(head.blocks.dequantize(), eng.model.embed_tokens.weight)
+    assert eng.active_kernels["qmatmul"] and eng.stats().cpu_kernels["qmatmul"]   # logged, in /metrics
     prompts = [encode_chat(default_engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     outs = default_engine.generate(prompts, SamplingParams(max_tokens=SCORED, temperature=0, ignore_eos=True))
     agree, n, kl, worst = agreement(default_engine, eng, prompts, outs, SCORED)
