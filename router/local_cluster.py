@@ -24,11 +24,14 @@ class LocalCluster:
         self.args = args
         self.procs = Procs(prefix="agentrt-up-", echo=True)
 
-    def _common(self) -> list[str]:
+    def _common(self, engine: bool) -> list[str]:
+        """The flags given to ``agentrt up`` that a child takes: every child the model, log level and
+        tracing; workers (``engine``) the engine's settings too, which the router does not offer."""
         a, out = self.args, []
-        for flag, value in (("--model", a.model), ("--kv-cache-tokens", a.kv_cache_tokens),
-                            ("--device", a.device), ("--dtype", a.dtype), ("--log-level", a.log_level),
-                            ("--otlp-endpoint", a.otlp_endpoint)):
+        flags = [("--model", a.model), ("--log-level", a.log_level), ("--otlp-endpoint", a.otlp_endpoint)]
+        if engine:
+            flags += [("--kv-cache-tokens", a.kv_cache_tokens), ("--device", a.device), ("--dtype", a.dtype)]
+        for flag, value in flags:
             if value is not None:
                 out += [flag, str(value)]
         return out
@@ -40,11 +43,11 @@ class LocalCluster:
             redis_url = self.procs.redis().url
         urls = {"redis": redis_url}
         workers = [self.procs.agentrt(f"worker-{i}", "worker", "--redis", redis_url, "--worker-id", f"worker-{i}",
-                                      *self._common(), host=a.host) for i in range(a.workers)]
+                                      *self._common(engine=True), host=a.host) for i in range(a.workers)]
         for worker in workers:
             urls[worker.name] = worker.wait_ready().url
         policy = ["--policy", a.policy] if a.policy is not None else []
-        router = self.procs.agentrt("router", "router", "--redis", redis_url, *policy, *self._common(),
+        router = self.procs.agentrt("router", "router", "--redis", redis_url, *policy, *self._common(engine=False),
                                     host=a.host, port=a.port)
         urls["router"] = router.wait_ready().url
         return urls

@@ -31,9 +31,10 @@ class Deployment:
         self._policy: str | None = None
         self._generation = 0
 
-    def _common(self) -> list[str]:
+    def _common(self, engine: bool = True) -> list[str]:
+        """Flags for every child; ``engine``: a worker's, with the engine settings the router does not offer."""
         out = ["--log-level", "warning", "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "5"]
-        if self.kv_cache_tokens is not None:
+        if engine and self.kv_cache_tokens is not None:
             out += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
         if self.model is not None:
             out += ["--model", self.model]
@@ -67,7 +68,7 @@ class Deployment:
 
     def _start_router(self, policy: str) -> None:
         router = self.procs.agentrt(f"router-{policy}-g{self._generation}", "router", "--redis", self.redis_url,
-                                    "--policy", policy, *self._common())
+                                    "--policy", policy, *self._common(engine=False))
         router.wait_ready()
         self._wait_workers(router)
         self._router, self.router_url, self._policy = router, router.url, policy
