@@ -297,6 +297,7 @@ def test_compose_and_kubernetes_run_the_same_flags_and_env():
 
 class _StubTokenizer:
     vocab_size = 49152
+    chat_template = None   # no template: the default parsers (Hermes, no reasoning)
 
 
 class _StubEngine:
