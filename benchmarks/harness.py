@@ -13,7 +13,9 @@ The header (``SCHEMA``; docs/benchmarking.md lists it) records what a reader nee
 figure: the commit and whether the tree was dirty (with the hash of ``git diff HEAD``), the machine
 (engine/cpu_info.py), torch's version and threads, the OpenMP variables, which C kernels loaded, the
 engine's dtype / quantization / speculation, every server started with its non-default flags, the
-order sides ran in and how many repeats.
+order sides ran in and how many repeats, and the host's load average when the run started and ended
+(``loadavg``: a run on a host busy with other work says so; not in ``HEADER_KEYS``, which older
+results lack).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SCHEMA = "agentrt-bench/1"
 ORDERS = ("alternate", "fixed")
 HEADER_KEYS = ("schema", "script", "argv", "commit", "dirty", "diff_sha256", "machine", "torch", "env", "kernels",
                "engine", "servers", "order", "repeats", "started_at", "finished_at")
+HEADER_ADDED = ("loadavg",)   # keys added since the first results (a header has them after HEADER_KEYS)
 
 
 def _positive(text: str) -> int:
@@ -157,6 +160,7 @@ class Run:
         self.script = os.path.relpath(Path(script).resolve(), REPO)
         self.argv = list(sys.argv[1:] if argv is None else argv)
         self.started_at = _now()
+        self.load_at_start = _loadavg()
         self.servers: list[dict] = []
 
     def add_server(self, name: str, cmd: Sequence[str], flags: dict) -> None:
@@ -177,7 +181,8 @@ class Run:
                 "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
                 "kernels": dict(kernels), "engine": _engine_of(engine) if engine is not None else settings,
                 "servers": self.servers, "order": getattr(self.args, "order", None),
-                "repeats": getattr(self.args, "repeats", None), "started_at": self.started_at, "finished_at": _now()}
+                "repeats": getattr(self.args, "repeats", None), "started_at": self.started_at, "finished_at": _now(),
+                "loadavg": {"start": self.load_at_start, "end": _loadavg()}}
 
     def write(self, body: dict, engine: Any = None, settings: dict | None = None, kernels: dict | None = None,
               path: Path | str | None = None) -> dict:
@@ -195,6 +200,14 @@ def write_json(path: Path | str, result: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _loadavg() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _now() -> str:

@@ -80,7 +80,8 @@ def test_header_has_exactly_the_documented_keys(tmp_path):
     on_disk = json.loads(args.json.read_text())
     assert on_disk == result and on_disk["figures"] == {"x": 1}
     h = on_disk["header"]
-    assert tuple(h) == harness.HEADER_KEYS
+    assert tuple(h) == harness.HEADER_KEYS + harness.HEADER_ADDED
+    assert set(h["loadavg"]) == {"start", "end"} and len(h["loadavg"]["end"]) == 3
     assert h["schema"] == "agentrt-bench/1" and h["script"] == "benchmarks/speculative.py"
     assert h["argv"] == ["--quick"] and (h["order"], h["repeats"]) == ("alternate", 2)
     assert len(h["commit"]) == 40 and isinstance(h["dirty"], bool)
