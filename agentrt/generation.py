@@ -22,7 +22,8 @@ from typing import Any, AsyncIterator
 
 from engine.chat import ToolCall, render_chat_prompt
 from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
-from engine.parsers import OutputParser, detect, needs_special_tokens
+from engine.parsers import (OutputParser, constrained_call_format, control_token_texts, detect,
+                            needs_special_tokens)
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams,
                           TokenLogprob)
 
@@ -247,8 +248,12 @@ class Generator:
         detected = detect(self.tokenizer.chat_template)
         self.tool_parser = config.tool_call_parser or detected[0]
         self.reasoning_parser = config.reasoning_parser or (None if config.tool_call_parser else detected[1])
-        log.info("tool-call parser %s, reasoning parser %s (%s)", self.tool_parser, self.reasoning_parser,
-                 "set" if config.tool_call_parser or config.reasoning_parser else "chosen from the chat template")
+        # constrained calls (tool_choice required / named, strict schemas) in this syntax
+        self.call_format = constrained_call_format(self.tool_parser, control_token_texts(self.tokenizer.hf))
+        log.info("tool-call parser %s, reasoning parser %s (%s); constrained calls in %s syntax", self.tool_parser,
+                 self.reasoning_parser,
+                 "set" if config.tool_call_parser or config.reasoning_parser else "chosen from the chat template",
+                 self.call_format)
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
@@ -313,18 +318,23 @@ class Generator:
                                 started_at=started_at, session=session, tenant=tenant)
 
     def _tool_format(self, options: StructuredOutput) -> tuple[StructuredOutput, str | None]:
-        """(the constraint's options, the tool-call parser) for a request. Constrained calls are written
-        in Hermes syntax (engine/grammar): a forced call (``tool_choice`` required or named) is parsed as
-        Hermes whatever the family; with ``auto`` a model of another family writes its own format,
-        unconstrained, and a strict schema, which only the Hermes grammar enforces, is refused."""
+        """(the constraint's options, the tool-call parser) for a request. Where the family's call syntax
+        is text (``self.call_format`` is its parser: Hermes, Llama 3 JSON, Qwen3-Coder, GLM-4.5), calls
+        are constrained in it, forced or ``auto`` (engine/grammar/call_syntax.py). Where its markers are
+        control tokens, a forced call (``tool_choice`` required or named) is written and parsed as
+        Hermes; with ``auto`` the model writes its own format, unconstrained, and a strict schema, which
+        no grammar can then enforce, is refused."""
         if not options.tools or options.tool_choice == "none":
             return options, None
-        if self.tool_parser == "hermes" or options.tool_choice not in (None, "auto"):
-            return options, "hermes"
+        if self.call_format == (self.tool_parser or "hermes"):
+            return dataclasses.replace(options, call_format=self.call_format), self.call_format
+        if options.tool_choice not in (None, "auto"):
+            return dataclasses.replace(options, call_format="hermes"), "hermes"
         strict = [t for t in options.tools if (t.get("function") or {}).get("strict")]
         if strict:
-            raise bad_request(f"strict tool schemas are enforced in Hermes syntax only, and this model calls tools "
-                              f"in the {self.tool_parser!r} format: set tool_choice to 'required' or a function",
+            raise bad_request(f"strict tool schemas need constrained calls, and this model calls tools in the "
+                              f"{self.tool_parser!r} format, whose markers are control tokens a grammar cannot "
+                              f"write: set tool_choice to 'required' or a function (written in Hermes syntax)",
                               param="tools")
         return dataclasses.replace(options, tool_choice="none"), self.tool_parser
 

@@ -119,7 +119,7 @@ class AsyncEngine:
             return None
         from engine.grammar import constraint_for_request  # xgrammar loads on first structured request
         return constraint_for_request(self.engine.tokenizer, options.response_format, options.tools,
-                                      options.tool_choice, options.parallel_tool_calls)
+                                      options.tool_choice, options.parallel_tool_calls, options.call_format)
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, constraint: TokenConstraint | None = None,

@@ -41,6 +41,9 @@ class StructuredOutput:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # the syntax constrained tool calls are written in (engine/grammar/call_syntax.py); the serving
+    # layer sets it from the model's tool-call parser
+    call_format: str = "hermes"
 
     @property
     def given(self) -> bool:

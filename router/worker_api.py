@@ -48,6 +48,7 @@ class ConstraintSpec(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    call_format: str = "hermes"  # an unknown one is refused by the grammar's builder (a 400)
 
 
 class GenerateBody(BaseModel):

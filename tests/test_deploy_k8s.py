@@ -299,6 +299,11 @@ class _StubTokenizer:
     vocab_size = 49152
     chat_template = None   # no template: the default parsers (Hermes, no reasoning)
 
+    class hf:              # the `tokenizers` object: no control tokens (constrained calls in Hermes syntax)
+        @staticmethod
+        def get_added_tokens_decoder() -> dict:
+            return {}
+
 
 class _StubEngine:
     """Enough of engine.LLMEngine for the worker app to be built (no model, no step ever runs)."""

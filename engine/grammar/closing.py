@@ -9,7 +9,9 @@ finds one on a fork of the matcher, so the request's own matcher never moves:
    after a value when ``city`` is the next required property) if there is one; else
    choose one character by a fixed preference, checked by the matcher itself. Where a
    free string is open (``~`` is allowed: in compact JSON it appears only inside
-   strings) the preference is ``"`` (end the string), then filler letters; elsewhere
+   strings) the first of ``"`` (a JSON string), ``</parameter>`` (a Qwen3-Coder XML value)
+   and ``</arg_value>`` (a GLM one) that the matcher accepts *and* that leaves the string
+   ends it, else a filler letter; elsewhere
    it is ``}`` ``]`` (close), ``,`` (end a number, go on to a required property),
    ``0`` (the shortest number), ``"`` (a string, closed next), other digits, then any
    printable ASCII character and finally any byte (the rest of a multi-byte character).
@@ -39,7 +41,8 @@ import xgrammar as xgr
 MAX_CLOSING_BYTES = 4096  # give up beyond this: the grammar cannot be closed within any sane budget
 
 _IN_STRING_PROBE = "~"
-_STRING_PREFERENCE = ('"', "a", "0", "A")
+_STRING_CLOSERS = ('"', "</parameter>", "</arg_value>")  # JSON, qwen_xml and glm_xml values
+_STRING_FILLERS = ("a", "0", "A")
 _STRUCTURAL_PREFERENCE = ("}", "]", ",", "0", '"', "1", "2", "3", "4", "5", "6", "7", "8", "9", "-")
 _ANY_ASCII = tuple(string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation + " ")
 _ANY_BYTE = tuple(bytes([b]) for b in range(256))
@@ -70,6 +73,17 @@ def _in_free_string(m: xgr.GrammarMatcher) -> bool:
     return False
 
 
+def _leave_string(m: xgr.GrammarMatcher) -> str | None:
+    """The first of ``_STRING_CLOSERS`` after which no free string is open (accepted), or None: in
+    an XML value ``"`` is text, so acceptance alone does not say the string ended."""
+    for closer in _STRING_CLOSERS:
+        fork = m.fork()
+        if fork.accept_string(closer) and not _in_free_string(fork):
+            m.accept_string(closer)
+            return closer
+    return None
+
+
 def _shortest_branch(m: xgr.GrammarMatcher, max_bytes: int) -> str | None:
     """Of the printable characters ``m`` accepts, the one whose greedy closing is shortest (a tool
     name, an enum value: ``celsius`` rather than ``fahrenheit``); accepted, or None. Past
@@ -96,8 +110,10 @@ def _shortest_branch(m: xgr.GrammarMatcher, max_bytes: int) -> str | None:
 
 def _choose(m: xgr.GrammarMatcher, max_bytes: int, branch: bool) -> bytes | None:
     """Accept one preferred character (see the module docstring) and return its bytes."""
-    first = _STRING_PREFERENCE if _in_free_string(m) else _STRUCTURAL_PREFERENCE
-    c = _probe(m, first)
+    if _in_free_string(m):
+        c = _leave_string(m) or _probe(m, _STRING_FILLERS)
+    else:
+        c = _probe(m, _STRUCTURAL_PREFERENCE)
     if c is None:
         c = _shortest_branch(m, max_bytes) if branch else _probe(m, _ANY_ASCII)
     c = c or _probe(m, _ANY_BYTE)

@@ -12,14 +12,16 @@ Supported (chat completions):
   constrained), ``"none"`` (tools are not constrained). ``parallel_tool_calls:
   false`` allows at most one call.
 
-A tool call is the text ``format_tool_call`` writes (engine/chat.py)::
+A tool call is written in the syntax ``call_format`` names (engine/grammar/call_syntax.py: the
+model family's own where it is plain text, else Hermes, the text ``format_tool_call`` writes in
+engine/chat.py)::
 
     <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>
 
 with NAME one of the tools and ARGS compact JSON matching that tool's
-``parameters``. Parallel calls are separated by one newline. JSON is compact
-(``", "`` and ``": "`` separators, no newlines): a small model given free
-whitespace can loop on it.
+``parameters`` (or the family's XML parameters). Parallel calls are joined by the
+syntax's separator. JSON is compact (``", "`` and ``": "`` separators, no newlines):
+a small model given free whitespace can loop on it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import xgrammar as xgr
 from xgrammar.structural_tag import (GrammarFormat, OrFormat, StructuralTag, TagFormat,
                                      TagsWithSeparatorFormat, TriggeredTagsFormat)
 
-from engine.chat import TOOL_CALL_END, TOOL_CALL_START
+from engine.grammar.call_syntax import TOOL_CALL_SUFFIX, CallSyntax, syntax_for, tool_call_prefix  # noqa: F401 (re-exported)
 from engine.grammar.compiler import GrammarCompilerCache, compiler_cache_for, xgrammar_error_text
 from engine.grammar.constraint import XGrammarConstraint
 from engine.grammar.schema_check import check_schema
@@ -48,14 +50,6 @@ class _Tool:
     name: str
     parameters: dict[str, Any] | bool
     where: str  # "tools[2].function.parameters", for error messages
-
-
-def tool_call_prefix(name: str) -> str:
-    """The text before a call's arguments (as ``format_tool_call`` writes it)."""
-    return f'{TOOL_CALL_START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-
-
-TOOL_CALL_SUFFIX = "}\n" + TOOL_CALL_END
 
 
 # -- parsing the request -----------------------------------------------------------------
@@ -142,11 +136,9 @@ def _json_ebnf(schema: Any, strict: bool, what: str) -> str:
     return str(grammar)
 
 
-def _tool_tag(tool: _Tool) -> TagFormat:
+def _tool_tag(tool: _Tool, syntax: CallSyntax) -> TagFormat:
     check_schema(tool.parameters, tool.where)
-    return TagFormat(begin=tool_call_prefix(tool.name),
-                     content=GrammarFormat(grammar=_json_ebnf(tool.parameters, True, tool.where)),
-                     end=TOOL_CALL_SUFFIX)
+    return syntax.tag(tool.name, tool.parameters, lambda schema: _json_ebnf(schema, True, tool.where))
 
 
 def _content_ebnf(fmt: tuple[str, Any]) -> str:
@@ -157,30 +149,36 @@ def _content_ebnf(fmt: tuple[str, Any]) -> str:
 
 
 def _tools_tag(choice: str | _Tool, tools: list[_Tool], fmt: tuple[str, Any] | None,
-               parallel: bool) -> StructuralTag:
+               parallel: bool, syntax: CallSyntax) -> StructuralTag:
     if isinstance(choice, _Tool):
-        return StructuralTag(format=_tool_tag(choice))
-    tags = [_tool_tag(t) for t in tools]
-    calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel)
+        return StructuralTag(format=_tool_tag(choice, syntax))
+    tags = [_tool_tag(t, syntax) for t in tools]
+    calls = TagsWithSeparatorFormat(tags=tags, separator=syntax.separator, at_least_one=True,
+                                    stop_after_first=not parallel)
     if choice == "required":
         return StructuralTag(format=calls)
     if fmt is not None:  # auto + a response format: either the formatted content or tool calls
         return StructuralTag(format=OrFormat(elements=[GrammarFormat(grammar=_content_ebnf(fmt)), calls]))
-    return StructuralTag(format=TriggeredTagsFormat(triggers=[TOOL_CALL_START], tags=tags,
+    return StructuralTag(format=TriggeredTagsFormat(triggers=[syntax.trigger], tags=tags,
                                                     stop_after_first=not parallel))
 
 
 def constraint_for_request(tokenizer: Tokenizer | GrammarCompilerCache, response_format: Any = None,
                            tools: Any = None, tool_choice: Any = None,
-                           parallel_tool_calls: Any = True) -> XGrammarConstraint | None:
+                           parallel_tool_calls: Any = True, call_format: str = "hermes") -> XGrammarConstraint | None:
     """The constraint an OpenAI chat request asks for, or None when its output is free.
 
     Raises :class:`InvalidRequest` (a 400) naming the offending field for malformed
     options, unknown function names, ``tool_choice: required`` without tools, and
-    schemas that cannot be compiled or enforced. Compiled grammars are cached per
+    schemas that cannot be compiled or enforced. Tool calls are written in ``call_format``'s
+    syntax (engine/grammar/call_syntax.py). Compiled grammars are cached per
     tokenizer, keyed by the schema / tool-spec text; a fresh matcher is cheap.
     """
     cache = compiler_cache_for(tokenizer)
+    try:
+        syntax = syntax_for(call_format)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
     tool_list = _parse_tools(tools)
     choice = _parse_tool_choice(tool_choice, tool_list)
     fmt = _parse_response_format(response_format)
@@ -191,11 +189,11 @@ def constraint_for_request(tokenizer: Tokenizer | GrammarCompilerCache, response
 
     if choice != "none" and tool_list:
         label = f"tool_choice={choice.name if isinstance(choice, _Tool) else choice}"
-        key = json.dumps({"choice": choice.name if isinstance(choice, _Tool) else choice,
+        key = json.dumps({"choice": choice.name if isinstance(choice, _Tool) else choice, "syntax": syntax.name,
                           "parallel": parallel_tool_calls, "content": fmt,
                           "tools": [[t.name, t.parameters] for t in tool_list]}, ensure_ascii=False)
         compiled = cache.structural_tag(
-            key, lambda: _tools_tag(choice, tool_list, fmt, parallel_tool_calls), "tools")
+            key, lambda: _tools_tag(choice, tool_list, fmt, parallel_tool_calls, syntax), "tools")
     elif fmt is not None and fmt[0] == "json_object":
         label, compiled = "json_object", cache.json_object()
     elif fmt is not None:

@@ -17,7 +17,8 @@ from engine.parsers.harmony import HarmonyParser
 from engine.parsers.reasoning import ThinkParser, prompt_opens_reasoning
 
 __all__ = ["TOOL_PARSERS", "REASONING_PARSERS", "OutputParser", "ParsedOutput", "ToolCall", "detect",
-           "new_tool_call_id", "parse_output", "check_names", "needs_special_tokens"]
+           "new_tool_call_id", "parse_output", "check_names", "needs_special_tokens", "constrained_call_format",
+           "control_token_texts"]
 
 # name -> the CallFormat for a request's tools (XML formats type their values by the tools' schemas)
 _FORMATS: dict[str, Callable[[list[dict] | None], CallFormat]] = {
@@ -32,6 +33,16 @@ _FORMATS: dict[str, Callable[[list[dict] | None], CallFormat]] = {
 TOOL_PARSERS = tuple(_FORMATS) + ("openai",)
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 HARMONY = ("openai", "gpt_oss")
+
+# The formats a grammar can write a call in (engine/grammar/call_syntax.py builds them), with the
+# markers that must be plain text in the tokenizer for that: the other formats mark calls with
+# control tokens, which grammars over text never emit.
+IN_FORMAT_MARKERS: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": (),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>"),
+    "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+}
 
 # Markers whose tokens are special in these families' vocabularies: the reply's text must keep them.
 _SPECIAL_MARKERS = {"llama3_json", "mistral", "deepseek_v31", "kimi_k2", "openai", "gpt_oss"}
@@ -59,6 +70,21 @@ def detect(template: str | None) -> tuple[str, str | None]:
                 reasoning = None
             return tool, reasoning
     return "hermes", None
+
+
+def control_token_texts(hf_tokenizer) -> set[str]:
+    """The texts of a ``tokenizers`` tokenizer's special (control) added tokens."""
+    return {t.content for t in hf_tokenizer.get_added_tokens_decoder().values() if t.special}
+
+
+def constrained_call_format(tool_parser: str | None, control_tokens: set[str]) -> str:
+    """The syntax constrained calls are written in for a model whose tool-call parser is ``tool_parser``:
+    the family's own where its markers are plain text in this tokenizer (``control_tokens``: the texts
+    of its control tokens), else ``hermes``."""
+    markers = IN_FORMAT_MARKERS.get(tool_parser or "hermes")
+    if markers is None or any(m in control_tokens for m in markers):
+        return "hermes"
+    return tool_parser or "hermes"
 
 
 def check_names(tool_parser: str | None, reasoning_parser: str | None) -> None:

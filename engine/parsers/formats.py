@@ -96,10 +96,11 @@ _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?")
 
 def _coder_params(text: str, types: dict[str, Any]) -> dict[str, Any] | None:
     """``<parameter=K>\\nV\\n</parameter>\\n`` repeated, then ``</function>``; a value ends at the first
-    ``</parameter>`` followed by another parameter or the end of the function."""
+    ``</parameter>`` followed by another parameter or the end of the function. Whitespace between the
+    tags is skipped (a constrained call's grammar allows it there)."""
     args: dict[str, Any] = {}
     while True:
-        text = text.lstrip("\n")
+        text = text.lstrip()
         if text.rstrip() == "</function>":
             return args
         m = _PARAM.match(text)
@@ -110,7 +111,7 @@ def _coder_params(text: str, types: dict[str, Any]) -> dict[str, Any] | None:
             close = rest.find("</parameter>", pos)
             if close < 0:
                 return None
-            after = rest[close + len("</parameter>"):].lstrip("\n")
+            after = rest[close + len("</parameter>"):].lstrip()
             if after.startswith("<parameter=") or after.rstrip() == "</function>":
                 break
             pos = close + 1
@@ -134,6 +135,7 @@ def qwen3_coder(tools: list[dict] | None) -> CallFormat:
     return CallFormat(starts=("<tool_call>",), end="</tool_call>", parse=parse)
 
 
+_GLM_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
 
 
@@ -143,7 +145,7 @@ def glm45(tools: list[dict] | None) -> CallFormat:
     def parse(body: str) -> list[ParsedCall] | None:
         name, _, rest = body.partition("<arg_key>")
         name = name.strip()
-        if not name or "<" in name or "\n" in name:
+        if not _GLM_NAME.fullmatch(name):   # a function name, not some other text in <tool_call> tags
             return None
         rest = "<arg_key>" + rest if _ else ""
         args: dict[str, Any] = {}

@@ -16,12 +16,14 @@ import pytest
 import xgrammar as xgr
 
 from engine import AsyncEngine, EngineConfig
+from engine.client import StructuredOutput
 from engine.grammar.compiler import compiler_cache_for
 from engine.grammar.constraint import XGrammarConstraint
 from engine.parsers import OutputParser
 
 from agentrt.anthropic_api import AnthropicService
 from agentrt.config import ServerConfig
+from agentrt.errors import APIError
 from agentrt.generation import Generator
 from agentrt.metrics import Metrics
 from agentrt.protocol import ChatCompletionRequest
@@ -138,3 +140,46 @@ def test_one_reply_through_every_surface(engine, family):
     assert cut["finish_reason"] == "length"
     assert [json.loads(c["function"]["arguments"]) for c in cut["message"]["tool_calls"]] == [CALLS[0][1]]
     assert "London" not in (cut["message"]["content"] or "")
+
+
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "London"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                     "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+# what a forced call of each family looks like in the reply's text (engine/grammar/call_syntax.py)
+IN_FORMAT = {"qwen3_coder": "<function=get_weather>", "glm45": "<tool_call>get_weather\n",
+             "llama3_json": '{"name": "get_weather", "parameters": ', "hermes": '"name": "get_weather", "arguments": ',
+             "mistral": '"name": "get_weather", "arguments": '}
+
+
+@pytest.mark.parametrize("parser", sorted(IN_FORMAT))
+def test_a_forced_call_is_written_in_the_familys_syntax(engine, parser):
+    """The generator constrains a forced call in the family's own syntax where its markers are text (Mistral's
+    are control tokens: Hermes), and the family's parser returns it as a tool call."""
+    gen = Generator(engine, engine.engine, ServerConfig(tool_call_parser=parser), Metrics())
+    options = StructuredOutput(tools=[CITY_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    req = ChatCompletionRequest(model="m", messages=messages)
+
+    async def run():
+        g = await gen.start_chat(messages, {"max_tokens": 120, "temperature": 0}, options)
+        choice = (await OpenAIService(gen).chat(req, g))["choices"][0]
+        return choice, engine.tokenizer.decode(g.token_ids)
+
+    choice, text = asyncio.run(run())
+    assert IN_FORMAT[parser] in text, text
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"], text
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert args["city"] in ("Paris", "London") and 1 <= args["days"] <= 7
+
+
+def test_a_strict_tool_with_auto_is_refused_where_no_grammar_can_write_the_call(engine):
+    gen = Generator(engine, engine.engine, ServerConfig(tool_call_parser="mistral"), Metrics())
+    strict = {"type": "function", "function": dict(CITY_TOOL["function"], strict=True)}
+    with pytest.raises(APIError, match="markers are control tokens"):
+        asyncio.run(gen.start_chat([{"role": "user", "content": "Weather?"}], {"max_tokens": 8},
+                                   StructuredOutput(tools=[strict], tool_choice="auto")))
+    qwen = Generator(engine, engine.engine, ServerConfig(tool_call_parser="qwen3_coder"), Metrics())
+    options, parser = qwen._tool_format(StructuredOutput(tools=[strict], tool_choice="auto"))
+    assert (options.call_format, options.tool_choice, parser) == ("qwen3_coder", "auto", "qwen3_coder")
