@@ -20,9 +20,8 @@ the session's prefix, a pin of ``tau`` seconds is worth
 ``F`` steps up at each pause sample and ``E[min(X, tau)]`` only grows with ``tau``, so ``net`` is
 greatest at a sample: the TTL is the best sample (the shortest among equals) times ``1 + slack``, within
 ``[min_ttl_s, max_ttl_s]``; ``min_ttl_s`` when no sample has a positive net (pinning costs more than
-recomputing); ``fallback_ttl_s`` (the fixed ``pin_ttl_tool_s``) until a pause and a prefill were
-measured (``MIN_PAUSES`` of them). A session that never comes back leaves no pause (its pin simply
-expires).
+recomputing); ``fallback_ttl_s`` (the fixed ``pin_ttl_tool_s``) until ``MIN_PAUSES`` pauses and a
+prefill were measured. A session that never comes back leaves no pause (its pin simply expires).
 """
 
 from __future__ import annotations

@@ -399,16 +399,15 @@ class Scheduler:
         oldest first, or least key first under the session policy (waiting time does not count)."""
         if self.order is None:
             return sorted(self.running, key=lambda r: (r.remaining_prefill > 1, r.arrival))
-        now = self.clock()
-        return sorted(self.running, key=lambda r: (r.remaining_prefill > 1, self.order.key(r, now, waiting=False)))
+        key = self.order.key_fn(self.clock(), waiting=False)
+        return sorted(self.running, key=lambda r: (r.remaining_prefill > 1, key(r)))
 
     def _admission_order(self) -> list[Request]:
         """Waiting requests in the order they are admitted: the queue's (arrival, preempted ones at the
         front), or least key first under the session policy (aging included)."""
         if self.order is None:
             return list(self.waiting)
-        now = self.clock()
-        return sorted(self.waiting, key=lambda r: self.order.key(r, now))
+        return sorted(self.waiting, key=self.order.key_fn(self.clock()))
 
     def _victim(self, batch: ScheduledBatch, exclude: Request) -> Request | None:
         """The running request to preempt: not ``exclude``, not in the batch yet; the youngest, or
@@ -419,8 +418,7 @@ class Scheduler:
             return None
         if self.order is None:
             return max(candidates, key=lambda r: r.arrival)
-        now = self.clock()
-        return max(candidates, key=lambda r: self.order.key(r, now, waiting=False))
+        return max(candidates, key=self.order.key_fn(self.clock(), waiting=False))
 
     def _fail(self, req: Request, message: str) -> None:
         if req in self.running:

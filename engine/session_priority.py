@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from engine.types import SchedulingKey
 
@@ -111,9 +111,21 @@ class SessionOrder:
 
     def key(self, req: Request, now: float, waiting: bool = True) -> tuple:
         """Admission order, least first; ``waiting=False`` leaves aging out (running requests, victims)."""
-        waited = max(0.0, now - req.queued_at) if waiting else 0.0
-        share = self.ledger.tenant(req.key.tenant, now) / req.key.weight
-        return (req.params.priority, share, self.attained(req) - self.aging * waited, req.arrival)
+        return self.key_fn(now, waiting)(req)
+
+    def key_fn(self, now: float, waiting: bool = True) -> Callable[[Request], tuple]:
+        """``key`` at ``now`` for many requests (a sort): each tenant's share is read once."""
+        shares: dict[str, float] = {}
+
+        def key(req: Request) -> tuple:
+            tenant = req.key.tenant
+            if tenant not in shares:
+                shares[tenant] = self.ledger.tenant(tenant, now)
+            waited = max(0.0, now - req.queued_at) if waiting else 0.0
+            return (req.params.priority, shares[tenant] / req.key.weight, self.attained(req) - self.aging * waited,
+                    req.arrival)
+
+        return key
 
 
 def charge(ledger: ServiceLedger, req: Request, tokens: int, now: float | None = None) -> None:

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 
-GREEDY_TEMPERATURE_EPS = 1e-5
-MAX_PRIORITY = 2**31 - 1  # |SamplingParams.priority| at most (a 32-bit integer, as clients send it)  # temperatures below this sample greedily (as vLLM does)
+GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
+MAX_PRIORITY = 2**31 - 1  # |SamplingParams.priority| at most (a 32-bit integer, as clients send it)
 
 # ``RequestOutput.stop_reason`` of a constrained output that its constraint closed (completed with
 # the shortest closing it found) because the token budget was running out; finish_reason is "stop".
