@@ -372,11 +372,11 @@ class Generator:
                          and self.config.affinity_turns)
         if affinity_turn:
             pin_ttl_s = self.config.pin_ttl_s
+        if key is None:
+            key = self.scheduling_key(session, tenant)
         if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
             raise draining(self.config.retry_after_s)
-        if self.in_flight >= self.config.max_concurrent_requests:
-            raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
-                             "concurrent requests; retry later", self.config.retry_after_s)
+        self._admit_concurrency(key)
         # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
         # admitted meanwhile cannot push the server past its limit.
         self.in_flight += 1
@@ -389,8 +389,6 @@ class Generator:
         request_id = request_id or "req-" + uuid.uuid4().hex
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
-        if key is None:
-            key = self.scheduling_key(session, tenant)
         if session is not None:  # the end of a tool pause, if the session's last reply called a tool
             self.tool_pins.turn_started(session.session_id, time.monotonic())
         trace = tracing.current()  # the request's server span (None: not traced)
@@ -414,6 +412,19 @@ class Generator:
                           started_at=started_at if started_at is not None else time.monotonic(),
                           tenant=tenant, reservation=reservation, affinity_turn=affinity_turn,
                           session_id=session.session_id if session is not None else None)
+
+    def _admit_concurrency(self, key: SchedulingKey) -> None:
+        """429 past ``max_concurrent_requests`` generations in flight; a request that does not continue a
+        started session (``key.continuing``) only up to ``1 - concurrency_reserve`` of them, so later
+        turns of running agents get in before new sessions do."""
+        limit, why = self.config.max_concurrent_requests, ""
+        reserve = self.config.concurrency_reserve
+        if reserve > 0 and not key.continuing:
+            limit = max(1, int(limit * (1 - reserve)))
+            why = f" for a new session ({reserve:.0%} of them are kept for later turns of started sessions)"
+        if self.in_flight >= limit:
+            raise overloaded(f"the server is at its limit of {limit} concurrent requests{why}; retry later",
+                             self.config.retry_after_s)
 
     def scheduling_key(self, session: SessionHint | None, tenant: Tenant | None) -> SchedulingKey:
         """The request's session and tenant as the engine's scheduler orders them. A session turn whose

@@ -4,7 +4,8 @@
     python benchmarks/agent_overload.py --quick --json OUT    # a smoke run of a few minutes
 
 Each side starts ``agentrt up --workers N --scheduling-policy fcfs|session`` (the policy goes to the
-workers) with two tenants of equal weight (a tenants file, ``AGENTRT_TENANTS_FILE``). The first
+workers) with two tenants of equal weight (a tenants file, ``AGENTRT_TENANTS_FILE``); the session side
+also keeps ``--concurrency-reserve`` of the HTTP concurrency limit for started sessions. The first
 side measures the fleet's capacity once: how many sessions a second it completes with ``2 x workers``
 sessions running back to back (and one session alone, for the unloaded turn time). Then, per load factor
 (``--loads``, default 1.5 and 3), new sessions arrive at random (Poisson, seeded) at factor x capacity
@@ -231,7 +232,11 @@ def figures(plans: list[Plan], out: Outcome) -> dict:
 
 def start_cluster(args: argparse.Namespace, policy: str, tenants_file: Path) -> tuple[Procs, object]:
     procs = Procs(log_dir=args.log_dir, cwd=ROOT)
-    env = {"AGENTRT_TENANTS_FILE": str(tenants_file)}   # the router (and workers) read it from the environment
+    # the router (and workers) read these from the environment: the tenants, and for the session side the
+    # share of --max-concurrent-requests kept for started sessions (the router's own 429s spare them too)
+    env = {"AGENTRT_TENANTS_FILE": str(tenants_file)}
+    if policy == "session":
+        env["AGENTRT_CONCURRENCY_RESERVE"] = str(args.concurrency_reserve)
     up = procs.agentrt(f"overload-{policy}", "up", "--workers", str(args.workers), "--redis",
                        f"redis://127.0.0.1:{free_port()}/0", "--kv-cache-tokens", str(args.kv_cache_tokens),
                        "--scheduling-policy", policy, "--log-level", "warning", env=env)
@@ -260,6 +265,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-factor", type=float, default=3.0,
                    help="a session's SLO: this times (turns x unloaded turn time + its pauses)")
     p.add_argument("--give-up-factor", type=float, default=2.0, help="a session gives up at this times its SLO")
+    p.add_argument("--concurrency-reserve", type=float, default=0.25,
+                   help="the session side's --concurrency-reserve (router and workers): the share of concurrent "
+                        "requests kept for later turns of started sessions")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace the sessions' shape "
                                                                      "is drawn from")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (both sides get the same sessions)")
@@ -328,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         for _, side in harness.ab_order(list(SIDES), args.repeats, args.order):
             runs[side].append(run_side(args, SIDES[side], tenants_file, keys, shape, state))
             run.add_server(f"agentrt up ({side})", ["agentrt", "up", "--workers", str(args.workers)],
-                           {"--kv-cache-tokens": args.kv_cache_tokens, "--scheduling-policy": SIDES[side]})
+                           {"--kv-cache-tokens": args.kv_cache_tokens, "--scheduling-policy": SIDES[side],
+                            "AGENTRT_CONCURRENCY_RESERVE": args.concurrency_reserve if side == "priority" else 0})
     loads = [f"load_{f:g}x" for f in args.load_factors]
     body = summarize(runs, loads)
     body["calibration"] = {"capacity_sessions_per_s": state["capacity"], "unloaded_turn_s": state["turn_s"]}

@@ -215,3 +215,39 @@ def test_a_tenants_weight_is_read_from_the_tenants_file_and_sent_with_its_reques
     for bad in (0, -1, "2", True):
         with pytest.raises(ValueError, match="weight must be a number > 0"):
             Tenant("t", weight=bad)
+
+
+def test_the_concurrency_limit_keeps_its_reserve_for_started_sessions(model):
+    """``--concurrency-reserve 0.5`` of 4: a request that starts no session gets 429 at 2 in flight, a later
+    turn of a started session only at 4; with no reserve (the default) every request gets 4."""
+    from engine.client import SessionHint
+    from engine.types import SamplingParams
+
+    from agentrt.errors import APIError
+    from agentrt.generation import Generator
+    from agentrt.metrics import Metrics
+
+    later = SessionHint("sess-1", continuing=True)
+
+    async def admitted(reserve: float, sessions: list) -> list[int | str]:
+        gen = Generator(_Engine(), model, ServerConfig(max_concurrent_requests=4, concurrency_reserve=reserve),
+                        Metrics())
+        out = []
+        for session in sessions:
+            try:
+                await gen.start([1, 2, 3], SamplingParams(max_tokens=2), session=session)   # held in flight
+                out.append(gen.in_flight)
+            except APIError as exc:
+                assert exc.status == 429 and exc.headers["Retry-After"] == "1"
+                out.append(exc.message)
+        return out
+
+    got = asyncio.run(admitted(0.5, [None, None, None, later, later, later]))
+    assert got[:2] == [1, 2] and got[3:5] == [3, 4]
+    assert got[2] == ("the server is at its limit of 2 concurrent requests for a new session (50% of them are "
+                      "kept for later turns of started sessions); retry later")
+    assert got[5] == "the server is at its limit of 4 concurrent requests; retry later"
+    assert asyncio.run(admitted(0.0, [None] * 5)) == [1, 2, 3, 4, "the server is at its limit of 4 concurrent "
+                                                                      "requests; retry later"]
+    with pytest.raises(ValueError):
+        ServerConfig(concurrency_reserve=1.0)
