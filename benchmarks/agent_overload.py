@@ -242,9 +242,11 @@ def start_cluster(args: argparse.Namespace, policy: str, tenants_file: Path) -> 
                        "--scheduling-policy", policy, "--log-level", "warning", env=env)
     try:
         up.wait_ready(600.0)
-    except RuntimeError as exc:
+    except BaseException as exc:   # not up (or interrupted while starting): stop what did start
         procs.stop()
-        raise SystemExit(f"agentrt up: {exc}") from None
+        if isinstance(exc, RuntimeError):
+            raise SystemExit(f"agentrt up: {exc}") from None
+        raise
     return procs, up
 
 
@@ -273,8 +275,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (both sides get the same sessions)")
     p.add_argument("--log-dir", default=None, help="where the clusters' logs go (default: a temporary directory)")
     p.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    p.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES),
+                   help="the sides to run (default both: fcfs and priority, the session policy)")
     harness.add_common_args(p)
     args = p.parse_args(argv)
+    args.sides = list(dict.fromkeys(args.sides))
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
@@ -312,7 +317,7 @@ def summarize(runs: dict[str, list[dict]], loads: list[str]) -> dict:
     body: dict = {}
     for load in loads:
         body[load] = {}
-        for side in SIDES:
+        for side in runs:
             per_run = [r[load] for r in runs[side]]
             merged = {k: (statistics.median([x[k] for x in per_run if x[k] is not None])
                           if any(x[k] is not None for x in per_run) else None)
@@ -327,13 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.Run(args, __file__, argv)
     shape = trace_shape(args.trace)
     keys = {t: f"bench-key-{t}" for t in TENANTS}
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    runs: dict[str, list[dict]] = {side: [] for side in args.sides}
     state: dict = {}
     with tempfile.TemporaryDirectory(prefix="agent-overload-") as tmp:
         tenants_file = Path(tmp) / "tenants.json"
         tenants_file.write_text(json.dumps({"tenants": {t: {"key_sha256": [hash_key(k)], "weight": 1}
                                                         for t, k in keys.items()}}))
-        for _, side in harness.ab_order(list(SIDES), args.repeats, args.order):
+        for _, side in harness.ab_order(args.sides, args.repeats, args.order):
             runs[side].append(run_side(args, SIDES[side], tenants_file, keys, shape, state))
             run.add_server(f"agentrt up ({side})", ["agentrt", "up", "--workers", str(args.workers)],
                            {"--kv-cache-tokens": args.kv_cache_tokens, "--scheduling-policy": SIDES[side],
