@@ -21,7 +21,7 @@ from engine.client import SessionHint, StructuredOutput
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.engine import LLMEngine
-from engine.types import RequestOutput, SamplingParams
+from engine.types import RequestOutput, SamplingParams, SchedulingKey
 
 
 class RequestStream:
@@ -124,10 +124,12 @@ class AsyncEngine:
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, constraint: TokenConstraint | None = None,
                cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None, trace: object | None = None) -> RequestStream:
+               session: SessionHint | None = None, trace: object | None = None,
+               key: SchedulingKey | None = None) -> RequestStream:
         """Check and enqueue (``LLMEngine.add_request``); raises InvalidRequest / EngineOverloaded at
         once. ``session`` is a routing hint, moot in one process. ``trace`` rides on the request to
-        ``LLMEngine.on_finished`` (its phase spans)."""
+        ``LLMEngine.on_finished`` (its phase spans). ``key``: the session and tenant the scheduler
+        orders it by (engine/session_priority.py)."""
         if self._stop:
             raise RuntimeError("the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
@@ -136,7 +138,7 @@ class AsyncEngine:
             self._streams[rid] = (asyncio.get_running_loop(), q)
         try:
             self.engine.add_request(prompt_token_ids, params, rid, constraint=constraint,
-                                    cache_salt=cache_salt, pin_ttl_s=pin_ttl_s, trace=trace)
+                                    cache_salt=cache_salt, pin_ttl_s=pin_ttl_s, trace=trace, key=key)
         except BaseException:
             self._forget(rid)
             raise

@@ -40,11 +40,12 @@ from engine.radix_cache import RadixCache
 from engine.request import Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
+from engine.session_priority import SESSION, ServiceLedger, SessionOrder, charge, priority_class
 from engine.speculative import SpeculativeState, TenantCorpora, verify
 from engine.step_cost import cpu_model, step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
-                          RequestOutput, SamplingParams)
+                          RequestOutput, SamplingParams, SchedulingKey)
 
 _log = logging.getLogger("engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
@@ -84,6 +85,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
         self.tiers = self._build_tiers()
+        # tokens computed per session and tenant (engine/session_priority.py), and the order they give
+        self.ledger = ServiceLedger()
+        if config.scheduling_policy == SESSION:
+            self.scheduler.order = SessionOrder(self.ledger, config.scheduling_aging_tokens_per_s)
+        self._tokens_per_s = 0.0   # recent tokens computed per second of step, for Retry-After
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
@@ -199,10 +205,15 @@ class LLMEngine:
     # -- commands (any thread) -------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, constraint: TokenConstraint | None = None,
-                    cache_salt: str = "", pin_ttl_s: float | None = None, trace: object | None = None) -> str:
+                    cache_salt: str = "", pin_ttl_s: float | None = None, trace: object | None = None,
+                    key: SchedulingKey | None = None) -> str:
         """Check and enqueue a request; returns its id. ``trace``: an opaque context handed back with the
-        finished request to ``on_finished`` (the serving layer's trace parent)."""
+        finished request to ``on_finished`` (the serving layer's trace parent). ``key``: the session and
+        tenant it serves (engine/session_priority.py; None: a session of its own, of no tenant)."""
         params = params or SamplingParams()
+        key = key if key is not None else SchedulingKey()
+        if not isinstance(key, SchedulingKey):
+            raise InvalidRequest(f"key must be a SchedulingKey, got {type(key).__name__}")
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
                                vocab_size=self.model_config.vocab_size)
         pool_tokens = self.pool.capacity * self.config.page_size
@@ -211,10 +222,12 @@ class LLMEngine:
                                  f"{pool_tokens} tokens; send a shorter prompt")
         if constraint is not None and constraint.closes_outputs and self.config.close_constrained_outputs:
             check_closing(constraint, params.max_tokens, self.max_model_len - len(prompt))
-        self._admit(len(prompt))
+        started = key.continuing or self.ledger.started(key.session)
+        self._admit(len(prompt), started)
         rid = request_id or uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        req = Request(rid, prompt, params, detok, constraint, cache_salt, pin_ttl_s, trace=trace)
+        req = Request(rid, prompt, params, detok, constraint, cache_salt, pin_ttl_s, trace=trace, key=key,
+                      started=started)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
@@ -222,23 +235,40 @@ class LLMEngine:
         self._command("add", req)
         return rid
 
-    def _admit(self, tokens: int) -> None:
+    def _admit(self, tokens: int, started: bool = True) -> None:
         """Count a new request into the queue, or raise ``EngineOverloaded`` (429) if the queue is
         full: ``max_waiting`` requests, or ``max_waiting_tokens`` of KV demand. When nothing is
-        queued any request is admitted (the prompt check above guarantees the pool can hold it)."""
+        queued any request is admitted (the prompt check above guarantees the pool can hold it).
+        Under the session policy a new session's first turn (not ``started``) may fill only
+        ``1 - started_session_reserve`` of either limit: the rest is for started sessions' later turns."""
+        share, why = 1.0, ""
+        if not started and self.scheduler.order is not None:
+            share = 1.0 - self.config.started_session_reserve
+            why = (f" for a new session ({self.config.started_session_reserve:.0%} of the queue is kept for "
+                   f"later turns of started sessions)")
         with self._pending_lock:
             queued = self._pending + len(self.scheduler.waiting)
-            if queued >= self.config.max_waiting:
-                raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
             queued_tokens = self._pending_tokens + self.scheduler.waiting_tokens
-            limit = self.waiting_tokens_limit
+            max_waiting = max(1, int(self.config.max_waiting * share))
+            if queued >= max_waiting:
+                raise EngineOverloaded(f"{queued} requests are waiting (limit {max_waiting}{why})",
+                                       self._retry_after(queued_tokens))
+            limit = int(self.waiting_tokens_limit * share)
             if queued and queued_tokens + tokens > limit:
                 raise EngineOverloaded(f"{queued_tokens} tokens of queued requests are waiting for KV cache "
                                        f"and this request's prompt adds {tokens}, over the limit of "
-                                       f"{limit} waiting tokens")
+                                       f"{limit} waiting tokens{why}", self._retry_after(queued_tokens))
             self._pending += 1
             self._pending_tokens += tokens
         self.coalescer.on_arrival()
+
+    def _retry_after(self, queued_tokens: int) -> float:
+        """The Retry-After of an ``EngineOverloaded``: under the session policy, seconds until the queue has
+        drained at the recent rate of computed tokens (1 to 60; 1 before any step was measured); 1 under
+        FCFS, as before the session policy existed."""
+        if self.scheduler.order is None or self._tokens_per_s <= 0:
+            return 1.0
+        return min(60.0, max(1.0, queued_tokens / self._tokens_per_s))
 
     def _command(self, kind: str, arg) -> None:
         self._inbox.put((kind, arg))
@@ -348,7 +378,7 @@ class LLMEngine:
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
-            kv_cache_bytes_per_token=self.kv.bytes_per_token)
+            kv_cache_bytes_per_token=self.kv.bytes_per_token, waiting_by_priority=_by_priority(s.waiting))
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
@@ -374,8 +404,10 @@ class LLMEngine:
         prefill_tokens = sum(n for req, n in zip(batch.requests, batch.num_new)
                              if req.num_computed < len(req.prompt_ids))
         logits, sample_idx = self.runner.run(batch)
+        ran = time.monotonic()
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
+            charge(self.ledger, req, n, ran)
             # share prefill progress with other requests, the chunk that completes the prompt included
             # (a decode step, one token completing the sequence, waits for the request's end)
             if (n > 1 or req.num_computed < req.num_tokens) and \
@@ -407,7 +439,11 @@ class LLMEngine:
                     if req.pin_ttl_s and req.finish_reason in ("stop", "length"):
                         returning += 1   # a session turn: its agent is likely coming straight back
                 outputs.append(self._emit(req))
-        self.coalescer.on_step(time.monotonic() - started, prefill_tokens)
+        elapsed = time.monotonic() - started
+        self.coalescer.on_step(elapsed, prefill_tokens)
+        if elapsed > 0:   # an average over the last ~10 steps of the engine's rate
+            rate = sum(batch.num_new) / elapsed
+            self._tokens_per_s = rate if self._tokens_per_s <= 0 else 0.9 * self._tokens_per_s + 0.1 * rate
         if returning:
             self.coalescer.on_finish(returning)
         return outputs
@@ -620,6 +656,15 @@ def _by_tier(req: Request) -> dict[str, int]:
     host = min(req.tier_tokens.get("host", 0), cached)
     disk = min(req.tier_tokens.get("disk", 0), cached - host)
     return {"device": cached - host - disk, "host": host, "disk": disk}
+
+
+def _by_priority(waiting) -> dict[str, int]:
+    """Waiting requests by "<priority class>/<new|started>" (engine/session_priority.py, ``priority_class``)."""
+    counts: dict[str, int] = {}
+    for req in waiting:
+        label = f"{priority_class(req.params.priority)}/{'started' if req.started else 'new'}"
+        counts[label] = counts.get(label, 0) + 1
+    return counts
 
 
 def _path_pages(node) -> list[int]:

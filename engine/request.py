@@ -11,7 +11,7 @@ import torch
 
 from engine.constraints import TokenConstraint
 from engine.tokenizer import IncrementalDetokenizer
-from engine.types import SamplingParams, TokenLogprob
+from engine.types import SamplingParams, SchedulingKey, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.speculative import SpeculativeState
@@ -33,6 +33,10 @@ class Request:
     cache_salt: str = ""
     pin_ttl_s: float | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # whom it serves, for the scheduler's order (engine/session_priority.py); ``started``: its session
+    # already ran a turn when it arrived (a later turn, admitted before new sessions under overload)
+    key: SchedulingKey = field(default_factory=SchedulingKey)
+    started: bool = False
 
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -46,6 +50,8 @@ class Request:
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of which loaded from a KV tier, by medium
     num_preemptions: int = 0
     queued_tokens: int = 0         # what it adds to the scheduler's ``waiting_tokens`` while waiting
+    queued_at: float = 0.0         # when it last entered the waiting queue (its aging counts from there)
+    service: int = 0               # tokens computed for it so far, recomputation after preemption included
     generator: torch.Generator | None = None
     speculative: SpeculativeState | None = None  # its drafter, once it drafted (engine/speculative.py)
 

@@ -119,7 +119,8 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router and workers listen on")
     parser.add_argument("--port", type=int, default=8000, help="router port (workers get free ports)")
     # Passed on to each worker (and the router) when given; unset, the children's environment and defaults apply.
-    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "log_level", "otlp_endpoint"))
+    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "scheduling_policy", "log_level",
+                                     "otlp_endpoint"))
     add_flags(parser, RouterConfig, ("policy",))
 
 

@@ -406,7 +406,7 @@ class RouterCore:
                          "in_flight": self.inflight.count(wid),
                          "load": None if (l := self.loads.get(wid)) is None else
                          {"running": l.running, "waiting": l.waiting, "waiting_tokens": l.waiting_tokens,
-                          "pages_used": l.pages_used,
+                          "waiting_new": l.waiting_new, "waiting_high": l.waiting_high, "pages_used": l.pages_used,
                           "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None}}
                         for wid, w in sorted(self.workers.items())],
             "vllm_workers": [] if self.vllm is None else self.vllm.state(),

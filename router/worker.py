@@ -66,8 +66,11 @@ class WorkerRuntime:
 
     def load(self) -> LoadReport:
         s = self.llm.stats()
+        by_class = s.waiting_by_priority   # "<high|normal|low>/<new|started>" -> requests
         return LoadReport(running=s.running, waiting=s.waiting, pages_used=s.pages_used,
-                          pages_free=s.pages_free, waiting_tokens=s.waiting_tokens, ts_ms=int(time.time() * 1000))
+                          pages_free=s.pages_free, waiting_tokens=s.waiting_tokens, ts_ms=int(time.time() * 1000),
+                          waiting_new=sum(n for label, n in by_class.items() if label.endswith("/new")),
+                          waiting_high=sum(n for label, n in by_class.items() if label.startswith("high/")))
 
     async def start(self) -> None:
         self.publisher.start()  # announces `cleared`: a returning worker's stale entries vanish

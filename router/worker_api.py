@@ -2,8 +2,9 @@
 
 * ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
   constraint *options* (the worker builds the grammar: a constraint object does not travel),
-  a pin TTL; a traced request's W3C ``traceparent`` header (its span continues the router's
-  trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
+  a pin TTL, the scheduling key (session, tenant and its weight, whether the session already ran a
+  turn: ``engine.types.SchedulingKey``); a traced request's W3C ``traceparent`` header (its span
+  continues the router's trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
   otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
 * ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
@@ -29,7 +30,7 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from engine.client import StructuredOutput
-from engine.types import RequestOutput, SamplingParams, TokenLogprob
+from engine.types import RequestOutput, SamplingParams, SchedulingKey, TokenLogprob
 
 from agentrt import tracing
 from agentrt.dashboard import engine_worker
@@ -50,6 +51,15 @@ class ConstraintSpec(BaseModel):
     parallel_tool_calls: bool | None = None
 
 
+class KeySpec(BaseModel):
+    """The scheduling key (``engine.types.SchedulingKey``) as it travels."""
+
+    session: str = Field(default="", max_length=256)
+    tenant: str = Field(default="", max_length=256)
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    continuing: bool = False
+
+
 class GenerateBody(BaseModel):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -57,6 +67,7 @@ class GenerateBody(BaseModel):
     constraint: ConstraintSpec | None = None
     pin_ttl_s: float | None = Field(default=None, gt=0)
     cache_salt: str = ""
+    key: KeySpec | None = None   # absent from an older router: the request is a session of its own
 
 
 class PinBody(BaseModel):
@@ -105,6 +116,10 @@ def sampling_from_wire(data: dict[str, Any]) -> SamplingParams:
         raise bad_request(f"sampling: {exc}", param="sampling") from None
 
 
+def key_to_wire(key: SchedulingKey) -> dict[str, Any]:
+    return asdict(key)
+
+
 def structured_to_wire(options: StructuredOutput) -> dict[str, Any]:
     return asdict(options)
 
@@ -147,8 +162,9 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     params = sampling_from_wire(body.sampling)
     spec = body.constraint
     constraint = None if spec is None else gen.constraint(StructuredOutput(**spec.model_dump()))
+    key = None if body.key is None else SchedulingKey(**body.key.model_dump())
     generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, pin_ttl_s=body.pin_ttl_s,
-                                 request_id=body.request_id, cache_salt=body.cache_salt)
+                                 request_id=body.request_id, cache_salt=body.cache_salt, key=key)
 
     async def lines() -> AsyncIterator[bytes]:
         async for out in generation.outputs():
