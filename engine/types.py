@@ -153,6 +153,9 @@ class EngineStats:
     cpu_kernels: dict = field(default_factory=dict)
     # bytes of K and V a token takes in the pool over every layer (EngineConfig.kv_cache_dtype)
     kv_cache_bytes_per_token: int = 0
+    # prompt tokens a second on recent prefill steps of 64+ tokens (EWMA; 0 before the first): what a
+    # router weighs a KV transfer against (router/move_cost.py)
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:
