@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import block_hashes, make_seed
 from engine.kv_pool import KVCache, PagePool, kv_bytes_per_token, pool_pages
+from engine.kv_move import KVLayout, KVMover, model_fingerprint
 from engine.kv_tier import DiskTier, HostTier, KVTiers
 from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
@@ -90,6 +91,8 @@ class LLMEngine:
         if config.scheduling_policy == SESSION:
             self.scheduler.order = SessionOrder(self.ledger, config.scheduling_aging_tokens_per_s)
         self._tokens_per_s = 0.0   # recent tokens computed per second of step, for Retry-After
+        self.mover = KVMover(self.kv, self.pool, self.cache, P, self._kv_layout(), self.tiers)
+        self.prefill_tokens_per_s = 0.0   # measured on prefill steps (EWMA): the router's cost of a recompute
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
@@ -160,6 +163,13 @@ class LLMEngine:
         if disk is not None:
             atexit.register(tiers.close)   # the directory is emptied even if close() is never called
         return tiers
+
+    def _kv_layout(self) -> KVLayout:
+        """What a page of this pool is, for transfers between engines (engine/kv_move.py)."""
+        m = self.model_config
+        return KVLayout(model_fingerprint(self.model_id, m, self.config.resolved_dtype(), self.quantization),
+                        str(self.kv.page_dtype).removeprefix("torch."), tuple(self.kv.page_shape),
+                        self.config.page_size, m.num_layers, m.num_kv_heads, m.head_dim, self.kv.layout)
 
     def _tier_event(self, kind: str, hashes: list[int], medium: str) -> None:
         if self.on_kv_event is not None:
@@ -310,6 +320,25 @@ class LLMEngine:
         self._command("tier_snapshot", fut)
         return fut
 
+    def request_kv(self, op: str, *args) -> "concurrent.futures.Future":
+        """A page-transfer operation run by the engine thread between steps (engine/kv_move.py):
+        ``held`` (tokens, salt), ``export`` (tokens, salt, start, count), ``import`` (tokens, salt, start,
+        pages), ``pinned`` (): the session pins' sequences. Keep ``export`` and ``import`` chunks small: the
+        step waits for them."""
+        if op not in ("held", "export", "import", "pinned"):
+            raise ValueError(f"unknown KV transfer operation {op!r}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command("kv", (fut, op, args))
+        return fut
+
+    def _kv_op(self, fut: "concurrent.futures.Future", op: str, args: tuple) -> None:
+        fn = {"held": self.mover.held, "export": self.mover.export, "import": self.mover.import_pages,
+              "pinned": lambda: self.mover.pinned(self.scheduler.pins)}[op]
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:   # a bad page fails its transfer, never the engine
+            fut.set_exception(exc)
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
         while True:
@@ -343,6 +372,8 @@ class LLMEngine:
                 if self.tiers is not None:
                     self.cache.on_evict = self._offload
                     self.tiers.clear()
+            elif kind == "kv":
+                self._kv_op(*arg)
             elif kind == "tier_snapshot":
                 arg.set_result(self.tiers.snapshot() if self.tiers is not None else {})
             elif kind == "snapshot":
@@ -378,7 +409,8 @@ class LLMEngine:
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
-            kv_cache_bytes_per_token=self.kv.bytes_per_token, waiting_by_priority=_by_priority(s.waiting))
+            kv_cache_bytes_per_token=self.kv.bytes_per_token, waiting_by_priority=_by_priority(s.waiting),
+            prefill_tokens_per_s=self.prefill_tokens_per_s)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
@@ -444,6 +476,10 @@ class LLMEngine:
         if elapsed > 0:   # an average over the last ~10 steps of the engine's rate
             rate = sum(batch.num_new) / elapsed
             self._tokens_per_s = rate if self._tokens_per_s <= 0 else 0.9 * self._tokens_per_s + 0.1 * rate
+        if prefill_tokens >= 64 and elapsed > 0:   # short chunks say more about step overhead than prefill
+            rate = prefill_tokens / elapsed
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                0.7 * self.prefill_tokens_per_s + 0.3 * rate
         if returning:
             self.coalescer.on_finish(returning)
         return outputs

@@ -191,6 +191,9 @@ class EngineStats:
     # waiting requests by priority class ("high": priority < 0, "normal": 0, "low": > 0) and whether their
     # session already ran a turn ("started") or not ("new"), keyed "<class>/<new|started>"
     waiting_by_priority: dict = field(default_factory=dict)
+    # prompt tokens a second on recent prefill steps of 64+ tokens (EWMA; 0 before the first): what a
+    # router weighs a KV transfer against (router/move_cost.py)
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -16,10 +16,12 @@ from router.config import RouterConfig, WorkerSettings
 # The RouterConfig fields each command takes as flags (the rest keep their defaults, or env).
 # block_size is none of them: it must equal the workers' KV page size, which is fixed.
 CONNECTION = ("redis_url", "key_prefix", "deployment", "heartbeat_ttl_s", "heartbeat_interval_s")
-WORKER_FIELDS = CONNECTION + ("events_maxlen",)
+WORKER_FIELDS = CONNECTION + ("events_maxlen", "kv_moves")
 ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_max_bytes", "tentative_ttl_s",
                               "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options",
-                              "vllm_workers", "vllm_events_topic", "vllm_health_interval_s")
+                              "vllm_workers", "vllm_events_topic", "vllm_health_interval_s", "kv_moves",
+                              "kv_move_min_tokens", "kv_move_bandwidth_bytes_s", "kv_move_prefill_tokens_s",
+                              "kv_move_overhead_s")
 
 
 def _serve(app, config: ServingSettings) -> None:

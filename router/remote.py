@@ -182,8 +182,13 @@ class RemoteEngine:
                 if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
                     await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
                     session = dataclasses.replace(session, last_worker=route.worker.worker_id)
-                sent = self._send_openai(route, body, params, trace) if self._is_vllm(route.worker.worker_id) else \
-                    self._send(route, body, trace)
+                if self._is_vllm(route.worker.worker_id):
+                    sent = self._send_openai(route, body, params, trace)
+                else:
+                    move = self.core.kv_move(route)   # the holder of the prefix, if pulling beats recomputing
+                    if move is not None:   # the worker answers after its pull: within half the header wait
+                        move["timeout_s"] = self.header_timeout_s / 2
+                    sent = self._send(route, body if move is None else {**body, "kv_source": move}, trace)
                 async for out in sent:
                     produced = True
                     if out.finished:  # accounted now: a consumer need not iterate past the last output
