@@ -66,7 +66,9 @@ class AsyncEngine:
     thread team, and once a process holds more OpenMP threads than CPUs, libgomp stops letting idle
     workers spin (GOMP_SPINCOUNT's throttled value), so every parallel region of every step waits for
     a sleeping worker to wake. An engine loaded in the main thread and stepped in this one decoded the
-    default model at 24 tok/s at batch 1 on 2 cores; loaded and stepped here, 54 tok/s.
+    default model at 24 tok/s at batch 1 on 2 cores; loaded and stepped here, 54 tok/s. With
+    ``overlap_schedule`` the engine loads and runs its model on its own forward thread instead
+    (engine/overlap.py), for the same reason.
     """
 
     def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None) -> None:

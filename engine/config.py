@@ -111,6 +111,12 @@ class EngineConfig:
     ``kv_cache_memory_bytes``, when set, sizes the pool by bytes instead of ``kv_cache_tokens``: as many
     pages as fit at the chosen precision (int8 holds ~3.8x the tokens of float32, ~1.9x of bfloat16).
 
+    Overlap scheduling (engine/overlap.py): with ``overlap_schedule`` the model forward and sampling run on
+    a forward thread, and the engine thread schedules and prepares step n+1 while step n runs, committing
+    step n's tokens (stop checks, detokenizing, emitting) one step behind. A step whose sampling requests
+    have a grammar constraint, verify a draft or may draft next step is committed before the next is
+    scheduled. Greedy output is the output without it.
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -189,6 +195,10 @@ class EngineConfig:
                                   "a byte, docs/kv_cache.md) or fp8 (refused: not implemented)", KV_CACHE_DTYPES)
     kv_cache_memory_bytes: int | None = setting(None, "size the KV cache by bytes instead of kv_cache_tokens (as "
                                                 "many tokens as fit at kv_cache_dtype)")
+    overlap_schedule: bool = setting(False, "overlap scheduling: prepare the next step (schedule, build inputs) "
+                                     "and commit the last one's tokens while the model runs on a forward thread; "
+                                     "steps with constrained or speculative requests still wait for their tokens "
+                                     "(engine/overlap.py; off by default until a measurement shows it wins)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -237,6 +247,8 @@ class EngineConfig:
         if self.kv_disk_path is not None and os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
             raise ValueError(f"kv_disk_path must be a directory (it is created if missing), got the file "
                              f"{self.kv_disk_path!r}")
+        if not isinstance(self.overlap_schedule, bool):
+            raise ValueError(f"overlap_schedule must be true or false, got {self.overlap_schedule!r}")
         self._validate_kv_cache()
         self._validate_expert_parallel()
 

@@ -65,8 +65,10 @@ class KVMover:
     """The engine-thread operations of a page transfer over one engine's pool, cache and tiers."""
 
     def __init__(self, kv: KVCache, pool: PagePool, cache: RadixCache, page_size: int, layout: KVLayout,
-                 tiers: KVTiers | None = None) -> None:
+                 tiers: KVTiers | None = None, write_page=None) -> None:
         self.kv, self.pool, self.cache, self.P = kv, pool, cache, page_size
+        # how a page is written into the pool (the engine's waits for an overlapped forward to finish first)
+        self.write_page = write_page or kv.write_page
         self.layout = layout
         self.tiers = tiers
 
@@ -123,7 +125,7 @@ class KVMover:
             n = min(len(pages), self.pool.num_free)
             new = self.pool.alloc(n)
             for page, data in zip(new, pages[:n]):
-                self.kv.write_page(page, data)
+                self.write_page(page, data)
             first = len(held)
             _, dups = self.cache.insert(tokens[:(first + n) * P], held + new, salt)
             if dups:

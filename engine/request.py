@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from engine.speculative import SpeculativeState
 
 
+# An output token a launched step is still sampling (overlap scheduling, engine/overlap.py): never a
+# vocabulary id, never hashed or cached; the model runner reads its value from that step's result.
+PLACEHOLDER = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -45,7 +50,16 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
     tree_node: object | None = None
-    num_computed: int = 0          # tokens whose K/V are in ``pages``
+    num_computed: int = 0          # tokens whose K/V are in ``pages`` (or being written by a launched step)
+    # Overlap scheduling (engine/overlap.py): of ``num_computed``, the tokens whose step is launched
+    # but not yet committed; the radix cache takes only the tokens before them.
+    num_inflight: int = 0
+    # Overlap scheduling: the last ``pending`` entries of ``output_ids`` are ``PLACEHOLDER``s for tokens
+    # a launched step is sampling; committing that step writes them in, oldest first.
+    pending: int = 0
+    # Overlap scheduling: the token being sampled is certainly its last (max_tokens, context window),
+    # so the scheduler gives it no further step.
+    finishing: bool = False
     cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of which loaded from a KV tier, by medium
     num_preemptions: int = 0
@@ -88,6 +102,30 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose values are known: all but the pending placeholders."""
+        return self.num_tokens - self.pending
+
+    @property
+    def num_cacheable(self) -> int:
+        """Tokens the radix cache may take: computed by a committed step, and known."""
+        return min(self.num_computed - self.num_inflight, self.num_known)
+
+    def place_token(self, token: int) -> None:
+        """Commit a sampled token: it replaces the oldest pending placeholder, or is appended."""
+        if self.pending:
+            self.output_ids[len(self.output_ids) - self.pending] = token
+            self.pending -= 1
+        else:
+            self.output_ids.append(token)
+
+    def drop_placeholders(self) -> None:
+        """Forget the tokens launched steps are still sampling (the request ended before them)."""
+        if self.pending:
+            del self.output_ids[-self.pending:]
+            self.pending = 0
 
     @property
     def remaining_prefill(self) -> int:

@@ -251,8 +251,10 @@ class Scheduler:
         return "ok"
 
     def cache_request(self, req: Request) -> Node:
-        """Hand the request's full computed pages to the radix cache and adopt the tree's pages."""
-        n_full = req.num_computed // self.P
+        """Hand the request's full computed pages to the radix cache and adopt the tree's pages. Only
+        pages of committed steps and known tokens (``Request.num_cacheable``): with overlap scheduling a
+        launched step's K/V and sampled tokens are not in yet."""
+        n_full = req.num_cacheable // self.P
         node = req.tree_node
         if self.enable_prefix_cache and n_full > req.num_tree_pages:
             tokens = req.all_ids[:n_full * self.P]
@@ -279,7 +281,7 @@ class Scheduler:
         self.pool.free(req.pages[req.num_tree_pages:])
         self.cache.unlock(req.tree_node)
         req.pages, req.tree_node, req.num_tree_pages = [], None, 0
-        req.num_computed = 0
+        req.num_computed = req.num_inflight = 0
 
     def preempt(self, req: Request) -> None:
         self.release(req)
@@ -295,7 +297,7 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         # decoding requests first (oldest first, or by the order's key), then running prefills
         for req in self._running_order():
-            if req.status is not Status.RUNNING or budget <= 0:
+            if req.status is not Status.RUNNING or budget <= 0 or req.finishing:
                 continue
             n = min(req.remaining_prefill, budget)
             while not self._grow(req, req.num_computed + n):
@@ -309,15 +311,18 @@ class Scheduler:
                 budget -= n
                 continue
             # nothing left to preempt: this request cannot grow now
-            if not batch.requests:
+            if batch.requests:
+                self.preempt(req)
+            elif not req.pending:
                 # alone and with the whole cache evicted it still does not fit: it never will
                 self._fail(req, "the request does not fit in the KV cache")
-            else:
-                self.preempt(req)
+            # else its last token is still being sampled (overlap): it fails once that token is in
         # admit waiting requests, oldest first (or least key first)
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.finishing:
+                continue  # preempted while its last token is sampled: it ends when that token is in
             got = self._match(req)
             if got == "pending":
                 continue  # its tier pages are on their way from disk: the requests behind it go first
@@ -329,7 +334,7 @@ class Scheduler:
             n = min(req.remaining_prefill, budget)
             if not self._grow(req, req.num_computed + n):
                 self.release(req)
-                if not self.running and not batch.requests:
+                if not self.running and not batch.requests and not req.pending:
                     self._unqueue(req)
                     self._fail(req, "the request does not fit in the KV cache")
                     continue
@@ -389,7 +394,7 @@ class Scheduler:
             return False
         head = req.all_ids[:end]
         for other in self.running:
-            if (other.status is Status.RUNNING and other.num_computed < end <= len(other.prompt_ids)
+            if (other.status is Status.RUNNING and other.num_cacheable < end <= len(other.prompt_ids)
                     and other.cache_salt == req.cache_salt and other.prompt_ids[:end] == head):
                 return True
         return False
