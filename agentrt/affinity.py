@@ -84,3 +84,7 @@ class AffinityPins:
 
     def __len__(self) -> int:
         return len(self._last)
+
+    def __contains__(self, session_id: str) -> bool:
+        """Whether conversation ``session_id`` had a pinned request here (it already ran a turn)."""
+        return session_id in self._last

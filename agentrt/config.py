@@ -249,7 +249,8 @@ class ServingSettings(Settings):
     the limits it enforces, authentication, sessions and tracing.
 
     ``max_concurrent_requests`` (generations in flight, the HTTP admission limit): past it a request
-    gets 429 with ``Retry-After``. ``tenants_file`` (``agentrt/tenants.py``) replaces ``api_keys``;
+    gets 429 with ``Retry-After``, and with ``concurrency_reserve`` a request that does not continue a
+    started session (``SchedulingKey.continuing``) already past that share less of it. ``tenants_file`` (``agentrt/tenants.py``) replaces ``api_keys``;
     neither means no authentication. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
     turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for;
     ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
@@ -265,6 +266,9 @@ class ServingSettings(Settings):
                                      "cache isolation (replaces --api-key; default: none)")
     max_body_bytes: int = Field(4 << 20, ge=1, description="largest request body accepted, in bytes")
     max_concurrent_requests: int = Field(64, ge=1, description="generations in flight before new requests get 429")
+    concurrency_reserve: float = Field(0.0, ge=0, lt=1, description="the share of max_concurrent_requests kept for "
+                                       "later turns of started sessions: a new session's first turn (or a request of "
+                                       "no session) gets 429 past the rest (0: none)")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After seconds sent with 429 and 503 answers")
     default_max_tokens: int = Field(1024, ge=1, description="reply token limit when a request gives none "
                                     "(capped by what is left of the context window)")
@@ -280,6 +284,10 @@ class ServingSettings(Settings):
     pin_ttl_tool_s: float = Field(120.0, gt=0, description="seconds the prefix stays pinned when the reply ended "
                                   "in a tool call")
     max_pin_ttl_s: float = Field(600.0, gt=0, description="the longest pin a session may ask for, in seconds")
+    pin_ttl_policy: Literal["fixed", "cost"] = Field(
+        "cost", description="the pin after a tool call: fixed (pin_ttl_tool_s) or cost (from the session's measured "
+        "tool pauses, the pool's pressure and the recompute cost, agentrt/pin_ttl.py; pin_ttl_tool_s until three "
+        "pauses were measured)")
     affinity_turns: bool = Field(True, description="treat a request that names its conversation (prompt_cache_key, "
                                  "a session header) as a session turn: its prefix stays pinned for pin_ttl_s until "
                                  "the conversation's next request, and the engine holds its next step for that "

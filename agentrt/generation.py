@@ -25,13 +25,14 @@ from engine.client import EngineClient, OutputStream, SessionHint, StructuredOut
 from engine.parsers import (OutputParser, constrained_call_format, control_token_texts, detect,
                             needs_special_tokens)
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams,
-                          TokenLogprob)
+                          SchedulingKey, TokenLogprob)
 
 from agentrt import tracing
 from agentrt.affinity import AffinityPins
 from agentrt.config import ServingSettings
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
+from agentrt.pin_ttl import MIN_TTL_S, ToolPinTTL
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,11 @@ class Generation:
 
     def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *,
                  parser: OutputParser | None, parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
-                 tenant: Tenant | None = None, reservation: Any = None, affinity_turn: bool = False) -> None:
+                 tenant: Tenant | None = None, reservation: Any = None, affinity_turn: bool = False,
+                 session_id: str | None = None) -> None:
         self.gen = generator
         self.affinity_turn = affinity_turn  # pinned as its conversation's latest turn (Generator.start)
+        self.session_id = session_id  # the session or conversation it is a turn of (None: none)
         self.tenant = tenant
         self._reservation = reservation
         self.request_id = request_id
@@ -160,6 +163,9 @@ class Generation:
         if out.token_ids and self._first_token_at is None:
             self._first_token_at = time.monotonic()
             self.gen.metrics.observe_ttft(self._first_token_at - self._started_at)
+            # the recompute cost the pin-TTL model weighs: prompt tokens computed before the first token
+            self.gen.tool_pins.observe_prefill(out.prompt_tokens - out.cached_tokens,
+                                               self._first_token_at - self._started_at)
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self._token_ids.extend(out.token_ids)
         self._text.append(out.text)
@@ -208,7 +214,7 @@ class Generation:
         self.result.reasoning = "".join(self._reasoning) or None
         self.result.finish_reason = reason or "stop"
         if self.affinity_turn and reason == "tool_calls":  # the agent comes back after running the tool
-            self.gen.engine.extend_pin(self.request_id, self.gen.config.pin_ttl_tool_s)
+            self.gen.engine.extend_pin(self.request_id, self.gen.tool_pin_ttl(self.session_id))
         return tail
 
     def _record(self, out: RequestOutput) -> None:
@@ -245,6 +251,9 @@ class Generator:
         self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
         self.tenant_limits = tenant_limits if tenant_limits is not None else TenantLimits()
         self.affinity_pins = AffinityPins(config.max_sessions)
+        # each session's tool pauses, for the pin after its next tool call (pin_ttl_policy "cost")
+        self.tool_pins = ToolPinTTL(config.pin_ttl_tool_s, config.max_pin_ttl_s, max_sessions=config.max_sessions,
+                                    min_ttl_s=min(MIN_TTL_S, config.max_pin_ttl_s))
         detected = detect(self.tokenizer.chat_template)
         self.tool_parser = config.tool_call_parser or detected[0]
         self.reasoning_parser = config.reasoning_parser or (None if config.tool_call_parser else detected[1])
@@ -275,10 +284,11 @@ class Generator:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         temperature = fields.get("temperature")
         top_p = fields.get("top_p")
+        priority = fields.get("priority")
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, seed=fields.get("seed"), stop=stop,
                               logprobs=logprobs, top_k=fields.get("top_k") or 0,
-                              ignore_eos=bool(fields.get("ignore_eos")))
+                              ignore_eos=bool(fields.get("ignore_eos")), priority=0 if priority is None else priority)
 
     def check_defaults(self, fields: dict[str, Any], options: StructuredOutput) -> None:
         """400 now for sampling defaults or structured-output options no request could run with
@@ -356,7 +366,7 @@ class Generator:
                     pin_ttl_s: float | None = None,
                     request_id: str | None = None, started_at: float | None = None,
                     session: SessionHint | None = None, tenant: Tenant | None = None,
-                    cache_salt: str | None = None) -> Generation:
+                    cache_salt: str | None = None, key: SchedulingKey | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
         prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker).
@@ -364,16 +374,19 @@ class Generator:
         A request that names its conversation (``session.remember``: an affinity key) and asks for no pin
         of its own is that conversation's latest turn, when ``affinity_turns`` is on: the engine pins it
         for ``pin_ttl_s`` when it ends (``pin_ttl_tool_s`` after a tool call) and holds its next step for
-        the agent's return as it does for a session turn; the conversation's next request releases it."""
+        the agent's return as it does for a session turn; the conversation's next request releases it.
+
+        ``key``: whom the engine's scheduler serves the request for (a worker passes the router's); by
+        default the session (or conversation) and the tenant, with its weight (:meth:`scheduling_key`)."""
         affinity_turn = (pin_ttl_s is None and session is not None and session.remember
                          and self.config.affinity_turns)
         if affinity_turn:
             pin_ttl_s = self.config.pin_ttl_s
+        if key is None:
+            key = self.scheduling_key(session, tenant)
         if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
             raise draining(self.config.retry_after_s)
-        if self.in_flight >= self.config.max_concurrent_requests:
-            raise overloaded(f"the server is at its limit of {self.config.max_concurrent_requests} "
-                             "concurrent requests; retry later", self.config.retry_after_s)
+        self._admit_concurrency(key)
         # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
         # admitted meanwhile cannot push the server past its limit.
         self.in_flight += 1
@@ -386,13 +399,15 @@ class Generator:
         request_id = request_id or "req-" + uuid.uuid4().hex
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
+        if session is not None:  # the end of a tool pause, if the session's last reply called a tool
+            self.tool_pins.turn_started(session.session_id, time.monotonic())
         trace = tracing.current()  # the request's server span (None: not traced)
         if trace is not None:
             tracing.annotate(trace, {"agentrt.request_id": request_id,
                                      "agentrt.tenant": tenant.name if tenant else None})
         try:
             stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
-                                        cache_salt=cache_salt, session=session, trace=trace)
+                                        cache_salt=cache_salt, session=session, trace=trace, key=key)
         except BaseException as exc:
             self.release()
             if reservation is not None:
@@ -405,7 +420,41 @@ class Generator:
         return Generation(self, stream, request_id, parser=parser,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic(),
-                          tenant=tenant, reservation=reservation, affinity_turn=affinity_turn)
+                          tenant=tenant, reservation=reservation, affinity_turn=affinity_turn,
+                          session_id=session.session_id if session is not None else None)
+
+    def _admit_concurrency(self, key: SchedulingKey) -> None:
+        """429 past ``max_concurrent_requests`` generations in flight; a request that does not continue a
+        started session (``key.continuing``) only up to ``1 - concurrency_reserve`` of them, so later
+        turns of running agents get in before new sessions do."""
+        limit, why = self.config.max_concurrent_requests, ""
+        reserve = self.config.concurrency_reserve
+        if reserve > 0 and not key.continuing:
+            limit = max(1, int(limit * (1 - reserve)))
+            why = f" for a new session ({reserve:.0%} of them are kept for later turns of started sessions)"
+        if self.in_flight >= limit:
+            raise overloaded(f"the server is at its limit of {limit} concurrent requests{why}; retry later",
+                             self.config.retry_after_s)
+
+    def scheduling_key(self, session: SessionHint | None, tenant: Tenant | None) -> SchedulingKey:
+        """The request's session and tenant as the engine's scheduler orders them. A session turn whose
+        session has history, or a conversation this server already pinned a request of, continues a
+        started session."""
+        continuing = session is not None and (session.continuing or
+                                              (session.remember and session.session_id in self.affinity_pins))
+        return SchedulingKey(session=session.session_id if session is not None else "",
+                             tenant=tenant.name if tenant is not None else "",
+                             weight=tenant.weight if tenant is not None else 1.0, continuing=continuing)
+
+    def tool_pin_ttl(self, session_id: str | None) -> float:
+        """The pin TTL after a reply of ``session_id`` that ended in a tool call: ``pin_ttl_tool_s``, or
+        with ``pin_ttl_policy`` cost, the cost model's TTL from the session's pauses (agentrt/pin_ttl.py)."""
+        if session_id is None:
+            return self.config.pin_ttl_tool_s
+        self.tool_pins.tool_call_ended(session_id, time.monotonic())
+        if self.config.pin_ttl_policy == "fixed":
+            return self.config.pin_ttl_tool_s
+        return self.tool_pins.ttl(session_id, lambda: self.engine.stats())
 
     async def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> Any:
         """Reserve the tenant's share (None: no tenant); 429 with Retry-After past its limits."""

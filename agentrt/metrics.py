@@ -35,6 +35,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+_SESSION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 
 # The model server protocol (gateway-api-inference-extension, docs/proposals/003-model-server-protocol):
 # its metric -> the name we expose it under, which is vLLM's, the endpoint picker's default
@@ -145,6 +146,15 @@ class _EngineCollector:
                  "Speculative decoding: drafts verified since start (one per request and step)",
                  s.spec_verifications_total)):
             yield CounterMetricFamily(name, doc, value=value)
+        queue = GaugeMetricFamily("agentrt_engine_waiting_by_priority",
+                                  "Requests queued for admission, now, by priority class (high: priority < 0, "
+                                  "normal: 0, low: > 0) and session (started: a later turn of a session that ran "
+                                  "a turn; new: a first turn or no session)", labels=["priority", "session"])
+        by_class = getattr(s, "waiting_by_priority", None) or {}
+        for priority in ("high", "normal", "low"):
+            for session in ("new", "started"):
+                queue.add_metric([priority, session], float(by_class.get(f"{priority}/{session}", 0)))
+        yield queue
         yield from _tier_metrics(getattr(s, "kv_tiers", None) or {})
         kernels = getattr(s, "cpu_kernels", None) or {}
         if kernels:
@@ -211,6 +221,10 @@ class Metrics:
                               "to fit max_tokens", registry=self.registry)
         self.sessions = Gauge("agentrt_sessions", "Sessions this server holds (created and not yet expired or "
                               "deleted), now", registry=self.registry)
+        self.session_completion = Histogram(
+            "agentrt_session_completion_seconds",
+            "Sessions that ended (deleted or expired) with at least one turn: from creation to the end of "
+            "their last turn, in seconds", buckets=_SESSION_BUCKETS, registry=self.registry)
         self.turns = Counter("agentrt_session_turns",
                              "Session turns, by outcome: new (generated) or replayed (a turn_id seen before)",
                              ["outcome"], registry=self.registry)
@@ -238,6 +252,9 @@ class Metrics:
         self.finished.labels(result.finish_reason).inc()
         if result.closed_by_budget:
             self.closed.inc()
+
+    def observe_session_completion(self, seconds: float) -> None:
+        self.session_completion.observe(max(0.0, seconds))
 
     def set_in_flight(self, n: int) -> None:
         self.in_flight.set(n)

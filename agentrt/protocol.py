@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class _Request(BaseModel):
@@ -69,6 +69,7 @@ class SamplingFields(_Request):
     # extensions vLLM also accepts
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    priority: StrictInt | None = None   # vLLM's: lower is scheduled earlier (--scheduling-policy session)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -167,6 +168,7 @@ class SessionSampling(_Request):
     seed: int | None = None
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    priority: StrictInt | None = None   # lower is scheduled earlier (--scheduling-policy session)
     # structured-output defaults for every turn; a turn's own value wins
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -194,6 +196,7 @@ class TurnRequest(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
+    priority: StrictInt | None = None   # lower is scheduled earlier (--scheduling-policy session)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None

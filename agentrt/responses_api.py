@@ -495,7 +495,7 @@ class ResponsesService:
             if parent is not None:
                 record, turn = parent
                 messages = system + self.sessions.history(record, upto=turn) + new_messages
-                hint = SessionHint(record.id, record.last_worker)
+                hint = SessionHint(record.id, record.last_worker, continuing=True)
             run.generation = await self.gen.start_chat(messages, fields, options, session=hint, tenant=tenant,
                                                        template_kwargs=template_kwargs)
             return run

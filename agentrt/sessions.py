@@ -189,6 +189,8 @@ class SessionManager:
         self._pins.pop(session_id, None)
         if record is not None:
             self._release_last_pin(record)
+            if record.turns:  # from its creation to the end of its last turn
+                self.gen.metrics.observe_session_completion(record.turns[-1].created_at - record.created_at)
 
     def _release_last_pin(self, record: SessionRecord) -> None:
         """Unpin the session's last turn while its pin may hold (whichever router made it)."""
@@ -242,7 +244,7 @@ class SessionManager:
 
         def plan(record: SessionRecord) -> TurnPlan:
             fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop",
-                                                                   "seed"}, exclude_none=True)}
+                                                                   "seed", "priority"}, exclude_none=True)}
             structured = _structured_options(record.sampling, req)
             options = StructuredOutput(structured["response_format"], record.tools, structured["tool_choice"],
                                        structured["parallel_tool_calls"])
@@ -297,9 +299,10 @@ class SessionManager:
                       tenant: Tenant) -> TurnRun:
         started = time.monotonic()
         pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
+        hint = SessionHint(record.id, record.last_worker, continuing=bool(record.turns))
         generation = await self.gen.start_chat(plan.messages, plan.fields, plan.options, pin_ttl_s=pin_ttl,
-                                               started_at=started, session=SessionHint(record.id, record.last_worker),
-                                               tenant=tenant, template_kwargs=plan.template_kwargs)
+                                               started_at=started, session=hint, tenant=tenant,
+                                               template_kwargs=plan.template_kwargs)
         return TurnRun(self, record, turn_id, plan, generation, lock, pin_ttl, tenant)
 
     def history(self, record: SessionRecord, upto: TurnRecord | None = None) -> list[dict[str, Any]]:
@@ -322,7 +325,7 @@ class SessionManager:
         if result.tool_calls and run.record.pin_ttl_s is None:
             # The agent runs the tool and comes straight back: keep the prefix longer (the engine
             # pinned the turn under its request id when it finished; only the deadline changes).
-            pin_ttl = self.config.pin_ttl_tool_s
+            pin_ttl = self.gen.tool_pin_ttl(run.record.id)
             self.gen.engine.extend_pin(run.generation.request_id, pin_ttl)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}

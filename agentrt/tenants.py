@@ -5,7 +5,10 @@ SHA-256 hex digests of their API keys and their limits; plaintext keys are never
 
     {"tenants": {"acme": {"key_sha256": ["<hex of sha256(key)>"], "share_cache": false,
                           "max_sessions": 100, "max_concurrent_requests": 8,
-                          "tokens_per_minute": 200000}}}
+                          "tokens_per_minute": 200000, "weight": 2}}}
+
+``weight`` (default 1) is the tenant's fair share of the engine under ``--scheduling-policy session``
+(engine/session_priority.py): a tenant of weight 2 is due twice the service of one of weight 1.
 
 Every session belongs to the tenant that created it; another tenant sees 404 for it.
 Prefix caches are isolated per tenant through the engine's cache salt (DESIGN.md
@@ -56,6 +59,7 @@ class Tenant:
     max_sessions: int | None = None
     max_concurrent_requests: int | None = None
     tokens_per_minute: int | None = None
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= 128:
@@ -70,6 +74,9 @@ class Tenant:
                 raise ValueError(f"tenant {self.name!r}: {limit} must be an integer >= 1, got {value!r}")
         if not isinstance(self.share_cache, bool):
             raise ValueError(f"tenant {self.name!r}: share_cache must be true or false")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or \
+                not 0 < self.weight < float("inf"):
+            raise ValueError(f"tenant {self.name!r}: weight must be a number > 0, got {self.weight!r}")
 
     @property
     def cache_salt(self) -> str:
@@ -77,7 +84,8 @@ class Tenant:
         return "" if self.share_cache else "tenant:" + self.name
 
 
-_TENANT_FIELDS = {"key_sha256", "share_cache", "max_sessions", "max_concurrent_requests", "tokens_per_minute"}
+_TENANT_FIELDS = {"key_sha256", "share_cache", "max_sessions", "max_concurrent_requests", "tokens_per_minute",
+                  "weight"}
 
 
 def load_tenants(path: str | Path) -> list[Tenant]:

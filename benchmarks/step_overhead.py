@@ -30,7 +30,15 @@ and the LM head), measured on the default model with the default engine settings
   ``gguf``) against this one, in alternating blocks of steps as above: medians and their ratio.
 
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
-        [--ab-quantization gguf] [--kv-cache-dtype int8]
+        [--ab-quantization gguf] [--kv-cache-dtype int8] [--overlap]
+
+* ``overlap`` (``--overlap``): whole engine steps (schedule, inputs, forward, sampling, stop checks,
+  detokenizing, emitting) of ``batch`` decoding requests, on an engine without and one with
+  ``overlap_schedule`` (engine/overlap.py), in alternating blocks. Per side: ``step_ms`` (the period of
+  one step), ``forward_ms`` (the model's forward and logits), ``host_total_ms`` (all host work of a
+  step: with overlap the engine thread's time in ``step()`` not spent waiting for the forward thread,
+  plus the forward thread's time outside the model) and ``host_critical_ms`` (the step period less the
+  forward: the host work the forward does not hide). Without overlap the two host figures are equal.
 
 * ``kv_pages`` (``--kv-cache-dtype int8``): the engine runs on 8-bit KV pages, and the same model is
   also timed over a second pool of ``--kv-baseline`` pages (default bfloat16, with the same
@@ -40,6 +48,7 @@ and the LM head), measured on the default model with the default engine settings
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -250,6 +259,85 @@ def ab_kv_pages(engine: LLMEngine, baseline: str, shapes: list[str], steps: int,
     return out
 
 
+class StepClock:
+    """Where an engine's steps spend their time: the model (a ``ForwardTimer``), and with overlap the
+    engine thread's waits for the forward thread and the forward thread's whole task time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.timer = ForwardTimer(engine.runner.model)
+        engine.runner.model = self.timer
+        self.wait = self.task = 0.0
+        if engine.overlap:
+            commit, forward = engine._commit_launched, engine._forward
+
+            def timed_commit(step):
+                t = time.perf_counter()
+                step.future.result()
+                self.wait += time.perf_counter() - t
+                return commit(step)
+
+            def timed_forward(step, prev=None):
+                t = time.perf_counter()
+                try:
+                    return forward(step, prev)
+                finally:
+                    self.task += time.perf_counter() - t
+            engine._commit_launched, engine._forward = timed_commit, timed_forward
+
+    def totals(self) -> tuple[float, float, float]:
+        return self.timer.seconds, self.wait, self.task
+
+
+def overlap_block(engine: LLMEngine, clock: StepClock, steps: int) -> dict:
+    """``steps`` engine steps after a warm-up one: per-step period, forward, total and critical host ms."""
+    engine.step()
+    f0, w0, t0 = clock.totals()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    f1, w1, t1 = clock.totals()
+    period, forward = wall / steps, (f1 - f0) / steps
+    total = (wall - (w1 - w0) + (t1 - t0) - (f1 - f0)) / steps if engine.overlap else period - forward
+    return {"step_ms": period * 1000, "forward_ms": forward * 1000, "host_total_ms": total * 1000,
+            "host_critical_ms": (period - forward) * 1000}
+
+
+def ab_overlap(cfg: EngineConfig, shapes: list[str], steps: int, blocks: int = 3, order: str = "alternate") -> dict:
+    """Decoding engines without and with overlap scheduling, ``batch`` requests each, in alternating blocks
+    of ``steps`` steps: each side's medians over its blocks."""
+    out = {}
+    for name in shapes:
+        batch, ctx, _ = SHAPES[name]
+        tokens = blocks * (steps + 1) + 8          # every block decodes; no request ends before the last
+        kv = batch * (ctx + tokens + 2 * cfg.page_size)
+        engines = {side: LLMEngine(dataclasses.replace(cfg, kv_cache_tokens=max(kv, 4096),
+                                                       max_num_seqs=max(batch, cfg.max_num_seqs),
+                                                       overlap_schedule=side == "overlap"))
+                   for side in ("plain", "overlap")}
+        gen = torch.Generator().manual_seed(batch * 7 + ctx)
+        params = SamplingParams(max_tokens=tokens + 4, temperature=0, ignore_eos=True)
+        clocks = {}
+        for side, eng in engines.items():
+            for _ in range(batch):
+                eng.add_request(torch.randint(0, eng.model_config.vocab_size, (ctx,), generator=gen).tolist(), params)
+            while len(eng.scheduler.running) < batch or any(r.remaining_prefill > 1 for r in eng.scheduler.running):
+                eng.step()                          # prefill everything first: blocks time decode steps only
+            clocks[side] = StepClock(eng)
+        runs: dict = {side: [] for side in engines}
+        for _, side in harness.ab_order(list(engines), blocks, order):
+            runs[side].append(overlap_block(engines[side], clocks[side], steps))
+        out[name] = {side: {k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]} | {"blocks": rs}
+                     for side, rs in runs.items()}
+        for side in engines:
+            r = out[name][side]
+            print(f"overlap  {name:22s} {side:8s} step {r['step_ms']:8.1f} ms  forward {r['forward_ms']:8.1f} ms  "
+                  f"host total {r['host_total_ms']:6.2f} ms  on the critical path {r['host_critical_ms']:6.2f} ms",
+                  flush=True)
+            engines[side].close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_common_args(ap, repeats=3)   # --repeats: blocks per side of --ab-kernels
@@ -263,6 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV pages of the engine (engine.config.KV_CACHE_DTYPES); "
                     "other than auto, also timed against --kv-baseline pages in alternating blocks")
     ap.add_argument("--kv-baseline", default="bfloat16", help="the page dtype --kv-cache-dtype is timed against")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also time whole engine steps without and with overlap_schedule, in alternating blocks: "
+                         "host ms on the critical path against total host ms")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
     ap.add_argument("--ab-quantization", metavar="MODE",
@@ -308,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None
     kv_pages = ab_kv_pages(engine, args.kv_baseline, shapes, args.steps, args.repeats, args.order) \
         if args.kv_cache_dtype != "auto" else None
+    overlap = ab_overlap(engine.config, shapes, args.steps, args.repeats, args.order) if args.overlap else None
     auto = results.get("auto", {})
     out = {
         "device": engine.device,
@@ -325,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         "ab_quantization": abq,
         "kv_cache_dtype": engine.config.resolved_kv_cache_dtype(),
         "kv_pages": kv_pages,
+        "overlap": overlap,
         "steps": args.steps,
     }
     print(json.dumps({k: out[k] for k in ("decode_step_ms", "attention_scaling", "attention_floor")}))

@@ -2,7 +2,7 @@
 
 from engine.config import EngineConfig
 from engine.types import (EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
-                          RequestOutput, SamplingParams)
+                          RequestOutput, SamplingParams, SchedulingKey)
 
 
 def __getattr__(name):
@@ -17,4 +17,5 @@ def __getattr__(name):
 
 
 __all__ = ["EngineConfig", "LLMEngine", "AsyncEngine", "SamplingParams", "RequestOutput",
-           "GenerationResult", "EngineStats", "InvalidRequest", "EngineOverloaded"]
+           "GenerationResult", "EngineStats", "InvalidRequest", "EngineOverloaded",
+           "SchedulingKey"]

@@ -21,7 +21,7 @@ from engine.client import SessionHint, StructuredOutput
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.engine import LLMEngine
-from engine.types import RequestOutput, SamplingParams
+from engine.types import RequestOutput, SamplingParams, SchedulingKey
 
 
 class RequestStream:
@@ -66,7 +66,9 @@ class AsyncEngine:
     thread team, and once a process holds more OpenMP threads than CPUs, libgomp stops letting idle
     workers spin (GOMP_SPINCOUNT's throttled value), so every parallel region of every step waits for
     a sleeping worker to wake. An engine loaded in the main thread and stepped in this one decoded the
-    default model at 24 tok/s at batch 1 on 2 cores; loaded and stepped here, 54 tok/s.
+    default model at 24 tok/s at batch 1 on 2 cores; loaded and stepped here, 54 tok/s. With
+    ``overlap_schedule`` the engine loads and runs its model on its own forward thread instead
+    (engine/overlap.py), for the same reason.
     """
 
     def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None) -> None:
@@ -124,10 +126,12 @@ class AsyncEngine:
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, constraint: TokenConstraint | None = None,
                cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None, trace: object | None = None) -> RequestStream:
+               session: SessionHint | None = None, trace: object | None = None,
+               key: SchedulingKey | None = None) -> RequestStream:
         """Check and enqueue (``LLMEngine.add_request``); raises InvalidRequest / EngineOverloaded at
         once. ``session`` is a routing hint, moot in one process. ``trace`` rides on the request to
-        ``LLMEngine.on_finished`` (its phase spans)."""
+        ``LLMEngine.on_finished`` (its phase spans). ``key``: the session and tenant the scheduler
+        orders it by (engine/session_priority.py)."""
         if self._stop:
             raise RuntimeError("the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
@@ -136,7 +140,7 @@ class AsyncEngine:
             self._streams[rid] = (asyncio.get_running_loop(), q)
         try:
             self.engine.add_request(prompt_token_ids, params, rid, constraint=constraint,
-                                    cache_salt=cache_salt, pin_ttl_s=pin_ttl_s, trace=trace)
+                                    cache_salt=cache_salt, pin_ttl_s=pin_ttl_s, trace=trace, key=key)
         except BaseException:
             self._forget(rid)
             raise

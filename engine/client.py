@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
 
-from engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
+from engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams, SchedulingKey
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,16 @@ class SessionHint:
 
     ``remember``: the caller keeps no record of where the session ran (a conversation named only by
     its client's affinity key, ``agentrt.affinity``), so a router remembers it: it looks the
-    session's worker up before routing and records the worker it chose."""
+    session's worker up before routing and records the worker it chose.
+
+    ``continuing``: the session already ran a turn (the caller knows its history), so this request is a
+    later turn of a started session (``SchedulingKey.continuing``: admitted before new sessions under
+    overload with ``scheduling_policy`` session)."""
 
     session_id: str
     last_worker: str | None = None
     remember: bool = False
+    continuing: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,15 @@ class EngineClient(Protocol):
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *,
                constraint: Any = None, cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None, trace: Any = None) -> OutputStream:
+               session: SessionHint | None = None, trace: Any = None,
+               key: SchedulingKey | None = None) -> OutputStream:
         """Check (:func:`check_request`: ``InvalidRequest`` at once) and enqueue; the stream yields
         ``RequestOutput`` deltas, the last one finished. ``pin_ttl_s``: pin the finished sequence
         (prompt + reply) under ``request_id`` for that long (a session turn). ``trace``: the caller's
         trace context (opaque here; agentrt/tracing.py), or None: the in-process engine hands it back
-        with the finished request for its phase spans, a remote client forwards it to the worker."""
+        with the finished request for its phase spans, a remote client forwards it to the worker.
+        ``key``: the session and tenant the engine's scheduler orders the request by
+        (engine/session_priority.py); a remote client sends it to the worker."""
         ...
 
     def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:

@@ -15,6 +15,7 @@ SPECULATIVE = ("off", "ngram", "suffix", "auto")
 QUANTIZATIONS = ("auto", "off", "int4", "int8", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")   # vLLM's --kv-cache-dtype names
 MAX_SPECULATIVE_TOKENS = 16
+SCHEDULING_POLICIES = ("fcfs", "session")   # engine/session_priority.py
 
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -40,6 +41,13 @@ class EngineConfig:
     ``None`` is twice the pool's token capacity. A request is always admitted when
     nothing is queued, whatever its size (a prompt the pool cannot hold is refused
     with ``InvalidRequest`` instead).
+
+    Scheduling (engine/session_priority.py): ``scheduling_policy="fcfs"`` admits waiting requests in
+    arrival order and preempts the youngest; ``"session"`` orders them by explicit priority, then the
+    tenant's weighted share, then the least service attained by the request's session, aged by
+    ``scheduling_aging_tokens_per_s`` for every second a request waits, and preempts in the reverse order.
+    Under ``session`` a new session's first turn is also refused (``EngineOverloaded``) once the queue is
+    ``1 - started_session_reserve`` full, so the rest stays for later turns of sessions already running.
 
     Turn coalescing (engine/coalesce.py; serving loops only, ``AsyncEngine``): after a session
     turn ends, the next step may wait up to ``turn_coalesce_fraction`` of the recent prefill
@@ -103,6 +111,12 @@ class EngineConfig:
     ``kv_cache_memory_bytes``, when set, sizes the pool by bytes instead of ``kv_cache_tokens``: as many
     pages as fit at the chosen precision (int8 holds ~3.8x the tokens of float32, ~1.9x of bfloat16).
 
+    Overlap scheduling (engine/overlap.py): with ``overlap_schedule`` the model forward and sampling run on
+    a forward thread, and the engine thread schedules and prepares step n+1 while step n runs, committing
+    step n's tokens (stop checks, detokenizing, emitting) one step behind. A step whose sampling requests
+    have a grammar constraint, verify a draft or may draft next step is committed before the next is
+    scheduled. Greedy output is the output without it.
+
     Expert parallelism (MoE models only, docs/moe.md): ``ep_size`` ranks, this process
     being rank 0, laid out as ``ep_nodes`` x ``ep_size // ep_nodes``; ``ep_placement``
     (``contiguous`` | ``balanced`` | ``locality``) lays out ``num_experts + ep_redundant``
@@ -126,6 +140,16 @@ class EngineConfig:
     max_waiting: int = setting(1024, "requests queued for the engine before new ones get 429")
     max_waiting_tokens: int | None = setting(None, "prompt tokens queued for the engine before new requests get "
                                              "429 (default: twice the KV cache)")
+    scheduling_policy: str = setting("fcfs", "order of admission and preemption: fcfs (arrival order) or session "
+                                     "(explicit priority, then the tenant's weighted fair share, then the least "
+                                     "service attained by the request's agent session, with aging)",
+                                     SCHEDULING_POLICIES)
+    scheduling_aging_tokens_per_s: float = setting(256.0, "with scheduling_policy session: tokens of attained "
+                                                   "service forgiven per second a request waits, so a long "
+                                                   "session still overtakes newcomers and never starves")
+    started_session_reserve: float = setting(0.25, "with scheduling_policy session: the share of the waiting "
+                                             "queue (max_waiting, max_waiting_tokens) kept for later turns of "
+                                             "started sessions; a new session's first turn gets 429 past the rest")
     turn_coalesce_max_s: float = setting(0.2, "how long the engine may hold its next step after a session turn "
                                          "ends, for the agent's next turn to join (0: off)")
     turn_coalesce_fraction: float = setting(0.1, "that hold as a fraction of the recent prefill step time")
@@ -171,6 +195,10 @@ class EngineConfig:
                                   "a byte, docs/kv_cache.md) or fp8 (refused: not implemented)", KV_CACHE_DTYPES)
     kv_cache_memory_bytes: int | None = setting(None, "size the KV cache by bytes instead of kv_cache_tokens (as "
                                                 "many tokens as fit at kv_cache_dtype)")
+    overlap_schedule: bool = setting(False, "overlap scheduling: prepare the next step (schedule, build inputs) "
+                                     "and commit the last one's tokens while the model runs on a forward thread; "
+                                     "steps with constrained or speculative requests still wait for their tokens "
+                                     "(engine/overlap.py; off by default until a measurement shows it wins)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -196,6 +224,7 @@ class EngineConfig:
                              f"got {self.turn_coalesce_max_s} and {self.turn_coalesce_fraction}")
         if self.max_waiting_tokens is not None and self.max_waiting_tokens < 1:
             raise ValueError(f"max_waiting_tokens must be >= 1, got {self.max_waiting_tokens}")
+        self._validate_scheduling()
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
         if not isinstance(self.num_speculative_tokens, int) or \
@@ -218,8 +247,20 @@ class EngineConfig:
         if self.kv_disk_path is not None and os.path.exists(self.kv_disk_path) and not os.path.isdir(self.kv_disk_path):
             raise ValueError(f"kv_disk_path must be a directory (it is created if missing), got the file "
                              f"{self.kv_disk_path!r}")
+        if not isinstance(self.overlap_schedule, bool):
+            raise ValueError(f"overlap_schedule must be true or false, got {self.overlap_schedule!r}")
         self._validate_kv_cache()
         self._validate_expert_parallel()
+
+    def _validate_scheduling(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        aging = self.scheduling_aging_tokens_per_s
+        if isinstance(aging, bool) or not isinstance(aging, (int, float)) or not 0 <= aging < float("inf"):
+            raise ValueError(f"scheduling_aging_tokens_per_s must be a finite number >= 0, got {aging!r}")
+        reserve = self.started_session_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
+            raise ValueError(f"started_session_reserve must be in [0, 1), got {reserve!r}")
 
     def _validate_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -3,6 +3,9 @@
 Thread model: ``add_request``/``abort_request``/``pin``/``unpin`` may be called
 from any thread; they enqueue commands that ``step()`` applies at its start, so
 the scheduler's state is only ever touched by the thread running ``step()``.
+With ``overlap_schedule`` the model forward and sampling of each step run on a
+forward thread while ``step()`` schedules the next one and commits the last one's
+tokens one step behind (engine/overlap.py).
 
 A request may carry an opaque ``trace`` (``add_request``): when it finishes, the engine thread
 hands it to ``on_finished`` with its phase timestamps set (arrival, first admission, first
@@ -31,20 +34,23 @@ from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.hashing import block_hashes, make_seed
 from engine.kv_pool import KVCache, PagePool, kv_bytes_per_token, pool_pages
+from engine.kv_move import KVLayout, KVMover, model_fingerprint
 from engine.kv_tier import DiskTier, HostTier, KVTiers
 from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.quant import MAX_QUANT_ROWS
+from engine.overlap import ForwardWorker, Step, StepResult
 from engine.radix_cache import RadixCache
-from engine.request import Request, Status
+from engine.request import PLACEHOLDER, Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
+from engine.session_priority import SESSION, ServiceLedger, SessionOrder, charge, priority_class
 from engine.speculative import SpeculativeState, TenantCorpora, verify
 from engine.step_cost import cpu_model, step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
-                          RequestOutput, SamplingParams)
+                          RequestOutput, SamplingParams, SchedulingKey)
 
 _log = logging.getLogger("engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
@@ -52,7 +58,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, on_kv_event=None, kv_event_tokens: bool = False) -> None:
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        # overlap scheduling (engine/overlap.py): the forward thread, and the last launched step
+        self.overlap = config.overlap_schedule
+        self._worker = ForwardWorker() if self.overlap else None
+        self._inflight: Step | None = None
+        if self._worker is None:
+            self._setup(config, on_kv_event, kv_event_tokens)
+            return
+        # Loaded in the forward thread, which runs every forward: one thread runs the model's parallel
+        # torch operations, so the process holds one OpenMP thread team (AsyncEngine's docstring says why).
+        try:
+            self._worker.submit(self._setup, config, on_kv_event, kv_event_tokens).result()
+        except BaseException:
+            self._worker.close()
+            raise
+
+    def _setup(self, config: EngineConfig, on_kv_event, kv_event_tokens: bool) -> None:
+        """Load the model; build the KV pool, radix cache, scheduler and model runner."""
+        self.config = config
         self.device = config.resolved_device()
         dtype = _DTYPES[config.resolved_dtype()]
         self.quantization = config.resolved_quantization(gguf_weight_types(config.model))
@@ -84,6 +108,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
                                    config.max_batched_tokens, config.enable_prefix_cache)
         self.tiers = self._build_tiers()
+        # tokens computed per session and tenant (engine/session_priority.py), and the order they give
+        self.ledger = ServiceLedger()
+        if config.scheduling_policy == SESSION:
+            self.scheduler.order = SessionOrder(self.ledger, config.scheduling_aging_tokens_per_s)
+        self._tokens_per_s = 0.0   # recent tokens computed per second of step, for Retry-After
+        self.mover = KVMover(self.kv, self.pool, self.cache, P, self._kv_layout(), self.tiers,
+                             write_page=self._write_page)
+        self.prefill_tokens_per_s = 0.0   # measured on prefill steps (EWMA): the router's cost of a recompute
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
@@ -150,10 +182,24 @@ class LLMEngine:
                             drop_page_cache=cfg.kv_disk_drop_page_cache)
         tiers = KVTiers(host, disk, on_event=self._tier_event)
         self.cache.on_evict = self._offload
-        self.scheduler.tiers, self.scheduler.write_page = tiers, self.kv.write_page
+        self.scheduler.tiers, self.scheduler.write_page = tiers, self._write_page
         if disk is not None:
             atexit.register(tiers.close)   # the directory is emptied even if close() is never called
         return tiers
+
+    def _kv_layout(self) -> KVLayout:
+        """What a page of this pool is, for transfers between engines (engine/kv_move.py)."""
+        m = self.model_config
+        return KVLayout(model_fingerprint(self.model_id, m, self.config.resolved_dtype(), self.quantization),
+                        str(self.kv.page_dtype).removeprefix("torch."), tuple(self.kv.page_shape),
+                        self.config.page_size, m.num_layers, m.num_kv_heads, m.head_dim, self.kv.layout)
+
+    def _write_page(self, page: int, data: torch.Tensor) -> None:
+        """Copy a tier's page into the pool; with overlap scheduling, once the forward thread is idle (a
+        launched step may still write a row into this page, given back by a request it computes)."""
+        if self._worker is not None:
+            self._worker.wait_idle()
+        self.kv.write_page(page, data)
 
     def _tier_event(self, kind: str, hashes: list[int], medium: str) -> None:
         if self.on_kv_event is not None:
@@ -185,6 +231,8 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives the object: the expert-parallel worker processes, if any
         (they also stop at interpreter exit)."""
+        if self._worker is not None:
+            self._worker.close()   # after the step it runs, if any
         if self.ep is not None:
             self.ep.close()
         if self.tiers is not None:
@@ -199,10 +247,15 @@ class LLMEngine:
     # -- commands (any thread) -------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, constraint: TokenConstraint | None = None,
-                    cache_salt: str = "", pin_ttl_s: float | None = None, trace: object | None = None) -> str:
+                    cache_salt: str = "", pin_ttl_s: float | None = None, trace: object | None = None,
+                    key: SchedulingKey | None = None) -> str:
         """Check and enqueue a request; returns its id. ``trace``: an opaque context handed back with the
-        finished request to ``on_finished`` (the serving layer's trace parent)."""
+        finished request to ``on_finished`` (the serving layer's trace parent). ``key``: the session and
+        tenant it serves (engine/session_priority.py; None: a session of its own, of no tenant)."""
         params = params or SamplingParams()
+        key = key if key is not None else SchedulingKey()
+        if not isinstance(key, SchedulingKey):
+            raise InvalidRequest(f"key must be a SchedulingKey, got {type(key).__name__}")
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
                                vocab_size=self.model_config.vocab_size)
         pool_tokens = self.pool.capacity * self.config.page_size
@@ -211,10 +264,12 @@ class LLMEngine:
                                  f"{pool_tokens} tokens; send a shorter prompt")
         if constraint is not None and constraint.closes_outputs and self.config.close_constrained_outputs:
             check_closing(constraint, params.max_tokens, self.max_model_len - len(prompt))
-        self._admit(len(prompt))
+        started = key.continuing or self.ledger.started(key.session)
+        self._admit(len(prompt), started)
         rid = request_id or uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        req = Request(rid, prompt, params, detok, constraint, cache_salt, pin_ttl_s, trace=trace)
+        req = Request(rid, prompt, params, detok, constraint, cache_salt, pin_ttl_s, trace=trace, key=key,
+                      started=started)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
@@ -222,23 +277,40 @@ class LLMEngine:
         self._command("add", req)
         return rid
 
-    def _admit(self, tokens: int) -> None:
+    def _admit(self, tokens: int, started: bool = True) -> None:
         """Count a new request into the queue, or raise ``EngineOverloaded`` (429) if the queue is
         full: ``max_waiting`` requests, or ``max_waiting_tokens`` of KV demand. When nothing is
-        queued any request is admitted (the prompt check above guarantees the pool can hold it)."""
+        queued any request is admitted (the prompt check above guarantees the pool can hold it).
+        Under the session policy a new session's first turn (not ``started``) may fill only
+        ``1 - started_session_reserve`` of either limit: the rest is for started sessions' later turns."""
+        share, why = 1.0, ""
+        if not started and self.scheduler.order is not None:
+            share = 1.0 - self.config.started_session_reserve
+            why = (f" for a new session ({self.config.started_session_reserve:.0%} of the queue is kept for "
+                   f"later turns of started sessions)")
         with self._pending_lock:
             queued = self._pending + len(self.scheduler.waiting)
-            if queued >= self.config.max_waiting:
-                raise EngineOverloaded(f"{queued} requests are waiting (limit {self.config.max_waiting})")
             queued_tokens = self._pending_tokens + self.scheduler.waiting_tokens
-            limit = self.waiting_tokens_limit
+            max_waiting = max(1, int(self.config.max_waiting * share))
+            if queued >= max_waiting:
+                raise EngineOverloaded(f"{queued} requests are waiting (limit {max_waiting}{why})",
+                                       self._retry_after(queued_tokens))
+            limit = int(self.waiting_tokens_limit * share)
             if queued and queued_tokens + tokens > limit:
                 raise EngineOverloaded(f"{queued_tokens} tokens of queued requests are waiting for KV cache "
                                        f"and this request's prompt adds {tokens}, over the limit of "
-                                       f"{limit} waiting tokens")
+                                       f"{limit} waiting tokens{why}", self._retry_after(queued_tokens))
             self._pending += 1
             self._pending_tokens += tokens
         self.coalescer.on_arrival()
+
+    def _retry_after(self, queued_tokens: int) -> float:
+        """The Retry-After of an ``EngineOverloaded``: under the session policy, seconds until the queue has
+        drained at the recent rate of computed tokens (1 to 60; 1 before any step was measured); 1 under
+        FCFS, as before the session policy existed."""
+        if self.scheduler.order is None or self._tokens_per_s <= 0:
+            return 1.0
+        return min(60.0, max(1.0, queued_tokens / self._tokens_per_s))
 
     def _command(self, kind: str, arg) -> None:
         self._inbox.put((kind, arg))
@@ -280,6 +352,25 @@ class LLMEngine:
         self._command("tier_snapshot", fut)
         return fut
 
+    def request_kv(self, op: str, *args) -> "concurrent.futures.Future":
+        """A page-transfer operation run by the engine thread between steps (engine/kv_move.py):
+        ``held`` (tokens, salt), ``export`` (tokens, salt, start, count), ``import`` (tokens, salt, start,
+        pages), ``pinned`` (): the session pins' sequences. Keep ``export`` and ``import`` chunks small: the
+        step waits for them."""
+        if op not in ("held", "export", "import", "pinned"):
+            raise ValueError(f"unknown KV transfer operation {op!r}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command("kv", (fut, op, args))
+        return fut
+
+    def _kv_op(self, fut: "concurrent.futures.Future", op: str, args: tuple) -> None:
+        fn = {"held": self.mover.held, "export": self.mover.export, "import": self.mover.import_pages,
+              "pinned": lambda: self.mover.pinned(self.scheduler.pins)}[op]
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:   # a bad page fails its transfer, never the engine
+            fut.set_exception(exc)
+
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
         while True:
@@ -298,6 +389,7 @@ class LLMEngine:
             elif kind == "abort":
                 req = self._requests.get(arg)
                 if req is not None and not req.finished:
+                    req.drop_placeholders()   # a launched step's token for it is dropped at its commit
                     req.finish_reason = "abort"
                     self.scheduler.finish(req)
                     outputs.append(self._emit(req))
@@ -313,6 +405,8 @@ class LLMEngine:
                 if self.tiers is not None:
                     self.cache.on_evict = self._offload
                     self.tiers.clear()
+            elif kind == "kv":
+                self._kv_op(*arg)
             elif kind == "tier_snapshot":
                 arg.set_result(self.tiers.snapshot() if self.tiers is not None else {})
             elif kind == "snapshot":
@@ -348,69 +442,207 @@ class LLMEngine:
             spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             spec_verifications_total=self.spec_verifications_total,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
-            kv_cache_bytes_per_token=self.kv.bytes_per_token)
+            kv_cache_bytes_per_token=self.kv.bytes_per_token, waiting_by_priority=_by_priority(s.waiting),
+            prefill_tokens_per_s=self.prefill_tokens_per_s)
         self._pin_ids = frozenset(s.pins)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty())
+        return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty()
+                    or self._inflight is not None)
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._step_overlapped()
         outputs = self._drain_inbox()
         self.scheduler.expire_pins()
         batch = self.scheduler.schedule()
-        for req in self.scheduler.failed:
-            outputs.append(self._emit(req))
-        self.scheduler.failed.clear()
+        outputs.extend(self._take_failed())
         if batch:
-            outputs.extend(self._run(batch))
+            step = self._prepare(batch)
+            outputs.extend(self._commit(step, self._forward(step)))
         elif self.tiers is not None and self.scheduler.waiting and self.tiers.loading():
             self.tiers.wait_for_load(0.01)   # nothing can run until a disk read lands
         self._snapshot()
         return outputs
 
-    def _run(self, batch) -> list[RequestOutput]:
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Schedule and launch step n+1 while step n's forward runs, then commit step n
+        (engine/overlap.py); step n first when it may not be run ahead of."""
         outputs: list[RequestOutput] = []
+        prev = self._inflight
+        try:
+            if prev is not None and not prev.run_ahead:
+                outputs.extend(self._commit_launched(prev))
+                prev = None
+            outputs.extend(self._drain_inbox())
+            self.scheduler.expire_pins()
+            batch = self.scheduler.schedule()
+            outputs.extend(self._take_failed())
+            if batch:
+                self._inflight = self._launch(batch, prev)
+            elif prev is None and self.tiers is not None and self.scheduler.waiting and self.tiers.loading():
+                self.tiers.wait_for_load(0.01)
+            if prev is not None:
+                outputs.extend(self._commit_launched(prev))
+            nxt = self._inflight
+            if nxt is not None and not any(nxt.live(req) for req in nxt.batch.requests):
+                outputs.extend(self._commit_launched(nxt))   # every row was withdrawn: nothing to run ahead of
+        except BaseException:
+            self._abandon()
+            raise
+        self._snapshot()
+        return outputs
+
+    def _take_failed(self) -> list[RequestOutput]:
+        """The outputs of the requests the scheduler ended (they do not fit in the KV cache)."""
+        outputs = [self._emit(req) for req in self.scheduler.failed]
+        self.scheduler.failed.clear()
+        return outputs
+
+    def _prepare(self, batch, prev: Step | None = None) -> Step:
+        """The step's inputs and sampling requests (engine thread). ``prev``: the launched step whose
+        tokens this one reads (overlap scheduling)."""
+        inputs = self.runner.prepare(batch, prev.source if prev is not None else None)
+        reqs = [batch.requests[i] for i in inputs.samplers]
+        drafts = [batch.drafts.get(i, []) for i in inputs.samplers]
+        prefill = sum(n for req, n in zip(batch.requests, batch.num_new) if req.num_computed < len(req.prompt_ids))
+        step = Step(batch, inputs, reqs, drafts, self._budgets(reqs), prefill)
+        step.rows = {id(req): (n, req.num_preemptions) for req, n in zip(batch.requests, batch.num_new)}
+        step.run_ahead = self.overlap and self._may_run_ahead(step)
+        return step
+
+    def _may_run_ahead(self, step: Step) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are known: none of its
+        sampling requests has a constraint (its next mask needs this token accepted), verifies a draft
+        (it commits a variable number of tokens) or may draft next step (a draft needs the last token)."""
+        return all(req.constraint is None and not draft
+                   and (self.speculative == "off" or req.params.logprobs is not None)
+                   for req, draft in zip(step.reqs, step.drafts))
+
+    def _forward(self, step: Step, prev: Step | None = None) -> StepResult:
+        """Run the step's model forward and sample its tokens (the forward thread, with overlap)."""
         started = time.monotonic()
-        prefill_tokens = sum(n for req, n in zip(batch.requests, batch.num_new)
-                             if req.num_computed < len(req.prompt_ids))
-        logits, sample_idx = self.runner.run(batch)
+        previous = prev.future.result().tokens if step.inputs.futures else None
+        logits = self.runner.execute(step.inputs, previous)
+        tokens: list[int] = []
+        lps: list = []
+        verified = None
+        if step.reqs:
+            with torch.inference_mode():  # constraints mask the (inference-mode) logits in place
+                if any(step.drafts):
+                    tokens, lps, verified = self._verify(logits, step.reqs, step.drafts, step.budgets)
+                else:
+                    tokens, lps = sample(logits, step.reqs, step.budgets)
+        return StepResult(tokens, lps, verified, time.monotonic() - started)
+
+    def _launch(self, batch, prev: Step | None) -> Step:
+        """Count the step's rows as computed but in flight, put placeholders for the tokens it samples
+        when the next step may run ahead of it, and hand it to the forward thread."""
+        step = self._prepare(batch, prev)
+        step.overlapped = True
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
-            # share prefill progress with other requests, the chunk that completes the prompt included
-            # (a decode step, one token completing the sequence, waits for the request's end)
-            if (n > 1 or req.num_computed < req.num_tokens) and \
-                    req.num_computed // self.config.page_size > req.num_tree_pages:
+            req.num_inflight += n
+        if step.run_ahead:
+            for j, req in enumerate(step.reqs):
+                step.slots[id(req)] = j
+                req.output_ids.append(PLACEHOLDER)
+                req.pending += 1
+                req.finishing = len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+        step.future = self._worker.submit(self._forward, step, prev)
+        return step
+
+    def _commit_launched(self, step: Step) -> list[RequestOutput]:
+        """Wait for a launched step's forward and commit it."""
+        if self._inflight is step:
+            self._inflight = None
+        return self._commit(step, step.future.result())
+
+    def _abandon(self) -> None:
+        """A step failed: once the forward thread is idle, forget the launched steps; every request is
+        back at its last committed step (placeholders dropped, in-flight rows uncounted)."""
+        self._worker.wait_idle()
+        self._inflight = None
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            req.num_computed -= req.num_inflight
+            req.num_inflight = 0
+            req.drop_placeholders()
+            req.finishing = False
+
+    def _settle(self, step: Step) -> None:
+        """The step's forward is done: its rows count as computed, and prefill progress is shared with
+        other requests, the chunk that completes the prompt included (a decode step, one token completing
+        the sequence, waits for the request's end)."""
+        samplers = {id(req) for req in step.reqs}
+        now = time.monotonic()
+        for req, n in zip(step.batch.requests, step.batch.num_new):
+            if not step.live(req):
+                continue   # ended, withdrawn or preempted since the step was launched
+            if step.overlapped:
+                req.num_inflight -= n
+            else:
+                req.num_computed += n
+            charge(self.ledger, req, n, now)
+            if (n > 1 or id(req) not in samplers) and req.num_cacheable // self.config.page_size > req.num_tree_pages:
                 self.scheduler.cache_request(req)
+
+    def _measure_rates(self, step: Step, elapsed: float) -> None:
+        """The engine's recent tokens per second (~10 steps, for a 429's Retry-After) and prefill tokens per
+        second on prefill steps of 64+ tokens (what a router weighs a KV transfer against)."""
+        if elapsed <= 0:
+            return
+        rate = sum(step.batch.num_new) / elapsed
+        self._tokens_per_s = rate if self._tokens_per_s <= 0 else 0.9 * self._tokens_per_s + 0.1 * rate
+        if step.prefill_tokens >= 64:   # short chunks say more about step overhead than prefill
+            rate = step.prefill_tokens / elapsed
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else \
+                0.7 * self.prefill_tokens_per_s + 0.3 * rate
+
+    def _commit(self, step: Step, result: StepResult) -> list[RequestOutput]:
+        """Append the step's tokens (stop checks, detokenizing) and emit each sampling request's update."""
+        self._settle(step)
+        outputs: list[RequestOutput] = []
         returning = 0
-        if sample_idx:
-            reqs = [batch.requests[i] for i in sample_idx]
-            drafts = [batch.drafts.get(i, []) for i in sample_idx]
-            with torch.inference_mode():  # constraints mask the (inference-mode) logits in place
-                if batch.drafts:
-                    tokens, lps, verified = self._verify(logits, reqs, drafts)
-                else:
-                    (tokens, lps), verified = sample(logits, reqs, self._budgets(reqs)), None
-            now = time.monotonic()
-            for j, (req, tok, lp) in enumerate(zip(reqs, tokens, lps)):
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                    self.prompt_tokens_total += len(req.prompt_ids)
-                    self.cached_tokens_total += req.cached_tokens or 0
-                if drafts[j]:
-                    self._commit_verified(req, drafts[j], *verified[j])
-                else:
-                    self._append_token(req, tok, lp)
-                if req.finished:
-                    self.scheduler.finish(req)
-                    if self.corpora is not None and req.finish_reason in ("stop", "length"):
-                        self.corpora.add(req.cache_salt, req.output_ids)
-                    if req.pin_ttl_s and req.finish_reason in ("stop", "length"):
-                        returning += 1   # a session turn: its agent is likely coming straight back
-                outputs.append(self._emit(req))
-        self.coalescer.on_step(time.monotonic() - started, prefill_tokens)
+        now = time.monotonic()
+        for j, req in enumerate(step.reqs):
+            if req.finished:
+                continue   # aborted while its step was in flight: the token is dropped
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.prompt_tokens_total += len(req.prompt_ids)
+                self.cached_tokens_total += req.cached_tokens or 0
+            if step.drafts[j]:
+                self._commit_verified(req, step.drafts[j], *result.verified[j])
+            else:
+                self._append_token(req, result.tokens[j], result.logprobs[j])
+            if req.finished:
+                returning += self._finish(req)
+            outputs.append(self._emit(req))
+        elapsed = result.forward_s if step.overlapped else time.monotonic() - step.launched_at
+        self.coalescer.on_step(elapsed, step.prefill_tokens)
+        self._measure_rates(step, elapsed)
         if returning:
             self.coalescer.on_finish(returning)
         return outputs
+
+    def _finish(self, req: Request) -> int:
+        """Free a request that ended at commit; 1 when it is a session turn whose agent is likely coming
+        straight back (the coalescer counts those)."""
+        self._withdraw(req)
+        self.scheduler.finish(req)
+        if self.corpora is not None and req.finish_reason in ("stop", "length"):
+            self.corpora.add(req.cache_salt, req.output_ids)
+        return int(bool(req.pin_ttl_s) and req.finish_reason in ("stop", "length"))
+
+    def _withdraw(self, req: Request) -> None:
+        """A request ended at a step launched ahead of: take it out of the step launched after (its row
+        there is not counted, its token there is dropped)."""
+        nxt = self._inflight
+        row = nxt.rows.pop(id(req), None) if nxt is not None else None
+        if row is not None and row[1] == req.num_preemptions:
+            req.num_computed -= row[0]
+            req.num_inflight -= row[0]
+        req.drop_placeholders()
 
     def _budgets(self, reqs: list[Request]) -> list[int | None] | None:
         """Per request, the tokens it may still emit (this step's included) when its constraint is
@@ -432,6 +664,8 @@ class LLMEngine:
         limit = min(room, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
         if limit <= 0:
             return []
+        if req.pending:
+            return []   # its last token is still being sampled (overlap scheduling)
         if req.speculative is None:
             req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens,
                                                step_cost=self.step_cost)
@@ -441,10 +675,12 @@ class LLMEngine:
             draft = draft[:req.constraint.valid_prefix(draft)]
         return draft
 
-    def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]]):
+    def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+                budgets: list[int | None] | None):
         """Sample the requests without a draft (one logits row each) as ``sample`` does and verify
-        the drafts (``1 + len(draft)`` rows each). Returns (tokens, logprobs, verified): for a
-        request with a draft, ``verified[j]`` is (tokens to commit, drafted tokens accepted)."""
+        the drafts (``1 + len(draft)`` rows each); ``budgets`` as ``_budgets(reqs)``. Returns (tokens,
+        logprobs, verified): for a request with a draft, ``verified[j]`` is (tokens to commit, drafted
+        tokens accepted)."""
         firsts, row = [], 0
         for d in drafts:
             firsts.append(row)
@@ -454,11 +690,11 @@ class LLMEngine:
         lps: list = [None] * len(reqs)
         if plain:
             plain_reqs = [reqs[j] for j in plain]
-            toks, plps = sample(logits[[firsts[j] for j in plain]], plain_reqs, self._budgets(plain_reqs))
+            toks, plps = sample(logits[[firsts[j] for j in plain]], plain_reqs,
+                                [budgets[j] for j in plain] if budgets else None)
             for j, t, lp in zip(plain, toks, plps):
                 tokens[j], lps[j] = t, lp
         verified: list = [None] * len(reqs)
-        budgets = self._budgets(reqs)
         for j, d in enumerate(drafts):
             if d:
                 verified[j] = verify(logits[firsts[j]:firsts[j] + 1 + len(d)], d, reqs[j].params,
@@ -487,7 +723,7 @@ class LLMEngine:
     def _append_token(self, req: Request, tok: int, lp, constraint_accepted: bool = False,
                       check_complete: bool = True) -> None:
         p = req.params
-        req.output_ids.append(tok)
+        req.place_token(tok)
         req.pending_ids.append(tok)   # stop tokens included (as vLLM does); their text is not
         if lp is not None:
             req.pending_logprobs.append(lp)
@@ -507,8 +743,8 @@ class LLMEngine:
             if check_complete and req.constraint is not None and req.constraint.is_terminated():
                 req.finish_reason = "stop"
                 req.status = Status.FINISHED
-        if not req.finished and (len(req.output_ids) >= p.max_tokens
-                                 or req.num_tokens >= self.max_model_len):
+        if not req.finished and (len(req.output_ids) - req.pending >= p.max_tokens
+                                 or req.num_known >= self.max_model_len):
             req.finish_reason = "length"
             req.status = Status.FINISHED
         if req.finished:
@@ -543,7 +779,7 @@ class LLMEngine:
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens or 0,
             cached_tokens_by_tier=_by_tier(req),
-            completion_tokens=len(req.output_ids),
+            completion_tokens=len(req.output_ids) - req.pending,
             logprobs=req.pending_logprobs if req.params.logprobs is not None else None, error=req.error)
         req.sent = end
         req.pending_ids, req.pending_logprobs = [], []
@@ -620,6 +856,15 @@ def _by_tier(req: Request) -> dict[str, int]:
     host = min(req.tier_tokens.get("host", 0), cached)
     disk = min(req.tier_tokens.get("disk", 0), cached - host)
     return {"device": cached - host - disk, "host": host, "disk": disk}
+
+
+def _by_priority(waiting) -> dict[str, int]:
+    """Waiting requests by "<priority class>/<new|started>" (engine/session_priority.py, ``priority_class``)."""
+    counts: dict[str, int] = {}
+    for req in waiting:
+        label = f"{priority_class(req.params.priority)}/{'started' if req.started else 'new'}"
+        counts[label] = counts.get(label, 0) + 1
+    return counts
 
 
 def _path_pages(node) -> list[int]:

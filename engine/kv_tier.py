@@ -538,6 +538,26 @@ class KVTiers:
             return PENDING if self.prefetch([block_hash]) else None
         return PENDING
 
+    def copy_out(self, block_hash: int):
+        """For another engine (engine/kv_move.py), on the engine thread: a checked copy of a host-tier
+        page, ``"disk"`` for a page only the disk tier holds (``read_disk`` it off this thread), None if
+        neither has it. Nothing moves between tiers and no hit is counted."""
+        if self.host is not None and block_hash in self.host:
+            page = self.host.get(block_hash)
+            if page is None:
+                self._emit("removed", [block_hash], "host")
+                return None
+            return page.clone()
+        if self.disk is not None and block_hash in self.disk:
+            return "disk"
+        return None
+
+    def read_disk(self, block_hash: int) -> torch.Tensor | None:
+        """A disk-tier page read and checked on the calling thread (not the engine's), or None."""
+        if self.disk is None:
+            return None
+        return self.disk.read(block_hash)
+
     def loading(self) -> bool:
         with self._loads_lock:
             return any(not load.done for load in self._loads.values())

@@ -209,6 +209,15 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
+    def sequence(self, node: Node) -> tuple[list[int], str]:
+        """The tokens from the root to ``node`` (whole pages) and the cache salt of its tree."""
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        salt = next(s for s, root in self._roots.items() if root is node)
+        return [t for key in reversed(keys) for t in key], salt
+
     def all_hashes(self) -> list[int]:
         """Every cached block hash (the worker's snapshot for router resync)."""
         out, stack = [], list(self._roots.values())

@@ -3,7 +3,8 @@
 Each step, under a token budget (``max_batched_tokens``):
 1. every running request that is decoding gets one token;
 2. running requests still prefilling get their next chunk;
-3. waiting requests are admitted, oldest first: the longest cached prefix is
+3. waiting requests are admitted, oldest first (or, with an ``order``, least key first:
+   engine/session_priority.py, scheduling_policy "session"): the longest cached prefix is
    matched (and locked) in the radix cache, and the next chunk is scheduled. A request
    whose next pages a running request is still prefilling (same prompt prefix) waits
    for them to reach the cache instead of computing them a second time.
@@ -19,7 +20,8 @@ whose tier pages are still being read from disk stays in the queue and the sched
 the requests behind it meanwhile; it is admitted once they are in (``KVTiers.ready``).
 Pages come from the free pool; when it runs dry the scheduler evicts unlocked
 cache, then releases session pins (earliest expiry first), then preempts the
-youngest running request: its computed pages go into the cache (so resuming is
+youngest running request (with an ``order``, the one of greatest key): its
+computed pages go into the cache (so resuming is
 cheap if they survive) and it returns to the front of the waiting queue. A
 request that cannot fit even alone is finished with an error. So every request
 finishes: nothing waits on memory that no one will free.
@@ -44,6 +46,7 @@ from engine.kv_pool import PagePool
 from engine.kv_tier import PENDING, KVTiers
 from engine.radix_cache import Node, RadixCache
 from engine.request import Request, Status
+from engine.session_priority import SessionOrder
 
 
 @dataclass
@@ -86,17 +89,22 @@ class Scheduler:
         # KV tiers below the pool and how to copy a page back into it (LLMEngine sets both)
         self.tiers: KVTiers | None = None
         self.write_page: Callable[[int, torch.Tensor], None] | None = None
+        # the session policy's order of requests (LLMEngine sets it); None: first come, first served
+        self.order: SessionOrder | None = None
+        self.clock: Callable[[], float] = time.monotonic   # queueing times and aging (tests step it)
 
     # -- the waiting queue ----------------------------------------------------
     def enqueue(self, req: Request) -> None:
         """A new request joins the back of the waiting queue."""
         req.queued_tokens = req.num_tokens
+        req.queued_at = self.clock()
         self.waiting_tokens += req.queued_tokens
         self.waiting.append(req)
 
     def _requeue(self, req: Request) -> None:
         """A preempted request goes back to the front, counting what it must recompute."""
         req.queued_tokens = req.num_tokens
+        req.queued_at = self.clock()
         self.waiting_tokens += req.queued_tokens
         self.waiting.appendleft(req)
 
@@ -243,8 +251,10 @@ class Scheduler:
         return "ok"
 
     def cache_request(self, req: Request) -> Node:
-        """Hand the request's full computed pages to the radix cache and adopt the tree's pages."""
-        n_full = req.num_computed // self.P
+        """Hand the request's full computed pages to the radix cache and adopt the tree's pages. Only
+        pages of committed steps and known tokens (``Request.num_cacheable``): with overlap scheduling a
+        launched step's K/V and sampled tokens are not in yet."""
+        n_full = req.num_cacheable // self.P
         node = req.tree_node
         if self.enable_prefix_cache and n_full > req.num_tree_pages:
             tokens = req.all_ids[:n_full * self.P]
@@ -271,7 +281,7 @@ class Scheduler:
         self.pool.free(req.pages[req.num_tree_pages:])
         self.cache.unlock(req.tree_node)
         req.pages, req.tree_node, req.num_tree_pages = [], None, 0
-        req.num_computed = 0
+        req.num_computed = req.num_inflight = 0
 
     def preempt(self, req: Request) -> None:
         self.release(req)
@@ -285,14 +295,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_batched_tokens
         batch = ScheduledBatch([], [])
-        # decoding requests first (oldest first), then running prefills
-        order = sorted(self.running, key=lambda r: (r.remaining_prefill > 1, r.arrival))
-        for req in order:
-            if req.status is not Status.RUNNING or budget <= 0:
+        # decoding requests first (oldest first, or by the order's key), then running prefills
+        for req in self._running_order():
+            if req.status is not Status.RUNNING or budget <= 0 or req.finishing:
                 continue
             n = min(req.remaining_prefill, budget)
             while not self._grow(req, req.num_computed + n):
-                victim = self._youngest_unscheduled(batch, exclude=req)
+                victim = self._victim(batch, exclude=req)
                 if victim is None:
                     break
                 self.preempt(victim)
@@ -302,15 +311,18 @@ class Scheduler:
                 budget -= n
                 continue
             # nothing left to preempt: this request cannot grow now
-            if not batch.requests:
+            if batch.requests:
+                self.preempt(req)
+            elif not req.pending:
                 # alone and with the whole cache evicted it still does not fit: it never will
                 self._fail(req, "the request does not fit in the KV cache")
-            else:
-                self.preempt(req)
-        # admit waiting requests, oldest first
-        for req in list(self.waiting):
+            # else its last token is still being sampled (overlap): it fails once that token is in
+        # admit waiting requests, oldest first (or least key first)
+        for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.finishing:
+                continue  # preempted while its last token is sampled: it ends when that token is in
             got = self._match(req)
             if got == "pending":
                 continue  # its tier pages are on their way from disk: the requests behind it go first
@@ -322,7 +334,7 @@ class Scheduler:
             n = min(req.remaining_prefill, budget)
             if not self._grow(req, req.num_computed + n):
                 self.release(req)
-                if not self.running and not batch.requests:
+                if not self.running and not batch.requests and not req.pending:
                     self._unqueue(req)
                     self._fail(req, "the request does not fit in the KV cache")
                     continue
@@ -330,7 +342,7 @@ class Scheduler:
             self._unqueue(req)
             if req.cached_tokens is None:  # its first admission
                 req.cached_tokens = min(req.num_computed, len(req.prompt_ids))
-                req.admitted_at = time.monotonic()
+                req.admitted_at = self.clock()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.requests.append(req)
@@ -382,17 +394,36 @@ class Scheduler:
             return False
         head = req.all_ids[:end]
         for other in self.running:
-            if (other.status is Status.RUNNING and other.num_computed < end <= len(other.prompt_ids)
+            if (other.status is Status.RUNNING and other.num_cacheable < end <= len(other.prompt_ids)
                     and other.cache_salt == req.cache_salt and other.prompt_ids[:end] == head):
                 return True
         return False
 
-    def _youngest_unscheduled(self, batch: ScheduledBatch, exclude: Request) -> Request | None:
+    def _running_order(self) -> list[Request]:
+        """Running requests in the order they get the step's budget: decoding before prefilling, each
+        oldest first, or least key first under the session policy (waiting time does not count)."""
+        if self.order is None:
+            return sorted(self.running, key=lambda r: (r.remaining_prefill > 1, r.arrival))
+        key = self.order.key_fn(self.clock(), waiting=False)
+        return sorted(self.running, key=lambda r: (r.remaining_prefill > 1, key(r)))
+
+    def _admission_order(self) -> list[Request]:
+        """Waiting requests in the order they are admitted: the queue's (arrival, preempted ones at the
+        front), or least key first under the session policy (aging included)."""
+        if self.order is None:
+            return list(self.waiting)
+        return sorted(self.waiting, key=self.order.key_fn(self.clock()))
+
+    def _victim(self, batch: ScheduledBatch, exclude: Request) -> Request | None:
+        """The running request to preempt: not ``exclude``, not in the batch yet; the youngest, or
+        under the session policy the one of greatest key (the reverse of the admission order)."""
         scheduled = set(map(id, batch.requests))
-        for req in sorted(self.running, key=lambda r: r.arrival, reverse=True):
-            if req is not exclude and id(req) not in scheduled:
-                return req
-        return None
+        candidates = [r for r in self.running if r is not exclude and id(r) not in scheduled]
+        if not candidates:
+            return None
+        if self.order is None:
+            return max(candidates, key=lambda r: r.arrival)
+        return max(candidates, key=self.order.key_fn(self.clock(), waiting=False))
 
     def _fail(self, req: Request, message: str) -> None:
         if req in self.running:

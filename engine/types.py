@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
+MAX_PRIORITY = 2**31 - 1  # |SamplingParams.priority| at most (a 32-bit integer, as clients send it)
 
 # ``RequestOutput.stop_reason`` of a constrained output that its constraint closed (completed with
 # the shortest closing it found) because the token budget was running out; finish_reason is "stop".
@@ -27,7 +29,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k. ``seed`` makes a
     sampled request reproducible. ``stop`` strings are removed from the output text;
-    ``stop_token_ids`` (and EOS unless ``ignore_eos``) end the request.
+    ``stop_token_ids`` (and EOS unless ``ignore_eos``) end the request. ``priority`` is vLLM's: with
+    ``scheduling_policy="session"`` a lower value is scheduled earlier (default 0); FCFS ignores it.
     """
 
     max_tokens: int = 256
@@ -40,8 +43,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top k
     skip_special_tokens: bool = True  # False: the text keeps them (tool-call markers of some families)
+    priority: int = 0  # lower is earlier (vLLM's meaning), with scheduling_policy="session"
 
     def validate(self) -> None:
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or \
+                not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY} (lower is "
+                                 f"scheduled earlier), got {self.priority!r}", param="priority")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -61,6 +69,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         # below this, logits / temperature overflows to inf (NaN probabilities); it is argmax anyway
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+@dataclass(frozen=True)
+class SchedulingKey:
+    """Whom a request serves, as the scheduler orders requests (engine/session_priority.py).
+
+    ``session``: the agent session the request is a turn of ("": the request is a session of its own);
+    ``tenant``: who owns it, for fair share between tenants, with ``weight`` its share (a tenant of
+    weight 2 is due twice the service of a tenant of weight 1); ``continuing``: the session already ran
+    a turn (its caller knows: a session with history), so the request is a later turn of a started
+    session, admitted before new sessions under overload. The engine also counts a session it has
+    computed tokens for as started."""
+
+    session: str = ""
+    tenant: str = ""
+    weight: float = 1.0
+    continuing: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.session, str) or not isinstance(self.tenant, str):
+            raise InvalidRequest("a scheduling key's session and tenant must be strings")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or \
+                not math.isfinite(self.weight) or self.weight <= 0:
+            raise InvalidRequest(f"a tenant's weight must be a finite number > 0, got {self.weight!r}",
+                                 param="weight")
+        if not isinstance(self.continuing, bool):
+            raise InvalidRequest(f"continuing must be true or false, got {self.continuing!r}")
 
 
 @dataclass
@@ -153,6 +188,12 @@ class EngineStats:
     cpu_kernels: dict = field(default_factory=dict)
     # bytes of K and V a token takes in the pool over every layer (EngineConfig.kv_cache_dtype)
     kv_cache_bytes_per_token: int = 0
+    # waiting requests by priority class ("high": priority < 0, "normal": 0, "low": > 0) and whether their
+    # session already ran a turn ("started") or not ("new"), keyed "<class>/<new|started>"
+    waiting_by_priority: dict = field(default_factory=dict)
+    # prompt tokens a second on recent prefill steps of 64+ tokens (EWMA; 0 before the first): what a
+    # router weighs a KV transfer against (router/move_cost.py)
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -16,10 +16,12 @@ from router.config import RouterConfig, WorkerSettings
 # The RouterConfig fields each command takes as flags (the rest keep their defaults, or env).
 # block_size is none of them: it must equal the workers' KV page size, which is fixed.
 CONNECTION = ("redis_url", "key_prefix", "deployment", "heartbeat_ttl_s", "heartbeat_interval_s")
-WORKER_FIELDS = CONNECTION + ("events_maxlen",)
+WORKER_FIELDS = CONNECTION + ("events_maxlen", "kv_moves")
 ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_max_bytes", "tentative_ttl_s",
                               "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options",
-                              "vllm_workers", "vllm_events_topic", "vllm_health_interval_s")
+                              "vllm_workers", "vllm_events_topic", "vllm_health_interval_s", "kv_moves",
+                              "kv_move_min_tokens", "kv_move_bandwidth_bytes_s", "kv_move_prefill_tokens_s",
+                              "kv_move_overhead_s")
 
 
 def _serve(app, config: ServingSettings) -> None:
@@ -119,7 +121,8 @@ def configure_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router and workers listen on")
     parser.add_argument("--port", type=int, default=8000, help="router port (workers get free ports)")
     # Passed on to each worker (and the router) when given; unset, the children's environment and defaults apply.
-    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "log_level", "otlp_endpoint"))
+    add_flags(parser, ServerConfig, ("model", "kv_cache_tokens", "device", "dtype", "scheduling_policy", "log_level",
+                                     "otlp_endpoint"))
     add_flags(parser, RouterConfig, ("policy",))
 
 

@@ -96,6 +96,17 @@ class RouterConfig(Settings):
     vllm_events_topic: str = Field("", description="ZMQ topic of the vLLM-format KV events to follow ('': all)")
     vllm_health_interval_s: float = Field(2.0, gt=0, description="seconds between health probes (GET /v1/models) "
                                           "of each vLLM worker")
+    kv_moves: bool = Field(True, description="KV moves between workers: a router sending a turn away from the "
+                           "worker holding its prefix has the target pull the KV from it when the cost model finds "
+                           "that faster than recomputing; a worker serves its pages and pulls when told (false: "
+                           "neither, such turns are recomputed)")
+    kv_move_min_tokens: int = Field(256, ge=0, description="fewest prompt tokens a KV move must save")
+    kv_move_bandwidth_bytes_s: float = Field(2e8, gt=0, description="KV transfer bandwidth assumed between "
+                                             "workers, in bytes a second, until the target measured its own pulls")
+    kv_move_prefill_tokens_s: float = Field(500.0, gt=0, description="prefill throughput assumed for a worker, in "
+                                            "tokens a second, until it reported a measured one")
+    kv_move_overhead_s: float = Field(0.05, ge=0, description="fixed cost of a KV move (connection, first "
+                                      "chunk, insertion), in seconds")
 
     @field_validator("redis_url")
     @classmethod
@@ -241,6 +252,8 @@ class WorkerSettings(Settings):
         "array", description="msgpack layout of those events: array (older vLLM, SGLang, llm-d) or map (events "
         "as maps with 'type', newer vLLM)")
     kv_events_buffer: int = Field(10_000, gt=0, description="event batches kept for replay")
+    kv_pull_timeout_s: float = Field(30.0, gt=0, description="longest a KV pull may take, in seconds; blocks "
+                                     "not received by then are recomputed")
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod

@@ -51,6 +51,7 @@ from router.decisions import DecisionLog
 from router.event_consumer import KVEventConsumer
 from router.index import PrefixIndex, lengths
 from router.inflight import InFlightTracker
+from router.move_cost import MoveEstimate, plan_move
 from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, WorkerState, make_policy
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 from router.tentative import TentativeIndex
@@ -133,6 +134,8 @@ class RouterCore:
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
         self.decision_log = DecisionLog()  # the last decisions and their kinds, for the dashboard
         self.tentative_routes = 0  # decisions where tentative entries lengthened the chosen worker's match
+        # KV moves (kv_move): decisions by choice, and the sums of their estimates
+        self.moves = {"pull": 0, "recompute": 0, "est_pull_s": 0.0, "est_recompute_s": 0.0, "pulled_tokens": 0}
         self._seeds: dict[str, bytes] = {}
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -356,6 +359,51 @@ class RouterCore:
             self.tentative_routes += 1
         return Route(self.workers[wid], req, decision, known, exclude, cache_salt, tuple(weighed))
 
+    def kv_move(self, route: Route) -> dict | None:
+        """When ``route`` sends a turn to a worker that lacks prompt blocks another live agentrt worker holds
+        (the index: KV events, any medium), pull or recompute (router/move_cost.py); for a pull, the
+        ``kv_source`` the target is told (the holder's URL and how many blocks it holds). None: recompute
+        as without moves (off, nothing held elsewhere, too little to gain, or cheaper to recompute)."""
+        target, hashes = route.worker.worker_id, route.request.hashes
+        if not self.config.kv_moves or not hashes or self._is_vllm(target):
+            return None
+        held = self.index.match(hashes)
+        here = best = held.get(target, 0)
+        holder = None
+        for wid, n in held.items():
+            if n > best and wid in self.workers and not self._is_vllm(wid):
+                holder, best = wid, n
+        tokens = (best - here) * self.config.block_size
+        if holder is None or tokens < max(1, self.config.kv_move_min_tokens):
+            return None
+        estimate = self._move_estimate(target, holder, tokens)
+        if estimate is None:
+            return None
+        self.moves[estimate.choice] += 1
+        self.moves["est_pull_s"] += estimate.pull_s
+        self.moves["est_recompute_s"] += estimate.recompute_s
+        log.info("turn %s to %s: %s %d tokens held by %s (estimates: pull %.3f s, recompute %.3f s)",
+                 route.request.request_id, target, estimate.choice, tokens, holder, estimate.pull_s,
+                 estimate.recompute_s)
+        if not estimate.pull:
+            return None
+        self.moves["pulled_tokens"] += tokens
+        return {"url": self.workers[holder].url, "worker": holder, "blocks": best}
+
+    def _move_estimate(self, target: str, holder: str, tokens: int) -> MoveEstimate | None:
+        """The cost model on the figures the workers measured (the settings' where they have none yet);
+        None while neither worker reported its KV bytes per token (an older worker)."""
+        cfg = self.config
+        load, source = self.loads.get(target, _NO_LOAD), self.loads.get(holder, _NO_LOAD)
+        bytes_per_token = load.kv_bytes_per_token or source.kv_bytes_per_token
+        if not bytes_per_token:
+            return None
+        return plan_move(tokens, bytes_per_token, load.kv_pull_bytes_per_s or cfg.kv_move_bandwidth_bytes_s,
+                         load.prefill_tokens_per_s or cfg.kv_move_prefill_tokens_s, cfg.kv_move_overhead_s)
+
+    def _is_vllm(self, worker_id: str) -> bool:
+        return self.vllm is not None and worker_id in self.vllm
+
     async def dispatched(self, route: Route) -> None:
         """The request goes to ``route.worker`` now: count it in flight and record its prompt as tentative
         (here at once, before any await, so the next decision sees it; then in Redis for other replicas).
@@ -393,6 +441,7 @@ class RouterCore:
         return {
             "model": self.model_id, "policy": self.policy.name, "decisions": dict(self.decisions),
             "index_blocks": len(self.index),
+            "kv_moves": dict(self.moves),
             "tentative": {"local_blocks": len(self.tentative), "routes": self.tentative_routes,
                           "recorded": self.tentative.stats.recorded, "confirmed": self.tentative.stats.confirmed,
                           "failed": self.tentative.stats.failed, "redis_errors": self.tentative.stats.redis_errors},
@@ -406,7 +455,7 @@ class RouterCore:
                          "in_flight": self.inflight.count(wid),
                          "load": None if (l := self.loads.get(wid)) is None else
                          {"running": l.running, "waiting": l.waiting, "waiting_tokens": l.waiting_tokens,
-                          "pages_used": l.pages_used,
+                          "waiting_new": l.waiting_new, "waiting_high": l.waiting_high, "pages_used": l.pages_used,
                           "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None}}
                         for wid, w in sorted(self.workers.items())],
             "vllm_workers": [] if self.vllm is None else self.vllm.state(),

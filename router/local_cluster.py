@@ -30,7 +30,8 @@ class LocalCluster:
         a, out = self.args, []
         flags = [("--model", a.model), ("--log-level", a.log_level), ("--otlp-endpoint", a.otlp_endpoint)]
         if engine:
-            flags += [("--kv-cache-tokens", a.kv_cache_tokens), ("--device", a.device), ("--dtype", a.dtype)]
+            flags += [("--kv-cache-tokens", a.kv_cache_tokens), ("--device", a.device), ("--dtype", a.dtype),
+                      ("--scheduling-policy", a.scheduling_policy)]
         for flag, value in flags:
             if value is not None:
                 out += [flag, str(value)]

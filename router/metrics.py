@@ -92,3 +92,18 @@ class RouterCollector:
         yield CounterMetricFamily("agentrt_router_affinity_moves",
                                   "Requests of an affinity-keyed conversation sent to another worker than its "
                                   "recorded one", value=affinity.moved)
+        moves = CounterMetricFamily("agentrt_router_kv_move_decisions",
+                                    "Turns routed away from a worker holding more of their prefix, by what the cost "
+                                    "model chose: pull the KV from that worker, or recompute it", labels=["choice"])
+        for choice in ("pull", "recompute"):
+            moves.add_metric([choice], core.moves[choice])
+        yield moves
+        estimates = CounterMetricFamily("agentrt_router_kv_move_estimate_seconds",
+                                        "Sums of the cost model's estimates over those decisions, by side (pull: the "
+                                        "transfer, recompute: the prefill)", labels=["side"])
+        estimates.add_metric(["pull"], core.moves["est_pull_s"])
+        estimates.add_metric(["recompute"], core.moves["est_recompute_s"])
+        yield estimates
+        yield CounterMetricFamily("agentrt_router_kv_move_pulled_tokens",
+                                  "Prompt tokens whose KV targets were told to pull instead of recomputing",
+                                  value=core.moves["pulled_tokens"])

@@ -54,7 +54,9 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class LoadReport:
     """A worker's load: requests running and waiting, KV pages used and free, and the tokens of
-    the waiting requests (the KV demand its admission control bounds)."""
+    the waiting requests (the KV demand its admission control bounds); of the waiting requests,
+    ``waiting_new`` are a new session's first turn (what ``--scheduling-policy session`` refuses first)
+    and ``waiting_high`` have a priority below 0 (engine/session_priority.py)."""
 
     running: int = 0
     waiting: int = 0
@@ -62,12 +64,23 @@ class LoadReport:
     pages_free: int = 0
     ts_ms: int = 0
     waiting_tokens: int = 0
+    waiting_new: int = 0
+    waiting_high: int = 0
+    # what a router weighs a KV move with (router/move_cost.py); 0: not measured yet
+    prefill_tokens_per_s: float = 0.0   # the worker's measured prefill throughput
+    kv_bytes_per_token: int = 0         # bytes of K and V a token takes in its pool
+    kv_pull_bytes_per_s: float = 0.0    # the bandwidth its KV pulls measured
 
     def __post_init__(self) -> None:
-        for name in ("running", "waiting", "pages_used", "pages_free", "ts_ms", "waiting_tokens"):
+        for name in ("running", "waiting", "pages_used", "pages_free", "ts_ms", "waiting_tokens", "waiting_new",
+                     "waiting_high", "kv_bytes_per_token"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("prefill_tokens_per_s", "kv_pull_bytes_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
 def _text(d: dict) -> dict[str, str]:

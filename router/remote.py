@@ -48,14 +48,14 @@ from typing import Any, AsyncGenerator, AsyncIterator
 import httpx
 
 from engine.client import SessionHint, StructuredOutput, check_request
-from engine.types import EngineStats, RequestOutput, SamplingParams
+from engine.types import EngineStats, RequestOutput, SamplingParams, SchedulingKey
 
 from agentrt import tracing
 from agentrt.errors import APIError
 from router.core import Route, RouterCore
 from router.openai_worker import CompletionStreamError, completion_body, stream_completion
 from router.policy import NoWorkerAvailable
-from router.worker_api import output_from_wire, sampling_to_wire, structured_to_wire
+from router.worker_api import key_to_wire, output_from_wire, sampling_to_wire, structured_to_wire
 
 log = logging.getLogger("router.remote")
 
@@ -142,13 +142,17 @@ class RemoteEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                constraint: StructuredOutput | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
-               session: SessionHint | None = None, trace: Any = None) -> RemoteStream:
+               session: SessionHint | None = None, trace: Any = None,
+               key: SchedulingKey | None = None) -> RemoteStream:
         """Check now (``InvalidRequest``), route and stream when iterated (or placed). ``trace``: the
-        request's trace context (``agentrt.tracing``), annotated with the routing and sent on."""
+        request's trace context (``agentrt.tracing``), annotated with the routing and sent on. ``key``
+        (the session and tenant the worker's scheduler orders the request by) goes to the worker."""
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
                 "constraint": None if constraint is None else structured_to_wire(constraint),
                 "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
+        if key is not None:
+            body["key"] = key_to_wire(key)
         stream = RemoteStream()
         # What only agentrt workers run: their own grammar, logprobs by token id (vllm-kind workers get neither)
         agentrt_only = constraint is not None or params.logprobs is not None
@@ -178,8 +182,13 @@ class RemoteEngine:
                 if remembered:  # where the conversation goes now (refreshing its TTL), for every replica
                     await self.core.affinity.remember(session.session_id, route.worker.worker_id, session.last_worker)
                     session = dataclasses.replace(session, last_worker=route.worker.worker_id)
-                sent = self._send_openai(route, body, params, trace) if self._is_vllm(route.worker.worker_id) else \
-                    self._send(route, body, trace)
+                if self._is_vllm(route.worker.worker_id):
+                    sent = self._send_openai(route, body, params, trace)
+                else:
+                    move = self.core.kv_move(route)   # the holder of the prefix, if pulling beats recomputing
+                    if move is not None:   # the worker answers after its pull: within half the header wait
+                        move["timeout_s"] = self.header_timeout_s / 2
+                    sent = self._send(route, body if move is None else {**body, "kv_source": move}, trace)
                 async for out in sent:
                     produced = True
                     if out.finished:  # accounted now: a consumer need not iterate past the last output

@@ -8,7 +8,9 @@ whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
   heartbeat registers again and re-announces the cache: ``cleared``, then ``stored`` with
   every cached block, so routers rebuild this worker's index entries.
 * the internal endpoints a router uses (``router/worker_api.py``): generate from token ids,
-  pin/unpin, the cache snapshot;
+  pin/unpin, the cache snapshot; and the page transfers between workers (``router/kv_moves.py``:
+  ``/internal/kv/blocks`` serves cached pages, a turn with a ``kv_source`` pulls them; ``--kv-moves
+  false`` turns both off);
 * the endpoints SGLang's router expects of a worker (``router/sglang_api.py``);
 * with ``--kv-events zmq://...``, the same KV events in vLLM's wire format on ZMQ
   (``router/vllm_publisher.py``), for Dynamo, llm-d or an agentrt router's ``--vllm-worker``.
@@ -17,7 +19,8 @@ Draining (SIGTERM, ``serve_worker``): the worker stops heartbeating and unregist
 (routers drop it at their next refresh), answers new generate requests with 503
 ``worker_draining`` (a router sends such a request to another worker; the public endpoints,
 ``/v1/chat/completions``, ``/v1/completions``, session turns and ``/generate``, answer the same,
-with ``Retry-After``), lets the requests in flight finish (up to ``shutdown_timeout_s``), then
+with ``Retry-After``), lets the requests in flight finish (up to ``shutdown_timeout_s``), hands its
+pinned sessions' KV to the other live workers (KV moves on: ``KVMoves.hand_over``), then
 shuts down. A second SIGTERM, or SIGINT, stops at once. A killed worker simply stops
 heartbeating and expires after ``heartbeat_ttl_s``.
 """
@@ -56,6 +59,7 @@ class WorkerRuntime:
         self._redis = redis_client(rconfig.redis_url)
         self.registry = WorkerRegistry(self._redis, rconfig)
         self._task: asyncio.Task | None = None
+        self.moves: Any = None   # router/kv_moves.py KVMoves, when moves are on: its measured pull bandwidth
 
     @property
     def info(self) -> WorkerInfo:
@@ -66,8 +70,14 @@ class WorkerRuntime:
 
     def load(self) -> LoadReport:
         s = self.llm.stats()
+        by_class = s.waiting_by_priority   # "<high|normal|low>/<new|started>" -> requests
         return LoadReport(running=s.running, waiting=s.waiting, pages_used=s.pages_used,
-                          pages_free=s.pages_free, waiting_tokens=s.waiting_tokens, ts_ms=int(time.time() * 1000))
+                          pages_free=s.pages_free, waiting_tokens=s.waiting_tokens, ts_ms=int(time.time() * 1000),
+                          waiting_new=sum(n for label, n in by_class.items() if label.endswith("/new")),
+                          waiting_high=sum(n for label, n in by_class.items() if label.startswith("high/")),
+                          prefill_tokens_per_s=float(s.prefill_tokens_per_s),
+                          kv_bytes_per_token=s.kv_cache_bytes_per_token,
+                          kv_pull_bytes_per_s=self.moves.stats.bytes_per_s if self.moves is not None else 0.0)
 
     async def start(self) -> None:
         self.publisher.start()  # announces `cleared`: a returning worker's stale entries vanish
@@ -134,7 +144,24 @@ class WorkerRuntime:
             await asyncio.sleep(0.05)
         left = app.state.generator.in_flight
         log.warning("worker %s drained (%d requests still running)", self.settings.worker_id, left)
+        if self.moves is not None:   # its pinned sessions' KV to other workers, before it goes
+            await self._hand_over(max(1.0, deadline - time.monotonic()))
         return left
+
+    async def _hand_over(self, timeout_s: float) -> None:
+        """Ask the other live workers of this model, least loaded first, to pull this worker's pinned
+        sessions (router/kv_moves.py ``KVMoves.hand_over``): a router with no holder of a session's prefix
+        sends its next turn to the least-loaded worker too, and once it knows the blocks, to their holder."""
+        me = self.settings.worker_id
+        try:
+            live = [w for w in await self.registry.live_workers() if w.worker_id != me and w.model == self.llm.model_id]
+            loads = await self.registry.loads([w.worker_id for w in live])
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("drain handover of %s skipped: Redis unreachable (%s)", me, exc)
+            return
+        live.sort(key=lambda w: (loads[w.worker_id].running + loads[w.worker_id].waiting
+                                 if w.worker_id in loads else 0, w.worker_id))
+        await self.moves.hand_over(self.settings.advertise_url, [w.url for w in live], timeout_s)
 
     async def _stop_heartbeat(self) -> None:
         if self._task is not None:
@@ -170,6 +197,7 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
     from engine import LLMEngine
 
     from agentrt.server import create_app
+    from router.kv_moves import KVMoveCollector, KVMoves, kv_routes
     from router.sglang_api import sglang_routes
     from router.worker_api import worker_routes
 
@@ -197,9 +225,15 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
                          f"size {rconfig.block_size} (contract 1)")
     app = create_app(config, engine=llm, role="worker")
     runtime = WorkerRuntime(rconfig, settings, llm, publisher, zmq_publisher)
+    moves = KVMoves(llm, settings.kv_pull_timeout_s) if rconfig.kv_moves else None
+    runtime.moves = moves
+    if moves is not None:
+        app.state.metrics.attach(KVMoveCollector(moves))
     app.state.llm = llm
     app.state.worker = runtime
+    app.state.kv_moves = moves
     app.include_router(worker_routes)
+    app.include_router(kv_routes)
     app.include_router(sglang_routes)
     app.add_middleware(NameWorker, worker_id=settings.worker_id)
     inner = app.router.lifespan_context
@@ -213,6 +247,8 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
                 yield
             finally:
                 await runtime.stop()
+                if moves is not None:
+                    await moves.close()
 
     app.router.lifespan_context = lifespan
     return app

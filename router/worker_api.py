@@ -2,8 +2,10 @@
 
 * ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
   constraint *options* (the worker builds the grammar: a constraint object does not travel),
-  a pin TTL; a traced request's W3C ``traceparent`` header (its span continues the router's
-  trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
+  a pin TTL, the scheduling key (session, tenant and its weight, whether the session already ran a
+  turn: ``engine.types.SchedulingKey``); optionally ``kv_source``, a worker holding the prompt's prefix
+  to pull it from first (router/kv_moves.py); a traced request's W3C ``traceparent`` header (its span
+  continues the router's trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
   otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
 * ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
@@ -29,7 +31,7 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from engine.client import StructuredOutput
-from engine.types import RequestOutput, SamplingParams, TokenLogprob
+from engine.types import RequestOutput, SamplingParams, SchedulingKey, TokenLogprob
 
 from agentrt import tracing
 from agentrt.dashboard import engine_worker
@@ -51,6 +53,26 @@ class ConstraintSpec(BaseModel):
     call_format: str = "hermes"  # an unknown one is refused by the grammar's builder (a 400)
 
 
+class KeySpec(BaseModel):
+    """The scheduling key (``engine.types.SchedulingKey``) as it travels."""
+
+    session: str = Field(default="", max_length=256)
+    tenant: str = Field(default="", max_length=256)
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    continuing: bool = False
+
+
+class KVSource(BaseModel):
+    """Where this turn's prefix is cached (a router's hint, router/core.py ``kv_move``): the worker pulls the
+    blocks it lacks from there before it runs the turn (router/kv_moves.py)."""
+
+    url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://")
+    worker: str | None = None
+    blocks: int | None = Field(default=None, ge=1)
+    # the longest the pull may take: the router waits for this worker's response headers, which come after it
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
 class GenerateBody(BaseModel):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -58,6 +80,8 @@ class GenerateBody(BaseModel):
     constraint: ConstraintSpec | None = None
     pin_ttl_s: float | None = Field(default=None, gt=0)
     cache_salt: str = ""
+    key: KeySpec | None = None   # absent from an older router: the request is a session of its own
+    kv_source: KVSource | None = None
 
 
 class PinBody(BaseModel):
@@ -106,6 +130,10 @@ def sampling_from_wire(data: dict[str, Any]) -> SamplingParams:
         raise bad_request(f"sampling: {exc}", param="sampling") from None
 
 
+def key_to_wire(key: SchedulingKey) -> dict[str, Any]:
+    return asdict(key)
+
+
 def structured_to_wire(options: StructuredOutput) -> dict[str, Any]:
     return asdict(options)
 
@@ -148,8 +176,13 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     params = sampling_from_wire(body.sampling)
     spec = body.constraint
     constraint = None if spec is None else gen.constraint(StructuredOutput(**spec.model_dump()))
+    key = None if body.key is None else SchedulingKey(**body.key.model_dump())
+    moves = getattr(state, "kv_moves", None)
+    if body.kv_source is not None and moves is not None:   # a hint: whatever fails is recomputed
+        src = body.kv_source
+        await moves.pull(src.url, body.prompt_token_ids, body.cache_salt, src.blocks, src.timeout_s)
     generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, pin_ttl_s=body.pin_ttl_s,
-                                 request_id=body.request_id, cache_salt=body.cache_salt)
+                                 request_id=body.request_id, cache_salt=body.cache_salt, key=key)
 
     async def lines() -> AsyncIterator[bytes]:
         async for out in generation.outputs():

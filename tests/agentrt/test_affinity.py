@@ -93,7 +93,7 @@ class _RecordingEngine:
         return None
 
     def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", pin_ttl_s=None,
-               session=None, trace=None):
+               session=None, trace=None, key=None):
         self.hints.append(session)
         self.pin_ttls.append(pin_ttl_s)
         self.request_ids.append(request_id)

@@ -493,16 +493,16 @@ def test_draft_rows_cap_bounds_every_step(default_engine, spec_engine, tokenizer
     prompts = [quote(tokenizer, QUOTED), quote(tokenizer, QUOTED_2), quote(tokenizer, QUOTED[:400])]
     params = greedy(48)
     steps = []
-    run = spec_engine.runner.run
+    prepare = spec_engine.runner.prepare
 
-    def spy(batch):
+    def spy(batch, source=None):
         steps.append((sum(batch.num_new), sum(len(d) for d in batch.drafts.values())))
-        return run(batch)
-    spec_engine.runner.run, spec_engine.scheduler.draft_rows_cap = spy, 5
+        return prepare(batch, source)
+    spec_engine.runner.prepare, spec_engine.scheduler.draft_rows_cap = spy, 5
     try:
         got = spec_engine.generate(prompts, params)
     finally:
-        spec_engine.runner.run, spec_engine.scheduler.draft_rows_cap = run, None
+        spec_engine.runner.prepare, spec_engine.scheduler.draft_rows_cap = prepare, None
     assert [r.token_ids for r in got] == [r.token_ids for r in default_engine.generate(prompts, params)]
     drafted = [(rows, d) for rows, d in steps if d]
     assert drafted and all(rows + d <= 5 for rows, d in drafted)
