@@ -9,6 +9,7 @@ and the benchmarks use); a server is an ``agentrt.procs.Proc``.
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Before torch is imported (here and in every server the tests start, which inherit the environment):
@@ -59,3 +60,12 @@ def agentrt_server(tmp_path_factory: pytest.TempPathFactory):
 def start_agentrt_server():
     """``start_agentrt_server(tmp_dir, *flags)`` starts another server; the caller stops it."""
     return start_server
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_engines_between_modules():
+    """An engine sits in reference cycles (its parts hold its bound methods), which only the cyclic
+    collector frees, and it runs its oldest generation rarely: collect when each module ends, so that
+    the session holds one module's engines (GBs of weights and KV pages) at a time, not every module's."""
+    yield
+    gc.collect()
