@@ -30,6 +30,8 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
+from engine.kv_move import KVLayout
+
 from agentrt.cli import build_parser
 from agentrt.config import ServerConfig
 from router.config import RouterConfig, WorkerSettings
@@ -315,6 +317,9 @@ class _StubEngine:
         self.model_id = "stub"
         self.scheduler = SimpleNamespace(pins={})
         self.tiers = None
+        # what a page of its pool is, for the worker's KV moves (engine/kv_move.py); no page ever moves here
+        self.mover = SimpleNamespace(layout=KVLayout("stub", "float32", (2, 30, 16, 3, 64), self.config.page_size,
+                                                     30, 3, 64, "stub"))
 
     def has_unfinished(self) -> bool:
         return False
