@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -335,6 +336,10 @@ def ab_overlap(cfg: EngineConfig, shapes: list[str], steps: int, blocks: int = 3
                   f"host total {r['host_total_ms']:6.2f} ms  on the critical path {r['host_critical_ms']:6.2f} ms",
                   flush=True)
             engines[side].close()
+        # an engine sits in reference cycles (tests/conftest.py): collect the pair before the next shape's
+        # pools are allocated, or the run holds every shape's KV at once
+        del engines, clocks
+        gc.collect()
     return out
 
 
@@ -354,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="also time whole engine steps without and with overlap_schedule, in alternating blocks: "
                          "host ms on the critical path against total host ms")
+    ap.add_argument("--overlap-shapes", default="b1_ctx64,b16_ctx64,b64_ctx64,b256_ctx64",
+                    help="shapes of the --overlap A/B (two engines with their own pools each; the default leaves "
+                         "out b64_ctx2048, whose two float32 pools of 6 GB each beside this engine's overflow 24 GB)")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
     ap.add_argument("--ab-quantization", metavar="MODE",
@@ -399,7 +407,11 @@ def main(argv: list[str] | None = None) -> None:
     abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None
     kv_pages = ab_kv_pages(engine, args.kv_baseline, shapes, args.steps, args.repeats, args.order) \
         if args.kv_cache_dtype != "auto" else None
-    overlap = ab_overlap(engine.config, shapes, args.steps, args.repeats, args.order) if args.overlap else None
+    overlap_shapes = [s for s in args.overlap_shapes.split(",") if s]
+    unknown = sorted(set(overlap_shapes) - set(SHAPES))
+    if unknown:
+        raise SystemExit(f"--overlap-shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    overlap = ab_overlap(engine.config, overlap_shapes, args.steps, args.repeats, args.order) if args.overlap else None
     auto = results.get("auto", {})
     out = {
         "device": engine.device,
