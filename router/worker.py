@@ -15,7 +15,8 @@ whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
 * with ``--kv-events zmq://...``, the same KV events in vLLM's wire format on ZMQ
   (``router/vllm_publisher.py``), for Dynamo, llm-d or an agentrt router's ``--vllm-worker``.
 
-Draining (SIGTERM, ``serve_worker``): the worker stops heartbeating and unregisters at once
+Draining (SIGTERM, ``serve_worker``; or ``POST /internal/drain``, which drains the same way and leaves
+the process up until it is stopped, for a k8s preStop hook or a scale-in script): the worker stops heartbeating and unregisters at once
 (routers drop it at their next refresh), answers new generate requests with 503
 ``worker_draining`` (a router sends such a request to another worker; the public endpoints,
 ``/v1/chat/completions``, ``/v1/completions``, session turns and ``/generate``, answer the same,
@@ -59,6 +60,7 @@ class WorkerRuntime:
         self._redis = redis_client(rconfig.redis_url)
         self.registry = WorkerRegistry(self._redis, rconfig)
         self._task: asyncio.Task | None = None
+        self._drain: asyncio.Future | None = None   # the one drain (SIGTERM or POST /internal/drain)
         self.moves: Any = None   # router/kv_moves.py KVMoves, when moves are on: its measured pull bandwidth
 
     @property
@@ -130,9 +132,17 @@ class WorkerRuntime:
             if hashes:
                 self.publisher.publish("stored", hashes, None, medium=medium)
 
-    async def drain(self, app: FastAPI, timeout_s: float) -> int:
-        """Accept nothing new, leave the routing table, wait for requests in flight; returns those
-        still running when ``timeout_s`` ran out (they are aborted by the shutdown that follows)."""
+    async def drain(self, app: FastAPI, timeout_s: float) -> dict:
+        """Accept nothing new, leave the routing table, wait for requests in flight, hand the pinned
+        sessions over. Returns ``requests_left`` (still running when ``timeout_s`` ran out: the shutdown
+        that follows aborts them) and ``handover`` (``KVMoves.hand_over``'s counts; None when moves are
+        off or Redis was unreachable). A worker drains once: a later call (the SIGTERM after a
+        ``POST /internal/drain``) waits for the first and returns its result."""
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_once(app, timeout_s))
+        return await asyncio.shield(self._drain)
+
+    async def _drain_once(self, app: FastAPI, timeout_s: float) -> dict:
         app.state.stopping = True  # /health 503, /internal/generate 503 worker_draining
         app.state.generator.draining = True  # and every public endpoint that generates
         log.warning("worker %s draining: %d requests in flight", self.settings.worker_id,
@@ -144,11 +154,12 @@ class WorkerRuntime:
             await asyncio.sleep(0.05)
         left = app.state.generator.in_flight
         log.warning("worker %s drained (%d requests still running)", self.settings.worker_id, left)
+        handover = None
         if self.moves is not None:   # its pinned sessions' KV to other workers, before it goes
-            await self._hand_over(max(1.0, deadline - time.monotonic()))
-        return left
+            handover = await self._hand_over(max(1.0, deadline - time.monotonic()))
+        return {"worker_id": self.settings.worker_id, "requests_left": left, "handover": handover}
 
-    async def _hand_over(self, timeout_s: float) -> None:
+    async def _hand_over(self, timeout_s: float) -> dict | None:
         """Ask the other live workers of this model, least loaded first, to pull this worker's pinned
         sessions (router/kv_moves.py ``KVMoves.hand_over``): a router with no holder of a session's prefix
         sends its next turn to the least-loaded worker too, and once it knows the blocks, to their holder."""
@@ -158,10 +169,10 @@ class WorkerRuntime:
             loads = await self.registry.loads([w.worker_id for w in live])
         except (aioredis.RedisError, OSError) as exc:
             log.warning("drain handover of %s skipped: Redis unreachable (%s)", me, exc)
-            return
+            return None
         live.sort(key=lambda w: (loads[w.worker_id].running + loads[w.worker_id].waiting
                                  if w.worker_id in loads else 0, w.worker_id))
-        await self.moves.hand_over(self.settings.advertise_url, [w.url for w in live], timeout_s)
+        return await self.moves.hand_over(self.settings.advertise_url, [w.url for w in live], timeout_s)
 
     async def _stop_heartbeat(self) -> None:
         if self._task is not None:

@@ -12,6 +12,7 @@
   pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
   it holds.
 * ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
+* ``POST /internal/drain``: drain as a SIGTERM does, but stay up (router/worker.py ``WorkerRuntime.drain``).
 * ``GET /internal/status``: the worker's block of the dashboard's status (``agentrt.dashboard.engine_worker``:
   load, KV use per tier, cached blocks, prompt and cached token totals), read by routers' dashboards.
 
@@ -190,6 +191,16 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
 
     # the background close covers a client that left before the first line was read
     return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(generation.close))
+
+
+@worker_routes.post("/internal/drain")
+async def internal_drain(request: Request) -> dict:
+    """Drain as the first SIGTERM does (``WorkerRuntime.drain``: leave the routing table, answer new work
+    with 503 ``worker_draining``, let requests in flight finish within ``--shutdown-timeout-s``, hand the
+    pinned sessions' KV to the other workers) and answer when done, with what it did; the process stays
+    up (drained) until it is stopped. A second call, or the SIGTERM that follows, returns the same result."""
+    state = request.app.state
+    return await state.worker.drain(request.app, state.generator.config.shutdown_timeout_s)
 
 
 @worker_routes.post("/internal/pin/extend")

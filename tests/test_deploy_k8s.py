@@ -392,6 +392,7 @@ def test_a_draining_worker_fails_its_readiness_probe(apps):
     finally:
         app.state.stopping = False
         app.state.generator.draining = False
+        runtime._drain = None   # a worker drains once; the module's app serves the other tests
 
 
 def _seconds(text: str) -> float:
