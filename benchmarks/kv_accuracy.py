@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentrt.bench.report import write_json  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.attention import BatchLayout  # noqa: E402
@@ -148,17 +148,17 @@ def measure(page_dtypes: tuple[str, ...], wl: AgenticWorkload) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the results here")
+    harness.add_common_args(ap, repeats=None)
     ap.add_argument("--quick", action="store_true", help="a shorter session (~1k tokens, 3 turns)")
     ap.add_argument("--page-dtypes", default="int8,bfloat16", help="page dtypes compared with float32")
     args = ap.parse_args()
+    run = harness.Run(args, __file__)
     wl = (AgenticWorkload(sessions=1, turns=3, system_tokens=600, tool_result_tokens=120, reply_tokens=24)
           if args.quick else AgenticWorkload(sessions=1, turns=6, system_tokens=900, tool_result_tokens=150,
                                              reply_tokens=32))
     result = measure(tuple(args.page_dtypes.split(",")), wl)
     print(json.dumps(result, indent=2))
-    if args.json:
-        write_json(result, args.json)
+    run.write(result)
 
 
 if __name__ == "__main__":

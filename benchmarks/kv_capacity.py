@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentrt.bench.report import write_json  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.chat import encode_chat  # noqa: E402
@@ -88,11 +88,12 @@ def budget_for(wl: AgenticWorkload, fraction: float) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the results here")
+    harness.add_common_args(ap, repeats=None)
     ap.add_argument("--quick", action="store_true", help="4 sessions x 3 turns (a few minutes on 2 shared cores)")
     ap.add_argument("--fraction", type=float, default=0.6,
                     help="the 16-bit pool holds this fraction of the sessions' contexts")
     args = ap.parse_args()
+    run = harness.Run(args, __file__)
     wl = (AgenticWorkload(sessions=4, turns=3, system_tokens=300, tool_result_tokens=100, reply_tokens=4)
           if args.quick else AgenticWorkload(sessions=8, turns=4, system_tokens=600, tool_result_tokens=150,
                                              reply_tokens=8))
@@ -103,8 +104,7 @@ def main() -> None:
         print(side, json.dumps(result[side]), flush=True)
     result["tokens_held_ratio"] = round(result["int8"]["tokens_held"] / result["bfloat16"]["tokens_held"], 3)
     print(json.dumps(result, indent=2))
-    if args.json:
-        write_json(result, args.json)
+    run.write(result)
 
 
 if __name__ == "__main__":

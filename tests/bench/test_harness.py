@@ -115,7 +115,8 @@ def test_every_benchmark_flag_has_help_and_every_script_uses_the_harness():
                     flag = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else "?"
                     missing.append(f"{path.name}: {flag}")
         text = path.read_text()
-        if path.name != "harness.py" and ("json.dump(" in text or "rev-parse" in text or "/proc/cpuinfo\")" in text):
-            own_writers.append(path.name)
+        if path.name != "harness.py" and ("json.dump(" in text or "rev-parse" in text or "/proc/cpuinfo\")" in text
+                                          or "agentrt.bench.report import write_json" in text):
+            own_writers.append(path.name)   # agentrt.bench's writer puts no header on the results
     assert missing == []
     assert own_writers == []
