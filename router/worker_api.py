@@ -232,10 +232,14 @@ async def kv_snapshot(request: Request) -> JSONResponse:
 
 @worker_routes.get("/internal/status")
 async def internal_status(request: Request) -> dict:
-    """This worker as a router's dashboard shows it (its state: ``up``, or ``draining`` once told to stop)."""
+    """This worker as a router's dashboard shows it (its state: ``up``, or ``draining`` once told to stop;
+    ``kv_moves``: KV page bytes it pulled from and served to other workers, its pulls and failed pulls)."""
     state = request.app.state
     worker = engine_worker(state.worker.settings.worker_id,
                            "draining" if state.stopping or state.generator.draining else "up",
                            state.llm.stats(), state.worker.settings.advertise_url)
     worker["load"]["in_flight"] = state.generator.in_flight
+    moves = getattr(state, "kv_moves", None)   # router/kv_moves.py: its pages moved in and out (None: moves off)
+    worker["kv_moves"] = None if moves is None else {
+        k: getattr(moves.stats, k) for k in ("pulled_bytes", "served_bytes", "pulls", "pull_failures")}
     return worker

@@ -31,6 +31,13 @@
 
   function fmtInt(v) { return v === null || v === undefined ? "–" : Number(v).toLocaleString("en-US"); }
   function fmtPct(v) { return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%"; }
+  function fmtMB(v) { return v === null || v === undefined ? "–" : (v / 1e6).toFixed(1) + " MB"; }
+  function movesCell(m) {
+    if (!m) return cell("kv_moves", null, "off", "num");
+    return cell("kv_moves", [m.pulled_bytes, m.served_bytes, m.pulls, m.pull_failures],
+                fmtMB(m.pulled_bytes) + " / " + fmtMB(m.served_bytes) +
+                (m.pulls ? " (" + fmtInt(m.pulls) + " pulls, " + fmtInt(m.pull_failures) + " failed)" : ""), "num");
+  }
   function fmtMs(v) { return v === null || v === undefined ? "–" : (1000 * v).toFixed(0) + " ms"; }
   function raw(v) { return v === null || v === undefined ? "" : JSON.stringify(v); }
 
@@ -84,7 +91,8 @@
         cell("pins", w.pins, fmtInt(w.pins), "num"),
         cell("hit_rate", w.hit_rate, fmtPct(w.hit_rate), "num"),
         cell("tokens", [w.prompt_tokens_total, w.cached_tokens_total],
-             fmtInt(w.prompt_tokens_total) + " / " + fmtInt(w.cached_tokens_total), "num"));
+             fmtInt(w.prompt_tokens_total) + " / " + fmtInt(w.cached_tokens_total), "num"),
+        movesCell(w.kv_moves));
       return tr;
     }));
     const t = s.totals;

@@ -89,7 +89,8 @@ def _quiet_figures(router: str, urls: dict[str, str]) -> dict[str, dict[str, flo
         if indexed != m["agentrt_kv_pages_cached"]:
             return None
         out[w] = {"cached": m["agentrt_kv_pages_cached"], "indexed": indexed,
-                  "prompt": m["agentrt_prompt_tokens_total"], "hit": m["agentrt_prefix_cache_hit_tokens_total"]}
+                  "prompt": m["agentrt_prompt_tokens_total"], "hit": m["agentrt_prefix_cache_hit_tokens_total"],
+                  "moves": httpx.get(url + "/internal/kv/stats", timeout=10).json()}
     return out
 
 
@@ -156,6 +157,8 @@ def test_the_rendered_dashboard_shows_both_workers_as_their_metrics_do(cluster, 
         assert row["state"] == "up"
         assert row["cached_blocks"] == f["cached"] and row["indexed_blocks"] == f["indexed"]
         assert row["tokens"] == [f["prompt"], f["hit"]]
+        moved = f["moves"]   # the worker's own /internal/kv/stats: KV pages pulled in and served out
+        assert row["kv_moves"] == [moved["pulled_bytes"], moved["served_bytes"], moved["pulls"], moved["pull_failures"]]
         assert row["hit_rate"] == pytest.approx(f["hit"] / f["prompt"], abs=1e-12) if f["prompt"] else \
             row["hit_rate"] is None
     assert sum(figures[w]["prompt"] for w in WORKERS) > 0 and sum(figures[w]["hit"] for w in WORKERS) > 0

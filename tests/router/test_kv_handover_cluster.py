@@ -92,6 +92,11 @@ def test_a_drained_workers_pinned_session_continues_from_its_kv_elsewhere(cl):
     second, messages = continue_on_the_new_holder(cl, messages, first.json(), prompt_tokens, holder,
                                                   "Which test failed first?")
     assert second.headers["x-agentrt-worker"] == target
+    # the router's dashboard shows each worker's moved KV as the worker counts it
+    stats = http.get(cl[target].url + "/internal/kv/stats").json()
+    board = c.wait_for(lambda: {w["id"]: w for w in http.get(cl["r0"].url + "/dashboard/status").json()["workers"]}
+                       .get(target, {}).get("kv_moves"), what="the dashboard to read the target's status")
+    assert board["pulled_bytes"] == stats["pulled_bytes"] > 0 and board["pulls"] == stats["pulls"]
 
     # 2. SIGTERM alone: the second holder drains, hands over to the last worker, and exits
     (last,) = [w for w in WORKERS if w not in (holder, target)]
