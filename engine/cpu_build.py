@@ -1,7 +1,9 @@
 """C kernels for the CPU, compiled on first use by the system C compiler and cached.
 
 Like FlashInfer's kernels with nvcc, a C source that ships in the package is compiled the first time
-it is needed, by ``$CC`` (else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``), into
+it is needed, by ``$CC`` (else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``; the target
+``$AGENTRT_KERNEL_MARCH`` instead of ``native`` where set: ``x86-64-v3`` builds for AVX2 only, the CPU
+most users have, on a machine that has more, to measure or to ship one build to a mixed fleet), into
 ``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed by the source, the flags,
 the compiler's version and the CPU's feature flags (a library built with -march=native for one CPU
 can crash on another that shares the cache). Builds go to a temporary file renamed into place, so
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +30,26 @@ from engine.cpu_info import flags_line
 # reassociation lets the dot products and sums vectorise (1.7x); infinities and NaNs keep their meaning
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared", "-std=gnu11")
+
+
+MARCH_ENV = "AGENTRT_KERNEL_MARCH"
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def kernel_march() -> str:
+    """The ``-march`` target of the kernels: ``$AGENTRT_KERNEL_MARCH`` (e.g. ``x86-64-v3``: AVX2 and FMA,
+    no AVX-512) or ``native``. A value that is no target name is refused, naming the variable."""
+    value = os.environ.get(MARCH_ENV, "native").strip() or "native"
+    if not _MARCH.fullmatch(value):
+        raise ValueError(f"{MARCH_ENV}={value!r} is not a -march target name (e.g. native, x86-64-v3, "
+                         f"x86-64-v4, znver4)")
+    return value
+
+
+def kernel_flags() -> tuple[str, ...]:
+    """``FLAGS`` with ``-march=`` set to :func:`kernel_march`."""
+    march = kernel_march()
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
 
 
 def cache_dir() -> Path:
@@ -72,7 +95,7 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError(no_compiler_reason() or "no C compiler")
-    flags = (*FLAGS, *extra_flags)
+    flags = (*kernel_flags(), *extra_flags)
     text = source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
                                      platform.machine().encode(), flags_line().encode()])).hexdigest()[:16]

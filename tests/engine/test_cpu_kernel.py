@@ -56,16 +56,34 @@ def portable_kernel():
     return DecodeKernel(build(SOURCE, extra_flags=("-mno-avx512bf16",)))
 
 
-@pytest.mark.parametrize("variant", ["native", "portable"])
+def avx2_kernel():
+    """The kernel built for AVX2 only (``AGENTRT_KERNEL_MARCH=x86-64-v3``), as on most users' CPUs."""
+    import os
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
+    before = os.environ.get("AGENTRT_KERNEL_MARCH")
+    os.environ["AGENTRT_KERNEL_MARCH"] = "x86-64-v3"
+    try:
+        return DecodeKernel(build(SOURCE))
+    finally:
+        if before is None:
+            del os.environ["AGENTRT_KERNEL_MARCH"]
+        else:
+            os.environ["AGENTRT_KERNEL_MARCH"] = before
+
+
+@pytest.mark.parametrize("variant", ["native", "portable", "x86-64-v3"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1), (12, 3, 64, 128)])
 def test_kernel_matches_reference(variant, dtype, tol, Hq, Hkv, D, P):
     """Rows on both sides of the 256-key chunk boundary, pages scattered over the pool, GQA groups of
     1-4, the two compiled head dims and a generic one; output and log-sum-exp; with and without the
     AVX512-BF16 scores."""
-    kern = kernel if variant == "native" else portable_kernel()
-    if variant == "portable":
-        assert not kern.dpbf16
+    kern = {"native": lambda: kernel, "portable": portable_kernel, "x86-64-v3": avx2_kernel}[variant]()
+    if variant != "native":
+        assert not kern.dpbf16   # no AVX512-BF16 in either build
     rng = random.Random(Hq * 1000 + D + P)
     torch.manual_seed(D + P)
     lens = [1, 15, 16, 17, 255, 256, 257, 600, 1100]
@@ -265,3 +283,43 @@ def test_skips_only_without_a_compiler_and_fails_on_a_compile_error(tmp_path, mo
     guard.require()   # no error: the skip mark alone decides
     monkeypatch.setenv("CC", "no-such-cc")
     assert "CC='no-such-cc' is not on PATH" in KernelBuild(lambda: None).skip_reason
+
+
+def _zmm_instructions(lib) -> int:
+    """Instructions of ``lib`` that use a 512-bit (AVX-512) register."""
+    import shutil
+    import subprocess
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not on PATH: cannot read the built library's instructions")
+    text = subprocess.run([objdump, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    return sum("%zmm" in line for line in text.splitlines())
+
+
+def test_kernel_march_builds_for_the_named_target(tmp_path, monkeypatch):
+    """``AGENTRT_KERNEL_MARCH=x86-64-v3``: the kernels built for AVX2 only (what most users' CPUs run), on
+    a machine that may have more: no AVX-512 instruction in the library, its own cache entry, and it
+    computes what the native build does. A value that is no target name is refused, naming the variable."""
+    import platform
+
+    from engine.cpu_build import kernel_march
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
+    monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("AGENTRT_KERNEL_MARCH", raising=False)
+    native = build(SOURCE)
+    monkeypatch.setenv("AGENTRT_KERNEL_MARCH", "x86-64-v3")
+    assert kernel_march() == "x86-64-v3"
+    avx2 = build(SOURCE)
+    assert avx2 != native and avx2.parent == native.parent
+    assert _zmm_instructions(avx2) == 0
+    from engine.cpu_info import flags_line
+    if " avx512f" in f" {flags_line()} ":
+        assert _zmm_instructions(native) > 0   # the native build here does use AVX-512: the target mattered
+    # what it computes: test_kernel_matches_reference's "x86-64-v3" variant
+    for bad in ("x86-64 -v3", "-O0", "native;rm"):
+        monkeypatch.setenv("AGENTRT_KERNEL_MARCH", bad)
+        with pytest.raises(ValueError, match="AGENTRT_KERNEL_MARCH=.* is not a -march target name"):
+            build(SOURCE)
