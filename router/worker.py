@@ -16,8 +16,8 @@ whose radix cache reports to a ``KVEventPublisher`` (contract 2), and adds:
   (``router/vllm_publisher.py``), for Dynamo, llm-d or an agentrt router's ``--vllm-worker``.
 
 Draining (SIGTERM, ``serve_worker``; or ``POST /internal/drain``, which drains the same way and leaves
-the process up until it is stopped, for a k8s preStop hook or a scale-in script): the worker stops heartbeating and unregisters at once
-(routers drop it at their next refresh), answers new generate requests with 503
+the process up until it is stopped, for a k8s preStop hook or a scale-in script): the worker stops
+heartbeating and unregisters at once (routers drop it at their next refresh), answers new generate requests with 503
 ``worker_draining`` (a router sends such a request to another worker; the public endpoints,
 ``/v1/chat/completions``, ``/v1/completions``, session turns and ``/generate``, answer the same,
 with ``Retry-After``), lets the requests in flight finish (up to ``shutdown_timeout_s``), hands its
