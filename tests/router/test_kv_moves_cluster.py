@@ -97,8 +97,10 @@ def cl(tmp_path_factory):
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         redis_server = group.redis(appendonly=False)
-        wa = c.worker(group, redis_server.url, "wa")
-        wb = c.worker(group, redis_server.url, "wb")
+        # float32 pages on any host (auto is bfloat16 where the CPU has native bf16): the byte counts and the
+        # layout mismatch below are float32's
+        wa = c.worker(group, redis_server.url, "wa", "--dtype", "float32")
+        wb = c.worker(group, redis_server.url, "wb", "--dtype", "float32")
         wa.wait_ready()
         wb.wait_ready()
         proxy.upstream = wa.url
