@@ -394,24 +394,20 @@ def main(argv: list[str] | None = None) -> None:
             free_batch(engine, batch)
             print(f"{plan:8s} {name:22s} step {r['step_ms']:9.1f} ms  forward {r['forward_ms']:9.1f} ms  "
                   f"host {r['host_ms']:7.2f} ms", flush=True)
-    profile_plan = getattr(backend, "force_decode_plan", None)   # the last plan timed: --profile profiles it
-    if hasattr(backend, "force_decode_plan"):
-        # back to the engine's own choice: the A/Bs below time the engine as it runs (a forced "torch" plan
-        # left here had the --kv-cache-dtype A/B time int8 pages on the torch path against a fresh
-        # bfloat16 backend on the C kernel)
-        backend.force_decode_plan = None
-    if args.profile:
-        backend_plan = profile_plan
-        if hasattr(backend, "force_decode_plan"):
-            backend.force_decode_plan = profile_plan
+    if args.profile:   # with the last plan timed
+        backend_plan = getattr(backend, "force_decode_plan", None)
         batch = decode_batch(engine, *SHAPES[args.profile])
         engine.runner.run(batch)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.runner.run(batch)
         print(f"profile of one {args.profile} step (decode plan {backend_plan or 'auto'}):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-        if hasattr(backend, "force_decode_plan"):
-            backend.force_decode_plan = None
+        free_batch(engine, batch)   # its pages back: the A/Bs below allocate from the same pool
+    if hasattr(backend, "force_decode_plan"):
+        # back to the engine's own choice: the A/Bs below time the engine as it runs (a forced "torch" plan
+        # left here had the --kv-cache-dtype A/B time int8 pages on the torch path against a fresh
+        # bfloat16 backend on the C kernel)
+        backend.force_decode_plan = None
     ab = ab_kernels(engine, shapes, args.steps, args.repeats, args.order) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
     abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None

@@ -56,13 +56,18 @@ def portable_kernel():
     return DecodeKernel(build(SOURCE, extra_flags=("-mno-avx512bf16",)))
 
 
-def avx2_kernel():
-    """The kernel built for AVX2 only (``AGENTRT_KERNEL_MARCH=x86-64-v3``), as on most users' CPUs."""
-    import os
+def _x86_64_only() -> None:
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
+
+
+def avx2_kernel():
+    """The kernel built for AVX2 only (``AGENTRT_KERNEL_MARCH=x86-64-v3``), as on most users' CPUs."""
+    import os
+
+    _x86_64_only()
     before = os.environ.get("AGENTRT_KERNEL_MARCH")
     os.environ["AGENTRT_KERNEL_MARCH"] = "x86-64-v3"
     try:
@@ -301,12 +306,9 @@ def test_kernel_march_builds_for_the_named_target(tmp_path, monkeypatch):
     """``AGENTRT_KERNEL_MARCH=x86-64-v3``: the kernels built for AVX2 only (what most users' CPUs run), on
     a machine that may have more: no AVX-512 instruction in the library, its own cache entry, and it
     computes what the native build does. A value that is no target name is refused, naming the variable."""
-    import platform
-
     from engine.cpu_build import kernel_march
 
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
+    _x86_64_only()
     monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv("AGENTRT_KERNEL_MARCH", raising=False)
     native = build(SOURCE)
