@@ -4,7 +4,7 @@ An agent is done when its last turn is done, so under overload the engine should
 than serve requests in arrival order (Autellix: least attained service per program). With
 ``scheduling_policy="session"`` (``EngineConfig``) requests are ordered by the key
 
-    (priority, tenant share, effective attained service, arrival)        least first
+    (priority, tenant share, started, effective attained service, arrival)        least first
 
 - ``priority``: the request's explicit ``SamplingParams.priority`` (vLLM's name and meaning: lower is
   earlier, default 0). It is strict, as vLLM's priority scheduling is: aging works within one value.
@@ -12,11 +12,19 @@ than serve requests in arrival order (Autellix: least attained service per progr
   decayed sum, half-life ``TENANT_HALF_LIFE_S``) divided by the tenant's weight (``SchedulingKey.weight``).
   The tenant furthest below its weighted share goes first, so tenants share the engine by weight however
   many sessions each runs (hierarchical fair queueing). With one tenant it is the same for every request.
+- started: within a tenant's share, a later turn of a session the engine already served
+  (``Request.started``, or its session's tokens in the ledger) goes before a new session's first turn,
+  whatever their service. An agent is worth something only when its last turn is done: under overload,
+  admitting newcomers ahead of running sessions' later turns delays every session that began, so fewer
+  finish in time (agent_overload.py measured least attained service alone, which put new sessions
+  first, finishing fewer sessions within their SLO than FCFS). New sessions do not starve: the started
+  sessions' queued turns are finite (each session ends, and in a tool pause it queues nothing), and a
+  new session is started once admitted.
 - effective attained service: the tokens computed so far for the request's session (every turn's prompt
   chunks and output; a request without a session is a session of its own) minus ``aging_tokens_per_s``
-  for every second the request has waited since it (re)entered the queue. Least first: short and young
-  sessions overtake long ones, and a long one overtakes any newcomer after waiting long enough, so
-  nothing starves.
+  for every second the request has waited since it (re)entered the queue. Least first: among started
+  sessions short and young ones overtake long ones, and a long one overtakes them after waiting long
+  enough, so nothing starves.
 - arrival: ties go to the older request.
 
 Preemption (the pool ran dry) takes victims in the reverse order: the running request with the greatest
@@ -109,6 +117,13 @@ class SessionOrder:
         """Tokens computed for the request's session so far (its own, without a session)."""
         return self.ledger.session(req.key.session) if req.key.session else req.service
 
+    def started(self, req: Request) -> bool:
+        """Whether the request continues a session the engine already served: so marked when it arrived,
+        or its session (its own tokens, without a session) charged since."""
+        if req.started:
+            return True
+        return self.ledger.started(req.key.session) if req.key.session else req.service > 0
+
     def key(self, req: Request, now: float, waiting: bool = True) -> tuple:
         """Admission order, least first; ``waiting=False`` leaves aging out (running requests, victims)."""
         return self.key_fn(now, waiting)(req)
@@ -122,8 +137,8 @@ class SessionOrder:
             if tenant not in shares:
                 shares[tenant] = self.ledger.tenant(tenant, now)
             waited = max(0.0, now - req.queued_at) if waiting else 0.0
-            return (req.params.priority, shares[tenant] / req.key.weight, self.attained(req) - self.aging * waited,
-                    req.arrival)
+            return (req.params.priority, shares[tenant] / req.key.weight, not self.started(req),
+                    self.attained(req) - self.aging * waited, req.arrival)
 
         return key
 

@@ -70,12 +70,28 @@ class Sim:
 
 
 def test_least_attained_session_goes_first_fcfs_keeps_arrival_order():
-    for order, expected in ((True, ["new", "old"]), (False, ["old", "new"])):
+    for order, expected in ((True, ["short", "long"]), (False, ["long", "short"])):
         sim = Sim(order=order)
         sim.ledger.charge(SchedulingKey("s-long"), 5000, sim.now)   # a session that already had much service
-        sim.add("old", SchedulingKey("s-long"))
-        sim.add("new", SchedulingKey("s-short"))
+        sim.ledger.charge(SchedulingKey("s-short"), 10, sim.now)    # one that had little
+        sim.add("long", SchedulingKey("s-long"))
+        sim.add("short", SchedulingKey("s-short"))
         sim.run(4)
+        assert sim.names() == expected, order
+
+
+def test_a_started_session_goes_before_a_new_one_whatever_its_service():
+    """A later turn of a session the engine served (its ledger entry, or ``Request.started`` as the
+    engine sets it from ``SchedulingKey.continuing``) is admitted before a new session's first turn that
+    arrived earlier, however much service it had (among started ones the least served first); FCFS
+    keeps arrival order."""
+    for order, expected in ((True, ["marked", "later", "first"]), (False, ["first", "later", "marked"])):
+        sim = Sim(order=order)
+        sim.ledger.charge(SchedulingKey("s-old"), 5000, sim.now)
+        sim.add("first", SchedulingKey("s-new"))
+        sim.add("later", SchedulingKey("s-old"))
+        sim.add("marked", SchedulingKey("s-marked")).started = True
+        sim.run(6)
         assert sim.names() == expected, order
 
 
@@ -92,16 +108,19 @@ def test_a_session_is_charged_every_turn_and_request_without_session_its_own():
 
 
 def newcomers(sim: Sim, steps: int, every: int) -> None:
-    """Run ``steps`` steps, a new one-turn session arriving every ``every`` steps (each takes one step)."""
+    """Run ``steps`` steps, a turn of a short started session arriving every ``every`` steps (each takes
+    one step; its session had 1 token of service before)."""
     for i in range(steps):
         if i % every == 0:
+            sim.ledger.charge(SchedulingKey(f"s-{i}"), 1, sim.now)
             sim.add(f"new-{i}", SchedulingKey(f"s-{i}"))
         sim.step()
 
 
 def test_aging_a_session_with_much_service_still_finishes():
-    """A stream of new sessions as fast as the engine serves them: without aging the long session waits
-    forever; aged by 100 tokens a second, its 1000 tokens of service are forgiven after ~10 s (100 steps)."""
+    """A stream of short started sessions as fast as the engine serves them: without aging the long
+    session waits forever; aged by 100 tokens a second, its 1000 tokens of service are forgiven after
+    ~10 s (100 steps)."""
     for aging, finishes in ((100.0, True), (0.0, False)):
         sim = Sim(aging=aging)
         sim.ledger.charge(SchedulingKey("s-long"), 1000, sim.now)
@@ -144,6 +163,8 @@ def test_tenants_share_by_weight_however_many_sessions_each_runs():
 
 def test_within_a_tenant_the_least_served_session_goes_first():
     sim = Sim()
+    for session in ("a1", "a2"):   # both started, with equal service
+        sim.ledger.charge(SchedulingKey(session, "a"), 10, sim.now)
     for i in range(3):
         sim.add(f"a1-{i}", SchedulingKey("a1", "a"))
     sim.add("a2-0", SchedulingKey("a2", "a"))
