@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import httpx
+from httpx_sse import EventSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,16 +59,10 @@ async def _sse(http: httpx.AsyncClient, path: str, body: dict, headers: dict | N
         if resp.status_code != 200:
             await resp.aread()
             raise RuntimeError(f"{path}: {resp.status_code} {resp.text[:300]}")
-        name = None
-        async for line in resp.aiter_lines():
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                yield name, json.loads(data)
-                name = None
+        async for event in EventSource(resp).aiter_sse():
+            if event.data == "[DONE]":
+                return
+            yield event.event, json.loads(event.data)
 
 
 class Turn:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from httpx_sse import EventSource
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -131,10 +132,10 @@ async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[di
         worker = resp.headers.get("x-agentrt-worker")  # agentrt router's, or the worker's own passed on
         if resp.status_code != 200:
             raise RuntimeError(f"{url}: {resp.status_code} {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for event in EventSource(resp).aiter_sse():
+            if event.data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(event.data)
             if "error" in chunk:
                 raise RuntimeError(f"{url}: {chunk['error']}")
             for choice in chunk.get("choices") or ():

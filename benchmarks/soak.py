@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from httpx_sse import EventSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: benchmarks/ importable
 
@@ -106,10 +107,10 @@ async def one_turn(http: httpx.AsyncClient, url: str, sid: str, text: str, stats
                 return False
             headers = True
             completed = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for sse in EventSource(resp).aiter_sse():
+                if sse.data == "[DONE]":
                     continue
-                event = json.loads(line[6:])
+                event = json.loads(sse.data)
                 if "error" in event:
                     stats.error("stream_error", sent, json.dumps(event["error"]))
                     return False

@@ -32,6 +32,7 @@ from engine.coalesce import TurnCoalescer
 from engine.client import check_closing, check_request
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
+from engine.cpu_info import cpu_model
 from engine.hashing import block_hashes, make_seed
 from engine.kv_pool import KVCache, PagePool, kv_bytes_per_token, pool_pages
 from engine.kv_move import KVLayout, KVMover, model_fingerprint
@@ -47,7 +48,7 @@ from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.session_priority import SESSION, ServiceLedger, SessionOrder, charge, priority_class
 from engine.speculative import SpeculativeState, TenantCorpora, verify
-from engine.step_cost import cpu_model, step_cost_for
+from engine.step_cost import step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams, SchedulingKey)

@@ -23,17 +23,6 @@ SETUP_KEYS = ("device", "cpu_model", "dtype", "quantization", "torch_threads")
 MIN_ROW = 1e-3            # DraftLength needs ROW > 0; a measured slope at or below 0 is clamped here
 
 
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it ("unknown" where it does not)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def fit_step_cost(ms_by_k: dict[int, float]) -> tuple[float, float]:
     """(FIXED, ROW): the least-squares line through ``ms_by_k[k] / ms_by_k[0] - 1`` for k >= 1.
 

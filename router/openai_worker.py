@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import httpx
+from httpx_sse import EventSource
 
 from engine.hashing import make_seed
 from engine.types import RequestOutput, SamplingParams
@@ -184,41 +185,46 @@ class CompletionStreamError(ValueError):
 
 async def stream_completion(resp: httpx.Response, request_id: str, prompt_tokens: int) -> AsyncIterator[RequestOutput]:
     """``RequestOutput`` deltas from an open ``/v1/completions`` event stream (status 200); the last one is
-    finished and carries the usage. Raises ``CompletionStreamError`` on a chunk it cannot read and
-    ``httpx.RemoteProtocolError`` if the stream ends before the reply finished."""
+    finished and carries the usage. Raises ``CompletionStreamError`` on a response that is not an event
+    stream or a chunk it cannot read, and ``httpx.RemoteProtocolError`` if the stream ends before the
+    reply finished."""
     completion = cached = 0
     usage_seen = False
     finish: tuple[str, str | int | None] | None = None
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            break
-        try:
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise CompletionStreamError(f"the worker failed the request: {chunk['error']}")
-            usage = chunk.get("usage")
-            if usage:
-                usage_seen = True
-                prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens))
-                completion = int(usage.get("completion_tokens", completion))
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            for choice in chunk.get("choices") or ():
-                text = choice.get("text") or ""
-                token_ids = [int(t) for t in choice.get("token_ids") or ()]
-                if not usage_seen:
-                    completion += len(token_ids)
-                if text or token_ids:
-                    yield RequestOutput(request_id, text, token_ids, prompt_tokens=prompt_tokens,
-                                        cached_tokens=cached, completion_tokens=completion)
-                if choice.get("finish_reason"):
-                    finish = (str(choice["finish_reason"]), choice.get("stop_reason"))
-        except (ValueError, TypeError, AttributeError) as exc:
-            if isinstance(exc, CompletionStreamError):
-                raise
-            raise CompletionStreamError(f"unreadable chunk from the worker: {data[:200]!r}") from None
+    content_type = resp.headers.get("content-type", "")
+    if "text/event-stream" not in content_type:
+        raise CompletionStreamError(f"the worker answered {content_type or 'no content type'!r}, not an event stream")
+    async with contextlib.aclosing(EventSource(resp).aiter_sse()) as events:
+        async for event in events:
+            data = event.data.strip()
+            if data == "[DONE]":
+                break
+            if not data:
+                continue
+            try:
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise CompletionStreamError(f"the worker failed the request: {chunk['error']}")
+                usage = chunk.get("usage")
+                if usage:
+                    usage_seen = True
+                    prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens))
+                    completion = int(usage.get("completion_tokens", completion))
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                for choice in chunk.get("choices") or ():
+                    text = choice.get("text") or ""
+                    token_ids = [int(t) for t in choice.get("token_ids") or ()]
+                    if not usage_seen:
+                        completion += len(token_ids)
+                    if text or token_ids:
+                        yield RequestOutput(request_id, text, token_ids, prompt_tokens=prompt_tokens,
+                                            cached_tokens=cached, completion_tokens=completion)
+                    if choice.get("finish_reason"):
+                        finish = (str(choice["finish_reason"]), choice.get("stop_reason"))
+            except (ValueError, TypeError, AttributeError) as exc:
+                if isinstance(exc, CompletionStreamError):
+                    raise
+                raise CompletionStreamError(f"unreadable chunk from the worker: {data[:200]!r}") from None
     if finish is None:
         raise httpx.RemoteProtocolError("the worker ended the stream before the reply finished")
     reason, stop_reason = finish
