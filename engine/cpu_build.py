@@ -4,9 +4,10 @@ Like FlashInfer's kernels with nvcc, a C source that ships in the package is com
 it is needed, by ``$CC`` (else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` (``FLAGS``; the target
 ``$AGENTRT_KERNEL_MARCH`` instead of ``native`` where set: ``x86-64-v3`` builds for AVX2 only, the CPU
 most users have, on a machine that has more, to measure or to ship one build to a mixed fleet), into
-``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed by the source, the flags,
-the compiler's version and the CPU's feature flags (a library built with -march=native for one CPU
-can crash on another that shares the cache). Builds go to a temporary file renamed into place, so
+``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed by the source, the headers
+it may include (``engine/csrc/*.h``, on the include path), the flags, the compiler's version and the
+CPU's feature flags (a library built with -march=native for one CPU can crash on another that shares
+the cache). Builds go to a temporary file renamed into place, so
 processes that build at once are safe. OpenMP in these libraries binds to the libgomp torch has
 already loaded: one thread pool.
 
@@ -31,6 +32,9 @@ from engine.cpu_info import flags_line
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared", "-std=gnu11")
 
+
+# headers every kernel may include (kernel_math.h): on the include path, and in the cache key
+INCLUDE_DIR = Path(__file__).resolve().parent / "csrc"
 
 MARCH_ENV = "AGENTRT_KERNEL_MARCH"
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
@@ -96,7 +100,7 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     if cc is None:
         raise RuntimeError(no_compiler_reason() or "no C compiler")
     flags = (*kernel_flags(), *extra_flags)
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _version(cc).encode(),
                                      platform.machine().encode(), flags_line().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
@@ -106,8 +110,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: concurrent builds are safe
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run([cc, *flags, f"-I{INCLUDE_DIR}", str(source), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)

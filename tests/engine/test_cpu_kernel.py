@@ -269,6 +269,33 @@ def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
         build(bad)
 
 
+
+def test_the_shared_header_is_included_and_keys_the_cache(tmp_path, monkeypatch):
+    """A kernel includes engine/csrc/kernel_math.h from the include path; a change to a header rebuilds
+    every kernel (its key changes), and the header's helpers compute what they claim."""
+    import ctypes
+    import math
+
+    from engine import cpu_build
+    monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path / "cache"))
+    probe = tmp_path / "probe.c"
+    probe.write_text('#include "kernel_math.h"\nfloat probe_exp(float x) { return exp_nonpos(x); }\n'
+                     'uint16_t probe_bf16(float x) { return f32_to_bf16(x); }\n')
+    first = build(probe)
+    lib = ctypes.CDLL(str(first))
+    lib.probe_exp.restype, lib.probe_exp.argtypes = ctypes.c_float, [ctypes.c_float]
+    lib.probe_bf16.restype, lib.probe_bf16.argtypes = ctypes.c_uint16, [ctypes.c_float]
+    for x in (0.0, -1e-3, -0.5, -1.0, -10.0, -50.0, -86.0):
+        assert lib.probe_exp(x) == pytest.approx(math.exp(x), rel=2e-7), x
+    one_third = torch.tensor([1 / 3]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+    assert lib.probe_bf16(1 / 3) == one_third   # nearest even, as torch rounds
+    headers = tmp_path / "include"
+    headers.mkdir()
+    (headers / "kernel_math.h").write_text((cpu_build.INCLUDE_DIR / "kernel_math.h").read_text() + "\n/* v2 */\n")
+    monkeypatch.setattr(cpu_build, "INCLUDE_DIR", headers)
+    rebuilt = build(probe)
+    assert rebuilt != first and rebuilt.exists()
+
 def test_skips_only_without_a_compiler_and_fails_on_a_compile_error(tmp_path, monkeypatch):
     """The guard above: a broken source with a compiler on PATH is an error, never a skip; with no
     compiler on PATH (CC unset, an empty PATH) it is a skip whose reason says so."""

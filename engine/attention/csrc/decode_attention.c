@@ -25,43 +25,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_math.h"   /* engine/csrc: bits32, bf16 <-> f32, exp_nonpos, INLINE */
+
 #define CHUNK 256          /* keys per task */
 #define MAX_G 16           /* query heads per KV head */
 #define MAX_D 256          /* head dim */
-#define INLINE static inline __attribute__((always_inline))
-
-typedef union { uint32_t u; float f; } bits32;
-
-INLINE float bf16_to_f32(uint16_t x) {
-    bits32 c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    bits32 c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);  /* NaN stays NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                   /* nearest even */
-}
-
-/* exp(x) for x <= 0 (clamped at -87, where it is below float32's smallest normal anyway). */
-INLINE float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.4426950408889634f;          /* exp(x) = 2^t = 2^n * 2^f */
-    float n = floorf(t);
-    float f = t - n;                            /* [0, 1) */
-    float p = 2.1877504861477862e-4f;           /* least-squares fit of 2^f, degree 6 */
-    p = p * f + 1.2387821452754277e-3f;
-    p = p * f + 9.6845804549791600e-3f;
-    p = p * f + 5.5480426324716045e-2f;
-    p = p * f + 2.4023050204510465e-1f;
-    p = p * f + 6.9314692869304260e-1f;
-    p = p * f + 1.0000000025868887f;
-    bits32 c;
-    c.u = (uint32_t)((int32_t)n + 127) << 23;   /* 2^n, n in [-126, 0] */
-    return p * c.f;
-}
 
 /* A row of D elements of the pool (bfloat16 or float32) widened into float32. */
 INLINE void widen(const void *src, int bf16, float *dst, int D) {

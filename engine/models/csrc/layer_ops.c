@@ -13,20 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef union { uint32_t u; float f; } bits32;
-
-static inline float bf16_to_f32(uint16_t x) {
-    bits32 c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    bits32 c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);  /* NaN stays NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                   /* nearest even */
-}
+#include "kernel_math.h"   /* engine/csrc: bits32, bf16 <-> f32, exp_nonpos */
 
 #define MAX_H 16384
 
@@ -61,25 +48,6 @@ int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const float *w, float 
         for (int64_t h = 0; h < H; h++) ot[h] = f32_to_bf16(v[h] * r * w[h]);
     }
     return 0;
-}
-
-/* exp(x) for x <= 0 (clamped at -87): exp2 of a degree-6 polynomial (relative error below 1e-7), so the
- * loop vectorises; the same fit as engine/attention/csrc/decode_attention.c's. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.4426950408889634f;
-    float n = floorf(t);
-    float f = t - n;
-    float p = 2.1877504861477862e-4f;
-    p = p * f + 1.2387821452754277e-3f;
-    p = p * f + 9.6845804549791600e-3f;
-    p = p * f + 5.5480426324716045e-2f;
-    p = p * f + 2.4023050204510465e-1f;
-    p = p * f + 6.9314692869304260e-1f;
-    p = p * f + 1.0000000025868887f;
-    bits32 c;
-    c.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * c.f;
 }
 
 /* gate_up: [T, 2 I] bfloat16, gate in the first I columns, up in the last I; out: [T, I].

@@ -1,0 +1,47 @@
+/* Scalar helpers every CPU kernel shares (engine/attention/csrc/decode_attention.c,
+ * engine/models/csrc/layer_ops.c): bfloat16 <-> float32 as torch converts, and exp(x) for x <= 0 as
+ * exp2 of a polynomial, so that the loops around it vectorise. engine/cpu_build.py compiles every kernel
+ * with this folder on the include path and keys its cache by these headers too. */
+#ifndef AGENTRT_KERNEL_MATH_H
+#define AGENTRT_KERNEL_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef union { uint32_t u; float f; } bits32;
+
+INLINE float bf16_to_f32(uint16_t x) {
+    bits32 c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    bits32 c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);  /* NaN stays NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                   /* nearest even */
+}
+
+/* exp(x) for x <= 0 (clamped at -87, where it is below float32's smallest normal anyway): 2^t with
+ * t = x log2(e) = n + f, 2^f by a least-squares polynomial of degree 6 (relative error below 1e-7). */
+INLINE float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.4426950408889634f;
+    float n = floorf(t);
+    float f = t - n;                            /* [0, 1) */
+    float p = 2.1877504861477862e-4f;
+    p = p * f + 1.2387821452754277e-3f;
+    p = p * f + 9.6845804549791600e-3f;
+    p = p * f + 5.5480426324716045e-2f;
+    p = p * f + 2.4023050204510465e-1f;
+    p = p * f + 6.9314692869304260e-1f;
+    p = p * f + 1.0000000025868887f;
+    bits32 c;
+    c.u = (uint32_t)((int32_t)n + 127) << 23;   /* 2^n, n in [-126, 0] */
+    return p * c.f;
+}
+
+#endif
