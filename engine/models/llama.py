@@ -191,16 +191,7 @@ class LlamaModel(nn.Module):
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints (``model.layers.N...``)."""
-        missing = []
-        for name, tensor in self.state_dict().items():
-            value = hf_weight(state, name, missing)
-            if value is None:
-                continue
-            if value.shape != tensor.shape:
-                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
-            tensor.copy_(value)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+        copy_hf_weights(self, state)
 
 
 # fused module -> the checkpoint's modules whose output rows it stacks, in order
@@ -217,6 +208,23 @@ def hf_sources(name: str) -> list[str]:
         if sep:
             return [f"{prefix}{head}.{part}.{kind}" for part in parts]
     return [prefix + name]
+
+
+def copy_hf_weights(module: nn.Module, state, skip: tuple[str, ...] = ()) -> None:
+    """Copy every parameter and buffer of ``module`` (but those whose names start with one of ``skip``)
+    from a checkpoint in HF names; a missing weight or a shape that differs is a ``ValueError``."""
+    missing: list[str] = []
+    for name, tensor in module.state_dict().items():
+        if skip and name.startswith(skip):
+            continue
+        value = hf_weight(state, name, missing)
+        if value is None:
+            continue
+        if value.shape != tensor.shape:
+            raise ValueError(f"weight {name}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
+        tensor.copy_(value)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
 
 def hf_weight(state, name: str, missing: list[str]) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.loader.model_config import ModelConfig
-from engine.models.llama import LlamaModel, hf_weight
+from engine.models.llama import LlamaModel, copy_hf_weights
 from engine.moe.config import MoEConfig, moe_layer_indices
 from engine.moe.layers import MoEBlock
 
@@ -40,19 +40,7 @@ class MoEModel(LlamaModel):
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Dense weights by HF name as ``LlamaModel`` does; MoE blocks by their HF names
         (``block_sparse_moe.*`` for Mixtral, ``mlp.*`` for Qwen), read only as needed."""
-        moe_prefixes = tuple(f"layers.{i}.mlp." for i in self.moe_layers)
-        missing: list[str] = []
-        for name, tensor in self.state_dict().items():
-            if name.startswith(moe_prefixes):
-                continue
-            value = hf_weight(state, name, missing)
-            if value is None:
-                continue
-            if value.shape != tensor.shape:
-                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
-            tensor.copy_(value)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+        copy_hf_weights(self, state, skip=tuple(f"layers.{i}.mlp." for i in self.moe_layers))
         for i in self.moe_layers:
             self.layers[i].mlp.load_hf(state, f"model.layers.{i}.")
 
