@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agentrt.bench.progress import bar  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from agentrt.bench.text import system_prompt  # noqa: E402
-from benchmarks.workload import AgenticWorkload  # noqa: E402
+from benchmarks.workload import AgenticWorkload, finished_turns  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SPECULATIVE  # noqa: E402
 from engine.chat import encode_chat  # noqa: E402
@@ -60,17 +60,7 @@ def run_engine(engine: LLMEngine, wl: AgenticWorkload, system: str) -> dict:
     for s in range(wl.sessions):
         submit(s)
     while live:
-        for out in engine.step():
-            s, t0, prompt, ids = live[out.request_id]
-            if out.token_ids and (s, turn[s]) not in ttft:
-                ttft[(s, turn[s])] = time.perf_counter() - t0
-            ids.extend(out.token_ids)
-            if not out.finished:
-                continue
-            if out.finish_reason != "length":
-                raise RuntimeError(f"session {s} turn {turn[s]} ended with {out.finish_reason}: {out.error}")
-            del live[out.request_id]
-            replies[(s, turn[s])] = ids
+        for s, out, ids in finished_turns(engine, live, turn, ttft, replies):
             prompt_total += out.prompt_tokens
             served += out.cached_tokens
             computed += out.prompt_tokens - out.cached_tokens

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.workload import AgenticWorkload  # noqa: E402
+from benchmarks.workload import AgenticWorkload, finished_turns  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.chat import encode_chat  # noqa: E402
 from engine.loader import load_tokenizer  # noqa: E402
@@ -111,17 +111,7 @@ def run(engine: LLMEngine, wl: AgenticWorkload, system: str, pause_s: float, sch
             continue
         if not engine.has_unfinished():   # only pins left: let them expire on schedule
             time.sleep(0.001)
-        for out in engine.step():
-            s, t0, ids = live[out.request_id]
-            if out.token_ids and (s, turn[s]) not in ttft:
-                ttft[(s, turn[s])] = time.perf_counter() - t0
-            ids.extend(out.token_ids)
-            if not out.finished:
-                continue
-            if out.finish_reason != "length":
-                raise RuntimeError(f"session {s} turn {turn[s]} ended with {out.finish_reason}: {out.error}")
-            del live[out.request_id]
-            replies[(s, turn[s])] = ids
+        for s, out, ids in finished_turns(engine, live, turn, ttft, replies):
             if turn[s] >= 1:
                 prompt_later += out.prompt_tokens
                 for k, v in out.cached_tokens_by_tier.items():
