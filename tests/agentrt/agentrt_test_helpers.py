@@ -7,6 +7,8 @@ from typing import Callable
 
 import httpx
 
+from engine.types import RequestOutput
+
 MODEL = "SmolLM2-135M-Instruct"
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -32,3 +34,27 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0, interval_s:
             return True
         time.sleep(interval_s)
     return condition()
+
+
+class OneReply:
+    """The stream an ``EngineClient.generate`` returns, for tests whose engine double answers at once:
+    one finished output of ``reply`` (3 prompt tokens, 1 completion token), or nothing if ``reply`` is
+    empty (a stream closed before any output)."""
+
+    def __init__(self, request_id: str, reply: str = "ok") -> None:
+        self.outputs = [RequestOutput(request_id, reply, [1], finished=True, finish_reason="stop", prompt_tokens=3,
+                                      completion_tokens=1)] if reply else []
+
+    async def placed(self):
+        return None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.outputs:
+            raise StopAsyncIteration
+        return self.outputs.pop(0)
+
+    async def aclose(self):
+        return None

@@ -7,7 +7,7 @@ import asyncio
 
 import pydantic
 import pytest
-from engine.types import RequestOutput
+from agentrt_test_helpers import OneReply
 from starlette.datastructures import Headers
 
 from agentrt.affinity import AFFINITY_HEADERS, affinity_hint, affinity_key
@@ -97,33 +97,13 @@ class _RecordingEngine:
         self.hints.append(session)
         self.pin_ttls.append(pin_ttl_s)
         self.request_ids.append(request_id)
-        return _Closed(request_id, self.reply)
+        return OneReply(request_id, self.reply)
 
     def unpin(self, pin_id, worker=None):
         self.unpins.append(pin_id)
 
     def extend_pin(self, pin_id, ttl_s, worker=None):
         self.extended.append((pin_id, ttl_s))
-
-
-class _Closed:
-    def __init__(self, request_id: str, reply: str) -> None:
-        self.outputs = [RequestOutput(request_id, reply, [1], finished=True, finish_reason="stop", prompt_tokens=3,
-                                      completion_tokens=1)] if reply else []
-
-    async def placed(self):
-        return None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.outputs:
-            raise StopAsyncIteration
-        return self.outputs.pop(0)
-
-    async def aclose(self):
-        return None
 
 
 def _openai_service(engine, **config):

@@ -15,7 +15,8 @@ import json
 
 import httpx
 import pytest
-from engine.types import EngineOverloaded, EngineStats, RequestOutput
+from agentrt_test_helpers import OneReply
+from engine.types import EngineOverloaded, EngineStats
 
 from agentrt.config import ServerConfig
 from agentrt.server import assemble_app
@@ -41,7 +42,7 @@ class _Engine:
         self.params.append(params)
         if self.overloaded and not key.continuing:
             raise EngineOverloaded("3 requests are waiting (limit 2 for a new session)", retry_after_s=6.5)
-        return _Done(request_id)
+        return OneReply(request_id)
 
     def extend_pin(self, pin_id, ttl_s, worker=None):
         pass
@@ -60,26 +61,6 @@ class _Engine:
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         pass
-
-
-class _Done:
-    def __init__(self, request_id: str) -> None:
-        self.outputs = [RequestOutput(request_id, "ok", [1], finished=True, finish_reason="stop", prompt_tokens=3,
-                                      completion_tokens=1)]
-
-    async def placed(self):
-        return None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.outputs:
-            raise StopAsyncIteration
-        return self.outputs.pop(0)
-
-    async def aclose(self):
-        return None
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,11 @@ import json
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.chat import encode_chat
+from engine import EngineConfig, LLMEngine
 from engine.models import cpu_pick
 from engine.models.qlinear import BlockLinear
 from engine.models.qmatmul import Q4Blocks, Q8Blocks, load
-from tests.engine.test_quant import PROMPTS, agreement
+from tests.engine.test_quant import assert_close_to
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the kernel could not be built")
 SCORED = 20   # positions per prompt: 6 prompts, 120 positions
@@ -33,13 +32,7 @@ def test_gguf_engine_agrees_with_float32(default_engine):
     assert isinstance(head, BlockLinear) and isinstance(head.blocks, Q8Blocks)      # the file's Q8_0 token_embd
     assert torch.equal(head.blocks.dequantize(), eng.model.embed_tokens.weight)
     assert eng.active_kernels["qmatmul"] and eng.stats().cpu_kernels["qmatmul"]   # logged, in /metrics
-    prompts = [encode_chat(default_engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    outs = default_engine.generate(prompts, SamplingParams(max_tokens=SCORED, temperature=0, ignore_eos=True))
-    agree, n, kl, worst = agreement(default_engine, eng, prompts, outs, SCORED)
-    print(f"gguf vs float32: top-1 {agree}/{n}, mean KL {kl / n:.4f}, top-token change {worst:.3f}")
-    assert agree >= 0.93 * n, f"top-1 agreement {agree}/{n}"
-    assert kl / n <= 0.01, f"mean KL {kl / n:.4f}"
-    assert worst <= 0.5, f"largest change of the reference's top-token log-prob {worst:.3f}"
+    assert_close_to(default_engine, eng, "gguf vs float32", SCORED, top1=0.93, mean_kl=0.01, top_change=0.5)
 
 
 def test_float32_stays_exact_unless_dtype_is_auto():

@@ -177,6 +177,20 @@ def agreement(reference: LLMEngine, engine: LLMEngine, prompts: list, outs: list
     return agree, n, kl, worst
 
 
+def assert_close_to(reference: LLMEngine, engine: LLMEngine, label: str, scored: int, top1: float, mean_kl: float,
+                    top_change: float) -> None:
+    """``agreement`` of ``engine`` with ``reference``'s greedy continuations of PROMPTS (``scored`` each),
+    printed, and held to the stated tolerances: top-1 agreement >= ``top1`` of the positions, mean KL <=
+    ``mean_kl`` nats, largest change of the reference's top-token log-prob <= ``top_change`` nats."""
+    prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    outs = reference.generate(prompts, SamplingParams(max_tokens=scored, temperature=0, ignore_eos=True))
+    agree, n, kl, worst = agreement(reference, engine, prompts, outs, scored)
+    print(f"{label}: top-1 {agree}/{n}, mean KL {kl / n:.4f}, top-token change {worst:.3f}")
+    assert agree >= top1 * n, f"top-1 agreement {agree}/{n}"
+    assert kl / n <= mean_kl, f"mean KL {kl / n:.4f}"
+    assert worst <= top_change, f"largest change of the reference's top-token log-prob {worst:.3f}"
+
+
 def test_int4_engine_stays_as_close_to_float32_as_bf16_does(default_engine):
     """The default model in 4 bits (its own Q4_1 blocks, bf16 activations, 8-bit LM head) against the
     same file dequantized in float32 (the transformers-exact path), over 240 teacher-forced positions.
@@ -190,10 +204,4 @@ def test_int4_engine_stays_as_close_to_float32_as_bf16_does(default_engine):
     assert isinstance(int4.model.layers[0].self_attn.qkv_proj, Int4Linear)
     assert isinstance(int4.model.layers[0].mlp.gate_up_proj, Int4Linear)
     assert isinstance(int4.model.lm_head, Int8Linear)
-    prompts = [encode_chat(default_engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    outs = default_engine.generate(prompts, SamplingParams(max_tokens=SCORED, temperature=0, ignore_eos=True))
-    agree, n, kl, worst = agreement(default_engine, int4, prompts, outs, SCORED)
-    print(f"int4 vs float32: top-1 {agree}/{n}, mean KL {kl / n:.4f}, top-token change {worst:.3f}")
-    assert agree >= 0.95 * n, f"top-1 agreement {agree}/{n}"
-    assert kl / n <= 0.005, f"mean KL {kl / n:.4f}"
-    assert worst <= 0.35, f"largest change of the reference's top-token log-prob {worst:.3f}"
+    assert_close_to(default_engine, int4, "int4 vs float32", SCORED, top1=0.95, mean_kl=0.005, top_change=0.35)

@@ -87,8 +87,7 @@ def cl(tmp_path_factory):
     group = c.procs(tmp_path_factory.mktemp("reliability"))
     try:
         server = group.redis(appendonly=True)
-        up = group.agentrt("up", "up", "--workers", "2", "--redis", server.url, "--kv-cache-tokens", "8192",
-                           "--log-level", "warning").wait_ready()
+        up = c.up(group, server.url)
         cluster = Cluster(group, server, up)
         cluster.start_router("r1")
         yield cluster

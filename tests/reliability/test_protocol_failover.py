@@ -34,8 +34,7 @@ def up(tmp_path_factory):
     group = c.procs(tmp_path_factory.mktemp("protocols"))
     try:
         server = group.redis(appendonly=False)
-        proc = group.agentrt("up", "up", "--workers", "2", "--redis", server.url, "--kv-cache-tokens", "8192",
-                             "--log-level", "warning").wait_ready()
+        proc = c.up(group, server.url)
         yield proc
     finally:
         group.stop(timeout_s=60.0)

@@ -37,6 +37,13 @@ def router(group: Procs, redis_url: str, name: str, *flags: str) -> Proc:
                          "--log-level", "warning", *HEARTBEAT, *flags)
 
 
+def up(group: Procs, redis_url: str, *flags: str) -> Proc:
+    """``agentrt up --workers 2`` on ``redis_url`` (8,192 KV tokens a worker, warnings only), once it is
+    ready."""
+    return group.agentrt("up", "up", "--workers", "2", "--redis", redis_url, "--kv-cache-tokens", "8192",
+                         "--log-level", "warning", *flags).wait_ready()
+
+
 def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1, what: str = "condition"):
     """Poll ``predicate()`` until it returns a truthy value; return it (AssertionError on timeout)."""
     deadline = time.monotonic() + timeout_s

@@ -40,8 +40,7 @@ def cluster(tmp_path_factory):
     group = c.procs(tmp_path_factory.mktemp("dashboard"))
     try:
         server = group.redis(appendonly=False)
-        up = group.agentrt("up", "up", "--workers", "2", "--redis", server.url, "--kv-cache-tokens", "8192",
-                           "--log-level", "warning").wait_ready()
+        up = c.up(group, server.url)
         client = redis.Redis.from_url(server.url)
         cfg = RouterConfig(redis_url=server.url)
         urls = {w: client.hget(cfg.worker_key(w), "url").decode() for w in WORKERS}
