@@ -171,7 +171,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop:
             if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.5 if self.engine.scheduler.pins else None)
+                self._wake.wait(timeout=0.5 if self.engine.has_pins() else None)
                 self._wake.clear()
                 if not self.engine.has_unfinished():
                     self.engine.step()   # applies pin/unpin commands and expires pins
@@ -201,13 +201,7 @@ class AsyncEngine:
     def _fail_all(self, message: str) -> list[RequestOutput]:
         import logging
         logging.getLogger("agentrt.engine").exception("engine step failed; failing running requests")
-        outs = []
-        sched = self.engine.scheduler
-        for req in list(sched.running) + list(sched.waiting):
-            req.finish_reason, req.error = "error", message
-            sched.finish(req)
-            outs.append(self.engine._emit(req))
-        return outs
+        return self.engine.fail_all(message)
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop the loop; with a drain timeout, let running requests finish first."""

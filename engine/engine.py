@@ -1,8 +1,10 @@
 """LLMEngine: the synchronous core. ``step()`` is schedule -> run -> sample -> postprocess.
 
-Thread model: ``add_request``/``abort_request``/``pin``/``unpin`` may be called
-from any thread; they enqueue commands that ``step()`` applies at its start, so
-the scheduler's state is only ever touched by the thread running ``step()``.
+Thread model: ``add_request``/``abort_request``/``pin``/``unpin`` (and the snapshot and KV-transfer
+requests) may be called from any thread; they put typed messages (engine/commands.py) in the inbox,
+which ``step()`` dispatches at its start, so the scheduler's state is only ever touched by the thread
+running ``step()``. Speculative decoding's drafts, verification and commit are
+``SpeculativeDecoder``'s (engine/speculative.py).
 With ``overlap_schedule`` the model forward and sampling of each step run on a
 forward thread while ``step()`` schedules the next one and commits the last one's
 tokens one step behind (engine/overlap.py).
@@ -30,6 +32,8 @@ import torch
 from engine.attention import backend_class
 from engine.coalesce import TurnCoalescer
 from engine.client import check_closing, check_request
+from engine.commands import (KV_OPS, Abort, AddRequest, CacheSnapshot, Dispatcher, ExtendPin, FlushCache, KVTransfer,
+                             Pin, TierSnapshot, Unpin)
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.cpu_info import cpu_model
@@ -47,7 +51,7 @@ from engine.request import PLACEHOLDER, Request, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.session_priority import SESSION, ServiceLedger, SessionOrder, charge, priority_class
-from engine.speculative import SpeculativeState, TenantCorpora, verify
+from engine.speculative import SpeculativeDecoder
 from engine.step_cost import step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
@@ -130,8 +134,9 @@ class LLMEngine:
                                "qmatmul": self.quantization == "gguf"}
         self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
                                + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.on_command = None  # called after every enqueued command (AsyncEngine wakes its loop)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # control messages, engine/commands.py
+        self._dispatch = self._handlers()
+        self.on_command = None  # called after every message put in the inbox (AsyncEngine wakes its loop)
         # called in the engine thread with each finished request that carries a ``trace``; must not raise
         self.on_finished: Callable[[Request], None] | None = None
         self._pending = 0                      # requests in the inbox, for admission control
@@ -142,15 +147,13 @@ class LLMEngine:
         # how long a serving loop holds its next step for agents coming back (engine/coalesce.py)
         self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
-        self.spec_draft_tokens_total = self.spec_accepted_tokens_total = self.spec_verifications_total = 0
         self.speculative = config.resolved_speculative()
-        # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
-        self.corpora = TenantCorpora() if self.speculative == "suffix" else None
         # a verification's cost in decode steps, for the draft-length rule (engine/step_cost.py)
-        self.step_cost, step_cost_why = step_cost_for(self.step_cost_setup())
+        step_cost, step_cost_why = step_cost_for(self.step_cost_setup())
+        self.spec = SpeculativeDecoder(self.speculative, config.num_speculative_tokens, step_cost, self.max_model_len)
         if self.speculative != "off":
-            _log.info("speculative step cost (fixed, per draft) %s: %s", self.step_cost, step_cost_why)
-            self.scheduler.propose = self._propose
+            _log.info("speculative step cost (fixed, per draft) %s: %s", step_cost, step_cost_why)
+            self.scheduler.propose = self.spec.propose
             # quantized layers run steps of more rows on their bf16 copies, at 2-3x a row's cost:
             # drafts never take a step past that (a step already past it drafts freely)
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
@@ -275,7 +278,7 @@ class LLMEngine:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
                                       else int.from_bytes(uuid.uuid4().bytes[:8], "little"))
-        self._command("add", req)
+        self._send(AddRequest(req))
         return rid
 
     def _admit(self, tokens: int, started: bool = True) -> None:
@@ -313,27 +316,28 @@ class LLMEngine:
             return 1.0
         return min(60.0, max(1.0, queued_tokens / self._tokens_per_s))
 
-    def _command(self, kind: str, arg) -> None:
-        self._inbox.put((kind, arg))
+    def _send(self, message) -> None:
+        """Put a control message (engine/commands.py) in the engine thread's inbox."""
+        self._inbox.put(message)
         if self.on_command is not None:
             self.on_command()
 
     def abort_request(self, request_id: str) -> None:
-        self._command("abort", request_id)
+        self._send(Abort(request_id))
 
     def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
-        self._command("pin", (pin_id, list(token_ids), ttl_s, cache_salt))
+        self._send(Pin(pin_id, list(token_ids), ttl_s, cache_salt))
 
     def extend_pin(self, pin_id: str, ttl_s: float) -> None:
         """Make an existing pin (a finished session turn's, under its request id) expire ``ttl_s`` from
         now; no-op if it already expired or was released."""
-        self._command("extend_pin", (pin_id, ttl_s))
+        self._send(ExtendPin(pin_id, ttl_s))
 
     def unpin(self, pin_id: str) -> None:
-        self._command("unpin", pin_id)
+        self._send(Unpin(pin_id))
 
     def flush_cache(self) -> None:
-        self._command("flush", None)
+        self._send(FlushCache())
 
     def request_cache_snapshot(self, extra=None) -> "concurrent.futures.Future":
         """Every cached block hash, read by the engine thread at its next step.
@@ -343,14 +347,14 @@ class LLMEngine:
         sequence number, so a snapshot and the event stream line up).
         """
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._command("snapshot", (fut, extra))
+        self._send(CacheSnapshot(fut, extra))
         return fut
 
     def request_tier_snapshot(self) -> "concurrent.futures.Future":
         """The block hashes each KV tier holds (``{"host": [...], "disk": [...]}``; empty without
         tiers), read by the engine thread at its next step."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._command("tier_snapshot", fut)
+        self._send(TierSnapshot(fut))
         return fut
 
     def request_kv(self, op: str, *args) -> "concurrent.futures.Future":
@@ -358,62 +362,70 @@ class LLMEngine:
         ``held`` (tokens, salt), ``export`` (tokens, salt, start, count), ``import`` (tokens, salt, start,
         pages), ``pinned`` (): the session pins' sequences. Keep ``export`` and ``import`` chunks small: the
         step waits for them."""
-        if op not in ("held", "export", "import", "pinned"):
+        if op not in KV_OPS:
             raise ValueError(f"unknown KV transfer operation {op!r}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._command("kv", (fut, op, args))
+        self._send(KVTransfer(fut, op, args))
         return fut
 
-    def _kv_op(self, fut: "concurrent.futures.Future", op: str, args: tuple) -> None:
+    def _kv_op(self, msg: KVTransfer) -> None:
         fn = {"held": self.mover.held, "export": self.mover.export, "import": self.mover.import_pages,
-              "pinned": lambda: self.mover.pinned(self.scheduler.pins)}[op]
+              "pinned": lambda: self.mover.pinned(self.scheduler.pins)}[msg.op]
         try:
-            fut.set_result(fn(*args))
+            msg.future.set_result(fn(*msg.args))
         except Exception as exc:   # a bad page fails its transfer, never the engine
-            fut.set_exception(exc)
+            msg.future.set_exception(exc)
+
+    def _handlers(self) -> Dispatcher:
+        """The engine thread's handler of each control message (engine/commands.py)."""
+        s = self.scheduler
+        return Dispatcher({
+            AddRequest: self._on_add, Abort: self._on_abort,
+            Pin: lambda m: s.pin(m.pin_id, m.token_ids, m.ttl_s, m.cache_salt),
+            ExtendPin: lambda m: s.extend_pin(m.pin_id, m.ttl_s), Unpin: lambda m: s.unpin(m.pin_id),
+            FlushCache: self._on_flush, KVTransfer: self._kv_op,
+            TierSnapshot: lambda m: m.future.set_result(self.tiers.snapshot() if self.tiers is not None else {}),
+            CacheSnapshot: lambda m: m.future.set_result((self.cache.all_hashes(), m.extra()) if m.extra
+                                                         else self.cache.all_hashes()),
+        })
 
     def _drain_inbox(self) -> list[RequestOutput]:
+        """Handle every control message waiting; the outputs of the requests they finished (aborts)."""
         outputs = []
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return outputs
-            if kind == "add":
-                self._requests[arg.request_id] = arg
-                with self._pending_lock:  # the move is atomic to _admit: its count stays exact
-                    self._pending -= 1
-                    self._pending_tokens -= len(arg.prompt_ids)
-                    self.scheduler.enqueue(arg)
-                if self.tiers is not None:
-                    self._prefetch(arg)
-            elif kind == "abort":
-                req = self._requests.get(arg)
-                if req is not None and not req.finished:
-                    req.drop_placeholders()   # a launched step's token for it is dropped at its commit
-                    req.finish_reason = "abort"
-                    self.scheduler.finish(req)
-                    outputs.append(self._emit(req))
-            elif kind == "pin":
-                self.scheduler.pin(*arg)
-            elif kind == "extend_pin":
-                self.scheduler.extend_pin(*arg)
-            elif kind == "unpin":
-                self.scheduler.unpin(arg)
-            elif kind == "flush":
-                self.cache.on_evict = None   # a flush drops the tiers' copies too
-                self.cache.reset()
-                if self.tiers is not None:
-                    self.cache.on_evict = self._offload
-                    self.tiers.clear()
-            elif kind == "kv":
-                self._kv_op(*arg)
-            elif kind == "tier_snapshot":
-                arg.set_result(self.tiers.snapshot() if self.tiers is not None else {})
-            elif kind == "snapshot":
-                fut, extra = arg
-                hashes = self.cache.all_hashes()
-                fut.set_result((hashes, extra()) if extra else hashes)
+            out = self._dispatch(message)
+            if out is not None:
+                outputs.append(out)
+
+    def _on_add(self, msg: AddRequest) -> None:
+        req = msg.req
+        self._requests[req.request_id] = req
+        with self._pending_lock:  # the move is atomic to _admit: its count stays exact
+            self._pending -= 1
+            self._pending_tokens -= len(req.prompt_ids)
+            self.scheduler.enqueue(req)
+        if self.tiers is not None:
+            self._prefetch(req)
+
+    def _on_abort(self, msg: Abort) -> RequestOutput | None:
+        req = self._requests.get(msg.request_id)
+        if req is None or req.finished:
+            return None
+        req.drop_placeholders()   # a launched step's token for it is dropped at its commit
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+        return self._emit(req)
+
+    def _on_flush(self, _: FlushCache) -> None:
+        self.cache.on_evict = None   # a flush drops the tiers' copies too
+        self.cache.reset()
+        if self.tiers is not None:
+            self.cache.on_evict = self._offload
+            self.tiers.clear()
 
     def _prefetch(self, req: Request) -> None:
         """A request arrived: start reading its disk-tier pages past the device match now, so they are
@@ -439,13 +451,27 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=s.num_preemptions, page_size=self.config.page_size,
             waiting_tokens=s.waiting_tokens, waiting_tokens_limit=self.waiting_tokens_limit,
-            spec_draft_tokens_total=self.spec_draft_tokens_total,
-            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
-            spec_verifications_total=self.spec_verifications_total,
+            spec_draft_tokens_total=self.spec.draft_tokens_total,
+            spec_accepted_tokens_total=self.spec.accepted_tokens_total,
+            spec_verifications_total=self.spec.verifications_total,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
             kv_cache_bytes_per_token=self.kv.bytes_per_token, waiting_by_priority=_by_priority(s.waiting),
             prefill_tokens_per_s=self.prefill_tokens_per_s)
         self._pin_ids = frozenset(s.pins)
+
+    def has_pins(self) -> bool:
+        """Whether a pin is held (it may expire: a serving loop steps now and then to expire it)."""
+        return bool(self.scheduler.pins)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """After a step raised: end every running and waiting request with ``message`` as its error, and
+        their outputs (engine thread)."""
+        outs = []
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            req.finish_reason, req.error = "error", message
+            self.scheduler.finish(req)
+            outs.append(self._emit(req))
+        return outs
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or not self._inbox.empty()
@@ -531,7 +557,7 @@ class LLMEngine:
         if step.reqs:
             with torch.inference_mode():  # constraints mask the (inference-mode) logits in place
                 if any(step.drafts):
-                    tokens, lps, verified = self._verify(logits, step.reqs, step.drafts, step.budgets)
+                    tokens, lps, verified = self.spec.sample(logits, step.reqs, step.drafts, step.budgets)
                 else:
                     tokens, lps = sample(logits, step.reqs, step.budgets)
         return StepResult(tokens, lps, verified, time.monotonic() - started)
@@ -613,7 +639,8 @@ class LLMEngine:
                 self.prompt_tokens_total += len(req.prompt_ids)
                 self.cached_tokens_total += req.cached_tokens or 0
             if step.drafts[j]:
-                self._commit_verified(req, step.drafts[j], *result.verified[j])
+                self.spec.commit(req, step.drafts[j], *result.verified[j], append=self._append_token)
+                self.scheduler.rollback(req)   # the pages of the rejected draft slots
             else:
                 self._append_token(req, result.tokens[j], result.logprobs[j])
             if req.finished:
@@ -631,8 +658,7 @@ class LLMEngine:
         straight back (the coalescer counts those)."""
         self._withdraw(req)
         self.scheduler.finish(req)
-        if self.corpora is not None and req.finish_reason in ("stop", "length"):
-            self.corpora.add(req.cache_salt, req.output_ids)
+        self.spec.finished(req)
         return int(bool(req.pin_ttl_s) and req.finish_reason in ("stop", "length"))
 
     def _withdraw(self, req: Request) -> None:
@@ -652,74 +678,6 @@ class LLMEngine:
             return None
         return [None if r.constraint is None else
                 min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.num_tokens) for r in reqs]
-
-    # -- speculative decoding (engine/speculative.py) --------------------------
-    def _propose(self, req: Request, room: int) -> list[int]:
-        """The scheduler's ``propose``: a draft for a decoding request, at most ``room`` tokens and
-        never past ``max_tokens`` or the context window. Requests with logprobs do not draft (their
-        tokens are sampled one at a time, as without speculation); a constrained request's draft
-        ends before the first token its grammar refuses, and none is made while a closing is forced."""
-        p = req.params
-        if p.logprobs is not None or (req.constraint is not None and req.constraint.closed_by_budget):
-            return []
-        limit = min(room, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
-        if limit <= 0:
-            return []
-        if req.pending:
-            return []   # its last token is still being sampled (overlap scheduling)
-        if req.speculative is None:
-            req.speculative = SpeculativeState(req.prompt_ids, self.config.num_speculative_tokens,
-                                               step_cost=self.step_cost)
-        corpus = self.corpora.get(req.cache_salt) if self.corpora is not None else None
-        draft = req.speculative.propose(req.output_ids, limit, corpus)
-        if draft and req.constraint is not None:
-            draft = draft[:req.constraint.valid_prefix(draft)]
-        return draft
-
-    def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
-                budgets: list[int | None] | None):
-        """Sample the requests without a draft (one logits row each) as ``sample`` does and verify
-        the drafts (``1 + len(draft)`` rows each); ``budgets`` as ``_budgets(reqs)``. Returns (tokens,
-        logprobs, verified): for a request with a draft, ``verified[j]`` is (tokens to commit, drafted
-        tokens accepted)."""
-        firsts, row = [], 0
-        for d in drafts:
-            firsts.append(row)
-            row += 1 + len(d)
-        plain = [j for j, d in enumerate(drafts) if not d]
-        tokens: list[int] = [0] * len(reqs)
-        lps: list = [None] * len(reqs)
-        if plain:
-            plain_reqs = [reqs[j] for j in plain]
-            toks, plps = sample(logits[[firsts[j] for j in plain]], plain_reqs,
-                                [budgets[j] for j in plain] if budgets else None)
-            for j, t, lp in zip(plain, toks, plps):
-                tokens[j], lps[j] = t, lp
-        verified: list = [None] * len(reqs)
-        for j, d in enumerate(drafts):
-            if d:
-                verified[j] = verify(logits[firsts[j]:firsts[j] + 1 + len(d)], d, reqs[j].params,
-                                     reqs[j].generator, reqs[j].constraint, budgets[j] if budgets else None)
-        return tokens, lps, verified
-
-    def _commit_verified(self, req: Request, draft: list[int], tokens: list[int], accepted: int) -> None:
-        """Append a verified draft's tokens one at a time (the stop conditions apply to each; tokens
-        after a stop are dropped), then give back the pages of the rejected draft slots. A
-        constraint has accepted the ``accepted`` drafted tokens during verification already."""
-        self.spec_draft_tokens_total += len(draft)
-        self.spec_accepted_tokens_total += accepted
-        self.spec_verifications_total += 1
-        req.speculative.length.update(len(draft), accepted)
-        for i, tok in enumerate(tokens):
-            # the constraint's state is past every accepted draft token already: whether the output
-            # is complete is asked at the last of them (verification stopped where it completed)
-            self._append_token(req, tok, None, constraint_accepted=i < accepted,
-                               check_complete=i >= accepted - 1)
-            if req.finished:
-                break
-        # K/V is computed for the last token and the accepted draft tokens: all but the newest token
-        req.num_computed = req.num_tokens - 1
-        self.scheduler.rollback(req)
 
     def _append_token(self, req: Request, tok: int, lp, constraint_accepted: bool = False,
                       check_complete: bool = True) -> None:

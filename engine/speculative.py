@@ -38,12 +38,17 @@ in the logits of a multi-token verification pass).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 
 from engine.constraints import TokenConstraint
-from engine.sampler import draw, probabilities
+from engine.sampler import draw, probabilities, sample
 from engine.step_cost import STEP_COST
 from engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 
@@ -401,3 +406,88 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
             return out, j
     out.append(model_token(len(draft)))
     return out, len(draft)
+
+
+class SpeculativeDecoder:
+    """The engine's side of speculative decoding: a draft for a decoding request (``propose``, the
+    scheduler's ``propose`` hook), a step's tokens with its drafts verified (``sample``), a verified
+    draft committed (``commit``), the tenant corpora fed by finished requests (``finished``), and the
+    counters ``EngineStats`` reports. ``mode`` is the resolved ``speculative`` setting; ``step_cost`` the
+    setup's (FIXED, ROW) (engine/step_cost.py)."""
+
+    def __init__(self, mode: str, num_tokens: int, step_cost: tuple[float, float], max_model_len: int) -> None:
+        self.mode, self.num_tokens, self.step_cost, self.max_model_len = mode, num_tokens, step_cost, max_model_len
+        # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
+        self.corpora = TenantCorpora() if mode == "suffix" else None
+        self.draft_tokens_total = self.accepted_tokens_total = self.verifications_total = 0
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        """A draft for a decoding request, at most ``room`` tokens and never past ``max_tokens`` or the
+        context window. Requests with logprobs do not draft (their tokens are sampled one at a time, as
+        without speculation); a constrained request's draft ends before the first token its grammar
+        refuses, and none is made while a closing is forced."""
+        p = req.params
+        if p.logprobs is not None or (req.constraint is not None and req.constraint.closed_by_budget):
+            return []
+        limit = min(room, p.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        if limit <= 0:
+            return []
+        if req.pending:
+            return []   # its last token is still being sampled (overlap scheduling)
+        if req.speculative is None:
+            req.speculative = SpeculativeState(req.prompt_ids, self.num_tokens, step_cost=self.step_cost)
+        corpus = self.corpora.get(req.cache_salt) if self.corpora is not None else None
+        draft = req.speculative.propose(req.output_ids, limit, corpus)
+        if draft and req.constraint is not None:
+            draft = draft[:req.constraint.valid_prefix(draft)]
+        return draft
+
+    @staticmethod
+    def sample(logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+               budgets: list[int | None] | None) -> tuple[list[int], list, list]:
+        """Sample the requests without a draft (one logits row each) as ``sample`` does and verify the
+        drafts (``1 + len(draft)`` rows each); ``budgets`` as the engine's. Returns (tokens, logprobs,
+        verified): for a request with a draft, ``verified[j]`` is (tokens to commit, drafted tokens
+        accepted)."""
+        firsts, row = [], 0
+        for d in drafts:
+            firsts.append(row)
+            row += 1 + len(d)
+        plain = [j for j, d in enumerate(drafts) if not d]
+        tokens: list[int] = [0] * len(reqs)
+        lps: list = [None] * len(reqs)
+        if plain:
+            toks, plps = sample(logits[[firsts[j] for j in plain]], [reqs[j] for j in plain],
+                                [budgets[j] for j in plain] if budgets else None)
+            for j, t, lp in zip(plain, toks, plps):
+                tokens[j], lps[j] = t, lp
+        verified: list = [None] * len(reqs)
+        for j, d in enumerate(drafts):
+            if d:
+                verified[j] = verify(logits[firsts[j]:firsts[j] + 1 + len(d)], d, reqs[j].params,
+                                     reqs[j].generator, reqs[j].constraint, budgets[j] if budgets else None)
+        return tokens, lps, verified
+
+    def commit(self, req: Request, draft: list[int], tokens: list[int], accepted: int,
+               append: Callable[..., None]) -> None:
+        """Append a verified draft's tokens one at a time through the engine's ``append`` (the stop
+        conditions apply to each; tokens after a stop are dropped) and count the request's K/V as
+        computed up to its newest token; the caller then gives back the pages of the rejected draft
+        slots. A constraint has accepted the ``accepted`` drafted tokens during verification already."""
+        self.draft_tokens_total += len(draft)
+        self.accepted_tokens_total += accepted
+        self.verifications_total += 1
+        req.speculative.length.update(len(draft), accepted)
+        for i, tok in enumerate(tokens):
+            # the constraint's state is past every accepted draft token already: whether the output
+            # is complete is asked at the last of them (verification stopped where it completed)
+            append(req, tok, None, constraint_accepted=i < accepted, check_complete=i >= accepted - 1)
+            if req.finished:
+                break
+        # K/V is computed for the last token and the accepted draft tokens: all but the newest token
+        req.num_computed = req.num_tokens - 1
+
+    def finished(self, req: Request) -> None:
+        """A request ended: a complete output joins its tenant's corpus (``suffix``)."""
+        if self.corpora is not None and req.finish_reason in ("stop", "length"):
+            self.corpora.add(req.cache_salt, req.output_ids)

@@ -47,3 +47,35 @@ def test_from_config_loads_and_steps_in_the_engine_thread(monkeypatch):
 def test_a_failed_load_raises_in_the_caller():
     with pytest.raises(FileNotFoundError, match="expected a .gguf file or a Hugging Face directory"):
         AsyncEngine.from_config(EngineConfig(model="/nonexistent/model.bin"))
+
+
+def test_a_step_that_raises_fails_what_runs_and_the_loop_serves_on(monkeypatch):
+    """A step that raises (a kernel fault, an out-of-memory): the requests running or waiting end with
+    finish reason "error" and the exception as their error; the next request is served normally."""
+    step = LLMEngine.step
+    faults = []
+
+    def faulty_step(self):
+        if self.has_unfinished() and not faults:
+            faults.append(1)
+            outputs = self._drain_inbox()   # the request is queued, then the step fails
+            assert not outputs
+            raise RuntimeError("planted fault")
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", faulty_step)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def run():
+        ae = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=2048))
+        try:
+            first = [out async for out in ae.submit([1, 9690, 198, 2683], params)]
+            second = [out async for out in ae.submit([1, 9690, 198, 2683], params)]
+            return first, second
+        finally:
+            await ae.shutdown()
+
+    first, second = asyncio.run(run())
+    assert [(o.finished, o.finish_reason) for o in first] == [(True, "error")]
+    assert "planted fault" in first[-1].error
+    assert second[-1].finish_reason == "length" and sum(len(o.token_ids) for o in second) == 4

@@ -6,8 +6,10 @@ leave the radix cache and page pool as they would be without it, and sampled out
 its distribution.
 """
 
+import inspect
 import json
 import random
+import textwrap
 from collections import Counter
 
 import pytest
@@ -16,18 +18,12 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import encode_chat
 from engine.grammar import constraint_for_request
+from engine.kv_pool import PagePool
 from engine.request import Request
 from engine.speculative import DraftLength, NgramDrafter, OutputCorpus, TenantCorpora, verify
 from engine.step_cost import MIN_ROW, STEP_COST, fit_step_cost, step_cost_for
 
-QUOTED = '''def alloc(self, n: int) -> list[int]:
-    if n > len(self._free):
-        raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-    out = [heapq.heappop(self._free) for _ in range(n)]
-    for p in out:
-        self._is_free[p] = False
-    return out
-'''
+QUOTED = textwrap.dedent(inspect.getsource(PagePool.alloc))   # real code, as an agent quotes a file
 QUOTED_2 = ("The deploy script reads the manifest, checks every service's health endpoint, drains the "
             "old workers one by one and starts the new ones with the same ports and the same limits.")
 
@@ -188,19 +184,19 @@ def test_a_step_cost_file_applies_only_to_the_setup_it_was_measured_on(tmp_path)
 def test_the_engine_drafts_with_its_setups_step_cost(spec_engine, tokenizer):
     """The engine's cost is what step_cost_for gives its setup, and a request's DraftLength uses it:
     at the prior (alpha 0.4) a cheap verification drafts at once, the constant's does not."""
-    assert spec_engine.step_cost == step_cost_for(spec_engine.step_cost_setup())[0]
+    assert spec_engine.spec.step_cost == step_cost_for(spec_engine.step_cost_setup())[0]
     ids = tokenizer.encode(QUOTED)
     prompt = ids + ids[:12]  # its last tokens occurred before: the drafter has a continuation
 
     def first_draft(cost):
-        kept, spec_engine.step_cost = spec_engine.step_cost, cost
+        kept, spec_engine.spec.step_cost = spec_engine.spec.step_cost, cost
         try:
             req = Request("step-cost", prompt, greedy(32), detok=None)
-            draft = spec_engine._propose(req, 8)
+            draft = spec_engine.spec.propose(req, 8)
             assert (req.speculative.length.fixed, req.speculative.length.row) == cost
             return draft
         finally:
-            spec_engine.step_cost = kept
+            spec_engine.spec.step_cost = kept
 
     assert first_draft(STEP_COST) == []
     assert DraftLength(4, (0.0, 0.05)).k == 2       # 1.56 tokens for 1.1 steps: the best k at the prior
