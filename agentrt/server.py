@@ -229,6 +229,16 @@ async def _json_reply(request: Request, response: Response, generation: Generati
     return result
 
 
+async def _reply(request: Request, response: Response, generation: Generation, stream: bool,
+                 chunks: Callable[[], AsyncIterator[dict]], whole: Callable[[], Awaitable[Any]],
+                 anthropic: bool = False) -> Any:
+    """A generation's reply on a surface: its event stream (``chunks()``) or its whole body (``whole()``),
+    whichever the request asked for (only that one is built)."""
+    if stream:
+        return await _sse_reply(request, generation, chunks(), generation.close, anthropic=anthropic)
+    return await _json_reply(request, response, generation, whole(), generation.close)
+
+
 # ------------------------------------------------------------ routes
 
 api = APIRouter(responses=_ERRORS)
@@ -260,9 +270,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
                            tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
     generation = await svc.start_chat(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
-    if body.stream:
-        return await _sse_reply(request, generation, svc.chat_chunks(body, generation), generation.close)
-    return await _json_reply(request, response, generation, svc.chat(body, generation), generation.close)
+    return await _reply(request, response, generation, body.stream, lambda: svc.chat_chunks(body, generation),
+                        lambda: svc.chat(body, generation))
 
 
 @api.post("/tokenize", dependencies=[Depends(_auth)])
@@ -281,9 +290,8 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                       tenant: Tenant = Depends(_auth)) -> Any:
     svc: OpenAIService = request.app.state.openai
     generation = await svc.start_completion(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
-    if body.stream:
-        return await _sse_reply(request, generation, svc.completion_chunks(body, generation), generation.close)
-    return await _json_reply(request, response, generation, svc.completion(body, generation), generation.close)
+    return await _reply(request, response, generation, body.stream, lambda: svc.completion_chunks(body, generation),
+                        lambda: svc.completion(body, generation))
 
 
 @anthropic_routes.post("/v1/messages")
@@ -293,9 +301,8 @@ async def messages(body: MessagesRequest, request: Request, response: Response,
     not read); streaming sends Anthropic's named events. Session headers route as affinity keys."""
     svc: AnthropicService = request.app.state.anthropic
     generation = await svc.start(body, tenant, affinity_key(request.headers))
-    if body.stream:
-        return await _sse_reply(request, generation, svc.events(generation), generation.close, anthropic=True)
-    return await _json_reply(request, response, generation, svc.message(generation), generation.close)
+    return await _reply(request, response, generation, body.stream, lambda: svc.events(generation),
+                        lambda: svc.message(generation), anthropic=True)
 
 
 @anthropic_routes.post("/v1/messages/count_tokens", response_model=TokenCount, dependencies=[Depends(_auth)])

@@ -7,6 +7,7 @@ record (choosing a worker needs no worker process)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -27,14 +28,24 @@ async def _register(cfg: RouterConfig, wid: str) -> None:
     await client.aclose()
 
 
+@contextlib.asynccontextmanager
+async def _router(cfg: RouterConfig, no_worker_wait_s: float):
+    """A started ``RouterCore`` (refreshing every 0.1 s) and a ``RemoteEngine`` over it, stopped after."""
+    core = RouterCore(cfg, "m", refresh_interval_s=0.1)
+    await core.start()
+    remote = RemoteEngine(core, 2048, no_worker_wait_s=no_worker_wait_s)
+    try:
+        yield core, remote
+    finally:
+        await remote.shutdown()
+        await core.stop()
+
+
 def test_a_request_waits_for_a_worker_to_register(redis_url):
     cfg = RouterConfig(redis_url=redis_url, deployment="nowait-1")
 
     async def body():
-        core = RouterCore(cfg, "m", refresh_interval_s=0.1)
-        await core.start()
-        remote = RemoteEngine(core, 2048, no_worker_wait_s=5.0)
-        try:
+        async with _router(cfg, 5.0) as (core, remote):
             assert not core.workers
             route = asyncio.create_task(remote._route("req-1", PROMPT, 8, None, set(), ""))
             await asyncio.sleep(0.5)
@@ -42,9 +53,6 @@ def test_a_request_waits_for_a_worker_to_register(redis_url):
             await _register(cfg, "w-late")
             chosen = await asyncio.wait_for(route, 5.0)
             assert chosen.worker.worker_id == "w-late"
-        finally:
-            await remote.shutdown()
-            await core.stop()
 
     asyncio.run(body())
 
@@ -53,10 +61,7 @@ def test_without_a_worker_the_request_fails_after_the_wait_and_a_retry_fails_at_
     cfg = RouterConfig(redis_url=redis_url, deployment="nowait-2")
 
     async def body():
-        core = RouterCore(cfg, "m", refresh_interval_s=0.1)
-        await core.start()
-        remote = RemoteEngine(core, 2048, no_worker_wait_s=0.6)
-        try:
+        async with _router(cfg, 0.6) as (core, remote):
             t = time.monotonic()
             with pytest.raises(APIError) as err:
                 await remote._route("req-1", PROMPT, 8, None, set(), "")
@@ -69,8 +74,5 @@ def test_without_a_worker_the_request_fails_after_the_wait_and_a_retry_fails_at_
             with pytest.raises(APIError) as err:
                 await asyncio.wait_for(remote._route("req-2", PROMPT, 8, None, {"w0"}, ""), 30.0)
             assert err.value.code == "no_worker_available"
-        finally:
-            await remote.shutdown()
-            await core.stop()
 
     asyncio.run(body())
