@@ -377,12 +377,13 @@ class LLMEngine:
             msg.future.set_exception(exc)
 
     def _handlers(self) -> Dispatcher:
-        """The engine thread's handler of each control message (engine/commands.py)."""
+        """The engine thread's handler of each control message (engine/commands.py). A handler returns the
+        output of a request it ended (``Abort``) or None: ``_drain_inbox`` emits what is not None."""
         s = self.scheduler
         return Dispatcher({
             AddRequest: self._on_add, Abort: self._on_abort,
-            Pin: lambda m: s.pin(m.pin_id, m.token_ids, m.ttl_s, m.cache_salt),
-            ExtendPin: lambda m: s.extend_pin(m.pin_id, m.ttl_s), Unpin: lambda m: s.unpin(m.pin_id),
+            Pin: lambda m: void(s.pin(m.pin_id, m.token_ids, m.ttl_s, m.cache_salt)),
+            ExtendPin: lambda m: void(s.extend_pin(m.pin_id, m.ttl_s)), Unpin: lambda m: s.unpin(m.pin_id),
             FlushCache: self._on_flush, KVTransfer: self._kv_op,
             TierSnapshot: lambda m: m.future.set_result(self.tiers.snapshot() if self.tiers is not None else {}),
             CacheSnapshot: lambda m: m.future.set_result((self.cache.all_hashes(), m.extra()) if m.extra
@@ -806,6 +807,11 @@ class LLMEngine:
     def pin_active(self, pin_id: str) -> bool:
         """Whether a pin still holds (it may have expired or given way to memory pressure)."""
         return pin_id in self._pin_ids
+
+
+def void(_) -> None:
+    """Drop a value: a control message's handler that calls a method with a result returns None."""
+    return None
 
 
 def _by_tier(req: Request) -> dict[str, int]:

@@ -40,11 +40,12 @@ def test_abort_pin_and_snapshot_through_the_inbox(default_engine):
     assert not eng.has_unfinished()
     eng.generate([list(range(200, 240))], SamplingParams(max_tokens=1, temperature=0))
     eng.pin("pin-a", list(range(200, 240)), 60.0)
+    eng.extend_pin("pin-a", 90.0)
     snap = eng.request_cache_snapshot(extra=lambda: "mark")
-    eng.step()
+    assert eng.step() == []   # messages that end no request emit nothing (AsyncEngine reads each output)
     hashes, extra = snap.result(timeout=5)
     assert extra == "mark" and len(hashes) >= 40 // eng.config.page_size
     assert eng.pin_active("pin-a")
     eng.unpin("pin-a")
-    eng.step()
+    assert eng.step() == []
     assert not eng.pin_active("pin-a")
