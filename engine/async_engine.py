@@ -79,6 +79,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self.error: BaseException | None = None
+        self._dead: BaseException | None = None   # what stopped the loop (AsyncEngine._died), if it did
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.engine: LLMEngine | None = engine
@@ -104,7 +105,27 @@ class AsyncEngine:
             return
         finally:
             self._started.set()
-        self._loop()
+        try:
+            self._loop()
+        except BaseException as e:   # a fault outside a step: fail every open stream instead of leaving it hanging
+            self._died(e)
+
+    def _died(self, error: BaseException) -> None:
+        """The loop stopped on ``error``: no request will run again. Every open stream ends with it, and
+        ``submit`` refuses new requests, naming it."""
+        import logging
+        logging.getLogger("agentrt.engine").error("the engine loop stopped; failing every open request",
+                                                  exc_info=error)
+        self.error = self._dead = error
+        with self._lock:
+            streams = list(self._streams.items())
+        for rid, (loop, q) in streams:
+            out = RequestOutput(rid, "", [], finished=True, finish_reason="error",
+                                error=f"the engine loop stopped: {error!r}")
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
 
     @property
     def tokenizer(self):
@@ -134,6 +155,9 @@ class AsyncEngine:
         orders it by (engine/session_priority.py)."""
         if self._stop:
             raise RuntimeError("the engine is shutting down")
+        if self._dead is not None:
+            raise RuntimeError(f"the engine loop stopped after an internal error ({self._dead!r}); restart the "
+                               f"server")
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:

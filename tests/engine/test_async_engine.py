@@ -79,3 +79,30 @@ def test_a_step_that_raises_fails_what_runs_and_the_loop_serves_on(monkeypatch):
     assert [(o.finished, o.finish_reason) for o in first] == [(True, "error")]
     assert "planted fault" in first[-1].error
     assert second[-1].finish_reason == "length" and sum(len(o.token_ids) for o in second) == 4
+
+
+def test_a_fault_outside_a_step_fails_open_streams_and_refuses_new_requests(monkeypatch):
+    """The loop itself fails (here: a step hands back something that is no output): the open request
+    ends with finish reason "error" naming the fault instead of hanging, and the next submit is refused."""
+    step = LLMEngine.step
+
+    def bad_step(self):
+        outputs = step(self)
+        return [object()] if self.has_unfinished() else outputs
+
+    monkeypatch.setattr(LLMEngine, "step", bad_step)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def run():
+        ae = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=2048))
+        try:
+            outs = [out async for out in ae.submit([1, 9690, 198, 2683], params)]
+            with pytest.raises(RuntimeError, match="the engine loop stopped after an internal error"):
+                ae.submit([1, 9690, 198, 2683], params)
+            return outs
+        finally:
+            await ae.shutdown()
+
+    outs = asyncio.run(asyncio.wait_for(run(), 120))
+    assert outs[-1].finished and outs[-1].finish_reason == "error"
+    assert "the engine loop stopped" in outs[-1].error and "request_id" in outs[-1].error
