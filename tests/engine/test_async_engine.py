@@ -49,6 +49,27 @@ def test_a_failed_load_raises_in_the_caller():
         AsyncEngine.from_config(EngineConfig(model="/nonexistent/model.bin"))
 
 
+PROMPT = [1, 9690, 198, 2683]
+
+
+def twice(params: SamplingParams) -> tuple[list, list | RuntimeError]:
+    """Two requests one after the other on a fresh AsyncEngine (2 minutes at most, so a hang fails): the
+    first one's outputs, and the second one's or the ``RuntimeError`` its submit raised."""
+    async def run():
+        ae = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=2048))
+        try:
+            first = [out async for out in ae.submit(PROMPT, params)]
+            try:
+                second = [out async for out in ae.submit(PROMPT, params)]
+            except RuntimeError as exc:
+                second = exc
+            return first, second
+        finally:
+            await ae.shutdown()
+
+    return asyncio.run(asyncio.wait_for(run(), 120))
+
+
 def test_a_step_that_raises_fails_what_runs_and_the_loop_serves_on(monkeypatch):
     """A step that raises (a kernel fault, an out-of-memory): the requests running or waiting end with
     finish reason "error" and the exception as their error; the next request is served normally."""
@@ -64,18 +85,7 @@ def test_a_step_that_raises_fails_what_runs_and_the_loop_serves_on(monkeypatch):
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", faulty_step)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-    async def run():
-        ae = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=2048))
-        try:
-            first = [out async for out in ae.submit([1, 9690, 198, 2683], params)]
-            second = [out async for out in ae.submit([1, 9690, 198, 2683], params)]
-            return first, second
-        finally:
-            await ae.shutdown()
-
-    first, second = asyncio.run(run())
+    first, second = twice(SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert [(o.finished, o.finish_reason) for o in first] == [(True, "error")]
     assert "planted fault" in first[-1].error
     assert second[-1].finish_reason == "length" and sum(len(o.token_ids) for o in second) == 4
@@ -91,18 +101,7 @@ def test_a_fault_outside_a_step_fails_open_streams_and_refuses_new_requests(monk
         return [object()] if self.has_unfinished() else outputs
 
     monkeypatch.setattr(LLMEngine, "step", bad_step)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-    async def run():
-        ae = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=2048))
-        try:
-            outs = [out async for out in ae.submit([1, 9690, 198, 2683], params)]
-            with pytest.raises(RuntimeError, match="the engine loop stopped after an internal error"):
-                ae.submit([1, 9690, 198, 2683], params)
-            return outs
-        finally:
-            await ae.shutdown()
-
-    outs = asyncio.run(asyncio.wait_for(run(), 120))
+    outs, refused = twice(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert outs[-1].finished and outs[-1].finish_reason == "error"
     assert "the engine loop stopped" in outs[-1].error and "request_id" in outs[-1].error
+    assert isinstance(refused, RuntimeError) and "the engine loop stopped after an internal error" in str(refused)
