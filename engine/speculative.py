@@ -416,7 +416,7 @@ class SpeculativeDecoder:
     setup's (FIXED, ROW) (engine/step_cost.py)."""
 
     def __init__(self, mode: str, num_tokens: int, step_cost: tuple[float, float], max_model_len: int) -> None:
-        self.mode, self.num_tokens, self.step_cost, self.max_model_len = mode, num_tokens, step_cost, max_model_len
+        self.num_tokens, self.step_cost, self.max_model_len = num_tokens, step_cost, max_model_len
         # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
         self.corpora = TenantCorpora() if mode == "suffix" else None
         self.draft_tokens_total = self.accepted_tokens_total = self.verifications_total = 0
