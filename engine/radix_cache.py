@@ -13,7 +13,7 @@ Contracts:
   positions the tree already holds with *other* page ids are returned as
   duplicates: the caller frees them and from then on uses the tree's pages.
 - ``lock``/``unlock`` count references on the node and every ancestor; a node
-  with a reference is never evicted.
+  with a reference is never evicted. ``relock(old, new)`` moves a lock down a path.
 - ``evict(n)`` frees up to ``n`` pages from unlocked leaves, least recently used
   first, and returns how many it freed.
 - ``on_event(kind, hashes, parent)`` (contract 2) is called with ``"stored"`` when
@@ -24,6 +24,17 @@ Contracts:
 - ``on_evict(hashes, pages)``, when set, is called with a leaf's block hashes and page ids
   just before ``evict`` returns its pages to the pool: the last moment their K/V can be
   copied out (the KV tiers, engine/kv_tier.py).
+
+Sliding windows (a ``WindowedPagePool``, engine/window_pool.py, with its ``window`` W): a page keeps its
+sliding-layer page only while it lies in the window before some *end* a hit may stop at: the end of
+a leaf, of a node with two or more children, or of a node a request or pin holds (``lock(node)`` on
+that node itself). The window before an end T is positions ``T - W + 1 .. T - 1``: what the query at
+T reads. Every other page's sliding page is dropped (a tombstone) when it stops being in such a window:
+on ``insert`` (the new leaf's pages, and its parent's end), on ``unlock`` and on ``relock`` (a holder
+moving down its path). ``match_usable`` then
+stops the hit at the longest page boundary whose window is held (a split where that falls inside an
+edge); the tokens after it are computed again. ``match_prefix`` is the raw match (every page of the
+prefix, dropped or not), for a holder that adopts pages it computed itself.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ EventCallback = Callable[..., None]  # (kind, hashes, parent[, tokens, salt]): s
 
 
 class Node:
-    __slots__ = ("key", "pages", "hashes", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "hashes", "children", "parent", "lock_ref", "last_access", "end", "holders")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], hashes: list[int],
                  parent: "Node | None") -> None:
@@ -50,6 +61,8 @@ class Node:
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
+        self.end = (parent.end if parent is not None else 0) + len(key)   # tokens from the root to its end
+        self.holders = 0   # locks taken on this node itself (lock_ref also counts its descendants')
 
     @property
     def last_hash(self) -> int | None:
@@ -69,6 +82,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.cached_pages = 0      # pages owned by the tree
         self.locked_pages = 0      # of which locked (not evictable)
+        self.window: int | None = getattr(pool, "window", None)   # sliding layers' window (None: no such layers)
 
     # -- lookup ---------------------------------------------------------------
     def root(self, salt: str = "") -> Node:
@@ -100,6 +114,32 @@ class RadixCache:
             node.last_access = now
         return pages, node
 
+    def match_usable(self, tokens: Sequence[int], salt: str = "") -> tuple[list[int], Node]:
+        """``match_prefix``, stopped at the longest page boundary whose sliding window is held (without
+        sliding layers: the same)."""
+        pages, node = self.match_prefix(tokens, salt)
+        if self.window is None:
+            return pages, node
+        n = self._usable_pages(pages)
+        if n == len(pages):
+            return pages, node
+        end = n * self.page_size
+        while node.end - len(node.key) >= end and node.parent is not None:   # up to the node holding ``end``
+            node = node.parent
+        if node.end > end:
+            node = self._split(node, (end - (node.end - len(node.key))) // self.page_size)
+        return pages[:n], node
+
+    def _usable_pages(self, pages: list[int]) -> int:
+        """The most leading pages of ``pages`` (a prefix from the root) whose end's window is held: every
+        page holding one of positions ``end - W + 1 .. end - 1``."""
+        P, W, has = self.page_size, self.window, self.pool.has_window
+        for n in range(len(pages), 0, -1):
+            first = max(0, n * P - W + 1) // P
+            if all(has(p) for p in pages[first:n]):
+                return n
+        return 0
+
     def _matching_pages(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
         P, n = self.page_size, 0
         while (n + 1) * P <= len(key) and pos + (n + 1) * P <= len(tokens):
@@ -113,7 +153,7 @@ class RadixCache:
         P = self.page_size
         parent = child.parent
         upper = Node(child.key[:n_pages * P], child.pages[:n_pages], child.hashes[:n_pages], parent)
-        upper.lock_ref = child.lock_ref
+        upper.lock_ref = child.lock_ref   # its end is a new one: nobody holds it (holders 0)
         upper.last_access = child.last_access
         parent.children[child.key[:P]] = upper
         child.key, child.pages, child.hashes = (child.key[n_pages * P:], child.pages[n_pages:],
@@ -139,7 +179,11 @@ class RadixCache:
             if n < len(child.pages):
                 child = self._split(child, n)
             first = pos // P
-            dups.extend(p for p, q in zip(pages[first:first + n], child.pages) if p != q)
+            for p, q in zip(pages[first:first + n], child.pages):
+                if p != q:
+                    dups.append(p)
+                    if self.window is not None and self.pool.has_window(p) and not self.pool.has_window(q):
+                        self.pool.move_window(p, q)   # the caller reads the tree's page from now on
             pos += len(child.key)
             node = child
             node.last_access = now
@@ -156,10 +200,13 @@ class RadixCache:
             elif self.on_event:
                 self.on_event("stored", hashes, node.last_hash)
             node = leaf
+            if self.window is not None:   # the parent's end may be no end any more; the leaf's inside neither
+                self._drop_windows(leaf, len(leaf.key) + self.window)
         return node, dups
 
     # -- locking --------------------------------------------------------------
     def lock(self, node: Node) -> None:
+        node.holders += 1
         while node is not None:
             if node.lock_ref == 0:
                 self.locked_pages += len(node.pages)
@@ -167,6 +214,10 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
+        if node.holders <= 0:
+            raise RuntimeError("radix cache: unlock of a node that is not locked")
+        node.holders -= 1
+        held = node
         while node is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("radix cache: unlock of a node that is not locked")
@@ -174,6 +225,52 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.locked_pages -= len(node.pages)
             node = node.parent
+        if self.window is not None and held.holders == 0 and held.parent is not None:
+            self._drop_windows(held, self.window)
+
+    def relock(self, old: Node, new: Node) -> None:
+        """Hold ``new`` instead of ``old``, a node on its path (a request whose pages went into the tree).
+        With sliding windows, the pages from the window before ``old``'s end to ``new``'s end that lie in
+        no end's window lose their sliding pages: among them the tree's own pages that took a request's
+        window on ``insert``."""
+        self.lock(new)
+        self.unlock(old)
+        if self.window is not None and new.end > old.end:
+            self._drop_windows(new, new.end - old.end)
+
+    # -- sliding windows --------------------------------------------------------
+    def _is_end(self, node: Node) -> bool:
+        """Whether a hit may stop at ``node``'s end: a leaf, a branch, or a node held there."""
+        return node.holders > 0 or len(node.children) != 1
+
+    def _drop_windows(self, node: Node, span: int) -> None:
+        """Drop the sliding pages of the pages within ``span`` tokens before ``node``'s end (on its path)
+        that lie in no end's window."""
+        P = self.page_size
+        while node.parent is not None and span > 0:
+            start = node.end - len(node.key)
+            for i in range(len(node.pages) - 1, -1, -1):
+                if span <= 0:
+                    return
+                span -= P
+                page = node.pages[i]
+                if self.pool.has_window(page) and not self._in_a_window(node, start + i * P):
+                    self.pool.drop_window([page])
+            node = node.parent
+
+    def _in_a_window(self, node: Node, s: int) -> bool:
+        """Whether the page of ``node`` starting at position ``s`` holds a position of the window before
+        an end: an end T with ``s < T <= s + P + W - 2``, at ``node`` or below it."""
+        last = s + self.page_size + self.window - 2
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.end > last:
+                continue
+            if self._is_end(n):
+                return True
+            stack.extend(n.children.values())
+        return False
 
     @property
     def evictable_pages(self) -> int:
