@@ -111,6 +111,13 @@ class EngineConfig:
     ``kv_cache_memory_bytes``, when set, sizes the pool by bytes instead of ``kv_cache_tokens``: as many
     pages as fit at the chosen precision (int8 holds ~3.8x the tokens of float32, ~1.9x of bfloat16).
 
+    Sliding windows (engine/window_pool.py): with ``sliding_window_cache`` (the default) a model's sliding
+    layers keep KV pages only within their window, in a second pool of ``sliding_window_pool_windows``
+    windows (default two per sequence of a full batch) plus a step's chunk; ``kv_cache_tokens`` (or what
+    ``kv_cache_memory_bytes`` leaves after that pool) sizes the full layers' pages. Off, every layer keeps
+    the whole context (what KV tiers need: they are refused with it on). Models without sliding layers
+    are unaffected.
+
     Overlap scheduling (engine/overlap.py): with ``overlap_schedule`` the model forward and sampling run on
     a forward thread, and the engine thread schedules and prepares step n+1 while step n runs, committing
     step n's tokens (stop checks, detokenizing, emitting) one step behind. A step whose sampling requests
@@ -195,6 +202,12 @@ class EngineConfig:
                                   "a byte, docs/kv_cache.md) or fp8 (refused: not implemented)", KV_CACHE_DTYPES)
     kv_cache_memory_bytes: int | None = setting(None, "size the KV cache by bytes instead of kv_cache_tokens (as "
                                                 "many tokens as fit at kv_cache_dtype)")
+    sliding_window_cache: bool = setting(True, "a model's sliding-window layers keep only their window's KV pages "
+                                         "(Gemma 3, gpt-oss, Mistral; docs/models.md); false keeps every layer's "
+                                         "whole context, as for a model without windows")
+    sliding_window_pool_windows: int | None = setting(None, "with sliding_window_cache: how many windows the sliding "
+                                                      "layers' page pool holds (default: 2 x max_num_seqs), plus one "
+                                                      "step's chunk")
     overlap_schedule: bool = setting(False, "overlap scheduling: prepare the next step (schedule, build inputs) "
                                      "and commit the last one's tokens while the model runs on a forward thread; "
                                      "steps with constrained or speculative requests still wait for their tokens "
@@ -272,6 +285,9 @@ class EngineConfig:
         if self.kv_cache_dtype == "int8" and self.resolved_backend() != "torch":
             raise ValueError(f"kv_cache_dtype='int8' needs the torch attention backend, got "
                              f"{self.resolved_backend()!r}")
+        w = self.sliding_window_pool_windows
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"sliding_window_pool_windows must be a positive integer (or None), got {w!r}")
         m = self.kv_cache_memory_bytes
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (or None: kv_cache_tokens "

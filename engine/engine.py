@@ -56,6 +56,7 @@ from engine.step_cost import step_cost_for
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams, SchedulingKey)
+from engine.window_pool import WindowedPagePool, size_windowed_pools
 
 _log = logging.getLogger("engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
@@ -100,14 +101,21 @@ class LLMEngine:
         del state, int4_groups
         P = config.page_size
         kv_dtype = _DTYPES[config.resolved_kv_cache_dtype()]
-        num_pages = pool_pages(config, kv_bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype))
-        self.pool = PagePool(num_pages)
-        # max_waiting_tokens, or twice the pool (sized by tokens, or by bytes at the KV precision)
-        self.waiting_tokens_limit = config.max_waiting_tokens or 2 * (num_pages - 1) * P
         self.backend_name = config.resolved_backend()
         backend_cls = backend_class(self.backend_name)
-        self.kv = KVCache(mcfg.num_layers, num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
-                          dtype, self.device, layout=backend_cls.kv_layout, kv_dtype=kv_dtype)
+        layer_attention = self.model.layer_attention()
+        self.window_layers = self._window_layers(layer_attention, backend_cls.kv_layout)
+        if self.window_layers:
+            self.pool, self.kv = self._windowed_pool(layer_attention, dtype, kv_dtype)
+            num_pages = self.pool.num_pages
+        else:
+            num_pages = pool_pages(config, kv_bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                                                              kv_dtype))
+            self.pool = PagePool(num_pages)
+            self.kv = KVCache(mcfg.num_layers, num_pages, P, mcfg.num_kv_heads, mcfg.head_dim,
+                              dtype, self.device, layout=backend_cls.kv_layout, kv_dtype=kv_dtype)
+        # max_waiting_tokens, or twice the pool (sized by tokens, or by bytes at the KV precision)
+        self.waiting_tokens_limit = config.max_waiting_tokens or 2 * (num_pages - 1) * P
         self.on_kv_event = on_kv_event
         self.cache = RadixCache(self.pool, P, self._seed, on_event=on_kv_event, event_tokens=kv_event_tokens)
         self.scheduler = Scheduler(self.pool, self.cache, P, config.max_num_seqs,
@@ -124,8 +132,9 @@ class LLMEngine:
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
-        attn.set_layer_attention(self.model.layer_attention())   # windows, sinks, ...: refused if unsupported
-        self.runner = ModelRunner(self.model, attn, P, self.device)
+        attn.set_layer_attention(layer_attention)   # windows, sinks, ...: refused if unsupported
+        self.runner = ModelRunner(self.model, attn, P, self.device,
+                                  window_page=self.pool.window_page if self.window_layers else None)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels) and dtype == torch.bfloat16   # they run on bf16 steps only
         decode_kernel = getattr(attn, "kernel", None)
@@ -162,6 +171,36 @@ class LLMEngine:
                   "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
                   self.attention_desc, self.speculative, torch.get_num_threads(),
                   ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
+
+    def _window_layers(self, layer_attention, kv_layout: str) -> tuple[int, ...]:
+        """The sliding layers whose pages keep only their window (engine/window_pool.py): none without such
+        layers, with ``sliding_window_cache`` off, or on a backend that refuses windows anyway."""
+        layers = tuple(i for i, a in enumerate(layer_attention) if a.window is not None)
+        if not layers or not self.config.sliding_window_cache or kv_layout != "HSD":
+            return ()
+        cfg = self.config
+        if cfg.kv_host_tokens or cfg.kv_disk_tokens:
+            raise ValueError("kv_host_tokens / kv_disk_tokens: the KV tiers keep whole pages, and this model's "
+                             f"sliding layers {list(layers)} keep only their window in the cache; set "
+                             "sliding_window_cache=False (--sliding-window-cache false) to keep every layer's whole "
+                             "context and use the tiers (docs/models.md)")
+        return layers
+
+    def _windowed_pool(self, layer_attention, dtype, kv_dtype) -> tuple[WindowedPagePool, KVCache]:
+        """Page ids for the full layers and a window-bounded pool for the sliding ones, sized together."""
+        cfg, m = self.config, self.model_config
+        window = max(layer_attention[i].window for i in self.window_layers)
+        n_window = len(self.window_layers)
+        full_bpt = kv_bytes_per_token(m.num_layers - n_window, m.num_kv_heads, m.head_dim, kv_dtype)
+        window_bpt = kv_bytes_per_token(n_window, m.num_kv_heads, m.head_dim, kv_dtype)
+        num_pages, window_pages = size_windowed_pools(cfg, window, full_bpt, window_bpt)
+        pool = WindowedPagePool(num_pages, window_pages, window)
+        kv = KVCache(m.num_layers, num_pages, cfg.page_size, m.num_kv_heads, m.head_dim, dtype, self.device,
+                     layout="HSD", kv_dtype=kv_dtype, window_layers=self.window_layers,
+                     window_pages=window_pages)
+        _log.info("sliding window %d in the cache: layers %s hold %d pages (%d tokens), the others %d pages",
+                  window, list(self.window_layers), window_pages, (window_pages - 1) * cfg.page_size, num_pages)
+        return pool, kv
 
     def step_cost_setup(self) -> dict:
         """What a step-cost measurement must match to apply here (engine/step_cost.py)."""

@@ -18,7 +18,9 @@ step waits long:
   ``stored`` KV events go out like any stored block. Only unlocked cache is evicted to make room;
   never a pin, never a running request's pages.
 
-Pages are in the pool's own layout (``KVCache.read_page``): the same bytes the tiers keep.
+Pages are in the pool's own layout (``KVCache.read_page``): the same bytes the tiers keep. A model whose
+sliding layers keep only their window in the cache (engine/window_pool.py) has no whole pages: ``held``,
+``export`` and ``import_pages`` refuse it, and the transfer fails (the puller computes instead).
 """
 
 from __future__ import annotations
@@ -72,12 +74,19 @@ class KVMover:
         self.layout = layout
         self.tiers = tiers
 
+    def _check_whole_pages(self) -> None:
+        if self.kv.window_layers:
+            raise ValueError("KV moves carry whole pages, and this model's sliding layers keep only their window "
+                             "in the cache (their pages may be gone); start the engines with "
+                             "sliding_window_cache=False to move KV between them")
+
     def hashes(self, tokens: Sequence[int], salt: str) -> list[int]:
         return block_hashes(tokens, self.P, self.cache.seed_fn(salt))
 
     def held(self, tokens: Sequence[int], salt: str) -> int:
         """Full blocks of ``tokens`` the device pool holds from the start (what a puller need not ask for;
         blocks in this engine's own tiers are pulled too: pulled pages attach only to the device match)."""
+        self._check_whole_pages()
         pages, _ = self.cache.match_prefix(tokens, salt)
         return len(pages)
 
@@ -91,6 +100,7 @@ class KVMover:
     def export(self, tokens: Sequence[int], salt: str, start: int, count: int) -> list[tuple[int, object]]:
         """(block hash, page) for blocks ``start .. start + count`` of ``tokens`` held here, in order:
         a CPU tensor shaped ``kv.page_shape``, or ``ON_DISK``. Stops at the first block held nowhere."""
+        self._check_whole_pages()
         end = min(start + count, len(tokens) // self.P)
         if end <= start:
             return []
@@ -110,6 +120,7 @@ class KVMover:
     def import_pages(self, tokens: Sequence[int], salt: str, start: int, pages: list[torch.Tensor]) -> int:
         """Insert ``pages`` as blocks ``start ..`` of ``tokens``; returns how many blocks the cache now
         holds from the start (0 when blocks before ``start`` are gone: the rest would not attach)."""
+        self._check_whole_pages()
         P = self.P
         held, node = self.cache.match_prefix(tokens[:(start + len(pages)) * P], salt)
         if len(held) < start:

@@ -88,17 +88,26 @@ class KVCache:
     ``dtype``). With ``torch.int8`` (HSD layout only) each token's K and V row of each KV head is stored
     as int8 values with one float32 scale (``quantize_int8``): ``k_scale[layer]``, ``v_scale[layer]``
     are ``[Hkv, num_pages * page_size]``, and every read dequantizes.
+
+    ``window_layers`` (the sliding layers of a model whose cache keeps only their window, HSD layout only,
+    engine/window_pool.py) hold ``window_pages`` pages, the others ``num_pages``: slots passed for such a
+    layer are slots of its own pool (``BatchLayout.window_slot_mapping``).
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str, layout: str = "NHD",
-                 kv_dtype: torch.dtype | None = None) -> None:
-        if layout == "NHD":
-            shape = (num_pages, page_size, num_kv_heads, head_dim)
-        elif layout == "HSD":
-            shape = (num_kv_heads, num_pages * page_size, head_dim)
-        else:
+                 kv_dtype: torch.dtype | None = None, window_layers: tuple[int, ...] = (),
+                 window_pages: int = 0) -> None:
+        if layout not in ("NHD", "HSD"):
             raise ValueError(f"unknown KV layout {layout!r} (NHD or HSD)")
+        if window_layers and layout != "HSD":
+            raise ValueError("sliding-window pages need the torch attention backend (HSD layout)")
+
+        def shape_of(pages: int) -> tuple[int, ...]:
+            if layout == "NHD":
+                return (pages, page_size, num_kv_heads, head_dim)
+            return (num_kv_heads, pages * page_size, head_dim)
+        shapes = [shape_of(window_pages if i in window_layers else num_pages) for i in range(num_layers)]
         self.kv_dtype = kv_dtype or dtype
         self.quantized = self.kv_dtype == torch.int8
         if self.quantized and layout != "HSD":
@@ -106,13 +115,19 @@ class KVCache:
         self.layout = layout
         self.page_size = page_size
         self.dtype = dtype
-        self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_pages * page_size     # slots of a full layer: the range of ``slot_mapping``
+        self.window_layers = frozenset(window_layers)
+        self.k = [torch.zeros(s, dtype=self.kv_dtype, device=device) for s in shapes]
+        self.v = [torch.zeros(s, dtype=self.kv_dtype, device=device) for s in shapes]
         self.k_scale = self.v_scale = None
         if self.quantized:
-            self.k_scale = [torch.ones(shape[:2], device=device) for _ in range(num_layers)]   # (Hkv, S) float32
-            self.v_scale = [torch.ones(shape[:2], device=device) for _ in range(num_layers)]
-        self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.kv_dtype)
+            self.k_scale = [torch.ones(s[:2], device=device) for s in shapes]   # (Hkv, S) float32
+            self.v_scale = [torch.ones(s[:2], device=device) for s in shapes]
+        n_window = len(self.window_layers)
+        # bytes the pool holds per token of its page ids (the sliding layers' share over their smaller pool)
+        self.bytes_per_token = (kv_bytes_per_token(num_layers - n_window, num_kv_heads, head_dim, self.kv_dtype)
+                                + kv_bytes_per_token(n_window, num_kv_heads, head_dim, self.kv_dtype)
+                                * window_pages // num_pages)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slots`` [T] int64; ``k``, ``v`` [T, Hkv, D]."""
@@ -165,6 +180,13 @@ class KVCache:
         one = tuple(t.shape[1:]) if self.layout == "NHD" else (t.shape[0], self.page_size, t.shape[2])
         return (2, len(self.k), *one)
 
+    def _check_whole_pages(self) -> None:
+        """Whole pages (every layer's K/V of a page) are not defined when the sliding layers keep only a
+        window: their part of a page may be gone. The engine refuses KV tiers and moves for such a pool."""
+        if self.window_layers:
+            raise ValueError("whole pages are not defined for a pool whose sliding layers keep only a window "
+                             "(their page may be gone): KV tiers and KV moves refuse such a pool")
+
     @property
     def page_dtype(self) -> torch.dtype:
         return torch.uint8 if self.quantized else self.kv_dtype
@@ -183,6 +205,7 @@ class KVCache:
     def read_page(self, page: int) -> torch.Tensor:
         """A CPU copy of one page's K and V in every layer (int8 pools: with their scales), shaped
         :attr:`page_shape`."""
+        self._check_whole_pages()
         if self.quantized:
             out = torch.stack([torch.stack([self._page_bytes(layer, i, page) for layer in range(len(self.k))])
                                for i in (0, 1)])
@@ -192,6 +215,7 @@ class KVCache:
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
         """Copy ``data`` (as :meth:`read_page` returns it) into ``page``: bit for bit."""
+        self._check_whole_pages()
         for i, kv in enumerate((self.k, self.v)):
             for layer, t in enumerate(kv):
                 if not self.quantized:

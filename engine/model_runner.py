@@ -31,11 +31,13 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, attn_backend, page_size: int, device: str) -> None:
+    def __init__(self, model, attn_backend, page_size: int, device: str, window_page: list[int] | None = None) -> None:
         self.model = model
         self.attn = attn_backend
         self.P = page_size
         self.device = device
+        # page id -> the sliding layers' page (engine/window_pool.py), read as each step is prepared
+        self.window_page = window_page
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits (S, V) float32, indices into the batch of the requests that sample).
@@ -73,6 +75,11 @@ class ModelRunner:
                 samplers.append(i)
         dev = self.device
         layout = BatchLayout(q_lens, kv_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev))
+        if self.window_page is not None:
+            wp, P = self.window_page, self.P
+            layout.window_page_tables = [[wp[p] for p in table] for table in tables]
+            layout.window_slot_mapping = torch.tensor([wp[s // P] * P + s % P for s in slots], dtype=torch.long,
+                                                      device=dev)
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.tensor(pos, dtype=torch.long, device=dev), layout, sample_rows, samplers, futures)
 

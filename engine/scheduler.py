@@ -122,16 +122,28 @@ class Scheduler:
         return max(0, -(-num_tokens // self.P) - len(req.pages))
 
     def _free_up(self, n: int) -> bool:
-        """Make ``n`` pages free by evicting cache, then releasing pins."""
-        if self.pool.num_free < n:
-            self.cache.evict(n - self.pool.num_free)
+        """Make ``n`` pages free by evicting cache, then releasing pins. With sliding windows a leaf
+        may free page ids but no sliding pages (its window was dropped): evicting goes on while it frees."""
+        while self.pool.num_free < n and self.cache.evict(n - self.pool.num_free):
+            pass
         while self.pool.num_free < n and self.pins:
             pin_id = min(self.pins, key=lambda k: self.pins[k].expires_at)
             self.unpin(pin_id)
             self.cache.evict(n - self.pool.num_free)
         return self.pool.num_free >= n
 
+    def _drop_behind_window(self, req: Request) -> None:
+        """Give back the sliding pages of the request's own pages (not the radix cache's) that lie wholly
+        before ``committed - window + 1``, committed being its cacheable tokens rounded down to a page:
+        no query from there on reads them, and the page its next insert ends at keeps its window."""
+        keep_from = (req.num_cacheable // self.P) * self.P - self.cache.window + 1
+        end = min(len(req.pages), max(0, keep_from) // self.P)
+        if end > req.num_tree_pages:
+            self.pool.drop_window(req.pages[req.num_tree_pages:end])
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
+        if self.cache.window is not None:
+            self._drop_behind_window(req)
         need = self._pages_for(req, num_tokens)
         if need and not self._free_up(need):
             return False
@@ -142,7 +154,7 @@ class Scheduler:
     def pin(self, pin_id: str, tokens: list[int], ttl_s: float, salt: str = "") -> int:
         """Lock the cached prefix of ``tokens`` for ``ttl_s`` seconds; returns pinned tokens."""
         self.unpin(pin_id)
-        pages, node = self.cache.match_prefix(tokens, salt)
+        pages, node = self.cache.match_usable(tokens, salt)
         if not pages:
             return 0
         self.cache.lock(node)
@@ -174,7 +186,7 @@ class Scheduler:
         pages it needs are still being read, ``"wait"`` while the pool has no room to load them."""
         limit = ((req.num_tokens - 1) // self.P) * self.P  # at least one token must be computed for logits
         if self.enable_prefix_cache:
-            pages, node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
+            pages, node = self.cache.match_usable(req.all_ids[:limit], req.cache_salt)
         else:
             pages, node = [], self.cache.root(req.cache_salt)
         self.cache.lock(node)
@@ -263,8 +275,7 @@ class Scheduler:
             if dups:
                 self.pool.free(dups)
             req.pages[:n_full] = pages
-            self.cache.lock(node)
-            self.cache.unlock(req.tree_node)
+            self.cache.relock(req.tree_node, node)
             req.tree_node, req.num_tree_pages = node, n_full
         return node
 

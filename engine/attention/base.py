@@ -31,6 +31,10 @@ class BatchLayout:
     kv_lens: list[int]           # tokens in cache per sequence after this step (incl. new)
     page_tables: list[list[int]]  # page ids per sequence, covering kv_lens
     slot_mapping: torch.Tensor   # (T,) int64 cache slot of each new token
+    # the same in the sliding layers' own pool, when they keep only a window (engine/window_pool.py;
+    # page 0 where a page's sliding page was dropped); None: every layer reads the tables above
+    window_page_tables: list[list[int]] | None = None
+    window_slot_mapping: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -102,11 +102,15 @@ class TorchAttentionBackend(AttentionBackend):
         self.windowed = WindowedPlan(layout, self._windows, self.kv.page_size, dev) if self._windows else None
         P = self.kv.page_size
         self.slots = layout.slot_mapping
+        self.window_slots = layout.window_slot_mapping   # the sliding layers' own, when they keep a window only
+        if self.kv.window_layers and self.window_slots is None:
+            raise ValueError("the KV pool keeps only a window for the sliding layers: the step needs their page "
+                             "tables (BatchLayout.window_page_tables, window_slot_mapping)")
         # rotate_and_store's C side writes slots unchecked: every one must lie in the pool
         self.store_in_c = (self.kernel is not None and self.force_decode_plan in (None, "kernel")
                            and self.slots.dtype == torch.int64 and self.slots.is_contiguous()
                            and (self.slots.numel() == 0 or (int(self.slots.min()) >= 0
-                                                            and int(self.slots.max()) < self.kv.k[0].shape[1])))
+                                                            and int(self.slots.max()) < self.kv.num_slots)))
         self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         self.decode = self.cascade = self.kernel_decode = None
         if not self._plain_layers:   # every layer takes the masked path (Gemma 3, gpt-oss)
@@ -147,17 +151,18 @@ class TorchAttentionBackend(AttentionBackend):
         ``rope_store``), the same values as the model's RoPE and ``KVCache.write``."""
         if not self.store_in_c or qkv.dtype != self.kv.dtype:
             return None
+        slots = self.window_slots if layer in self.kv.window_layers else self.slots
         if self.kv.quantized:   # int8 pages: quantized in the same call
-            return self.kernel.rope_store_int8(qkv, rope.cos, rope.signed_sin, self.slots, self.kv, layer,
+            return self.kernel.rope_store_int8(qkv, rope.cos, rope.signed_sin, slots, self.kv, layer,
                                                self.num_heads)
         if qkv.dtype != self.kv.k[layer].dtype:
             return None
-        return self.kernel.rope_store(qkv, rope.cos, rope.signed_sin, self.slots, self.kv.k[layer],
+        return self.kernel.rope_store(qkv, rope.cos, rope.signed_sin, slots, self.kv.k[layer],
                                       self.kv.v[layer], self.num_heads)
 
     def forward(self, layer, q, k, v):
         if k is not None:
-            self.kv.write(layer, self.slots, k, v)
+            self.kv.write(layer, self.window_slots if layer in self.kv.window_layers else self.slots, k, v)
         if self.layer_attention and not self.layer_attention[layer].plain:
             return self._attend_special(layer, q, self.layer_attention[layer])
         out = torch.empty_like(q)                                     # (T, Hq, D)

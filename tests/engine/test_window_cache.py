@@ -1,0 +1,134 @@
+"""Sliding windows in the paged radix cache (engine/window_pool.py): Gemma-3- and gpt-oss-shaped tiny
+random checkpoints (tests/engine/test_families_windows.py writes them) generate transformers' greedy
+tokens (fp32) over multi-turn prefix hits while their sliding layers keep only their window, and the
+two pools account for every page.
+
+Small pages (4 tokens) and a small sliding pool (two windows) make the windows matter: prompts of
+70+ tokens span 18+ pages, the windows (12 and 8 tokens) three or four.
+"""
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.window_pool import WindowedPagePool
+from tests.engine.test_families_windows import greedy_reference, write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+P = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def engine_for(path, **overrides):
+    cfg = dict(model=str(path), page_size=P, kv_cache_tokens=1024, max_batched_tokens=32, max_num_seqs=2,
+               sliding_window_pool_windows=2)
+    return LLMEngine(EngineConfig(**dict(cfg, **overrides)))
+
+
+def random_ids(n, seed):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+
+def check_accounts(eng):
+    """Every sliding page is paired with exactly one page id, and each pool's free + used is its capacity."""
+    pool = eng.pool
+    paired = [pool.window_page[p] for p in range(pool.num_pages) if pool.window_page[p]]
+    assert len(paired) == len(set(paired)) == pool.window_pages_used
+    assert all(not pool._is_free[p] for p in range(pool.num_pages) if pool.window_page[p])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_window_cache_multi_turn_matches_transformers(family, overlap, tmp_path, tokenizer):
+    ref = write_checkpoint(family, tmp_path, tokenizer)
+    eng = engine_for(tmp_path, overlap_schedule=overlap)
+    assert isinstance(eng.pool, WindowedPagePool)
+    assert eng.pool.window == {"gemma3": 12, "gpt_oss": 8}[family]
+    assert eng.window_layers == {"gemma3": (0, 2), "gpt_oss": (0,)}[family]
+    ignored = engine_for(tmp_path, sliding_window_cache=False, overlap_schedule=overlap)
+    assert not hasattr(ignored.pool, "window")
+
+    turn1 = random_ids(70, 1)
+    turn2_extra = random_ids(21, 2)
+    cached = {}
+    for name, e in (("honoured", eng), ("ignored", ignored)):
+        r1 = e.generate([turn1], GREEDY)[0]
+        assert r1.token_ids == greedy_reference(ref, turn1, 8)[0]
+        turn2 = turn1 + r1.token_ids + turn2_extra
+        r2 = e.generate([turn2], GREEDY)[0]
+        assert r2.token_ids == greedy_reference(ref, turn2, 8)[0], name
+        # turn 1 computed 70 + 7 tokens: its 19 full pages are a hit for turn 2
+        cached[name] = r2.cached_tokens
+        # turn 3 leaves turn 1 at token 58: the raw match is 14 pages, but with windows the sliding pages
+        # before 58 were dropped (only the ends' windows are kept), so the hit is shortened
+        turn3 = turn1[:58] + random_ids(30, 3)
+        r3 = e.generate([turn3], GREEDY)[0]
+        assert r3.token_ids == greedy_reference(ref, turn3, 8)[0], name
+        cached[name + " turn 3"] = r3.cached_tokens
+    assert cached["honoured"] == cached["ignored"] == 76
+    assert cached["ignored turn 3"] == 56
+    assert cached["honoured turn 3"] < 56 and cached["honoured turn 3"] % P == 0
+    check_accounts(eng)
+
+
+def test_window_cache_frees_sliding_pages_and_leaks_none(tmp_path, tokenizer):
+    """A 200-token prompt and 40 decoded tokens hold 59 page ids but only a window's sliding pages: at
+    every step a running request holds at most its window, one chunk and a partial page; finished, the
+    tree keeps the leaf's window; flushed, both pools are whole again."""
+    write_checkpoint("gemma3", tmp_path, tokenizer)
+    eng = engine_for(tmp_path)
+    pool = eng.pool
+    window_pages = -(-(12 - 1) // P) + 1          # the pages holding the 11 keys before a query, and its own
+    chunk_pages = 32 // P
+    rid = eng.add_request(random_ids(200, 4), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        check_accounts(eng)
+        ids_used = pool.capacity - pool.num_free_ids
+        most = max(most, pool.window_pages_used)
+        assert pool.window_pages_used <= window_pages + chunk_pages + 1, rid
+    assert most > window_pages                    # a step's new pages held theirs until it was cached
+    assert ids_used == 59                         # the full layers keep all 239 computed tokens
+    assert eng.cache.cached_pages == (200 + 40 - 1) // P
+    # the leaf's end (token 236) keeps the window before it, 11 tokens on 3 pages; nothing else
+    assert pool.window_pages_used == 3
+    eng.flush_cache()
+    eng.step()
+    assert pool.num_free_ids == pool.capacity and pool.window_pool.num_free == pool.window_pool.capacity
+    assert not any(pool.window_page)
+
+
+def test_window_cache_sized_by_bytes(tmp_path, tokenizer):
+    """kv_cache_memory_bytes buys the sliding pool's windows first, then page ids for the full layers:
+    more tokens than the same bytes hold with windows ignored, and the bytes add up."""
+    write_checkpoint("gemma3", tmp_path, tokenizer)
+    budget = 1 << 20
+    eng = engine_for(tmp_path, kv_cache_memory_bytes=budget)
+    ignored = engine_for(tmp_path, kv_cache_memory_bytes=budget, sliding_window_cache=False)
+    per_layer = 2 * 2 * 16 * 4                     # K and V, 2 KV heads, head dim 16, float32
+    full_pages, window_pages = eng.pool.num_pages, eng.pool.window_pool.num_pages
+    assert window_pages == 1 + 2 * (-(-11 // P) + 2) + 32 // P
+    assert full_pages == (budget - window_pages * P * 2 * per_layer) // (P * 2 * per_layer)
+    assert ignored.pool.num_pages == budget // (P * 4 * per_layer)
+    assert full_pages > 1.9 * ignored.pool.num_pages
+    tensors = sum(t.numel() * t.element_size() for t in eng.kv.k + eng.kv.v)
+    assert tensors == (full_pages * 2 + window_pages * 2) * P * per_layer <= budget
+
+
+def test_window_cache_refuses_tiers(tmp_path, tokenizer):
+    write_checkpoint("gpt_oss", tmp_path, tokenizer)
+    with pytest.raises(ValueError, match="sliding_window_cache=False"):
+        engine_for(tmp_path, kv_host_tokens=256)
+    eng = engine_for(tmp_path)
+    with pytest.raises(ValueError, match="KV moves"):
+        eng.mover.held([1] * 8, "")
+
+
+def test_window_cache_untouched_without_sliding_layers(default_engine):
+    """The default model (SmolLM2, no sliding layers) keeps one plain pool."""
+    assert default_engine.window_layers == ()
+    assert type(default_engine.pool).__name__ == "PagePool"
+    assert not default_engine.kv.window_layers
