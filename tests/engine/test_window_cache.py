@@ -39,14 +39,14 @@ def check_accounts(eng):
     assert all(not pool._is_free[p] for p in range(pool.num_pages) if pool.window_page[p])
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "mistral"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_window_cache_multi_turn_matches_transformers(family, overlap, tmp_path, tokenizer):
     ref = write_checkpoint(family, tmp_path, tokenizer)
     eng = engine_for(tmp_path, overlap_schedule=overlap)
     assert isinstance(eng.pool, WindowedPagePool)
-    assert eng.pool.window == {"gemma3": 12, "gpt_oss": 8}[family]
-    assert eng.window_layers == {"gemma3": (0, 2), "gpt_oss": (0,)}[family]
+    assert eng.pool.window == {"gemma3": 12, "gpt_oss": 8, "mistral": 8}[family]
+    assert eng.window_layers == {"gemma3": (0, 2), "gpt_oss": (0,), "mistral": (0, 1)}[family]
     ignored = engine_for(tmp_path, sliding_window_cache=False, overlap_schedule=overlap)
     assert not hasattr(ignored.pool, "window")
 
@@ -71,6 +71,45 @@ def test_window_cache_multi_turn_matches_transformers(family, overlap, tmp_path,
     assert cached["ignored turn 3"] == 56
     assert cached["honoured turn 3"] < 56 and cached["honoured turn 3"] % P == 0
     check_accounts(eng)
+
+
+@pytest.mark.parametrize("extra", [{}, {"speculative": "ngram"}], ids=["plain", "ngram"])
+def test_window_cache_under_pressure_matches_transformers(extra, tmp_path, tokenizer):
+    """Three sessions at once on a sliding pool of one window and a chunk: requests wait, evict and are
+    preempted for sliding pages, and still generate transformers' tokens; the last one's next turn hits."""
+    ref = write_checkpoint("gpt_oss", tmp_path, tokenizer)
+    eng = engine_for(tmp_path, sliding_window_pool_windows=1, max_num_seqs=3, **extra)
+    assert eng.pool.window_pool.capacity == 4 + 8      # a window of 8 (2 pages, +2) and a 32-token chunk
+    prompts = [random_ids(n, 10 + n) for n in (61, 75, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = eng.generate(prompts, params)
+    for p, r in zip(prompts, first):
+        assert r.token_ids == greedy_reference(ref, p, 12)[0]
+    assert eng.scheduler.num_preemptions > 0                 # the pressure was real
+    again = [p + r.token_ids + random_ids(9, 7) for p, r in zip(prompts, first)]
+    # the last session to finish keeps its context and the window before its end: a whole hit, alone
+    last = again[2]
+    usable = len(eng.cache.match_usable(last[:len(prompts[2]) + 11])[0]) * P
+    assert usable == (90 + 11) // P * P
+    [r] = eng.generate([last], params)
+    assert r.cached_tokens == usable and r.token_ids == greedy_reference(ref, last, 12)[0]
+    for p, r in zip(again[:2], eng.generate(again[:2], params)):
+        assert r.token_ids == greedy_reference(ref, p, 12)[0]
+    check_accounts(eng)
+    eng.flush_cache()
+    eng.step()
+    assert eng.pool.window_pool.num_free == eng.pool.window_pool.capacity
+
+
+def test_window_cache_int8_pages_same_tokens_as_windows_ignored(tmp_path, tokenizer):
+    """int8 pages quantize each token alike however many layers keep it: windows honoured or ignored,
+    the same greedy tokens, through the C RoPE + store into the sliding layers' own slots."""
+    write_checkpoint("gpt_oss", tmp_path, tokenizer)
+    prompts = [random_ids(83, 21), random_ids(50, 22)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    out = [[r.token_ids for r in engine_for(tmp_path, kv_cache_dtype="int8", sliding_window_cache=on)
+            .generate(prompts, params)] for on in (True, False)]
+    assert out[0] == out[1]
 
 
 def test_window_cache_frees_sliding_pages_and_leaks_none(tmp_path, tokenizer):
