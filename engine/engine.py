@@ -134,7 +134,8 @@ class LLMEngine:
                            head_dim=mcfg.head_dim, **kernel)
         attn.set_layer_attention(layer_attention)   # windows, sinks, ...: refused if unsupported
         self.runner = ModelRunner(self.model, attn, P, self.device,
-                                  window_page=self.pool.window_page if self.window_layers else None)
+                                  window_page=self.pool.window_page if self.window_layers else None,
+                                  window=self.pool.window if self.window_layers else None)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
             self.model.use_cpu_ops(config.cpu_kernels) and dtype == torch.bfloat16   # they run on bf16 steps only
         decode_kernel = getattr(attn, "kernel", None)

@@ -31,13 +31,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, attn_backend, page_size: int, device: str, window_page: list[int] | None = None) -> None:
+    def __init__(self, model, attn_backend, page_size: int, device: str, window_page: list[int] | None = None,
+                 window: int | None = None) -> None:
         self.model = model
         self.attn = attn_backend
         self.P = page_size
         self.device = device
-        # page id -> the sliding layers' page (engine/window_pool.py), read as each step is prepared
+        # page id -> the sliding layers' page (engine/window_pool.py), read as each step is prepared, and
+        # their (largest) window: pages wholly before it are never read, and left 0 in their tables
         self.window_page = window_page
+        self.window = window
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits (S, V) float32, indices into the batch of the requests that sample).
@@ -77,7 +80,8 @@ class ModelRunner:
         layout = BatchLayout(q_lens, kv_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev))
         if self.window_page is not None:
             wp, P = self.window_page, self.P
-            layout.window_page_tables = [[wp[p] for p in table] for table in tables]
+            firsts = [max(0, kl - ql - self.window + 1) // P for ql, kl in zip(q_lens, kv_lens)]
+            layout.window_page_tables = [[0] * f + [wp[p] for p in table[f:]] for f, table in zip(firsts, tables)]
             layout.window_slot_mapping = torch.tensor([wp[s // P] * P + s % P for s in slots], dtype=torch.long,
                                                       device=dev)
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
