@@ -124,10 +124,11 @@ class KVCache:
             self.k_scale = [torch.ones(s[:2], device=device) for s in shapes]   # (Hkv, S) float32
             self.v_scale = [torch.ones(s[:2], device=device) for s in shapes]
         n_window = len(self.window_layers)
-        # bytes the pool holds per token of its page ids (the sliding layers' share over their smaller pool)
+        # bytes the pool holds per token of its page ids (the sliding layers' share over their smaller pool,
+        # rounded up: a model whose every layer slides still reports a positive figure)
+        window_bytes = kv_bytes_per_token(n_window, num_kv_heads, head_dim, self.kv_dtype) * window_pages
         self.bytes_per_token = (kv_bytes_per_token(num_layers - n_window, num_kv_heads, head_dim, self.kv_dtype)
-                                + kv_bytes_per_token(n_window, num_kv_heads, head_dim, self.kv_dtype)
-                                * window_pages // num_pages)
+                                + -(-window_bytes // num_pages))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. ``slots`` [T] int64; ``k``, ``v`` [T, Hkv, D]."""
