@@ -66,6 +66,9 @@ class Result:
     closed_by_budget: bool = False
     reasoning: str | None = None  # split off by the reasoning parser (None: none)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # {"device", "host", "disk"}
+    ttft_s: float | None = None  # from the request parsed to its first token (None: no token)
+    tpot_s: float | None = None  # mean time per output token after the first (None: fewer than two)
+    in_slo: bool = False  # met the server's latency SLO (``Generator.meets_slo``)
 
 
 class Generation:
@@ -112,6 +115,8 @@ class Generation:
                 self._observe(out)
                 if out.finished and out.finish_reason not in ("error", "abort"):
                     self._record(out)
+                elif out.finished and out.finish_reason == "error":  # a failed request missed its SLO
+                    self.gen.metrics.observe_slo(False)
                 yield out
                 if out.finished:
                     return
@@ -151,6 +156,7 @@ class Generation:
         self.gen.release()
         if self.result is not None:  # counted here, once the tool calls (if any) are known
             self.gen.metrics.observe_finished(self.result)
+            self.gen.metrics.observe_slo(self.result.in_slo)
         try:  # aborts a running request; a finished one's stream lets go of what it holds (a worker's response)
             await self._stream.aclose()
         finally:  # the tenant's share is freed however the abort went (the release may await Redis)
@@ -219,8 +225,12 @@ class Generation:
 
     def _record(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        if self._first_token_at is not None and out.completion_tokens > 1:
-            self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
+        ttft = tpot = None
+        if self._first_token_at is not None:
+            ttft = self._first_token_at - self._started_at
+            if out.completion_tokens > 1:
+                tpot = (now - self._first_token_at) / (out.completion_tokens - 1)
+                self.gen.metrics.observe_tpot(tpot)
         self.gen.metrics.observe_prompt(out.prompt_tokens, out.cached_tokens)
         text = "".join(self._text)
         closed = out.stop_reason == CLOSED_BY_BUDGET
@@ -231,7 +241,8 @@ class Generation:
             completion_tokens=out.completion_tokens, token_ids=list(self._token_ids),
             logprobs=self._logprobs if self._want_logprobs else None,
             stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) and not closed else None,
-            closed_by_budget=closed)
+            closed_by_budget=closed, ttft_s=ttft, tpot_s=tpot,
+            in_slo=self.gen.meets_slo(ttft, tpot))
 
 
 class Generator:
@@ -263,6 +274,12 @@ class Generator:
                  self.reasoning_parser,
                  "set" if config.tool_call_parser or config.reasoning_parser else "chosen from the chat template",
                  self.call_format)
+
+    def meets_slo(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """A generation met the latency SLO: its first token within ``slo_ttft_s`` and, when it wrote more
+        than one, its mean time per output token within ``slo_tpot_s``. No token at all is a miss."""
+        return ttft_s is not None and ttft_s <= self.config.slo_ttft_s and \
+            (tpot_s is None or tpot_s <= self.config.slo_tpot_s)
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:

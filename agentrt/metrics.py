@@ -35,6 +35,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+_RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 _SESSION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 
 # The model server protocol (gateway-api-inference-extension, docs/proposals/003-model-server-protocol):
@@ -225,6 +226,18 @@ class Metrics:
             "agentrt_session_completion_seconds",
             "Sessions that ended (deleted or expired) with at least one turn: from creation to the end of "
             "their last turn, in seconds", buckets=_SESSION_BUCKETS, registry=self.registry)
+        self.slo = Counter("agentrt_requests_slo",
+                           "Generations that ended, by whether they met the latency SLO (first token within "
+                           "slo_ttft_s and time per output token within slo_tpot_s; a failed one missed it)",
+                           ["outcome"], registry=self.registry)
+        self.sessions_ended = Counter(
+            "agentrt_sessions_ended",
+            "Sessions that ended (deleted or expired) with at least one turn, by whether every turn met the "
+            "latency SLO; the rate of slo=\"met\" is the goodput in sessions", ["slo"], registry=self.registry)
+        self.session_turns_in_slo = Histogram(
+            "agentrt_session_turns_in_slo_ratio",
+            "Sessions that ended with at least one turn: the share of their turns that met the latency SLO",
+            buckets=_RATIO_BUCKETS, registry=self.registry)
         self.turns = Counter("agentrt_session_turns",
                              "Session turns, by outcome: new (generated) or replayed (a turn_id seen before)",
                              ["outcome"], registry=self.registry)
@@ -253,8 +266,21 @@ class Metrics:
         if result.closed_by_budget:
             self.closed.inc()
 
-    def observe_session_completion(self, seconds: float) -> None:
+    def observe_slo(self, met: bool) -> None:
+        """A generation ended: whether it met the latency SLO."""
+        self.slo.labels("met" if met else "missed").inc()
+        self.timeline.observe_slo(met)
+
+    def observe_session_end(self, seconds: float, turns_in_slo: list[bool]) -> None:
+        """A session with turns ended: its completion time (creation to the end of its last turn) and,
+        per turn whose outcome was recorded, whether it met the SLO (the session meets it when all did)."""
         self.session_completion.observe(max(0.0, seconds))
+        if not turns_in_slo:  # turns recorded before outcomes were: neither met nor missed
+            return
+        met = all(turns_in_slo)
+        self.session_turns_in_slo.observe(sum(turns_in_slo) / len(turns_in_slo))
+        self.sessions_ended.labels("met" if met else "missed").inc()
+        self.timeline.observe_session_end(met)
 
     def set_in_flight(self, n: int) -> None:
         self.in_flight.set(n)

@@ -190,7 +190,8 @@ class SessionManager:
         if record is not None:
             self._release_last_pin(record)
             if record.turns:  # from its creation to the end of its last turn
-                self.gen.metrics.observe_session_completion(record.turns[-1].created_at - record.created_at)
+                self.gen.metrics.observe_session_end(record.turns[-1].created_at - record.created_at,
+                                                     [t.in_slo for t in record.turns if t.in_slo is not None])
 
     def _release_last_pin(self, record: SessionRecord) -> None:
         """Unpin the session's last turn while its pin may hold (whichever router made it)."""
@@ -337,7 +338,8 @@ class SessionManager:
                           message=message, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
                           cached_tokens_by_tier=result.cached_tokens_by_tier or None, created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
-                          raw_text=result.text, response=run.describe(result) if run.describe else None)
+                          raw_text=result.text, response=run.describe(result) if run.describe else None,
+                          in_slo=result.in_slo)
         try:
             record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn)
         except SessionNotFound:
