@@ -13,7 +13,6 @@ killed mid-session.
 
 from __future__ import annotations
 
-import time
 
 import anthropic
 import httpx
