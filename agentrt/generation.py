@@ -32,7 +32,7 @@ from agentrt.affinity import AffinityPins
 from agentrt.config import ServingSettings
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
-from agentrt.pin_ttl import MIN_TTL_S, ToolPinTTL
+from agentrt.pin_ttl import MIN_TTL_S, PausePlan, ToolPinTTL
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
 log = logging.getLogger(__name__)
@@ -462,6 +462,21 @@ class Generator:
         return SchedulingKey(session=session.session_id if session is not None else "",
                              tenant=tenant.name if tenant is not None else "",
                              weight=tenant.weight if tenant is not None else 1.0, continuing=continuing)
+
+    def pause_plan(self, session_id: str, tool_call: bool, expected_pause_s: float | None) -> PausePlan | None:
+        """What a session turn's pin does over the pause after it (agentrt/pin_ttl.py): the agent's
+        ``expected_pause_s`` decides where given; else after a tool call, ``pin_ttl_tool_s`` (policy
+        fixed) or the cost model's plan (policy cost); else None: the turn's pin stays as it is."""
+        if tool_call:
+            self.tool_pins.tool_call_ended(session_id, time.monotonic())
+        stats = lambda: self.engine.stats()  # noqa: E731 - read only when the plan needs the pool's pressure
+        if expected_pause_s is not None:
+            return self.tool_pins.plan(session_id, stats, expected_pause_s)
+        if not tool_call:
+            return None
+        if self.config.pin_ttl_policy == "fixed":
+            return PausePlan(self.config.pin_ttl_tool_s)
+        return self.tool_pins.plan(session_id, stats)
 
     def tool_pin_ttl(self, session_id: str | None) -> float:
         """The pin TTL after a reply of ``session_id`` that ended in a tool call: ``pin_ttl_tool_s``, or

@@ -238,6 +238,14 @@ class Metrics:
             "agentrt_session_turns_in_slo_ratio",
             "Sessions that ended with at least one turn: the share of their turns that met the latency SLO",
             buckets=_RATIO_BUCKETS, registry=self.registry)
+        self.kv_demotions = Counter(
+            "agentrt_session_kv_demotions",
+            "Session turns whose KV was sent to the KV tiers and unpinned for the pause after them (a pause "
+            "expected_pause_s announced, or the cost model found too long to pin through)", registry=self.registry)
+        self.kv_prefetches = Counter(
+            "agentrt_session_kv_prefetches",
+            "Demoted session prefixes read back from the KV tiers ahead of the session's next turn",
+            registry=self.registry)
         self.turns = Counter("agentrt_session_turns",
                              "Session turns, by outcome: new (generated) or replayed (a turn_id seen before)",
                              ["outcome"], registry=self.registry)

@@ -32,6 +32,7 @@ class _Engine:
         self.keys: list = []
         self.params: list = []
         self.overloaded = False
+        self.pins: list = []   # (what, pin id, ttl or None): extend_pin, demote, prefetch calls in order
 
     def constraint(self, options):
         return None
@@ -45,7 +46,13 @@ class _Engine:
         return OneReply(request_id)
 
     def extend_pin(self, pin_id, ttl_s, worker=None):
-        pass
+        self.pins.append(("extend", pin_id, ttl_s))
+
+    def demote(self, pin_id, worker=None):
+        self.pins.append(("demote", pin_id, None))
+
+    def prefetch(self, pin_id, worker=None):
+        self.pins.append(("prefetch", pin_id, None))
 
     def unpin(self, pin_id, worker=None):
         pass
@@ -208,6 +215,39 @@ def test_turns_within_the_latency_slo_and_goodput_are_exported(model):
         assert last["sessions_in_slo"] == (1 if outcome == "met" else 0)
         assert last["goodput_sessions_per_min"] == last["sessions_in_slo"]  # per minute over the last minute
         assert last["requests_in_slo_ratio"] == (1.0 if outcome == "met" else 0.0)
+
+
+def test_an_announced_long_pause_demotes_the_turns_kv_and_reads_it_back_before_the_pause_ends(model):
+    """``expected_pause_s`` past what max_pin_ttl_s can pin through: the turn's pin is demoted (to the KV
+    tiers) when the turn is recorded and read back by the sweep once the pause is near its end (2 s
+    pause, lead half of it: after 1 s), never before; a short announced pause is pinned through."""
+    import time
+
+    engine = _Engine()
+    app = assemble_app(ServerConfig(max_pin_ttl_s=1.0, pin_ttl_s=1.0, pin_ttl_tool_s=1.0), engine, model)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            sid = (await http.post("/v1/sessions", json={"model": model.model_id})).json()["id"]
+            bad = await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": -1})
+            assert bad.status_code == 400 and "expected_pause_s" in bad.text
+            await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": 2.0})
+            (what, pin, _), = engine.pins
+            assert what == "demote"
+            ended = time.time()
+            await app.state.sessions.sweep()
+            assert len(engine.pins) == 1   # not due yet
+            await asyncio.sleep(max(0.0, ended + 1.05 - time.time()))
+            await app.state.sessions.sweep()
+            assert engine.pins[1:] == [("prefetch", pin, None)]
+            await app.state.sessions.sweep()
+            assert len(engine.pins) == 2   # read back once
+            await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": 0.5})
+            assert engine.pins[2][0] == "extend" and engine.pins[2][2] == 1.0   # 0.5 s (+25%), at least 1 s
+            return (await http.get("/metrics")).text
+
+    text = asyncio.run(run())
+    assert "agentrt_session_kv_demotions_total 1.0" in text and "agentrt_session_kv_prefetches_total 1.0" in text
 
 
 def test_a_tenants_weight_is_read_from_the_tenants_file_and_sent_with_its_requests(tmp_path, model):
