@@ -59,6 +59,80 @@ def kv_utilization(s: Any) -> float:
     return min(1.0, max(0.0, (s.pages_used - s.pages_evictable) / s.pages_total))
 
 
+def _attr(name: str) -> Callable[[Any], Any]:
+    return lambda stats: getattr(stats, name)
+
+
+# (name, help, value from EngineStats) of the engine's gauges; ``{page_size}`` in a help: the pool's page size
+_ENGINE_GAUGES = (
+    ("agentrt_engine_running",
+     "Requests in the engine's running batch (decoding or prefilling), now", _attr("running")),
+    ("agentrt_engine_waiting",
+     "Requests queued for admission to the engine's batch, now", _attr("waiting")),
+    ("agentrt_engine_waiting_tokens",
+     "Tokens (prompt tokens not yet cached) of the requests queued for admission, now: the KV "
+     "demand admission control bounds", _attr("waiting_tokens")),
+    ("agentrt_engine_waiting_tokens_limit",
+     "Queued tokens past which a new request gets 429 (--max-waiting-tokens), in tokens",
+     _attr("waiting_tokens_limit")),
+    ("agentrt_kv_pages_capacity",
+     "KV cache pages in the pool that requests can use (one page holds {page_size} tokens)", _attr("pages_total")),
+    ("agentrt_kv_cache_bytes_per_token",
+     "Bytes of K and V one token takes in the KV pool over every layer (--kv-cache-dtype: int8 "
+     "pages hold values and a float32 scale per KV head)", _attr("kv_cache_bytes_per_token")),
+    ("agentrt_kv_pages_used",
+     "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or "
+     "not)", _attr("pages_used")),
+    ("agentrt_kv_pages_cached",
+     "KV cache pages held by the prefix cache, now: full blocks, each one a block hash of the KV "
+     "events", _attr("pages_cached")),
+    ("agentrt_kv_pages_evictable",
+     "KV cache pages of cached prefixes that no request or pin holds, now (reclaimed on demand)",
+     _attr("pages_evictable")),
+    ("agentrt_kv_pages_pinned",
+     "KV cache pages held by session pins between turns, now", _attr("pages_pinned")),
+    ("agentrt_kv_pins",
+     "Session pins the engine holds, now", _attr("num_pins")),
+    ("agentrt_spec_acceptance_rate",
+     "Speculative decoding: accepted draft tokens over drafted ones since start (ratio 0..1)",
+     _attr("spec_acceptance_rate")),
+    ("agentrt_spec_mean_accepted_length",
+     "Speculative decoding: tokens committed per verification since start (accepted draft tokens "
+     "plus one; 0 before any)", _attr("spec_mean_accepted_length")),
+    # the model server protocol's gauges (PROTOCOL_METRICS)
+    ("vllm:num_requests_waiting",
+     "Model server protocol TotalQueuedRequests: requests queued for admission, now (as "
+     "agentrt_engine_waiting)", _attr("waiting")),
+    ("vllm:num_requests_running",
+     "Model server protocol TotalRunningRequests: requests in the running batch, now (as "
+     "agentrt_engine_running)", _attr("running")),
+    ("vllm:kv_cache_usage_perc",
+     "Model server protocol KVCacheUtilization: fraction 0..1 of KV cache pages held by running "
+     "requests and pins, now (evictable cached prefixes count as free)", kv_utilization),
+)
+
+# (name, help, value from EngineStats) of the engine's counters
+_ENGINE_COUNTERS = (
+    ("agentrt_prompt_tokens",
+     "Prompt tokens submitted to the engine since start, in tokens", _attr("prompt_tokens_total")),
+    ("agentrt_prefix_cache_hit_tokens",
+     "Prompt tokens served from the prefix cache (not recomputed) since start, in tokens",
+     _attr("cached_tokens_total")),
+    ("agentrt_generation_tokens",
+     "Tokens generated since start, in tokens", _attr("generation_tokens_total")),
+    ("agentrt_engine_preemptions",
+     "Running requests preempted (KV pages taken back, recomputed later) since start", _attr("num_preemptions")),
+    ("agentrt_spec_draft_tokens",
+     "Speculative decoding: draft tokens proposed and verified since start, in tokens",
+     _attr("spec_draft_tokens_total")),
+    ("agentrt_spec_accepted_tokens",
+     "Speculative decoding: draft tokens the model accepted since start, in tokens",
+     _attr("spec_accepted_tokens_total")),
+    ("agentrt_spec_verifications",
+     "Speculative decoding: drafts verified since start (one per request and step)", _attr("spec_verifications_total")),
+)
+
+
 class _EngineCollector:
     """Reads the engine's stats when Prometheus scrapes."""
 
@@ -77,76 +151,16 @@ class _EngineCollector:
 
     def collect(self) -> Iterable[Any]:
         s = self._read()
-        for name, doc, value in (
-                ("agentrt_engine_running", "Requests in the engine's running batch (decoding or prefilling), now",
-                 s.running),
-                ("agentrt_engine_waiting", "Requests queued for admission to the engine's batch, now", s.waiting),
-                ("agentrt_engine_waiting_tokens",
-                 "Tokens (prompt tokens not yet cached) of the requests queued for admission, now: the KV demand "
-                 "admission control bounds", s.waiting_tokens),
-                ("agentrt_engine_waiting_tokens_limit",
-                 "Queued tokens past which a new request gets 429 (--max-waiting-tokens), in tokens",
-                 s.waiting_tokens_limit),
-                ("agentrt_kv_pages_capacity",
-                 f"KV cache pages in the pool that requests can use (one page holds {s.page_size} tokens)",
-                 s.pages_total),
-                ("agentrt_kv_cache_bytes_per_token",
-                 "Bytes of K and V one token takes in the KV pool over every layer (--kv-cache-dtype: int8 pages "
-                 "hold values and a float32 scale per KV head)", s.kv_cache_bytes_per_token),
-                ("agentrt_kv_pages_used",
-                 "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or not)",
-                 s.pages_used),
-                ("agentrt_kv_pages_cached",
-                 "KV cache pages held by the prefix cache, now: full blocks, each one a block hash of the KV events",
-                 s.pages_cached),
-                ("agentrt_kv_pages_evictable",
-                 "KV cache pages of cached prefixes that no request or pin holds, now (reclaimed on demand)",
-                 s.pages_evictable),
-                ("agentrt_kv_pages_pinned", "KV cache pages held by session pins between turns, now", s.pages_pinned),
-                ("agentrt_kv_pins", "Session pins the engine holds, now", s.num_pins),
-                ("agentrt_spec_acceptance_rate",
-                 "Speculative decoding: accepted draft tokens over drafted ones since start (ratio 0..1)",
-                 s.spec_acceptance_rate),
-                ("agentrt_spec_mean_accepted_length",
-                 "Speculative decoding: tokens committed per verification since start (accepted draft tokens "
-                 "plus one; 0 before any)", s.spec_mean_accepted_length),
-                # the model server protocol's gauges (PROTOCOL_METRICS)
-                ("vllm:num_requests_waiting",
-                 "Model server protocol TotalQueuedRequests: requests queued for admission, now (as "
-                 "agentrt_engine_waiting)", s.waiting),
-                ("vllm:num_requests_running",
-                 "Model server protocol TotalRunningRequests: requests in the running batch, now (as "
-                 "agentrt_engine_running)", s.running),
-                ("vllm:kv_cache_usage_perc",
-                 "Model server protocol KVCacheUtilization: fraction 0..1 of KV cache pages held by running "
-                 "requests and pins, now (evictable cached prefixes count as free)", kv_utilization(s))):
-            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, doc.format(page_size=s.page_size), value=value(s))
         info = GaugeMetricFamily("vllm:cache_config_info",
                                  "Model server protocol BlockSize and NumGPUBlocks: the KV cache's block size in "
                                  "tokens and its number of blocks, as labels (value always 1)",
                                  labels=["block_size", "num_gpu_blocks"])
         info.add_metric([str(s.page_size), str(s.pages_total)], 1.0)
         yield info
-        for name, doc, value in (
-                ("agentrt_prompt_tokens", "Prompt tokens submitted to the engine since start, in tokens",
-                 s.prompt_tokens_total),
-                ("agentrt_prefix_cache_hit_tokens",
-                 "Prompt tokens served from the prefix cache (not recomputed) since start, in tokens",
-                 s.cached_tokens_total),
-                ("agentrt_generation_tokens", "Tokens generated since start, in tokens", s.generation_tokens_total),
-                ("agentrt_engine_preemptions",
-                 "Running requests preempted (KV pages taken back, recomputed later) since start",
-                 s.num_preemptions),
-                ("agentrt_spec_draft_tokens",
-                 "Speculative decoding: draft tokens proposed and verified since start, in tokens",
-                 s.spec_draft_tokens_total),
-                ("agentrt_spec_accepted_tokens",
-                 "Speculative decoding: draft tokens the model accepted since start, in tokens",
-                 s.spec_accepted_tokens_total),
-                ("agentrt_spec_verifications",
-                 "Speculative decoding: drafts verified since start (one per request and step)",
-                 s.spec_verifications_total)):
-            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=value(s))
         queue = GaugeMetricFamily("agentrt_engine_waiting_by_priority",
                                   "Requests queued for admission, now, by priority class (high: priority < 0, "
                                   "normal: 0, low: > 0) and session (started: a later turn of a session that ran "
