@@ -401,18 +401,7 @@ class Generator:
             pin_ttl_s = self.config.pin_ttl_s
         if key is None:
             key = self.scheduling_key(session, tenant)
-        if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
-            raise draining(self.config.retry_after_s)
-        self._admit_concurrency(key)
-        # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
-        # admitted meanwhile cannot push the server past its limit.
-        self.in_flight += 1
-        self.metrics.set_in_flight(self.in_flight)
-        try:
-            reservation = await self._admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
-        except BaseException:
-            self.release()
-            raise
+        reservation = await self._admit(key, tenant, len(prompt_ids) + params.max_tokens)
         request_id = request_id or "req-" + uuid.uuid4().hex
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
@@ -439,6 +428,22 @@ class Generator:
                           started_at=started_at if started_at is not None else time.monotonic(),
                           tenant=tenant, reservation=reservation, affinity_turn=affinity_turn,
                           session_id=session.session_id if session is not None else None)
+
+    async def _admit(self, key: SchedulingKey, tenant: Tenant | None, tokens: int) -> Any:
+        """Take a server-wide slot, then the tenant's share of ``tokens`` (its reservation, None without a
+        tenant): 503 ``worker_draining`` once draining, 429 past either limit (nothing held then)."""
+        if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
+            raise draining(self.config.retry_after_s)
+        self._admit_concurrency(key)
+        # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
+        # admitted meanwhile cannot push the server past its limit.
+        self.in_flight += 1
+        self.metrics.set_in_flight(self.in_flight)
+        try:
+            return await self._admit_tenant(tenant, tokens)
+        except BaseException:
+            self.release()
+            raise
 
     def _admit_concurrency(self, key: SchedulingKey) -> None:
         """429 past ``max_concurrent_requests`` generations in flight; a request that does not continue a
