@@ -9,7 +9,8 @@
 * no two modules of the packages import each other, directly or round a longer circle.
 
 Imports inside functions count (a lazy import hides a circle, it does not remove it); those
-under ``if TYPE_CHECKING:`` do not (they never run).
+under ``if TYPE_CHECKING:`` do not count for the floors (they never run), but close no circle
+either (a type-only loop is the same tangle, hidden).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST):
+def _import_nodes(tree: ast.AST, type_only: bool = False):
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -52,11 +53,12 @@ def _import_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of ours that ``name`` imports (``from pkg import sub`` is an import of ``pkg.sub``)."""
+def imports_of(name: str, path: Path, modules: dict[str, Path], type_only: bool = False) -> set[str]:
+    """The modules of ours that ``name`` imports (``from pkg import sub`` is an import of ``pkg.sub``);
+    ``type_only``: those under ``if TYPE_CHECKING:`` too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), type_only):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -73,9 +75,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
     modules = module_files()
-    return {name: imports_of(name, path, modules) for name, path in modules.items()
+    return {name: imports_of(name, path, modules, type_only) for name, path in modules.items()
             if name.split(".")[0] in PACKAGES}
 
 
@@ -151,6 +153,13 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_no_type_only_import_loops():
+    """Imports for annotations only (``if TYPE_CHECKING:``) close no circle either: two modules that
+    name each other's types belong together, or the type belongs in a module below both."""
+    found = cycles(import_graph(type_only=True))
+    assert not found, "import cycles through TYPE_CHECKING imports:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
 def test_the_checker_sees_what_it_must():
     """The checker itself: a lazy import inside a function counts, a TYPE_CHECKING import does not,
     ``from pkg import sub`` names the submodule, and a two-module circle is found."""
@@ -163,6 +172,7 @@ def test_the_checker_sees_what_it_must():
     tree_path.write_text(src)
     try:
         assert imports_of("engine.a", tree_path, modules) == {"agentrt.x"}
+        assert imports_of("engine.a", tree_path, modules, type_only=True) == {"agentrt.x", "engine.b"}
     finally:
         tree_path.unlink()
     assert forbidden("engine.a", "agentrt.x") and forbidden("agentrt.server", "router.core")
