@@ -2,8 +2,9 @@
 ``ast`` and fails on an import cycle or an import that goes the wrong way.
 
 * ``engine`` imports nothing of ours above it (no ``agentrt``, no ``router``);
-* ``agentrt`` (the serving core) does not import ``router``, except ``agentrt/cli.py``, the
-  entry point that dispatches to every subcommand;
+* ``agentrt`` (the serving core) does not import ``router``;
+* ``agentrt_cli`` (the ``agentrt`` command, dispatching to every subcommand) stands above both, and
+  nothing of ours imports it;
 * nothing in the installed packages imports ``benchmarks`` or ``tests`` (scripts and tests
   import the package, never the other way);
 * no two modules of the packages import each other, directly or round a longer circle.
@@ -19,7 +20,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "agentrt", "router")
+PACKAGES = ("engine", "agentrt", "router", "agentrt_cli")
 OURS = PACKAGES + ("benchmarks", "tests")
 
 
@@ -88,8 +89,10 @@ def forbidden(importer: str, imported: str) -> str | None:
         return f"the package imports {high}/ (scripts and tests build on the package, not the reverse)"
     if low == "engine" and high in ("agentrt", "router"):
         return "engine/ imports nothing of ours above it"
-    if low == "agentrt" and high == "router" and importer != "agentrt.cli":
+    if low == "agentrt" and high == "router":
         return "the serving core (agentrt/) does not import the multi-worker layer (router/)"
+    if high == "agentrt_cli" and low != "agentrt_cli":
+        return "nothing imports the command (agentrt_cli/): it stands above every package"
     return None
 
 
@@ -176,6 +179,7 @@ def test_the_checker_sees_what_it_must():
     finally:
         tree_path.unlink()
     assert forbidden("engine.a", "agentrt.x") and forbidden("agentrt.server", "router.core")
-    assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt.cli", "router.commands")
+    assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt_cli", "router.commands")
+    assert forbidden("agentrt.cli", "router.commands") and forbidden("router.commands", "agentrt_cli")
     assert not forbidden("router.core", "agentrt.errors")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
