@@ -1,7 +1,9 @@
 """Sliding-window families (Mistral, Gemma 3, gpt-oss): our loader and models against transformers,
 token for token (fp32, greedy), on tiny random checkpoints transformers writes itself, with prompts
 longer than every window (8 and 12 tokens here; prompts of 45 and 70) and a 64-token step budget, so
-prefill is chunked and later chunks extend over cached pages.
+prefill is chunked and later chunks extend over cached pages. The scaled RoPE cases are the released
+checkpoints' settings (Gemma 3 4B+: linear factor 8 on the global layers; gpt-oss: yarn factor 32,
+beta_fast 32, beta_slow 1, truncate false) with an original length of 32, below every prompt.
 """
 
 import json
@@ -27,6 +29,18 @@ FAMILIES = {
                 dict(SMALL, intermediate_size=32, num_hidden_layers=2, sliding_window=8, num_local_experts=4,
                      num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
 }
+ORIG = 32   # original_max_position_embeddings of the scaled cases: every prompt passes it
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": ORIG, "truncate": False}
+SCALED = {  # case: (family, config overrides)
+    # the 4B+ checkpoints' global RoPE; the local layers here take a scaled table of their own (factor 2,
+    # base 10k), so a table used for the wrong kind of layer shows
+    "gemma3_linear": ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}),
+    "gpt_oss_yarn": ("gpt_oss", {"rope_parameters": GPT_OSS_YARN}),
+}
+CASES = {**{f: (f, {}) for f in FAMILIES}, **SCALED}
 
 
 def write_checkpoint(family, path, tokenizer, **overrides):
@@ -63,11 +77,14 @@ def greedy_reference(ref, prompt, n):
     return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_families_windows_greedy_matches_transformers(family, tmp_path, tokenizer):
-    ref = write_checkpoint(family, tmp_path, tokenizer)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_families_windows_greedy_matches_transformers(case, tmp_path, tokenizer):
+    family, overrides = CASES[case]
+    ref = write_checkpoint(family, tmp_path, tokenizer, **overrides)
     ours = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=1024, max_batched_tokens=64))
     assert ours.model_config.architecture == family
+    rope_type = {"gemma3_linear": "linear", "gpt_oss_yarn": "yarn"}.get(case)
+    assert ours.model_config.rope_scaling.get("rope_type") == rope_type
     windows = [a.window for a in ours.runner.attn.layer_attention]
     assert windows == {"mistral": [8, 8], "gemma3": [12, None, 12, None], "gpt_oss": [8, None]}[family]
     res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
@@ -79,26 +96,49 @@ def test_families_windows_greedy_matches_transformers(family, tmp_path, tokenize
         assert len(set(r.token_ids)) > 1  # a test that could not tell models apart would be useless
 
 
-@pytest.mark.parametrize("family, field, value", [
-    ("gemma3", "attn_logit_softcapping", 50.0),
-    ("gemma3", "use_bidirectional_attention", True),
-    ("gemma3", "hidden_activation", "gelu"),
-    ("gemma3", "rope_parameters.full_attention", {"rope_type": "linear", "factor": 8.0}),
-    ("gpt_oss", "rope_parameters", {"rope_type": "yarn", "factor": 32.0}),
-    ("gpt_oss", "layer_types", ["sliding_attention", "chunked_attention"]),
-])
-def test_families_windows_refused_fields(family, field, value, tmp_path, tokenizer):
-    """A field we do not implement stops the load with its name, not a silently different model."""
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": ORIG}
+REFUSED = {  # case: (family, field (a.b: key b of a), value, text the error must hold)
+    "gemma3_attn_softcap": ("gemma3", "attn_logit_softcapping", 50.0, "'attn_logit_softcapping' = 50.0"),
+    "gemma3_bidirectional": ("gemma3", "use_bidirectional_attention", True, "'use_bidirectional_attention' = True"),
+    "gemma3_gelu": ("gemma3", "hidden_activation", "gelu", "'hidden_activation' = 'gelu'"),
+    "gemma3_unknown_field": ("gemma3", "attention_multiplier", 2.0, "'attention_multiplier' = 2.0"),
+    # longrope's short / long switch is the engine's context, through model.rope only: one table per kind
+    "gemma3_longrope": ("gemma3", "rope_parameters.full_attention", dict(LONGROPE, rope_theta=1e6),
+                        "rope_parameters.full_attention={'rope_type': 'longrope'"),
+    "gemma3_partial_rotary": ("gemma3", "rope_parameters.sliding_attention",
+                              {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                              "rope_parameters.sliding_attention={'rope_type': 'default', 'rope_theta': 10000.0, "
+                              "'partial_rotary_factor': 0.5}"),
+    "gemma3_rope_parameter": ("gemma3", "rope_parameters.full_attention",
+                              {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6, "mrope_section": [2, 2]},
+                              "'mrope_section' = [2, 2]"),
+    "gpt_oss_rope_type": ("gpt_oss", "rope_parameters", {"rope_type": "mrope", "rope_theta": 1e4},
+                          "rope_parameters={'rope_type': 'mrope', 'rope_theta': 10000.0}"),
+    "gpt_oss_layer_types": ("gpt_oss", "layer_types", ["sliding_attention", "chunked_attention"],
+                            "layer_types=['sliding_attention', 'chunked_attention']"),
+    # the released checkpoints' MXFP4 experts: not read here (a full-precision copy loads)
+    "gpt_oss_mxfp4": ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"},
+                      "'quantization_config' = {'quant_method': 'mxfp4'}"),
+    "gpt_oss_experts_per_token": ("gpt_oss", "experts_per_token", 3, "'experts_per_token' = 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_families_windows_refused_fields(case, tmp_path, tokenizer):
+    """A field we do not implement stops the load with its name and value, not a silently different model."""
+    family, field, value, text = REFUSED[case]
     write_checkpoint(family, tmp_path, tokenizer)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    if field.startswith("rope_parameters"):
-        target = cfg["rope_parameters"] if "." not in field else cfg["rope_parameters"]["full_attention"]
-        target.update(value)
+    top, _, key = field.partition(".")
+    if key:
+        cfg[top][key] = value
     else:
         cfg[field] = value
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=field.split(".")[0]):
+    with pytest.raises(ValueError) as err:
         LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=256))
+    assert text in str(err.value)
 
 
 def test_families_windows_gemma3_geglu_is_the_tanh_gelu():
@@ -122,3 +162,42 @@ def test_families_windows_gpt_oss_refuses_expert_parallelism(tmp_path, tokenizer
     write_checkpoint("gpt_oss", tmp_path, tokenizer)
     with pytest.raises(ValueError, match="ep_size > 1.*'gpt_oss'"):
         LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=256, ep_size=2))
+
+
+RELEASED = {  # the released checkpoints' config.json RoPE spelling (transformers 4.5x), tiny dimensions
+    "gemma3": dict(FAMILIES["gemma3"][2], architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                   rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                   cache_implementation="hybrid"),
+    "gpt_oss": dict(FAMILIES["gpt_oss"][2], architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                    rope_parameters=None, rope_theta=150000, experts_per_token=2, initial_context_length=4096,
+                    hidden_act="silu", rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                     "original_max_position_embeddings": 4096,
+                                                     "rope_type": "yarn", "truncate": False}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(RELEASED))
+def test_families_windows_released_rope_spelling_matches_transformers(family):
+    """The older spelling (``rope_scaling`` + ``rope_theta``, Gemma's ``rope_local_base_freq``) read into the
+    same cos / sin tables transformers computes from it, for every kind of layer."""
+    from engine.loader.hf_loader import config_from_hf
+    from engine.models.gemma3 import _ropes
+    from engine.models.rope import RotaryEmbedding
+
+    raw = {k: v for k, v in RELEASED[family].items() if v is not None}
+    ours = config_from_hf(raw, "released")
+    cfg_cls = FAMILIES[family][0]
+    ref_cfg = cfg_cls(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    pos = torch.arange(0, 512, 7)
+    x = torch.zeros(1, dtype=torch.float32)
+    if family == "gemma3":
+        ref = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(ref_cfg)
+        pairs = zip(_ropes(ours), ("full_attention", "sliding_attention"))
+        tables = [(r.cos_short[pos], ref(x, pos[None], kind)[0][0]) for r, kind in pairs]
+        assert ours.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    else:
+        ref = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(ref_cfg)
+        tables = [(RotaryEmbedding(ours).cos_short[pos, :8], ref(x, pos[None])[0][0])]   # HF: one half
+        assert ours.rope_scaling["truncate"] is False and ref.attention_scaling > 1.3
+    for got, want in tables:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
