@@ -1,4 +1,5 @@
-"""Load a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3): weights (dequantized), config, tokenizer, template."""
+"""Load a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3, gemma3, gpt-oss): weights (dequantized), config,
+tokenizer, template."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import torch
 
 from engine.loader.gguf_arch import config_from_gguf
+from engine.loader.gguf_families import FAMILY_ARCHS, family_state
 from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.progress import load_bar
 from engine.models.qmatmul import Q8Blocks
@@ -105,6 +107,14 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     reader = GGUFFile(path)
     cfg = config_from_gguf(reader, path)
     arch = reader.fields["general.architecture"]
+    if arch in FAMILY_ARCHS:   # Gemma 3, gpt-oss: their own layouts, read as float (no 4-bit groups kept)
+        with load_bar([path], f"loading {os.path.basename(path)}") as progress:
+            tensors = {}
+            for t in reader.tensors:
+                progress.update(int(t.n_bytes))
+                if t.name not in _ROPE_TENSORS:
+                    tensors[t.name] = dequantize(t)
+        return cfg, family_state(arch, tensors, dtype), gguf_tokenizer(reader)
     names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     # llama.cpp's converter interleaves q/k rows for llama only (the others use NEOX-style RoPE)
     permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}

@@ -86,8 +86,18 @@ GGUF_REFUSED = {  # case: (architecture, extra metadata (key without the arch pr
     "final_softcapping": ("qwen3", {"final_logit_softcapping": 30.0}, "'qwen3.final_logit_softcapping' = 30.0"),
     "expert_shared": ("qwen3moe", {"expert_shared_count": 1}, "'qwen3moe.expert_shared_count' = 1"),
     "split": ("llama", {"=split.count": 2}, "'split.count' = 2"),
+    # llama.cpp fixes gemma3's layer pattern in code; a file saying otherwise is refused
+    "gemma3_window_pattern": ("gemma3", {"attention.sliding_window_pattern": 4},
+                              "'gemma3.attention.sliding_window_pattern' = 4"),
+    "gemma3_attn_softcapping": ("gemma3", {"attn_logit_softcapping": 50.0}, "'gemma3.attn_logit_softcapping' = 50.0"),
+    "gemma3_no_window": ("gemma3", {}, "'gemma3.attention.sliding_window' = None"),
+    "gemma3_partial_rotary": ("gemma3", {"attention.sliding_window": 8, "attention.key_length": 16,
+                                         "rope.dimension_count": 8}, "'gemma3.rope.dimension_count' = 8"),
+    "gpt_oss_gating": ("gpt-oss", {"expert_gating_func": 2}, "'gpt-oss.expert_gating_func' = 2"),
+    "gpt_oss_yarn_attn_factor": ("gpt-oss", {"rope.scaling.yarn_attn_factor": 1.5},
+                                 "'gpt-oss.rope.scaling.yarn_attn_factor' = 1.5"),
 }
-GGUF_ARCHITECTURES = {"deepseek2": "(MLA)", "glm4moe": "GLM", "gemma3": "Gemma 3", "gpt-oss": "gpt-oss"}
+GGUF_ARCHITECTURES = {"deepseek2": "(MLA)", "glm4moe": "GLM"}
 
 
 def _write_gguf(path, arch, extra):

@@ -201,3 +201,40 @@ def test_families_windows_released_rope_spelling_matches_transformers(family):
         assert ours.rope_scaling["truncate"] is False and ref.attention_scaling > 1.3
     for got, want in tables:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+GGUF_CASES = {  # case: (family, config overrides); llama.cpp fixes Gemma 3's pattern (every 6th layer global),
+    # its local RoPE's scaling (none) and its attention scale (1/sqrt(head_dim) below 62 layers) in code; the
+    # local base is written (rope.freq_base_swa): 20k here, not llama.cpp's default 10k, so reading it shows
+    "gemma3_gguf": ("gemma3", {"num_hidden_layers": 6, "sliding_window_pattern": 6, "query_pre_attn_scalar": 16,
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}}),
+    "gpt_oss_gguf": ("gpt_oss", {"rope_parameters": GPT_OSS_YARN}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_families_windows_gguf_greedy_matches_transformers(case, tmp_path, tokenizer):
+    """The same random weights written as llama.cpp's converter writes arch ``gemma3`` / ``gpt-oss``
+    (tests/engine/gguf_families.py), loaded from the GGUF file, give transformers' greedy tokens."""
+    from engine.loader.gguf_file import GGUFFile
+    from engine.loader.gguf_loader import default_model_path
+    from tests.engine.gguf_families import write_family_gguf
+
+    family, overrides = GGUF_CASES[case]
+    ref = write_checkpoint(family, tmp_path, tokenizer, **overrides)
+    path = tmp_path / f"{case}.gguf"
+    write_family_gguf(tmp_path, ref.config, path, GGUFFile(default_model_path()).fields)
+    ours = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_batched_tokens=64))
+    cfg = ours.model_config
+    assert cfg.architecture == family
+    assert cfg.rope_scaling.get("rope_type") == ("linear" if family == "gemma3" else "yarn")
+    windows = [a.window for a in ours.runner.attn.layer_attention]
+    assert windows == {"gemma3": [12] * 5 + [None], "gpt_oss": [8, None]}[family]
+    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, r in zip(prompts(), res):
+        tokens, logprobs = greedy_reference(ref, prompt, 10)
+        assert r.token_ids == tokens
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
+        assert len(set(r.token_ids)) > 1
