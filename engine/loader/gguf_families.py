@@ -18,7 +18,11 @@ in the file, so the same constants here):
   slide over ``attention.sliding_window`` keys (``set_swa_pattern(2)``); the clamped SwiGLU's alpha 1.702
   and limit 7 are fixed. The converter splits the experts' interleaved ``gate_up_proj`` into
   ``ffn_gate_exps`` / ``ffn_up_exps`` (E, I, H) and transposes ``down_proj`` (``ffn_down_exps``, E, H, I),
-  biases alongside; the sinks are ``attn_sinks``, the router ``ffn_gate_inp`` (weight and bias).
+  biases alongside; the sinks are ``attn_sinks``, the router ``ffn_gate_inp`` (weight and bias). The
+  released files keep the expert weights as MXFP4 blocks: decoded to float at load (gguf_file.dequantize).
+
+Weights are read as float: a file's 4-bit blocks are not kept for 4-bit serving (``int4_groups`` stays empty),
+so ``quantization="int4"`` quantizes these models from the decoded floats, as it does a Hugging Face directory.
 """
 
 from __future__ import annotations

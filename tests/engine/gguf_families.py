@@ -229,16 +229,22 @@ def _family_tensors(checkpoint, arch: str, cfg):
             yield names.get_name(hf, try_suffixes=(".weight", ".bias")), tensor.contiguous()
 
 
-def write_family_gguf(checkpoint, cfg, path, tokenizer_fields: dict) -> None:
+def write_family_gguf(checkpoint, cfg, path, tokenizer_fields: dict, mxfp4_experts: bool = False) -> None:
     """A Gemma 3 (text) or gpt-oss checkpoint directory (transformers config ``cfg``) as llama.cpp's converter
-    writes it, float32 tensors, at ``path``."""
+    writes it, float32 tensors, at ``path``; ``mxfp4_experts``: gpt-oss's expert weights as MXFP4 blocks, as
+    the released GGUF files hold them (gguf.quants' quantizer)."""
     arch = {"gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}[cfg.model_type]
     _representable(arch, cfg)
     w = gguf.GGUFWriter(str(path), arch)
     _family_metadata(w, arch, cfg)
     _tokenizer(w, tokenizer_fields)
     for name, t in _family_tensors(checkpoint, arch, cfg):
-        w.add_tensor(name, t.numpy().astype(np.float32))
+        arr = t.numpy().astype(np.float32)
+        if mxfp4_experts and name.endswith("_exps.weight"):
+            mxfp4 = gguf.GGMLQuantizationType.MXFP4
+            w.add_tensor(name, gguf.quants.quantize(arr, mxfp4), raw_dtype=mxfp4)
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -8,6 +8,8 @@ beta_fast 32, beta_slow 1, truncate false) with an original length of 32, below 
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -232,6 +234,44 @@ def test_families_windows_gguf_greedy_matches_transformers(case, tmp_path, token
     assert cfg.rope_scaling.get("rope_type") == ("linear" if family == "gemma3" else "yarn")
     windows = [a.window for a in ours.runner.attn.layer_attention]
     assert windows == {"gemma3": [12] * 5 + [None], "gpt_oss": [8, None]}[family]
+    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, r in zip(prompts(), res):
+        tokens, logprobs = greedy_reference(ref, prompt, 10)
+        assert r.token_ids == tokens
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
+        assert len(set(r.token_ids)) > 1
+
+
+def test_families_windows_gguf_mxfp4_experts_match_transformers(tmp_path, tokenizer):
+    """gpt-oss's released GGUF files keep the experts as MXFP4 blocks: loaded (decoded to float), they give the
+    greedy tokens of transformers' model holding the same decoded experts (decoded by the gguf package's
+    reader, the oracle)."""
+    import gguf
+
+    from engine.loader.gguf_file import GGUFFile
+    from engine.loader.gguf_loader import default_model_path
+    from tests.engine.gguf_families import write_family_gguf
+
+    family, overrides = GGUF_CASES["gpt_oss_gguf"]
+    ref = write_checkpoint(family, tmp_path, tokenizer, **overrides)
+    path = tmp_path / "mxfp4.gguf"
+    write_family_gguf(tmp_path, ref.config, path, GGUFFile(default_model_path()).fields, mxfp4_experts=True)
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+    def decoded(name):   # (E, rows, cols) float32, as the file's blocks decode
+        t = stored[name]
+        assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape([int(d) for d in reversed(t.shape)]))
+
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            gate, up = decoded(f"blk.{i}.ffn_gate_exps.weight"), decoded(f"blk.{i}.ffn_up_exps.weight")   # (E, I, H)
+            before = layer.mlp.experts.gate_up_proj.clone()
+            layer.mlp.experts.gate_up_proj.copy_(torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2))
+            layer.mlp.experts.down_proj.copy_(decoded(f"blk.{i}.ffn_down_exps.weight").transpose(1, 2))
+            assert not torch.equal(before, layer.mlp.experts.gate_up_proj)   # 4-bit values: the model changed
+    ours = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_batched_tokens=64))
     res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
     for prompt, r in zip(prompts(), res):
         tokens, logprobs = greedy_reference(ref, prompt, 10)
