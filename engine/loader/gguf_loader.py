@@ -78,15 +78,28 @@ def _unpermute_rows(out_dim: int, n_head: int) -> torch.Tensor:
     return torch.arange(out_dim).reshape(n_head, hd // 2, 2).transpose(1, 2).reshape(out_dim)
 
 
+# tokenizer.ggml.pre values engine.tokenizer.tokenizer_from_gguf_fields reproduces (GPT-2's regex, digits
+# split one by one for some); others (gpt-oss's "gpt-4o", ...) split text differently and are refused
+_BPE_PRE = ("default", "gpt2", "smollm", "qwen2", "llama-bpe", "deepseek-llm", "starcoder")
+
+
 def gguf_tokenizer(reader) -> Tokenizer:
-    """The tokenizer and chat template from a GGUF file's metadata (no tensors are read)."""
+    """The tokenizer and chat template from a GGUF file's metadata (no tensors are read). Byte-level BPE
+    (``tokenizer.ggml.model`` gpt2) only: SentencePiece files (``llama``: Gemma 3's, Phi-3's) are refused."""
+    model, pre = _field(reader, "tokenizer.ggml.model", "gpt2"), _field(reader, "tokenizer.ggml.pre", "default")
+    if model != "gpt2":
+        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.model' = {model!r} is not supported: only byte-level BPE "
+                         "('gpt2') tokenizers are read from GGUF files (load the Hugging Face directory instead)")
+    if pre not in _BPE_PRE:
+        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.pre' = {pre!r} is not supported: its pre-tokenizer is not "
+                         f"implemented (implemented: {list(_BPE_PRE)})")
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     hf = tokenizer_from_gguf_fields(
         tokens=list(_field(reader, "tokenizer.ggml.tokens")),
         merges=list(_field(reader, "tokenizer.ggml.merges")),
         token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
-        pre=_field(reader, "tokenizer.ggml.pre", "default"))
+        pre=pre)
     return Tokenizer(hf=hf, chat_template=_field(reader, "tokenizer.chat_template"),
                      bos_token_id=int(bos) if bos is not None else None, eos_token_ids=(eos,),
                      add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))

@@ -132,3 +132,21 @@ def test_families_unsupported_gguf_architecture_is_refused_by_name(arch, tmp_pat
         load_model_files(_write_gguf(tmp_path / "m.gguf", arch, {}))
     assert f"GGUF architecture '{arch}' is not supported" in str(err.value)
     assert GGUF_ARCHITECTURES[arch] in str(err.value)
+
+
+GGUF_TOKENIZERS = {  # byte-level BPE with a pre-tokenizer we reproduce, or refused
+    "spm": ({"=tokenizer.ggml.model": "llama"}, "'tokenizer.ggml.model' = 'llama'"),   # Gemma 3, Phi-3 files
+    "o200k": ({"=tokenizer.ggml.model": "gpt2", "=tokenizer.ggml.pre": "gpt-4o"}, "'tokenizer.ggml.pre' = 'gpt-4o'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_TOKENIZERS))
+def test_families_refused_gguf_tokenizer_fails_the_load(case, tmp_path):
+    """A GGUF tokenizer engine.tokenizer does not reproduce stops the load (engine and router alike), rather
+    than split text differently from the model's own tokenizer."""
+    from engine.loader import load_tokenizer
+
+    extra, text = GGUF_TOKENIZERS[case]
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(_write_gguf(tmp_path / "m.gguf", "llama", extra))
+    assert text in str(err.value)
