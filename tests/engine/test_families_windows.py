@@ -108,10 +108,10 @@ REFUSED = {  # case: (family, field (a.b: key b of a), value, text the error mus
     # longrope's short / long switch is the engine's context, through model.rope only: one table per kind
     "gemma3_longrope": ("gemma3", "rope_parameters.full_attention", dict(LONGROPE, rope_theta=1e6),
                         "rope_parameters.full_attention={'rope_type': 'longrope'"),
-    "gemma3_partial_rotary": ("gemma3", "rope_parameters.sliding_attention",
-                              {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-                              "rope_parameters.sliding_attention={'rope_type': 'default', 'rope_theta': 10000.0, "
-                              "'partial_rotary_factor': 0.5}"),
+    "gemma3_rope_partial_rotary": ("gemma3", "rope_parameters.sliding_attention",
+                                   {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                                   "rope_parameters.sliding_attention={'rope_type': 'default', "
+                                   "'rope_theta': 10000.0, 'partial_rotary_factor': 0.5}"),
     "gemma3_rope_parameter": ("gemma3", "rope_parameters.full_attention",
                               {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6, "mrope_section": [2, 2]},
                               "'mrope_section' = [2, 2]"),
