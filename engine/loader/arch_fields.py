@@ -131,7 +131,17 @@ FIELDS["gpt_oss"] = {
                                          f"differs from num_experts_per_tok ({cfg.get('num_experts_per_tok')!r}), "
                                          "which transformers routes with"),
     "output_router_logits": IRRELEVANT, "router_aux_loss_coef": IRRELEVANT,
+    "quantization_config": lambda v, cfg: _mxfp4(v),
 }
+
+
+def _mxfp4(value) -> str | None:
+    """The released checkpoints' MXFP4 experts, decoded at load (engine/loader/mxfp4.py); which tensors are
+    packed is told by their names (``*_blocks`` / ``*_scales``), so ``modules_to_not_convert`` changes nothing."""
+    if isinstance(value, dict) and value.get("quant_method") == "mxfp4" and set(value) <= {"quant_method",
+                                                                                           "modules_to_not_convert"}:
+        return None
+    return "only gpt-oss's MXFP4 experts (quant_method 'mxfp4') are read"
 
 
 def check_fields(rules: dict[str, Rule], cfg: dict, source: str, family: str,

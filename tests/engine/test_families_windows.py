@@ -119,9 +119,9 @@ REFUSED = {  # case: (family, field (a.b: key b of a), value, text the error mus
                           "rope_parameters={'rope_type': 'mrope', 'rope_theta': 10000.0}"),
     "gpt_oss_layer_types": ("gpt_oss", "layer_types", ["sliding_attention", "chunked_attention"],
                             "layer_types=['sliding_attention', 'chunked_attention']"),
-    # the released checkpoints' MXFP4 experts: not read here (a full-precision copy loads)
-    "gpt_oss_mxfp4": ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"},
-                      "'quantization_config' = {'quant_method': 'mxfp4'}"),
+    # MXFP4 experts are read (test_families_windows_mxfp4_checkpoint_...); other quantizations are not
+    "gpt_oss_quantized": ("gpt_oss", "quantization_config", {"quant_method": "awq"},
+                          "'quantization_config' = {'quant_method': 'awq'}"),
     "gpt_oss_experts_per_token": ("gpt_oss", "experts_per_token", 3, "'experts_per_token' = 3"),
 }
 
@@ -272,6 +272,55 @@ def test_families_windows_gguf_mxfp4_experts_match_transformers(tmp_path, tokeni
             layer.mlp.experts.down_proj.copy_(decoded(f"blk.{i}.ffn_down_exps.weight").transpose(1, 2))
             assert not torch.equal(before, layer.mlp.experts.gate_up_proj)   # 4-bit values: the model changed
     ours = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_batched_tokens=64))
+    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, r in zip(prompts(), res):
+        tokens, logprobs = greedy_reference(ref, prompt, 10)
+        assert r.token_ids == tokens
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
+        assert len(set(r.token_ids)) > 1
+
+
+def _mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, rows, cols) float -> the checkpoint's (blocks (E, rows, cols/32, 16), scales (E, rows, cols/32)):
+    quantized by the gguf package's MXFP4 quantizer (the same e2m1 codes and e8m0 scales), repacked from its
+    blocks (scale byte, then element j in the low nibble of byte j and element j + 16 in its high nibble)
+    into the checkpoint's (elements 2b, 2b + 1 in byte b's low, high nibbles)."""
+    import gguf
+
+    E, rows, cols = w.shape
+    q = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.MXFP4)
+    q = torch.from_numpy(q.reshape(E, rows, cols // 32, 17))
+    codes = torch.cat([q[..., 1:] & 0x0F, q[..., 1:] >> 4], dim=-1)                 # (E, rows, G, 32)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), q[..., 0].contiguous()
+
+
+def test_families_windows_mxfp4_checkpoint_matches_transformers(tmp_path, tokenizer):
+    """gpt-oss's released Hugging Face checkpoints hold the experts as MXFP4 (``*_blocks`` / ``*_scales``,
+    ``quantization_config`` mxfp4): decoded at load, they give the greedy tokens of transformers' model
+    holding the experts as transformers' own ``convert_moe_packed_tensors`` decodes them."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    family, overrides = GGUF_CASES["gpt_oss_gguf"]
+    ref = write_checkpoint(family, tmp_path, tokenizer, **overrides)
+    (weights,) = tmp_path.glob("*.safetensors")
+    state = load_file(weights)
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            experts = layer.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):
+                name = f"model.layers.{i}.mlp.experts.{proj}"
+                blocks, scales = _mxfp4_pack(state.pop(name).transpose(1, 2))   # groups along the input dim
+                state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+                decoded = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                assert not torch.equal(decoded, getattr(experts, proj))         # 4-bit values: the model changed
+                getattr(experts, proj).copy_(decoded)
+    save_file(state, weights, metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=1024, max_batched_tokens=64))
     res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
     for prompt, r in zip(prompts(), res):
         tokens, logprobs = greedy_reference(ref, prompt, 10)
