@@ -166,15 +166,16 @@ def test_families_windows_gpt_oss_refuses_expert_parallelism(tmp_path, tokenizer
         LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=256, ep_size=2))
 
 
-RELEASED = {  # the released checkpoints' config.json RoPE spelling (transformers 4.5x), tiny dimensions
+RELEASED = {  # the released checkpoints' config.json fields and RoPE spelling (transformers 4.5x), tiny dimensions
     "gemma3": dict(FAMILIES["gemma3"][2], architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
                    rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"factor": 8.0, "rope_type": "linear"},
                    cache_implementation="hybrid"),
     "gpt_oss": dict(FAMILIES["gpt_oss"][2], architectures=["GptOssForCausalLM"], model_type="gpt_oss",
                     rope_parameters=None, rope_theta=150000, experts_per_token=2, initial_context_length=4096,
-                    hidden_act="silu", rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                                                     "original_max_position_embeddings": 4096,
-                                                     "rope_type": "yarn", "truncate": False}),
+                    hidden_act="silu", quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+                    rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                  "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False}),
 }
 
 
