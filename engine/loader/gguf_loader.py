@@ -119,6 +119,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     ``quantization="gguf"``)."""
     reader = GGUFFile(path)
     cfg = config_from_gguf(reader, path)
+    tokenizer = gguf_tokenizer(reader)   # before the weights: a refused tokenizer costs no dequantization
     arch = reader.fields["general.architecture"]
     if arch in FAMILY_ARCHS:   # Gemma 3, gpt-oss: their own layouts, read as float (no 4-bit groups kept)
         with load_bar([path], f"loading {os.path.basename(path)}") as progress:
@@ -127,7 +128,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
                 progress.update(int(t.n_bytes))
                 if t.name not in _ROPE_TENSORS:
                     tensors[t.name] = dequantize(t)
-        return cfg, family_state(arch, tensors, dtype), gguf_tokenizer(reader)
+        return cfg, family_state(arch, tensors, dtype), tokenizer
     names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     # llama.cpp's converter interleaves q/k rows for llama only (the others use NEOX-style RoPE)
     permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}
@@ -155,7 +156,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
             int4_groups[key] = Q8Blocks.from_blocks(*q8_blocks(t), arr.shape[0])
         state[key] = arr.to(dtype)
     progress.close()
-    return cfg, state, gguf_tokenizer(reader)
+    return cfg, state, tokenizer
 
 
 def _hf_name(path: str, name: str, names: dict, permuted: dict) -> tuple[str, int | None]:
