@@ -88,11 +88,12 @@ def gguf_tokenizer(reader) -> Tokenizer:
     (``tokenizer.ggml.model`` gpt2) only: SentencePiece files (``llama``: Gemma 3's, Phi-3's) are refused."""
     model, pre = _field(reader, "tokenizer.ggml.model", "gpt2"), _field(reader, "tokenizer.ggml.pre", "default")
     if model != "gpt2":
-        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.model' = {model!r} is not supported: only byte-level BPE "
-                         "('gpt2') tokenizers are read from GGUF files (load the Hugging Face directory instead)")
+        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.model' = {model!r} is not supported: only "
+                         "byte-level BPE ('gpt2') tokenizers are read from GGUF files (load the Hugging Face "
+                         "directory instead)")
     if pre not in _BPE_PRE:
-        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.pre' = {pre!r} is not supported: its pre-tokenizer is not "
-                         f"implemented (implemented: {list(_BPE_PRE)})")
+        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.pre' = {pre!r} is not supported: its "
+                         f"pre-tokenizer is not implemented (implemented: {list(_BPE_PRE)})")
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     hf = tokenizer_from_gguf_fields(
@@ -124,10 +125,11 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     if arch in FAMILY_ARCHS:   # Gemma 3, gpt-oss: their own layouts, read as float (no 4-bit groups kept)
         with load_bar([path], f"loading {os.path.basename(path)}") as progress:
             tensors = {}
-            for t in reader.tensors:
+            for t in reader.tensors:   # in the model dtype as read (norms float32: Gemma's 1 + w comes off first)
                 progress.update(int(t.n_bytes))
                 if t.name not in _ROPE_TENSORS:
-                    tensors[t.name] = dequantize(t)
+                    arr = dequantize(t)
+                    tensors[t.name] = arr if t.name.endswith("norm.weight") else arr.to(dtype)
         return cfg, family_state(arch, tensors, dtype), tokenizer
     names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     # llama.cpp's converter interleaves q/k rows for llama only (the others use NEOX-style RoPE)
