@@ -47,7 +47,8 @@ def _llama3_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
+def _shape_metadata(w, cfg) -> None:
+    """The keys every converted architecture writes: context, widths, depth, heads, the norms' epsilon."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -55,6 +56,10 @@ def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
+    _shape_metadata(w, cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(rot)
     w.add_vocab_size(cfg.vocab_size)
@@ -147,13 +152,7 @@ def write_gguf(checkpoint, cfg, prefix: str, path, tokenizer_fields: dict) -> No
 
 def _family_metadata(w, arch: str, cfg) -> None:
     """TextModel.set_gguf_parameters and the family's own keys (llama.cpp fixes the rest in code)."""
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _shape_metadata(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)

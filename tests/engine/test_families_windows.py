@@ -69,6 +69,17 @@ def prompts():
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (45, 70)]
 
 
+
+def assert_greedy_as_transformers(ours: LLMEngine, ref) -> None:
+    """Ten greedy tokens of each prompt, and their log-probabilities, as transformers' ``ref`` gives them
+    (and not a constant reply: a model that lost its weights would repeat one token)."""
+    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, r in zip(prompts(), res):
+        tokens, logprobs = greedy_reference(ref, prompt, 10)
+        assert r.token_ids == tokens
+        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
+        assert len(set(r.token_ids)) > 1
+
 def greedy_reference(ref, prompt, n):
     """transformers' greedy tokens and each one's log-probability."""
     ids = torch.tensor([prompt])
@@ -235,12 +246,7 @@ def test_families_windows_gguf_greedy_matches_transformers(case, tmp_path, token
     assert cfg.rope_scaling.get("rope_type") == ("linear" if family == "gemma3" else "yarn")
     windows = [a.window for a in ours.runner.attn.layer_attention]
     assert windows == {"gemma3": [12] * 5 + [None], "gpt_oss": [8, None]}[family]
-    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
-    for prompt, r in zip(prompts(), res):
-        tokens, logprobs = greedy_reference(ref, prompt, 10)
-        assert r.token_ids == tokens
-        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
-        assert len(set(r.token_ids)) > 1
+    assert_greedy_as_transformers(ours, ref)
 
 
 def test_families_windows_gguf_mxfp4_experts_match_transformers(tmp_path, tokenizer):
@@ -273,12 +279,7 @@ def test_families_windows_gguf_mxfp4_experts_match_transformers(tmp_path, tokeni
             layer.mlp.experts.down_proj.copy_(decoded(f"blk.{i}.ffn_down_exps.weight").transpose(1, 2))
             assert not torch.equal(before, layer.mlp.experts.gate_up_proj)   # 4-bit values: the model changed
     ours = LLMEngine(EngineConfig(model=str(path), kv_cache_tokens=1024, max_batched_tokens=64))
-    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
-    for prompt, r in zip(prompts(), res):
-        tokens, logprobs = greedy_reference(ref, prompt, 10)
-        assert r.token_ids == tokens
-        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
-        assert len(set(r.token_ids)) > 1
+    assert_greedy_as_transformers(ours, ref)
 
 
 def _mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,9 +323,4 @@ def test_families_windows_mxfp4_checkpoint_matches_transformers(tmp_path, tokeni
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ours = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_tokens=1024, max_batched_tokens=64))
-    res = ours.generate(prompts(), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
-    for prompt, r in zip(prompts(), res):
-        tokens, logprobs = greedy_reference(ref, prompt, 10)
-        assert r.token_ids == tokens
-        assert [lp.logprob for lp in r.logprobs] == pytest.approx(logprobs, abs=2e-4)
-        assert len(set(r.token_ids)) > 1
+    assert_greedy_as_transformers(ours, ref)
