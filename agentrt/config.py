@@ -270,6 +270,11 @@ class ServingSettings(Settings):
                                        "later turns of started sessions: a new session's first turn (or a request of "
                                        "no session) gets 429 past the rest (0: none)")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After seconds sent with 429 and 503 answers")
+    slo_ttft_s: float = Field(2.0, gt=0, description="latency SLO, time to first token: a request (a session turn) "
+                              "meets the SLO when its first token came within this many seconds and its time per "
+                              "output token within slo_tpot_s; counted in agentrt_requests_slo and goodput")
+    slo_tpot_s: float = Field(0.25, gt=0, description="latency SLO, mean seconds per output token after the first "
+                              "(see slo_ttft_s)")
     default_max_tokens: int = Field(1024, ge=1, description="reply token limit when a request gives none "
                                     "(capped by what is left of the context window)")
     tool_call_parser: Literal[TOOL_PARSERS] | None = Field(None, description="how tool calls are read from "

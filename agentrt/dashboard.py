@@ -72,7 +72,8 @@ def engine_worker(worker_id: str, state: str, stats: Any, url: str | None = None
     over ``agentrt_prompt_tokens``; None before any prompt)."""
     prompt, cached = stats.prompt_tokens_total, stats.cached_tokens_total
     return {"id": worker_id, "state": state, "url": url,
-            "load": {"running": stats.running, "waiting": stats.waiting, "waiting_tokens": stats.waiting_tokens},
+            "load": {"running": stats.running, "waiting": stats.waiting, "waiting_tokens": stats.waiting_tokens,
+                     "waiting_by_priority": dict(stats.waiting_by_priority or {})},
             "kv": kv_tiers(stats), "cached_blocks": stats.pages_cached, "pins": stats.num_pins,
             "prompt_tokens_total": prompt, "cached_tokens_total": cached,
             "hit_rate": cached / prompt if prompt else None}
@@ -114,12 +115,19 @@ def totals(workers: list[dict[str, Any]]) -> dict[str, Any]:
             "hit_rate": cached / prompt if prompt else None}
 
 
+def slo_status(config: Any, timeline: Timeline) -> dict[str, Any]:
+    """The latency SLO (``slo_ttft_s``, ``slo_tpot_s``) and the last minute against it: generations and
+    sessions that ended within it, and the goodput (sessions ended within it per minute)."""
+    return {"ttft_s": config.slo_ttft_s, "tpot_s": config.slo_tpot_s, "last_minute": timeline.slo_summary(60.0)}
+
+
 def status_body(mode: str, model: str, caller: Tenant, tenants: TenantRegistry, workers: list[dict[str, Any]],
-                sessions: dict[str, Any], routing: dict[str, Any], timeline: Timeline) -> dict[str, Any]:
+                sessions: dict[str, Any], routing: dict[str, Any], timeline: Timeline,
+                config: Any) -> dict[str, Any]:
     return {"mode": mode, "model": model, "generated_at": time.time(), "refresh_s": REFRESH_S,
             "tenant": caller.name, "scope": "all" if sees_all(tenants) else "tenant",
             "workers": workers, "totals": totals(workers), "sessions": sessions, "routing": routing,
-            "series": timeline.as_json()}
+            "slo": slo_status(config, timeline), "series": timeline.as_json()}
 
 
 class LocalStatus:
@@ -136,7 +144,7 @@ class LocalStatus:
         sessions = await session_summary(s.sessions.store, s.tenants, tenant)
         routing = {"policy": None, "counts": {}, "recent": []}
         return status_body("serve", s.generator.model_name, tenant, s.tenants, [worker], sessions, routing,
-                           s.metrics.timeline)
+                           s.metrics.timeline, s.generator.config)
 
 
 def dashboard_routes(auth: Callable[..., Tenant]) -> APIRouter:

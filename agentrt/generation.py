@@ -32,7 +32,7 @@ from agentrt.affinity import AffinityPins
 from agentrt.config import ServingSettings
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
-from agentrt.pin_ttl import MIN_TTL_S, ToolPinTTL
+from agentrt.pin_ttl import MIN_TTL_S, PausePlan, ToolPinTTL
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class Result:
     closed_by_budget: bool = False
     reasoning: str | None = None  # split off by the reasoning parser (None: none)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # {"device", "host", "disk"}
+    ttft_s: float | None = None  # from the request parsed to its first token (None: no token)
+    tpot_s: float | None = None  # mean time per output token after the first (None: fewer than two)
+    in_slo: bool = False  # met the server's latency SLO (``Generator.meets_slo``)
 
 
 class Generation:
@@ -112,6 +115,8 @@ class Generation:
                 self._observe(out)
                 if out.finished and out.finish_reason not in ("error", "abort"):
                     self._record(out)
+                elif out.finished and out.finish_reason == "error":  # a failed request missed its SLO
+                    self.gen.metrics.observe_slo(False)
                 yield out
                 if out.finished:
                     return
@@ -151,6 +156,7 @@ class Generation:
         self.gen.release()
         if self.result is not None:  # counted here, once the tool calls (if any) are known
             self.gen.metrics.observe_finished(self.result)
+            self.gen.metrics.observe_slo(self.result.in_slo)
         try:  # aborts a running request; a finished one's stream lets go of what it holds (a worker's response)
             await self._stream.aclose()
         finally:  # the tenant's share is freed however the abort went (the release may await Redis)
@@ -219,8 +225,12 @@ class Generation:
 
     def _record(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        if self._first_token_at is not None and out.completion_tokens > 1:
-            self.gen.metrics.observe_tpot((now - self._first_token_at) / (out.completion_tokens - 1))
+        ttft = tpot = None
+        if self._first_token_at is not None:
+            ttft = self._first_token_at - self._started_at
+            if out.completion_tokens > 1:
+                tpot = (now - self._first_token_at) / (out.completion_tokens - 1)
+                self.gen.metrics.observe_tpot(tpot)
         self.gen.metrics.observe_prompt(out.prompt_tokens, out.cached_tokens)
         text = "".join(self._text)
         closed = out.stop_reason == CLOSED_BY_BUDGET
@@ -231,7 +241,8 @@ class Generation:
             completion_tokens=out.completion_tokens, token_ids=list(self._token_ids),
             logprobs=self._logprobs if self._want_logprobs else None,
             stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) and not closed else None,
-            closed_by_budget=closed)
+            closed_by_budget=closed, ttft_s=ttft, tpot_s=tpot,
+            in_slo=self.gen.meets_slo(ttft, tpot))
 
 
 class Generator:
@@ -263,6 +274,12 @@ class Generator:
                  self.reasoning_parser,
                  "set" if config.tool_call_parser or config.reasoning_parser else "chosen from the chat template",
                  self.call_format)
+
+    def meets_slo(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """A generation met the latency SLO: its first token within ``slo_ttft_s`` and, when it wrote more
+        than one, its mean time per output token within ``slo_tpot_s``. No token at all is a miss."""
+        return ttft_s is not None and ttft_s <= self.config.slo_ttft_s and \
+            (tpot_s is None or tpot_s <= self.config.slo_tpot_s)
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model != self.model_name:
@@ -384,18 +401,7 @@ class Generator:
             pin_ttl_s = self.config.pin_ttl_s
         if key is None:
             key = self.scheduling_key(session, tenant)
-        if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
-            raise draining(self.config.retry_after_s)
-        self._admit_concurrency(key)
-        # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
-        # admitted meanwhile cannot push the server past its limit.
-        self.in_flight += 1
-        self.metrics.set_in_flight(self.in_flight)
-        try:
-            reservation = await self._admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
-        except BaseException:
-            self.release()
-            raise
+        reservation = await self._admit(key, tenant, len(prompt_ids) + params.max_tokens)
         request_id = request_id or "req-" + uuid.uuid4().hex
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
@@ -423,6 +429,22 @@ class Generator:
                           tenant=tenant, reservation=reservation, affinity_turn=affinity_turn,
                           session_id=session.session_id if session is not None else None)
 
+    async def _admit(self, key: SchedulingKey, tenant: Tenant | None, tokens: int) -> Any:
+        """Take a server-wide slot, then the tenant's share of ``tokens`` (its reservation, None without a
+        tenant): 503 ``worker_draining`` once draining, 429 past either limit (nothing held then)."""
+        if self.draining:  # checked here, next to in_flight, so nothing slips past a drain waiting for 0
+            raise draining(self.config.retry_after_s)
+        self._admit_concurrency(key)
+        # Hold the server-wide slot across the tenant admission (which may await Redis), so requests
+        # admitted meanwhile cannot push the server past its limit.
+        self.in_flight += 1
+        self.metrics.set_in_flight(self.in_flight)
+        try:
+            return await self._admit_tenant(tenant, tokens)
+        except BaseException:
+            self.release()
+            raise
+
     def _admit_concurrency(self, key: SchedulingKey) -> None:
         """429 past ``max_concurrent_requests`` generations in flight; a request that does not continue a
         started session (``key.continuing``) only up to ``1 - concurrency_reserve`` of them, so later
@@ -445,6 +467,21 @@ class Generator:
         return SchedulingKey(session=session.session_id if session is not None else "",
                              tenant=tenant.name if tenant is not None else "",
                              weight=tenant.weight if tenant is not None else 1.0, continuing=continuing)
+
+    def pause_plan(self, session_id: str, tool_call: bool, expected_pause_s: float | None) -> PausePlan | None:
+        """What a session turn's pin does over the pause after it (agentrt/pin_ttl.py): the agent's
+        ``expected_pause_s`` decides where given; else after a tool call, ``pin_ttl_tool_s`` (policy
+        fixed) or the cost model's plan (policy cost); else None: the turn's pin stays as it is."""
+        if tool_call:
+            self.tool_pins.tool_call_ended(session_id, time.monotonic())
+        stats = lambda: self.engine.stats()  # noqa: E731 - read only when the plan needs the pool's pressure
+        if expected_pause_s is not None:
+            return self.tool_pins.plan(session_id, stats, expected_pause_s)
+        if not tool_call:
+            return None
+        if self.config.pin_ttl_policy == "fixed":
+            return PausePlan(self.config.pin_ttl_tool_s)
+        return self.tool_pins.plan(session_id, stats)
 
     def tool_pin_ttl(self, session_id: str | None) -> float:
         """The pin TTL after a reply of ``session_id`` that ended in a tool call: ``pin_ttl_tool_s``, or

@@ -35,6 +35,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+_RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 _SESSION_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 
 # The model server protocol (gateway-api-inference-extension, docs/proposals/003-model-server-protocol):
@@ -58,6 +59,80 @@ def kv_utilization(s: Any) -> float:
     return min(1.0, max(0.0, (s.pages_used - s.pages_evictable) / s.pages_total))
 
 
+def _attr(name: str) -> Callable[[Any], Any]:
+    return lambda stats: getattr(stats, name)
+
+
+# (name, help, value from EngineStats) of the engine's gauges; ``{page_size}`` in a help: the pool's page size
+_ENGINE_GAUGES = (
+    ("agentrt_engine_running",
+     "Requests in the engine's running batch (decoding or prefilling), now", _attr("running")),
+    ("agentrt_engine_waiting",
+     "Requests queued for admission to the engine's batch, now", _attr("waiting")),
+    ("agentrt_engine_waiting_tokens",
+     "Tokens (prompt tokens not yet cached) of the requests queued for admission, now: the KV "
+     "demand admission control bounds", _attr("waiting_tokens")),
+    ("agentrt_engine_waiting_tokens_limit",
+     "Queued tokens past which a new request gets 429 (--max-waiting-tokens), in tokens",
+     _attr("waiting_tokens_limit")),
+    ("agentrt_kv_pages_capacity",
+     "KV cache pages in the pool that requests can use (one page holds {page_size} tokens)", _attr("pages_total")),
+    ("agentrt_kv_cache_bytes_per_token",
+     "Bytes of K and V one token takes in the KV pool over every layer (--kv-cache-dtype: int8 "
+     "pages hold values and a float32 scale per KV head)", _attr("kv_cache_bytes_per_token")),
+    ("agentrt_kv_pages_used",
+     "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or "
+     "not)", _attr("pages_used")),
+    ("agentrt_kv_pages_cached",
+     "KV cache pages held by the prefix cache, now: full blocks, each one a block hash of the KV "
+     "events", _attr("pages_cached")),
+    ("agentrt_kv_pages_evictable",
+     "KV cache pages of cached prefixes that no request or pin holds, now (reclaimed on demand)",
+     _attr("pages_evictable")),
+    ("agentrt_kv_pages_pinned",
+     "KV cache pages held by session pins between turns, now", _attr("pages_pinned")),
+    ("agentrt_kv_pins",
+     "Session pins the engine holds, now", _attr("num_pins")),
+    ("agentrt_spec_acceptance_rate",
+     "Speculative decoding: accepted draft tokens over drafted ones since start (ratio 0..1)",
+     _attr("spec_acceptance_rate")),
+    ("agentrt_spec_mean_accepted_length",
+     "Speculative decoding: tokens committed per verification since start (accepted draft tokens "
+     "plus one; 0 before any)", _attr("spec_mean_accepted_length")),
+    # the model server protocol's gauges (PROTOCOL_METRICS)
+    ("vllm:num_requests_waiting",
+     "Model server protocol TotalQueuedRequests: requests queued for admission, now (as "
+     "agentrt_engine_waiting)", _attr("waiting")),
+    ("vllm:num_requests_running",
+     "Model server protocol TotalRunningRequests: requests in the running batch, now (as "
+     "agentrt_engine_running)", _attr("running")),
+    ("vllm:kv_cache_usage_perc",
+     "Model server protocol KVCacheUtilization: fraction 0..1 of KV cache pages held by running "
+     "requests and pins, now (evictable cached prefixes count as free)", kv_utilization),
+)
+
+# (name, help, value from EngineStats) of the engine's counters
+_ENGINE_COUNTERS = (
+    ("agentrt_prompt_tokens",
+     "Prompt tokens submitted to the engine since start, in tokens", _attr("prompt_tokens_total")),
+    ("agentrt_prefix_cache_hit_tokens",
+     "Prompt tokens served from the prefix cache (not recomputed) since start, in tokens",
+     _attr("cached_tokens_total")),
+    ("agentrt_generation_tokens",
+     "Tokens generated since start, in tokens", _attr("generation_tokens_total")),
+    ("agentrt_engine_preemptions",
+     "Running requests preempted (KV pages taken back, recomputed later) since start", _attr("num_preemptions")),
+    ("agentrt_spec_draft_tokens",
+     "Speculative decoding: draft tokens proposed and verified since start, in tokens",
+     _attr("spec_draft_tokens_total")),
+    ("agentrt_spec_accepted_tokens",
+     "Speculative decoding: draft tokens the model accepted since start, in tokens",
+     _attr("spec_accepted_tokens_total")),
+    ("agentrt_spec_verifications",
+     "Speculative decoding: drafts verified since start (one per request and step)", _attr("spec_verifications_total")),
+)
+
+
 class _EngineCollector:
     """Reads the engine's stats when Prometheus scrapes."""
 
@@ -76,76 +151,16 @@ class _EngineCollector:
 
     def collect(self) -> Iterable[Any]:
         s = self._read()
-        for name, doc, value in (
-                ("agentrt_engine_running", "Requests in the engine's running batch (decoding or prefilling), now",
-                 s.running),
-                ("agentrt_engine_waiting", "Requests queued for admission to the engine's batch, now", s.waiting),
-                ("agentrt_engine_waiting_tokens",
-                 "Tokens (prompt tokens not yet cached) of the requests queued for admission, now: the KV demand "
-                 "admission control bounds", s.waiting_tokens),
-                ("agentrt_engine_waiting_tokens_limit",
-                 "Queued tokens past which a new request gets 429 (--max-waiting-tokens), in tokens",
-                 s.waiting_tokens_limit),
-                ("agentrt_kv_pages_capacity",
-                 f"KV cache pages in the pool that requests can use (one page holds {s.page_size} tokens)",
-                 s.pages_total),
-                ("agentrt_kv_cache_bytes_per_token",
-                 "Bytes of K and V one token takes in the KV pool over every layer (--kv-cache-dtype: int8 pages "
-                 "hold values and a float32 scale per KV head)", s.kv_cache_bytes_per_token),
-                ("agentrt_kv_pages_used",
-                 "KV cache pages allocated, now: running requests' pages and cached prefixes (evictable or not)",
-                 s.pages_used),
-                ("agentrt_kv_pages_cached",
-                 "KV cache pages held by the prefix cache, now: full blocks, each one a block hash of the KV events",
-                 s.pages_cached),
-                ("agentrt_kv_pages_evictable",
-                 "KV cache pages of cached prefixes that no request or pin holds, now (reclaimed on demand)",
-                 s.pages_evictable),
-                ("agentrt_kv_pages_pinned", "KV cache pages held by session pins between turns, now", s.pages_pinned),
-                ("agentrt_kv_pins", "Session pins the engine holds, now", s.num_pins),
-                ("agentrt_spec_acceptance_rate",
-                 "Speculative decoding: accepted draft tokens over drafted ones since start (ratio 0..1)",
-                 s.spec_acceptance_rate),
-                ("agentrt_spec_mean_accepted_length",
-                 "Speculative decoding: tokens committed per verification since start (accepted draft tokens "
-                 "plus one; 0 before any)", s.spec_mean_accepted_length),
-                # the model server protocol's gauges (PROTOCOL_METRICS)
-                ("vllm:num_requests_waiting",
-                 "Model server protocol TotalQueuedRequests: requests queued for admission, now (as "
-                 "agentrt_engine_waiting)", s.waiting),
-                ("vllm:num_requests_running",
-                 "Model server protocol TotalRunningRequests: requests in the running batch, now (as "
-                 "agentrt_engine_running)", s.running),
-                ("vllm:kv_cache_usage_perc",
-                 "Model server protocol KVCacheUtilization: fraction 0..1 of KV cache pages held by running "
-                 "requests and pins, now (evictable cached prefixes count as free)", kv_utilization(s))):
-            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, doc.format(page_size=s.page_size), value=value(s))
         info = GaugeMetricFamily("vllm:cache_config_info",
                                  "Model server protocol BlockSize and NumGPUBlocks: the KV cache's block size in "
                                  "tokens and its number of blocks, as labels (value always 1)",
                                  labels=["block_size", "num_gpu_blocks"])
         info.add_metric([str(s.page_size), str(s.pages_total)], 1.0)
         yield info
-        for name, doc, value in (
-                ("agentrt_prompt_tokens", "Prompt tokens submitted to the engine since start, in tokens",
-                 s.prompt_tokens_total),
-                ("agentrt_prefix_cache_hit_tokens",
-                 "Prompt tokens served from the prefix cache (not recomputed) since start, in tokens",
-                 s.cached_tokens_total),
-                ("agentrt_generation_tokens", "Tokens generated since start, in tokens", s.generation_tokens_total),
-                ("agentrt_engine_preemptions",
-                 "Running requests preempted (KV pages taken back, recomputed later) since start",
-                 s.num_preemptions),
-                ("agentrt_spec_draft_tokens",
-                 "Speculative decoding: draft tokens proposed and verified since start, in tokens",
-                 s.spec_draft_tokens_total),
-                ("agentrt_spec_accepted_tokens",
-                 "Speculative decoding: draft tokens the model accepted since start, in tokens",
-                 s.spec_accepted_tokens_total),
-                ("agentrt_spec_verifications",
-                 "Speculative decoding: drafts verified since start (one per request and step)",
-                 s.spec_verifications_total)):
-            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=value(s))
         queue = GaugeMetricFamily("agentrt_engine_waiting_by_priority",
                                   "Requests queued for admission, now, by priority class (high: priority < 0, "
                                   "normal: 0, low: > 0) and session (started: a later turn of a session that ran "
@@ -225,6 +240,26 @@ class Metrics:
             "agentrt_session_completion_seconds",
             "Sessions that ended (deleted or expired) with at least one turn: from creation to the end of "
             "their last turn, in seconds", buckets=_SESSION_BUCKETS, registry=self.registry)
+        self.slo = Counter("agentrt_requests_slo",
+                           "Generations that ended, by whether they met the latency SLO (first token within "
+                           "slo_ttft_s and time per output token within slo_tpot_s; a failed one missed it)",
+                           ["outcome"], registry=self.registry)
+        self.sessions_ended = Counter(
+            "agentrt_sessions_ended",
+            "Sessions that ended (deleted or expired) with at least one turn, by whether every turn met the "
+            "latency SLO; the rate of slo=\"met\" is the goodput in sessions", ["slo"], registry=self.registry)
+        self.session_turns_in_slo = Histogram(
+            "agentrt_session_turns_in_slo_ratio",
+            "Sessions that ended with at least one turn: the share of their turns that met the latency SLO",
+            buckets=_RATIO_BUCKETS, registry=self.registry)
+        self.kv_demotions = Counter(
+            "agentrt_session_kv_demotions",
+            "Session turns whose KV was sent to the KV tiers and unpinned for the pause after them (a pause "
+            "expected_pause_s announced, or the cost model found too long to pin through)", registry=self.registry)
+        self.kv_prefetches = Counter(
+            "agentrt_session_kv_prefetches",
+            "Demoted session prefixes read back from the KV tiers ahead of the session's next turn",
+            registry=self.registry)
         self.turns = Counter("agentrt_session_turns",
                              "Session turns, by outcome: new (generated) or replayed (a turn_id seen before)",
                              ["outcome"], registry=self.registry)
@@ -253,8 +288,21 @@ class Metrics:
         if result.closed_by_budget:
             self.closed.inc()
 
-    def observe_session_completion(self, seconds: float) -> None:
+    def observe_slo(self, met: bool) -> None:
+        """A generation ended: whether it met the latency SLO."""
+        self.slo.labels("met" if met else "missed").inc()
+        self.timeline.observe_slo(met)
+
+    def observe_session_end(self, seconds: float, turns_in_slo: list[bool]) -> None:
+        """A session with turns ended: its completion time (creation to the end of its last turn) and,
+        per turn whose outcome was recorded, whether it met the SLO (the session meets it when all did)."""
         self.session_completion.observe(max(0.0, seconds))
+        if not turns_in_slo:  # turns recorded before outcomes were: neither met nor missed
+            return
+        met = all(turns_in_slo)
+        self.session_turns_in_slo.observe(sum(turns_in_slo) / len(turns_in_slo))
+        self.sessions_ended.labels("met" if met else "missed").inc()
+        self.timeline.observe_session_end(met)
 
     def set_in_flight(self, n: int) -> None:
         self.in_flight.set(n)

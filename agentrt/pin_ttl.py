@@ -27,12 +27,32 @@ prefill were measured. A session that never comes back leaves no pause (its pin 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 PAUSES_KEPT = 32        # per session, and for all sessions together
 MIN_PAUSES = 3          # a history (a session's own, or everyone's) is used from this many pauses on
 MIN_TTL_S = 1.0
 SLACK = 0.25            # the chosen pause is stretched by this much (a pause a little longer still hits)
+PREFETCH_LEAD_S = 2.0   # a demoted prefix is read back this long before the pause is expected to end
+LIKELY_QUANTILE = 0.25  # without a hint, the next turn is "likely" from this quantile of the pauses on
+
+
+@dataclass(frozen=True)
+class PausePlan:
+    """What happens to a session's KV over the pause after a turn: pinned for ``ttl_s``, or (``demote``)
+    copied to the KV tiers and released at once, then read back ``prefetch_after_s`` after the reply
+    ended (None: no read-back scheduled)."""
+
+    ttl_s: float
+    demote: bool = False
+    prefetch_after_s: float | None = None
+
+
+def prefetch_after(pause_s: float) -> float:
+    """When to start reading a demoted prefix back, for a pause expected to last ``pause_s``: the
+    lead is ``PREFETCH_LEAD_S``, or half the pause when that is shorter."""
+    return max(0.0, pause_s - min(PREFETCH_LEAD_S, pause_s / 2))
 
 
 def pin_net(tau: float, pauses: Sequence[float], recompute_s_per_token: float, pressure: float,
@@ -120,6 +140,34 @@ class ToolPinTTL:
         if own is not None and len(own) >= MIN_PAUSES:
             return list(own)
         return list(self._all) if len(self._all) >= MIN_PAUSES else []
+
+    def plan(self, session: str, stats: Callable[[], Any], expected_pause_s: float | None = None) -> PausePlan:
+        """The pause plan after ``session``'s turn. With ``expected_pause_s`` (the agent's own hint),
+        the pause is known: pin through it (``expected_pause_s * (1 + slack)``) when that fits
+        ``max_ttl_s`` and pays (``pin_net`` of that one pause is positive; with no prefill measured yet
+        it is taken to pay), else demote and read back shortly before it ends. Without a hint: the cost
+        model's TTL (:meth:`ttl`), and where it finds no pin worth its cost, demote, with the read-back
+        at the ``LIKELY_QUANTILE`` of the session's pauses."""
+        if expected_pause_s is not None:
+            hold = expected_pause_s * (1 + self.slack)
+            pays = self.recompute_s_per_token <= 0
+            if not pays:
+                pressure, pool_tokens = pool_pressure(stats())
+                pays = pin_net(expected_pause_s, [expected_pause_s], self.recompute_s_per_token, pressure,
+                               pool_tokens) > 0
+            if pays and hold <= self.max_ttl_s:
+                return PausePlan(max(self.min_ttl_s, hold))
+            return PausePlan(0.0, demote=True, prefetch_after_s=prefetch_after(expected_pause_s))
+        pauses = self.pauses(session)
+        if not pauses or self.recompute_s_per_token <= 0:
+            return PausePlan(self.fallback_ttl_s)
+        pressure, pool_tokens = pool_pressure(stats())
+        tau = best_pause(pauses, self.recompute_s_per_token, pressure, pool_tokens)
+        if tau is not None:
+            return PausePlan(min(self.max_ttl_s, max(self.min_ttl_s, tau * (1 + self.slack))))
+        xs = sorted(pauses)
+        likely = xs[min(len(xs) - 1, int(LIKELY_QUANTILE * len(xs)))]
+        return PausePlan(0.0, demote=True, prefetch_after_s=prefetch_after(likely))
 
     def ttl(self, session: str, stats: Callable[[], Any]) -> float:
         """The pin TTL after ``session``'s tool call, reading the engine's ``stats()`` for pool pressure."""

@@ -2,7 +2,7 @@
 benchmark scripts and the tests start ``agentrt serve|worker|router|up``, ``redis-server`` and any
 other server through it.
 
-``Procs`` is a group. ``agentrt(name, subcommand, *flags)`` starts ``python -m agentrt.cli`` on a
+``Procs`` is a group. ``agentrt(name, subcommand, *flags)`` starts ``python -m agentrt_cli`` on a
 free port (``--host``/``--port`` passed), ``redis(...)`` a ``redis-server`` from PATH (its data in
 the group's directory), ``spawn(name, cmd, url)`` anything else. Each child's output goes to
 ``<dir>/<name>.log`` or, with ``echo=True``, to our stdout with a ``[name]`` prefix. ``stop()``
@@ -32,7 +32,7 @@ import httpx
 import redis
 
 START_TIMEOUT_S = 300.0  # a model load is ~10 s alone, several times that on a busy 2-core machine
-AGENTRT = (sys.executable, "-m", "agentrt.cli")
+AGENTRT = (sys.executable, "-m", "agentrt_cli")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -173,7 +173,7 @@ class Procs:
 
     def agentrt(self, name: str, subcommand: str, *flags: str, host: str = "127.0.0.1", port: int | None = None,
                 env: dict[str, str] | None = None) -> Proc:
-        """``python -m agentrt.cli SUBCOMMAND --host HOST --port PORT *flags`` (a free port by default)."""
+        """``python -m agentrt_cli SUBCOMMAND --host HOST --port PORT *flags`` (a free port by default)."""
         port = port or free_port(host)
         return self.spawn(name, [*AGENTRT, subcommand, "--host", host, "--port", str(port), *flags],
                           f"http://{host}:{port}", port, env)

@@ -192,57 +192,75 @@ def convert_input(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any
         if item.get("id") is not None and not isinstance(item["id"], str):
             raise bad_request(f"{where}: 'id' must be a string", param=f"{where}.id")
         kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}: role must be user, system, developer or assistant, got {role!r}",
-                                  param=f"{where}.role")
-            allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-            text, parts = _text_parts(item.get("content"), allowed, f"{where}.content")
-            messages.append({"role": "system" if role == "developer" else role, "content": text})
-            if role == "assistant" and reasoning is not None:
-                messages[-1]["reasoning_content"], reasoning = reasoning, None
-            stored = {"id": item.get("id") or "msg_" + hex_id(), "type": "message", "role": role,
-                      "status": "completed", "content": parts}
-        elif kind == "function_call":
-            call_id, name = _string_field(item, "call_id", where), _string_field(item, "name", where)
-            arguments = item.get("arguments")
-            if not isinstance(arguments, str):
-                raise bad_request(f"{where}: 'arguments' must be a JSON string", param=f"{where}.arguments")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text, then its calls
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            if reasoning is not None:
-                messages[-1]["reasoning_content"], reasoning = reasoning, None
-            stored = {"id": item.get("id") or "fc_" + hex_id(), "type": "function_call", "call_id": call_id,
-                      "name": name, "arguments": arguments, "status": "completed"}
-        elif kind == "function_call_output":
-            call_id = _string_field(item, "call_id", where)
-            output = item.get("output")
-            if isinstance(output, str):
-                text = output
-            else:
-                text, _ = _text_parts(output, ("input_text",), f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
-            stored = {"id": item.get("id") or "fco_" + hex_id(), "type": "function_call_output", "call_id": call_id,
-                      "output": output, "status": "completed"}
-        elif kind == "reasoning":  # an earlier turn's reasoning: the next assistant message carries it
-            parts = item.get("content") or []
-            if not isinstance(parts, list) or any(not isinstance(p, dict) or p.get("type") != "reasoning_text"
-                                                  or not isinstance(p.get("text"), str) for p in parts):
-                raise bad_request(f"{where}: a reasoning item's content must be reasoning_text parts",
-                                  param=f"{where}.content")
-            reasoning = "".join(p["text"] for p in parts)
-            stored = {"id": item.get("id") or "rs_" + hex_id(), "type": "reasoning", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": reasoning}]}
-        else:
+        convert = _INPUT_ITEMS.get(kind)
+        if convert is None:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported (messages, function_call "
                               "and function_call_output are)", param=f"{where}.type")
+        stored, reasoning = convert(item, where, messages, reasoning)
         items.append(stored)
     return messages, items
+
+
+# Each input item kind: (item, where, messages so far, pending reasoning) -> (the stored item, pending
+# reasoning), appending what the item says to ``messages``.
+def _message_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]], reasoning: str | None):
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise bad_request(f"{where}: role must be user, system, developer or assistant, got {role!r}",
+                          param=f"{where}.role")
+    allowed = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+    text, parts = _text_parts(item.get("content"), allowed, f"{where}.content")
+    messages.append({"role": "system" if role == "developer" else role, "content": text})
+    if role == "assistant" and reasoning is not None:
+        messages[-1]["reasoning_content"], reasoning = reasoning, None
+    return {"id": item.get("id") or "msg_" + hex_id(), "type": "message", "role": role,
+            "status": "completed", "content": parts}, reasoning
+
+
+def _function_call_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]], reasoning: str | None):
+    call_id, name = _string_field(item, "call_id", where), _string_field(item, "name", where)
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise bad_request(f"{where}: 'arguments' must be a JSON string", param=f"{where}.arguments")
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text, then its calls
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    if reasoning is not None:
+        messages[-1]["reasoning_content"], reasoning = reasoning, None
+    return {"id": item.get("id") or "fc_" + hex_id(), "type": "function_call", "call_id": call_id,
+            "name": name, "arguments": arguments, "status": "completed"}, reasoning
+
+
+def _function_call_output_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]],
+                               reasoning: str | None):
+    call_id = _string_field(item, "call_id", where)
+    output = item.get("output")
+    if isinstance(output, str):
+        text = output
+    else:
+        text, _ = _text_parts(output, ("input_text",), f"{where}.output")
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+    return {"id": item.get("id") or "fco_" + hex_id(), "type": "function_call_output", "call_id": call_id,
+            "output": output, "status": "completed"}, reasoning
+
+
+def _reasoning_item(item: dict[str, Any], where: str, messages: list[dict[str, Any]], reasoning: str | None):
+    """An earlier turn's reasoning: the next assistant message carries it."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or any(not isinstance(p, dict) or p.get("type") != "reasoning_text"
+                                          or not isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"{where}: a reasoning item's content must be reasoning_text parts",
+                          param=f"{where}.content")
+    reasoning = "".join(p["text"] for p in parts)
+    return {"id": item.get("id") or "rs_" + hex_id(), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": reasoning}]}, reasoning
+
+
+_INPUT_ITEMS = {"message": _message_item, "function_call": _function_call_item,
+                "function_call_output": _function_call_output_item, "reasoning": _reasoning_item}
 
 
 def convert_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

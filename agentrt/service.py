@@ -10,7 +10,6 @@ chunk with ``choices: []``, and the ``[DONE]`` sentinel added by the route.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from engine.chat import ToolCall, content_text

@@ -54,6 +54,7 @@ class TurnRun:
         self.turn_id = turn_id
         self.new_messages = plan.new_messages
         self.describe = plan.describe
+        self.expected_pause_s = plan.expected_pause_s
         self.generation = generation
         self.pin_ttl_s = pin_ttl_s
         self.tenant = tenant
@@ -101,6 +102,7 @@ class TurnPlan:
     options: StructuredOutput
     describe: Callable[[Result], dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
+    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/pin_ttl.py)
 
 
 class SessionManager:
@@ -110,6 +112,8 @@ class SessionManager:
         self.config = config
         self._pins: dict[str, tuple[str, float]] = {}  # session id -> (pin id, expires at)
         self._expiry: dict[str, float] = {}  # session id -> idle expiry, for the sessions made here
+        # session id -> (when, pin id, worker): read a demoted prefix back then (its next turn is near)
+        self._prefetch_at: dict[str, tuple[float, str, str | None]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -187,10 +191,12 @@ class SessionManager:
         self.gen.metrics.sessions.dec()
         self._expiry.pop(session_id, None)
         self._pins.pop(session_id, None)
+        self._prefetch_at.pop(session_id, None)
         if record is not None:
             self._release_last_pin(record)
             if record.turns:  # from its creation to the end of its last turn
-                self.gen.metrics.observe_session_completion(record.turns[-1].created_at - record.created_at)
+                self.gen.metrics.observe_session_end(record.turns[-1].created_at - record.created_at,
+                                                     [t.in_slo for t in record.turns if t.in_slo is not None])
 
     def _release_last_pin(self, record: SessionRecord) -> None:
         """Unpin the session's last turn while its pin may hold (whichever router made it)."""
@@ -199,8 +205,14 @@ class SessionManager:
             self.unpin(turn.pin_id, record.last_worker)
 
     async def sweep(self) -> int:
-        """Delete sessions idle past their TTL and forget expired pins; returns sessions deleted."""
+        """Read back demoted prefixes that are due, delete sessions idle past their TTL and forget expired
+        pins; returns sessions deleted."""
         now = time.time()
+        for sid, (when, pin_id, worker) in list(self._prefetch_at.items()):
+            if when <= now:
+                del self._prefetch_at[sid]
+                self.gen.engine.prefetch(pin_id, worker=worker)
+                self.gen.metrics.kv_prefetches.inc()
         for sid, (_, expires) in list(self._pins.items()):
             if expires <= now:
                 del self._pins[sid]
@@ -248,7 +260,8 @@ class SessionManager:
             structured = _structured_options(record.sampling, req)
             options = StructuredOutput(structured["response_format"], record.tools, structured["tool_choice"],
                                        structured["parallel_tool_calls"])
-            return TurnPlan(new_messages, self.history(record) + new_messages, fields, options)
+            return TurnPlan(new_messages, self.history(record) + new_messages, fields, options,
+                            expected_pause_s=req.expected_pause_s)
 
         started = await self.begin_turn(record, tenant, req.turn_id, plan)
         assert started is not None  # begin_turn returns None only for a turn that must follow another
@@ -285,6 +298,7 @@ class SessionManager:
             raise
         # The new request now holds the prefix; the last turn's pin (whichever router made it) has done its job.
         self._pins.pop(session_id, None)
+        self._prefetch_at.pop(session_id, None)  # arrived first: its request reads its tier pages itself
         self._release_last_pin(record)
         return run
 
@@ -321,12 +335,18 @@ class SessionManager:
 
     async def _record_turn(self, run: TurnRun) -> TurnRecord:
         result = run.generation.result
-        pin_ttl = run.pin_ttl_s
-        if result.tool_calls and run.record.pin_ttl_s is None:
-            # The agent runs the tool and comes straight back: keep the prefix longer (the engine
-            # pinned the turn under its request id when it finished; only the deadline changes).
-            pin_ttl = self.gen.tool_pin_ttl(run.record.id)
-            self.gen.engine.extend_pin(run.generation.request_id, pin_ttl)
+        pin_ttl, demoted_after = run.pin_ttl_s, None
+        if run.record.pin_ttl_s is None:  # a session's own pin_ttl_s is kept as asked
+            # The engine pinned the turn under its request id when it finished: over the pause that
+            # follows (a tool run, or the one the agent announced) it stays pinned or goes to the tiers.
+            plan = self.gen.pause_plan(run.record.id, bool(result.tool_calls), run.expected_pause_s)
+            if plan is not None and plan.demote:
+                self.gen.engine.demote(run.generation.request_id)
+                self.gen.metrics.kv_demotions.inc()
+                pin_ttl, demoted_after = 0.0, plan.prefetch_after_s
+            elif plan is not None:
+                pin_ttl = plan.ttl_s
+                self.gen.engine.extend_pin(run.generation.request_id, pin_ttl)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.reasoning is not None:
@@ -337,7 +357,8 @@ class SessionManager:
                           message=message, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
                           cached_tokens_by_tier=result.cached_tokens_by_tier or None, created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
-                          raw_text=result.text, response=run.describe(result) if run.describe else None)
+                          raw_text=result.text, response=run.describe(result) if run.describe else None,
+                          in_slo=result.in_slo)
         try:
             record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn)
         except SessionNotFound:
@@ -348,6 +369,8 @@ class SessionManager:
             self.unpin(turn.pin_id)
             return record.find_turn(run.turn_id)
         self._pins[record.id] = (turn.pin_id, turn.pin_expires_at)
+        if demoted_after is not None:
+            self._prefetch_at[record.id] = (now + demoted_after, turn.pin_id, record.last_worker)
         self._expiry[record.id] = record.expires_at
         self.gen.metrics.turns.labels("new").inc()
         return turn

@@ -45,6 +45,8 @@ class TurnRecord:
     # ``cached_tokens`` by where the engine found them: {"device", "host", "disk"} (KV tiers,
     # engine/kv_tier.py); None when not reported (a record written before tiers existed)
     cached_tokens_by_tier: dict[str, int] | None = None
+    # whether the turn met the server's latency SLO (``Generator.meets_slo``); None: not recorded
+    in_slo: bool | None = None
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""A short server-side history of TTFT and prefix-cache hit rate, for the dashboard's charts.
+"""A short server-side history of TTFT, prefix-cache hit rate and the latency SLO, for the dashboard's charts.
 
 Prometheus histograms and counters say everything since the process started; a chart of the
 last minutes needs the values per time slice, kept on the server so that a page reload (or a
 second viewer) sees the same history. :class:`Timeline` keeps one bucket per ``interval_s``
 seconds for the last ``window_s`` seconds (a bounded ring: older buckets are dropped) and is
 fed on requests: every first token adds a TTFT, every finished request its prompt and cached
-tokens. Each bucket keeps the TTFT count, sum and maximum exactly and a uniform sample of at
-most ``sample_size`` values (reservoir sampling, seeded) for the median and the 95th percentile;
+tokens, every ended generation and session whether it met the latency SLO. Each bucket keeps the
+TTFT count, sum and maximum exactly and a uniform sample of at most ``sample_size`` values (reservoir sampling, seeded) for the median and the 95th percentile;
 the hit rate of a bucket is its cached tokens over its prompt tokens, as the engine counts them.
 """
 
@@ -31,6 +31,10 @@ class _Bucket:
     requests: int = 0  # finished requests (those that count prompt and cached tokens)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    slo_met: int = 0  # generations that ended meeting the latency SLO
+    slo_missed: int = 0
+    sessions_met: int = 0  # sessions that ended with every turn within the SLO
+    sessions_missed: int = 0
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -86,6 +90,22 @@ class Timeline:
             b.prompt_tokens += prompt_tokens
             b.cached_tokens += cached_tokens
 
+    def observe_slo(self, met: bool) -> None:
+        with self._lock:
+            b = self._current()
+            if met:
+                b.slo_met += 1
+            else:
+                b.slo_missed += 1
+
+    def observe_session_end(self, met: bool) -> None:
+        with self._lock:
+            b = self._current()
+            if met:
+                b.sessions_met += 1
+            else:
+                b.sessions_missed += 1
+
     def points(self) -> list[dict]:
         """One point per interval of the window up to now, oldest first (intervals without requests
         included, with zero counts and null values, so a chart shows the gap)."""
@@ -99,20 +119,43 @@ class Timeline:
             for i in range(n):
                 start = first + i * self.interval_s
                 b = held.get(round(start / self.interval_s))
-                out.append(_point(start, b))
+                out.append(_point(start, b, self.interval_s))
             return out
+
+    def slo_summary(self, seconds: float = 60.0) -> dict:
+        """The latency SLO over the intervals that began in the last ``seconds`` (the current one
+        included): generations that met it and ended, sessions that ended within it and ended, and the
+        goodput, sessions ended within the SLO per minute over that span (None before any ended)."""
+        with self._lock:
+            since = math.floor(self._clock() / self.interval_s) * self.interval_s - seconds + self.interval_s
+            recent = [b for b in self._buckets if b.start >= since - 1e-9]
+            met = sum(b.slo_met for b in recent)
+            ended = met + sum(b.slo_missed for b in recent)
+            s_met = sum(b.sessions_met for b in recent)
+            s_ended = s_met + sum(b.sessions_missed for b in recent)
+            return {"seconds": seconds, "requests": ended, "requests_in_slo": met,
+                    "requests_in_slo_ratio": met / ended if ended else None,
+                    "sessions_ended": s_ended, "sessions_in_slo": s_met,
+                    "goodput_sessions_per_min": s_met * 60.0 / seconds if s_ended else None}
 
     def as_json(self) -> dict:
         return {"interval_s": self.interval_s, "window_s": self.window_s, "points": self.points()}
 
 
-def _point(start: float, b: _Bucket | None) -> dict:
+def _point(start: float, b: _Bucket | None, interval_s: float) -> dict:
     if b is None:
         return {"t": start, "ttft_count": 0, "ttft_mean_s": None, "ttft_p50_s": None, "ttft_p95_s": None,
-                "ttft_max_s": None, "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_rate": None}
+                "ttft_max_s": None, "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_rate": None,
+                "slo_met": 0, "slo_missed": 0, "slo_ratio": None, "sessions_met": 0, "sessions_missed": 0,
+                "goodput_sessions_per_min": None}
+    slo_ended, sessions_ended = b.slo_met + b.slo_missed, b.sessions_met + b.sessions_missed
     return {"t": start, "ttft_count": b.ttft_count,
             "ttft_mean_s": b.ttft_sum / b.ttft_count if b.ttft_count else None,
             "ttft_p50_s": quantile(b.sample, 0.5), "ttft_p95_s": quantile(b.sample, 0.95),
             "ttft_max_s": b.ttft_max if b.ttft_count else None,
             "requests": b.requests, "prompt_tokens": b.prompt_tokens, "cached_tokens": b.cached_tokens,
-            "hit_rate": b.cached_tokens / b.prompt_tokens if b.prompt_tokens else None}
+            "hit_rate": b.cached_tokens / b.prompt_tokens if b.prompt_tokens else None,
+            "slo_met": b.slo_met, "slo_missed": b.slo_missed,
+            "slo_ratio": b.slo_met / slo_ended if slo_ended else None,
+            "sessions_met": b.sessions_met, "sessions_missed": b.sessions_missed,
+            "goodput_sessions_per_min": b.sessions_met * 60.0 / interval_s if sessions_ended else None}

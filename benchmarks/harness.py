@@ -138,7 +138,7 @@ def engine_settings(config: Any, model: str | None = None) -> dict:
 
 def serve_settings(flags: Sequence[str] = ()) -> dict:
     """What ``agentrt serve *flags`` runs with here (its defaults, ``AGENTRT_*`` env, then ``flags``)."""
-    from agentrt.cli import build_parser
+    from agentrt_cli import build_parser
     from agentrt.config import ServerConfig
 
     args = build_parser().parse_args(["serve", *flags])

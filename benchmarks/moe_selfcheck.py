@@ -6,7 +6,7 @@ loads the block from a real HF checkpoint directory (its own slots through the l
 reader, the full block for the oracle), feeds its own tokens (a different count per
 rank, rank 1 none at all) and compares with ``MoEBlock.reference_forward``. It checks
 every placement straight after fitting and after migrating from the contiguous layout,
-and that the traffic counted from the split sizes equals ``cost.simulate_dispatch``.
+and that the traffic counted from the split sizes equals ``placement.simulate_dispatch``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from benchmarks.moe_checkpoint import read_hf_config
 from engine.moe.checkpoint import SafetensorsDict
 from engine.moe.config import MoEConfig
-from engine.moe.cost import simulate_dispatch
+from engine.moe.placement import simulate_dispatch
 from engine.moe.ep import EPContext, ExpertParallelMoE
 from engine.moe.layers import MoEBlock
 from engine.moe.placement import LayerPlacement, contiguous_phy2log, get_placement

@@ -35,7 +35,7 @@ warm-up request first. Each figure is reported per run and as the median with it
 ratio per repeat (the sides of a repeat ran back to back) and as their median.
 
 Both servers run with their defaults as a user would start them, one after the other, never at
-the same time: ``python -m agentrt.cli serve --port P`` and ``llama-server -m GGUF --port P -np C
+the same time: ``python -m agentrt_cli serve --port P`` and ``llama-server -m GGUF --port P -np C
 -c C*8192`` (C slots of 8,192 tokens each: the model's context, enough for a ~7k session). Where
 llama-server's defaults crash at start-up (ggml's AMX repacking on some virtual machines), it runs
 with ``--no-repack``; the JSON (``peer_flags``) and the table say so beside its figures, and agentrt
@@ -388,7 +388,7 @@ def side_commands(args, binary, model_path: str, peer: dict) -> dict[str, list[s
     model_flag = ["--model", args.model] if args.model else []
     cmds = {}
     if args.only != "llama":
-        cmds["agentrt"] = [sys.executable, "-m", "agentrt.cli", "serve", "--port", "{port}", *model_flag,
+        cmds["agentrt"] = [sys.executable, "-m", "agentrt_cli", "serve", "--port", "{port}", *model_flag,
                            *args.agentrt_flag]
     if binary is not None:
         c = args.concurrency

@@ -180,6 +180,12 @@ class AsyncEngine:
     def unpin(self, pin_id: str, worker: str | None = None) -> None:
         self.engine.unpin(pin_id)
 
+    def demote(self, pin_id: str, worker: str | None = None) -> None:
+        self.engine.demote(pin_id)
+
+    def prefetch(self, pin_id: str, worker: str | None = None) -> None:
+        self.engine.prefetch(pin_id)
+
     def stats(self):
         return self.engine.stats()
 

@@ -106,6 +106,15 @@ class EngineClient(Protocol):
         """Release a pin (a no-op when the engine already let it go)."""
         ...
 
+    def demote(self, pin_id: str, worker: str | None = None) -> None:
+        """Copy a pin's pages into the KV tiers and release it: its session pauses for long (a no-op
+        when the pin no longer holds; without tiers, a release)."""
+        ...
+
+    def prefetch(self, pin_id: str, worker: str | None = None) -> None:
+        """Start reading a demoted pin's prefix back from the tiers: its session's next turn is near."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     async def cache_snapshot(self) -> list[int]:

@@ -51,6 +51,18 @@ class Unpin:
 
 
 @dataclass(frozen=True)
+class Demote:
+    """Copy a pin's pages into the KV tiers now and release the pin (a long pause ahead)."""
+    pin_id: str
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Start reading a demoted pin's tier pages back (its session's next turn is near)."""
+    pin_id: str
+
+
+@dataclass(frozen=True)
 class FlushCache:
     """Drop every cached block (and the KV tiers' copies)."""
 

@@ -18,6 +18,7 @@ no span is held open across threads, and a request without ``trace`` costs nothi
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,8 +33,8 @@ import torch
 from engine.attention import backend_class
 from engine.coalesce import TurnCoalescer
 from engine.client import check_closing, check_request
-from engine.commands import (KV_OPS, Abort, AddRequest, CacheSnapshot, Dispatcher, ExtendPin, FlushCache, KVTransfer,
-                             Pin, TierSnapshot, Unpin)
+from engine.commands import (KV_OPS, Abort, AddRequest, CacheSnapshot, Demote, Dispatcher, ExtendPin, FlushCache,
+                             KVTransfer, Pin, Prefetch, TierSnapshot, Unpin)
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.cpu_info import cpu_model
@@ -59,6 +60,7 @@ from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, Gener
 from engine.window_pool import WindowedPagePool, size_windowed_pools
 
 _log = logging.getLogger("engine")
+MAX_DEMOTED = 4096   # demoted pins whose prefix a prefetch may still ask for (oldest forgotten first)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
@@ -154,6 +156,9 @@ class LLMEngine:
         self._pending_lock = threading.Lock()  # held while a request moves from the inbox to the scheduler
         self._requests: dict[str, Request] = {}
         self._seeds: dict[str, bytes] = {}
+        # demoted pins (``demote``): pin id -> (tokens, cache salt) of the prefix ``prefetch`` reads back
+        self._demoted: collections.OrderedDict[str, tuple[list[int], str]] = collections.OrderedDict()
+        self.demotions = self.prefetches = 0
         # how long a serving loop holds its next step for agents coming back (engine/coalesce.py)
         self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
@@ -376,6 +381,19 @@ class LLMEngine:
     def unpin(self, pin_id: str) -> None:
         self._send(Unpin(pin_id))
 
+    def demote(self, pin_id: str) -> None:
+        """A long pause is ahead of the pin's session: copy its pages into the KV tiers now (pages a
+        tier already holds are not written again) and release the pin, so the pool can take the pages
+        at no cost while the prefix survives in the tiers; :meth:`prefetch` starts reading it back.
+        Without tiers it only releases the pin. No-op for a pin that no longer holds."""
+        self._send(Demote(pin_id))
+
+    def prefetch(self, pin_id: str) -> None:
+        """Start reading a demoted pin's prefix back from the disk tier (on the loader thread, as for an
+        arriving request), so its session's next turn finds it in memory. No-op for a pin never
+        demoted, or already prefetched."""
+        self._send(Prefetch(pin_id))
+
     def flush_cache(self) -> None:
         self._send(FlushCache())
 
@@ -424,6 +442,7 @@ class LLMEngine:
             AddRequest: self._on_add, Abort: self._on_abort,
             Pin: lambda m: void(s.pin(m.pin_id, m.token_ids, m.ttl_s, m.cache_salt)),
             ExtendPin: lambda m: void(s.extend_pin(m.pin_id, m.ttl_s)), Unpin: lambda m: s.unpin(m.pin_id),
+            Demote: self._on_demote, Prefetch: self._on_prefetch,
             FlushCache: self._on_flush, KVTransfer: self._kv_op,
             TierSnapshot: lambda m: m.future.set_result(self.tiers.snapshot() if self.tiers is not None else {}),
             CacheSnapshot: lambda m: m.future.set_result((self.cache.all_hashes(), m.extra()) if m.extra
@@ -472,10 +491,39 @@ class LLMEngine:
         """A request arrived: start reading its disk-tier pages past the device match now, so they are
         in memory by the time the scheduler reaches it (it admits other requests meanwhile)."""
         limit = ((req.num_tokens - 1) // self.config.page_size) * self.config.page_size
-        pages, node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
-        hashes = block_hashes(req.all_ids[len(pages) * self.config.page_size:limit], self.config.page_size,
-                              self._seed(req.cache_salt), parent=node.last_hash)
-        self.tiers.prefetch(hashes[:len(self.tiers.match(hashes))])
+        self._prefetch_tokens(req.all_ids[:limit], req.cache_salt)
+
+    def _prefetch_tokens(self, tokens: Sequence[int], salt: str) -> int:
+        """Queue the disk reads of the tier pages that continue the device match of ``tokens`` (whole
+        pages); returns how many pages the tiers hold there."""
+        pages, node = self.cache.match_prefix(tokens, salt)
+        hashes = block_hashes(tokens[len(pages) * self.config.page_size:], self.config.page_size,
+                              self._seed(salt), parent=node.last_hash)
+        held = hashes[:len(self.tiers.match(hashes))]
+        self.tiers.prefetch(held)
+        return len(held)
+
+    def _on_demote(self, msg: Demote) -> None:
+        pin = self.scheduler.pins.get(msg.pin_id)
+        if pin is None:
+            return
+        if self.tiers is not None:
+            hashes, pages, node = [], [], pin.node
+            while node is not None:   # the pin's path, leaf first: the copies go in root-first order
+                hashes[:0], pages[:0] = node.hashes, node.pages
+                node = node.parent
+            self._offload(hashes, pages)
+            self._demoted[msg.pin_id] = self.cache.sequence(pin.node)
+            while len(self._demoted) > MAX_DEMOTED:
+                self._demoted.popitem(last=False)
+        self.scheduler.unpin(msg.pin_id)
+        self.demotions += 1
+
+    def _on_prefetch(self, msg: Prefetch) -> None:
+        entry = self._demoted.pop(msg.pin_id, None)
+        if entry is not None and self.tiers is not None:
+            self._prefetch_tokens(*entry)
+            self.prefetches += 1
 
     # -- the step (one thread) ------------------------------------------------
     def _snapshot(self) -> None:

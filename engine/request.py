@@ -5,16 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.constraints import TokenConstraint
+from engine.drafting import SpeculativeState
 from engine.tokenizer import IncrementalDetokenizer
 from engine.types import SamplingParams, SchedulingKey, TokenLogprob
-
-if TYPE_CHECKING:
-    from engine.speculative import SpeculativeState
 
 
 # An output token a launched step is still sampling (overlap scheduling, engine/overlap.py): never a

@@ -1,4 +1,4 @@
-"""``agentrt worker``, ``agentrt router``, ``agentrt up`` and ``agentrt status`` (registered in agentrt/cli.py).
+"""``agentrt worker``, ``agentrt router``, ``agentrt up`` and ``agentrt status`` (registered in agentrt_cli/).
 
 Only argparse, the settings models (their fields are the flags) and the standard library at import
 time: heavy imports live in the ``run_*`` functions, so ``agentrt status`` never loads torch.

@@ -111,4 +111,4 @@ class RouterStatus:
         workers = await self.workers()
         sessions = await session_summary(s.sessions.store, s.tenants, tenant)
         return status_body("router", s.generator.model_name, tenant, s.tenants, workers, sessions,
-                           self.routing(tenant), s.metrics.timeline)
+                           self.routing(tenant), s.metrics.timeline, s.generator.config)

@@ -27,6 +27,12 @@ class RouterCollector:
         self.remote = remote
 
     def collect(self) -> Iterable[Any]:
+        yield from self._fleet()
+        yield from self._routing()
+        yield from self._kv()
+
+    def _fleet(self) -> Iterable[Any]:
+        """The workers this replica sees and what its index and their heartbeats say of each."""
         core = self.core
         workers = sorted(core.workers)
         yield GaugeMetricFamily("agentrt_router_workers_live",
@@ -57,6 +63,10 @@ class RouterCollector:
                 if load is not None or name in ("agentrt_router_worker_in_flight", "agentrt_router_worker_indexed_blocks"):
                     family.add_metric([wid], read(wid, load))
             yield family
+
+    def _routing(self) -> Iterable[Any]:
+        """This replica's routing decisions, failovers, tentative routes and affinity lookups."""
+        core = self.core
         decisions = CounterMetricFamily("agentrt_router_decisions",
                                         "Routing decisions this replica made, by the policy rule that chose the "
                                         "worker (reason)", labels=["reason"])
@@ -69,6 +79,20 @@ class RouterCollector:
         yield CounterMetricFamily("agentrt_router_tentative_routes",
                                   "Routing decisions where prefixes dispatched but not yet reported by KV events "
                                   "lengthened the chosen worker's match", value=core.tentative_routes)
+        affinity = core.affinity.stats
+        lookups = CounterMetricFamily("agentrt_router_affinity_lookups",
+                                      "Affinity-key lookups of a conversation's last worker, by outcome (hit: found, "
+                                      "miss: new or expired)", labels=["outcome"])
+        lookups.add_metric(["hit"], affinity.hits)
+        lookups.add_metric(["miss"], affinity.misses)
+        yield lookups
+        yield CounterMetricFamily("agentrt_router_affinity_moves",
+                                  "Requests of an affinity-keyed conversation sent to another worker than its "
+                                  "recorded one", value=affinity.moved)
+
+    def _kv(self) -> Iterable[Any]:
+        """KV events read into the index, and the KV-move decisions."""
+        core = self.core
         stats = core.consumer.stats
         events = CounterMetricFamily("agentrt_router_kv_events",
                                      "KV events read from the workers' stream, by outcome: applied to the index, "
@@ -82,16 +106,6 @@ class RouterCollector:
                                   "resync)", value=stats.gaps)
         yield CounterMetricFamily("agentrt_router_kv_resyncs",
                                   "Resyncs of a worker's index entries from its snapshot in Redis", value=stats.resyncs)
-        affinity = core.affinity.stats
-        lookups = CounterMetricFamily("agentrt_router_affinity_lookups",
-                                      "Affinity-key lookups of a conversation's last worker, by outcome (hit: found, "
-                                      "miss: new or expired)", labels=["outcome"])
-        lookups.add_metric(["hit"], affinity.hits)
-        lookups.add_metric(["miss"], affinity.misses)
-        yield lookups
-        yield CounterMetricFamily("agentrt_router_affinity_moves",
-                                  "Requests of an affinity-keyed conversation sent to another worker than its "
-                                  "recorded one", value=affinity.moved)
         moves = CounterMetricFamily("agentrt_router_kv_move_decisions",
                                     "Turns routed away from a worker holding more of their prefix, by what the cost "
                                     "model chose: pull the KV from that worker, or recompute it", labels=["choice"])

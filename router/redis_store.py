@@ -103,15 +103,17 @@ _FIELD_TYPES = {"id": str, "model": str, "system": _OPT_STR, "tools": (list, typ
 _TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
                "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": _OPT_STR,
                "pin_expires_at": _NUM, "raw_text": _OPT_STR, "response": (dict, type(None)),
-               "cached_tokens_by_tier": (dict, type(None))}
+               "cached_tokens_by_tier": (dict, type(None)), "in_slo": (bool, type(None))}
 
 
 def _check(what: str, obj: dict, types: dict[str, type | tuple]) -> None:
-    """``obj`` has exactly the fields of ``types``, each of its type (no bools: no field is one)."""
+    """``obj`` has exactly the fields of ``types``, each of its type (a bool only where ``bool`` is named:
+    bool is an int to ``isinstance``)."""
     if set(obj) != set(types):
         raise SessionDecodeError(f"{what} fields {sorted(map(str, obj))} are not the expected ones")
     for name, typ in types.items():
-        if not isinstance(obj[name], typ) or isinstance(obj[name], bool):
+        named = typ if isinstance(typ, tuple) else (typ,)
+        if not isinstance(obj[name], typ) or (isinstance(obj[name], bool) and bool not in named):
             raise SessionDecodeError(f"{what} field {name} has type {type(obj[name]).__name__}")
 
 
@@ -138,6 +140,7 @@ def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
         if not isinstance(turn, dict):
             raise SessionDecodeError(f"session field turns[{i}] has type {type(turn).__name__}")
         turn.setdefault("cached_tokens_by_tier", None)   # written before KV tiers: not reported
+        turn.setdefault("in_slo", None)                  # written before SLO outcomes: not recorded
         _check(f"turns[{i}]", turn, _TURN_TYPES)
     try:
         return SessionRecord(**{**obj, "turns": [TurnRecord(**t) for t in obj["turns"]]})

@@ -306,6 +306,14 @@ class RemoteEngine:
         simply expires."""
         self._to_worker_of(pin_id, "/internal/unpin", {"pin_id": pin_id}, worker)
 
+    def demote(self, pin_id: str, worker: str | None = None) -> None:
+        """Demote a pin on the worker that holds it (``EngineClient.demote``)."""
+        self._to_worker_of(pin_id, "/internal/pin/demote", {"pin_id": pin_id}, worker)
+
+    def prefetch(self, pin_id: str, worker: str | None = None) -> None:
+        """Read a demoted pin's prefix back on the worker that holds it (``EngineClient.prefetch``)."""
+        self._to_worker_of(pin_id, "/internal/pin/prefetch", {"pin_id": pin_id}, worker)
+
     def _to_worker_of(self, pin_id: str, path: str, body: dict, worker_id: str | None = None) -> None:
         wid = worker_id or self.worker_of(pin_id)
         if wid is not None and self._is_vllm(wid):  # vllm-kind workers hold no pins; their caches evict by LRU

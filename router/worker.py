@@ -202,6 +202,27 @@ class WorkerRuntime:
         await self._redis.aclose()
 
 
+def _event_publishers(config: ServerConfig, rconfig: RouterConfig, settings: WorkerSettings) -> tuple[Any, Any, Any]:
+    """The worker's KV event publishers (to Redis; with ``kv_events``, vLLM's ZMQ format as well) and the
+    engine's hook that feeds them: both see the same events."""
+    publisher = KVEventPublisher(rconfig, settings.worker_id)
+    if settings.kv_events is None:
+        return publisher, None, publisher.publish
+    from router.vllm_publisher import ZmqKVEventPublisher
+
+    zmq_publisher = ZmqKVEventPublisher(settings.kv_events, config.engine_config().page_size,
+                                        settings.kv_events_replay, settings.kv_events_topic,
+                                        settings.kv_events_encoding, settings.kv_events_buffer)
+
+    def on_kv_event(kind: str, hashes: list[int], parent: int | None, tokens: Any = None, salt: str = "",
+                    medium: str = "device") -> None:
+        publisher.publish(kind, hashes, parent, medium=medium)
+        if medium == "device":  # vLLM-format consumers follow the device pool only (its events carry tokens)
+            zmq_publisher.publish(kind, hashes, parent, tokens, salt)
+
+    return publisher, zmq_publisher, on_kv_event
+
+
 def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: WorkerSettings) -> FastAPI:
     """agentrt's app around an engine that publishes KV events, plus worker and SGLang endpoints
     (``settings`` as routers see this worker; unset id or URL from ``config``'s listen address)."""
@@ -213,23 +234,7 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
     from router.worker_api import worker_routes
 
     settings = settings.resolve(config)
-    publisher = KVEventPublisher(rconfig, settings.worker_id)
-    zmq_publisher = None
-    on_kv_event = publisher.publish
-    if settings.kv_events is not None:  # vLLM's format too, from the same hook: both see the same events
-        from router.vllm_publisher import ZmqKVEventPublisher
-
-        engine_config = config.engine_config()
-        zmq_publisher = ZmqKVEventPublisher(settings.kv_events, engine_config.page_size, settings.kv_events_replay,
-                                            settings.kv_events_topic, settings.kv_events_encoding,
-                                            settings.kv_events_buffer)
-
-        def on_kv_event(kind: str, hashes: list[int], parent: int | None, tokens: Any = None, salt: str = "",
-                        medium: str = "device") -> None:
-            publisher.publish(kind, hashes, parent, medium=medium)
-            if medium == "device":  # vLLM-format consumers follow the device pool only (its events carry tokens)
-                zmq_publisher.publish(kind, hashes, parent, tokens, salt)
-
+    publisher, zmq_publisher, on_kv_event = _event_publishers(config, rconfig, settings)
     llm = LLMEngine(config.engine_config(), on_kv_event=on_kv_event, kv_event_tokens=zmq_publisher is not None)
     if llm.config.page_size != rconfig.block_size:
         raise ValueError(f"the engine's page size {llm.config.page_size} must equal the deployment's block "

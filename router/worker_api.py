@@ -10,7 +10,8 @@
   A client that disconnects aborts the request and frees its pages.
 * ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
   pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
-  it holds.
+  it holds; ``POST /internal/pin/demote`` and ``/internal/pin/prefetch``: a pin's pages to the KV
+  tiers for a long pause, and read back before it ends (``LLMEngine.demote``/``prefetch``).
 * ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
 * ``POST /internal/drain``: drain as a SIGTERM does, but stay up (router/worker.py ``WorkerRuntime.drain``).
 * ``GET /internal/status``: the worker's block of the dashboard's status (``agentrt.dashboard.engine_worker``:
@@ -213,6 +214,20 @@ async def internal_extend_pin(body: PinBody, request: Request) -> dict:
 async def internal_unpin(body: PinBody, request: Request) -> dict:
     request.app.state.engine.unpin(body.pin_id)
     return {"pin_id": body.pin_id, "pinned": False}
+
+
+@worker_routes.post("/internal/pin/demote")
+async def internal_demote_pin(body: PinBody, request: Request) -> dict:
+    """A long pause is ahead: the pin's pages go to the KV tiers and the pin is released."""
+    request.app.state.engine.demote(body.pin_id)
+    return {"pin_id": body.pin_id, "pinned": False}
+
+
+@worker_routes.post("/internal/pin/prefetch")
+async def internal_prefetch_pin(body: PinBody, request: Request) -> dict:
+    """The demoted pin's session comes back soon: read its prefix back from the tiers."""
+    request.app.state.engine.prefetch(body.pin_id)
+    return {"pin_id": body.pin_id}
 
 
 @worker_routes.get("/internal/pin/{pin_id}")

@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def start_server(tmp_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Proc:
-    """``python -m agentrt.cli serve`` on a free port, its log in ``tmp_dir``; returns once /health
+    """``python -m agentrt_cli serve`` on a free port, its log in ``tmp_dir``; returns once /health
     answers 200. The caller stops it (``stop()`` returns the exit code)."""
     server = Procs(tmp_dir, cwd=ROOT).agentrt("agentrt-serve", "serve", "--kv-cache-tokens", "16384",
                                               "--default-max-tokens", "16", "--log-level", "warning", *flags, env=env)

@@ -32,7 +32,7 @@ from fastapi.testclient import TestClient
 
 from engine.kv_move import KVLayout
 
-from agentrt.cli import build_parser
+from agentrt_cli import build_parser
 from agentrt.config import ServerConfig
 from router.config import RouterConfig, WorkerSettings
 

@@ -2,14 +2,16 @@
 ``ast`` and fails on an import cycle or an import that goes the wrong way.
 
 * ``engine`` imports nothing of ours above it (no ``agentrt``, no ``router``);
-* ``agentrt`` (the serving core) does not import ``router``, except ``agentrt/cli.py``, the
-  entry point that dispatches to every subcommand;
+* ``agentrt`` (the serving core) does not import ``router``;
+* ``agentrt_cli`` (the ``agentrt`` command, dispatching to every subcommand) stands above both, and
+  nothing of ours imports it;
 * nothing in the installed packages imports ``benchmarks`` or ``tests`` (scripts and tests
   import the package, never the other way);
 * no two modules of the packages import each other, directly or round a longer circle.
 
 Imports inside functions count (a lazy import hides a circle, it does not remove it); those
-under ``if TYPE_CHECKING:`` do not (they never run).
+under ``if TYPE_CHECKING:`` do not count for the floors (they never run), but close no circle
+either (a type-only loop is the same tangle, hidden).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "agentrt", "router")
+PACKAGES = ("engine", "agentrt", "router", "agentrt_cli")
 OURS = PACKAGES + ("benchmarks", "tests")
 
 
@@ -40,11 +42,11 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST):
+def _import_nodes(tree: ast.AST, type_only: bool = False):
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -52,11 +54,12 @@ def _import_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of ours that ``name`` imports (``from pkg import sub`` is an import of ``pkg.sub``)."""
+def imports_of(name: str, path: Path, modules: dict[str, Path], type_only: bool = False) -> set[str]:
+    """The modules of ours that ``name`` imports (``from pkg import sub`` is an import of ``pkg.sub``);
+    ``type_only``: those under ``if TYPE_CHECKING:`` too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), type_only):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -73,9 +76,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
     modules = module_files()
-    return {name: imports_of(name, path, modules) for name, path in modules.items()
+    return {name: imports_of(name, path, modules, type_only) for name, path in modules.items()
             if name.split(".")[0] in PACKAGES}
 
 
@@ -86,8 +89,10 @@ def forbidden(importer: str, imported: str) -> str | None:
         return f"the package imports {high}/ (scripts and tests build on the package, not the reverse)"
     if low == "engine" and high in ("agentrt", "router"):
         return "engine/ imports nothing of ours above it"
-    if low == "agentrt" and high == "router" and importer != "agentrt.cli":
+    if low == "agentrt" and high == "router":
         return "the serving core (agentrt/) does not import the multi-worker layer (router/)"
+    if high == "agentrt_cli" and low != "agentrt_cli":
+        return "nothing imports the command (agentrt_cli/): it stands above every package"
     return None
 
 
@@ -151,6 +156,13 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_no_type_only_import_loops():
+    """Imports for annotations only (``if TYPE_CHECKING:``) close no circle either: two modules that
+    name each other's types belong together, or the type belongs in a module below both."""
+    found = cycles(import_graph(type_only=True))
+    assert not found, "import cycles through TYPE_CHECKING imports:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
 def test_the_checker_sees_what_it_must():
     """The checker itself: a lazy import inside a function counts, a TYPE_CHECKING import does not,
     ``from pkg import sub`` names the submodule, and a two-module circle is found."""
@@ -163,9 +175,11 @@ def test_the_checker_sees_what_it_must():
     tree_path.write_text(src)
     try:
         assert imports_of("engine.a", tree_path, modules) == {"agentrt.x"}
+        assert imports_of("engine.a", tree_path, modules, type_only=True) == {"agentrt.x", "engine.b"}
     finally:
         tree_path.unlink()
     assert forbidden("engine.a", "agentrt.x") and forbidden("agentrt.server", "router.core")
-    assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt.cli", "router.commands")
+    assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt_cli", "router.commands")
+    assert forbidden("agentrt.cli", "router.commands") and forbidden("router.commands", "agentrt_cli")
     assert not forbidden("router.core", "agentrt.errors")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from agentrt.bench.driver import CallFailed, ChatDriver, SessionDriver, auth_headers, served_model
+from agentrt.bench.driver import CallFailed, CallResult, ChatDriver, SessionDriver, auth_headers, served_model
 from agentrt.bench.progress import bar
 from agentrt.bench.workload import SessionPlan, WorkloadSpec
 
@@ -69,6 +69,33 @@ def _stop_check(stop_at: float | None) -> bool:
     return stop_at is not None and time.perf_counter() >= stop_at
 
 
+def _call_record(plan: SessionPlan, t: int, called: float, r: CallResult, max_tokens: int) -> dict:
+    """One completed call of a session, as the run's JSON keeps it."""
+    return {"session": plan.index, "turn": t, "agent": plan.agent, "start_s": called, "end_s": called + r.e2e_s,
+            "ok": True, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "tpot_s": r.tpot_s, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens, "max_tokens": max_tokens}
+
+
+def _record_failure(result: RunResult, plan: SessionPlan, t: int, called: float, ended: float, exc: Exception,
+                    progress) -> None:
+    """A call failed: recorded, and it and the session's calls never sent after it counted as done."""
+    result.calls.append({"session": plan.index, "turn": t, "agent": plan.agent, "start_s": called,
+                         "end_s": ended, "ok": False, "error": str(exc)})
+    progress.update(len(plan.turns) - t)
+    result.calls_failed += 1
+    progress.set_postfix(failed=result.calls_failed, refresh=False)
+
+
+async def _close_quietly(sess) -> None:
+    """Delete the run's session, if any, within 10 s (the run's figures do not depend on it)."""
+    if sess is None:
+        return
+    try:
+        await asyncio.wait_for(sess.close(), timeout=10.0)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        pass
+
+
 async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, tokenizer, http, client,
                        model: str, t0: float, stop_at: float | None, result: RunResult, progress) -> None:
     due = t0 + plan.arrival_s
@@ -103,21 +130,13 @@ async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, 
                     history.append({"role": "user", "content": text})
                     r = await chat.call(system + history, turn.max_tokens)
             except CallFailed as exc:
-                result.calls.append({"session": plan.index, "turn": t, "agent": plan.agent, "start_s": called,
-                                     "end_s": time.perf_counter() - t0, "ok": False, "error": str(exc)})
-                progress.update(len(plan.turns) - t)  # this call and the ones never sent after it
-                result.calls_failed += 1
-                progress.set_postfix(failed=result.calls_failed, refresh=False)
+                _record_failure(result, plan, t, called, time.perf_counter() - t0, exc, progress)
                 ok = False
                 break
             in_call = False
             history.append({"role": "assistant", "content": r.reply})
             context_tokens = (r.prompt_tokens or 0) + r.completion_tokens
-            result.calls.append({"session": plan.index, "turn": t, "agent": plan.agent, "start_s": called,
-                                 "end_s": called + r.e2e_s, "ok": True, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
-                                 "tpot_s": r.tpot_s, "prompt_tokens": r.prompt_tokens,
-                                 "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
-                                 "max_tokens": turn.max_tokens})
+            result.calls.append(_call_record(plan, t, called, r, turn.max_tokens))
             progress.update(1)
             done += 1
             if t + 1 < len(plan.turns) and turn.think_s > 0:
@@ -128,11 +147,7 @@ async def _run_session(plan: SessionPlan, spec: WorkloadSpec, opts: RunOptions, 
         result.turns_cut += 1 if in_call else 0
         raise
     finally:
-        if sess is not None:
-            try:
-                await asyncio.wait_for(sess.close(), timeout=10.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                pass  # the run's figures do not depend on deleting the session
+        await _close_quietly(sess)
         end = time.perf_counter() - t0
         result.sessions.append({"session": plan.index, "agent": plan.agent, "arrival_s": plan.arrival_s,
                                 "start_s": start, "end_s": end, "jct_s": end - start, "calls": done,

@@ -45,6 +45,19 @@
     return el("td", {"data-field": field, "data-value": raw(value), "class": cls}, text);
   }
 
+  function waitingCell(load) {
+    // the queue by priority class ("<high|normal|low>/<new|started>" -> requests): later turns of started
+    // sessions beside new sessions' first turns, which an overloaded engine sheds first
+    const by = load.waiting_by_priority || {};
+    let started = 0;
+    for (const [k, n] of Object.entries(by)) if (k.endsWith("/started")) started += n;
+    const td = cell("waiting", load.waiting, fmtInt(load.waiting) +
+                    (load.waiting ? " (" + fmtInt(started) + " started)" : ""), "num");
+    td.setAttribute("data-by-priority", JSON.stringify(by));
+    td.title = Object.keys(by).sort().map(function (k) { return k + " " + by[k]; }).join(", ");
+    return td;
+  }
+
   function setText(id, text) { document.getElementById(id).textContent = text; }
 
   function replaceBody(tableId, rows) {
@@ -83,7 +96,7 @@
         el("td", {"data-field": "id", "title": w.url || ""}, w.id),
         cell("state", w.state, w.state, "state-" + w.state),
         cell("running", load.running, fmtInt(load.running), "num"),
-        cell("waiting", load.waiting, fmtInt(load.waiting), "num"),
+        waitingCell(load),
         cell("in_flight", inFlight, fmtInt(inFlight), "num"),
         kvCell(w.kv),
         cell("cached_blocks", w.cached_blocks, fmtInt(w.cached_blocks), "num"),
@@ -196,6 +209,24 @@
                                   values: pts.map(function (p) { return p.hit_rate; })}], 1, fmtPct);
   }
 
+  function drawSLO(s) {
+    const slo = s.slo, m = slo.last_minute;
+    setText("slo-targets", "(first token within " + fmtMs(slo.ttft_s) + ", " + fmtMs(slo.tpot_s) +
+            " per output token)");
+    document.getElementById("slo-summary").replaceChildren(
+      el("span", {"data-field": "goodput_sessions_per_min", "data-value": raw(m.goodput_sessions_per_min)},
+         "goodput " + (m.goodput_sessions_per_min === null ? "–" : m.goodput_sessions_per_min.toFixed(1)) +
+         " sessions/min"),
+      el("span", {"data-field": "sessions_in_slo", "data-value": raw([m.sessions_in_slo, m.sessions_ended])},
+         fmtInt(m.sessions_in_slo) + " of " + fmtInt(m.sessions_ended) + " ended sessions within SLO"),
+      el("span", {"data-field": "requests_in_slo_ratio", "data-value": raw(m.requests_in_slo_ratio)},
+         "requests within SLO " + fmtPct(m.requests_in_slo_ratio)),
+      el("span", {"class": "muted"}, "last minute"));
+    drawChart("chart-slo", s.series.points, [{name: "requests within SLO", color: "#8250df",
+                                              values: s.series.points.map(function (p) { return p.slo_ratio; })}],
+              1, fmtPct);
+  }
+
   function draw(s) {
     setText("mode", (s.mode === "router" ? "router" : "agentrt serve") + " · " + s.workers.length + " worker" +
             (s.workers.length === 1 ? "" : "s"));
@@ -204,6 +235,7 @@
     drawSessions(s);
     drawRouting(s);
     drawCharts(s);
+    drawSLO(s);
     const updated = document.getElementById("updated");
     updated.textContent = "updated " + new Date(s.generated_at * 1000).toLocaleTimeString();
     updated.setAttribute("data-updated", String(s.generated_at));

@@ -105,6 +105,45 @@ FIELDS: dict[str, dict[str, Rule]] = {
 }
 
 
+# the sliding-window families (engine/loader/hf_families.py reads them; it also checks what depends on
+# several fields: layer_types against sliding_window, each RoPE parameter set, top-k against the experts)
+_FAMILY = {k: v for k, v in _DENSE.items() if k not in ("hidden_act", "sliding_window")}
+_FAMILY.update({"rope_parameters": HONOURED, "sliding_window": HONOURED, "layer_types": HONOURED})
+FIELDS["gemma3"] = {
+    **_FAMILY, "rope_local_base_freq": HONOURED, "sliding_window_pattern": HONOURED,
+    "query_pre_attn_scalar": HONOURED, "final_logit_softcapping": HONOURED,
+    "attention_bias": _equals(False, "Gemma 3 has no attention biases"),
+    "use_bidirectional_attention": lambda v, cfg: None if not v else "only causal attention is implemented",
+    # transformers' Gemma 3 stores it but never applies it: honouring it would not be the model
+    "attn_logit_softcapping": _equals(None, "transformers' Gemma 3 never applies it"),
+    "hidden_activation": _equals("gelu_pytorch_tanh", "GeGLU with the tanh GELU"),
+    "cache_implementation": IRRELEVANT,   # generation's cache class ("hybrid")
+    # transformers 5 writes its private copy of sliding_window_pattern next to layer_types and never reads it
+    "_sliding_window_pattern": IRRELEVANT,
+}
+FIELDS["gpt_oss"] = {
+    **_FAMILY, "num_local_experts": HONOURED, "num_experts_per_tok": HONOURED, "swiglu_alpha": HONOURED,
+    "swiglu_limit": HONOURED, "attention_bias": _equals(True, "gpt-oss has q/k/v/o biases"),
+    # transformers' GptOss never reads hidden_act (its experts' clamped SwiGLU is fixed) nor the original
+    # release's initial_context_length (rope_scaling carries the original length)
+    "hidden_act": IRRELEVANT, "initial_context_length": IRRELEVANT,
+    "experts_per_token": lambda v, cfg: (None if v == cfg.get("num_experts_per_tok") else
+                                         f"differs from num_experts_per_tok ({cfg.get('num_experts_per_tok')!r}), "
+                                         "which transformers routes with"),
+    "output_router_logits": IRRELEVANT, "router_aux_loss_coef": IRRELEVANT,
+    "quantization_config": lambda v, cfg: _mxfp4(v),
+}
+
+
+def _mxfp4(value) -> str | None:
+    """The released checkpoints' MXFP4 experts, decoded at load (engine/loader/mxfp4.py); which tensors are
+    packed is told by their names (``*_blocks`` / ``*_scales``), so ``modules_to_not_convert`` changes nothing."""
+    if isinstance(value, dict) and value.get("quant_method") == "mxfp4" and set(value) <= {"quant_method",
+                                                                                           "modules_to_not_convert"}:
+        return None
+    return "only gpt-oss's MXFP4 experts (quant_method 'mxfp4') are read"
+
+
 def check_fields(rules: dict[str, Rule], cfg: dict, source: str, family: str,
                  kind: str = "config.json field", prefix: str = "") -> None:
     """Raise ValueError naming the first field of ``cfg`` (``prefix`` + key in the message) that ``rules``

@@ -11,15 +11,15 @@ divisors) and Phi-3's longrope as ``rope_factors_short`` / ``rope_factors_long``
 from __future__ import annotations
 
 from engine.loader.arch_fields import HONOURED, IRRELEVANT, check_fields
+from engine.loader.gguf_families import FAMILY_ARCHS, family_config
 from engine.loader.gguf_file import dequantize
 from engine.loader.model_config import ModelConfig
 
 # GGUF architecture -> our family
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
+            **FAMILY_ARCHS}
 UNSUPPORTED = {"deepseek2": "multi-head latent attention (MLA) is not implemented (DeepSeek, Kimi K2)",
-               "glm4": "the GLM architecture is not implemented", "glm4moe": "the GLM architecture is not implemented",
-               "gemma3": "Gemma 3 is implemented for Hugging Face directories only (Gemma3ForCausalLM), not GGUF",
-               "gpt-oss": "gpt-oss is implemented for Hugging Face directories only (GptOssForCausalLM), not GGUF"}
+               "glm4": "the GLM architecture is not implemented", "glm4moe": "the GLM architecture is not implemented"}
 
 
 def _scaling_type(value, cfg):
@@ -50,10 +50,14 @@ _COMMON = {
     "rope.scaling.finetuned": IRRELEVANT, "attention.sliding_window": _window,
     "_arch": IRRELEVANT,
 }
+_EXPERTS = {"expert_count": HONOURED, "expert_used_count": HONOURED, "expert_feed_forward_length": HONOURED}
 FIELDS = {
     "llama": _COMMON, "qwen2": _COMMON, "qwen3": _COMMON, "phi3": _COMMON,
-    "qwen3moe": {**_COMMON, "expert_count": HONOURED, "expert_used_count": HONOURED,
-                 "expert_feed_forward_length": HONOURED, "expert_weights_norm": HONOURED},
+    "qwen3moe": {**_COMMON, **_EXPERTS, "expert_weights_norm": HONOURED},
+    # engine/loader/gguf_families.py: the window slides on llama.cpp's fixed pattern of layers
+    "gemma3": {**_COMMON, "attention.sliding_window": HONOURED, "final_logit_softcapping": HONOURED,
+               "rope.freq_base_swa": HONOURED},
+    "gpt-oss": {**_COMMON, **_EXPERTS, "attention.sliding_window": HONOURED},
 }
 
 
@@ -110,6 +114,9 @@ def config_from_gguf(reader, source: str) -> ModelConfig:
     def f(key, default=None):
         return reader.fields.get(f"{arch}.{key}", default)
 
+    if arch in FAMILY_ARCHS:   # Gemma 3, gpt-oss: engine/loader/gguf_families.py
+        shapes = {t.name: t.shape for t in reader.tensors}
+        return family_config(arch, f, shapes, gguf_rope(reader, arch, f), source)
     n_head = int(f("attention.head_count"))
     hidden = int(f("embedding_length"))
     head_dim = int(f("attention.key_length", hidden // n_head))

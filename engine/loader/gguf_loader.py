@@ -1,4 +1,5 @@
-"""Load a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3): weights (dequantized), config, tokenizer, template."""
+"""Load a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3, gemma3, gpt-oss): weights (dequantized), config,
+tokenizer, template."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import torch
 
 from engine.loader.gguf_arch import config_from_gguf
+from engine.loader.gguf_families import FAMILY_ARCHS, family_state
 from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.progress import load_bar
 from engine.models.qmatmul import Q8Blocks
@@ -76,15 +78,29 @@ def _unpermute_rows(out_dim: int, n_head: int) -> torch.Tensor:
     return torch.arange(out_dim).reshape(n_head, hd // 2, 2).transpose(1, 2).reshape(out_dim)
 
 
+# tokenizer.ggml.pre values engine.tokenizer.tokenizer_from_gguf_fields reproduces (GPT-2's regex, digits
+# split one by one for some); others (gpt-oss's "gpt-4o", ...) split text differently and are refused
+_BPE_PRE = ("default", "gpt2", "smollm", "qwen2", "llama-bpe", "deepseek-llm", "starcoder")
+
+
 def gguf_tokenizer(reader) -> Tokenizer:
-    """The tokenizer and chat template from a GGUF file's metadata (no tensors are read)."""
+    """The tokenizer and chat template from a GGUF file's metadata (no tensors are read). Byte-level BPE
+    (``tokenizer.ggml.model`` gpt2) only: SentencePiece files (``llama``: Gemma 3's, Phi-3's) are refused."""
+    model, pre = _field(reader, "tokenizer.ggml.model", "gpt2"), _field(reader, "tokenizer.ggml.pre", "default")
+    if model != "gpt2":
+        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.model' = {model!r} is not supported: only "
+                         "byte-level BPE ('gpt2') tokenizers are read from GGUF files (load the Hugging Face "
+                         "directory instead)")
+    if pre not in _BPE_PRE:
+        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.pre' = {pre!r} is not supported: its "
+                         f"pre-tokenizer is not implemented (implemented: {list(_BPE_PRE)})")
     eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     hf = tokenizer_from_gguf_fields(
         tokens=list(_field(reader, "tokenizer.ggml.tokens")),
         merges=list(_field(reader, "tokenizer.ggml.merges")),
         token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
-        pre=_field(reader, "tokenizer.ggml.pre", "default"))
+        pre=pre)
     return Tokenizer(hf=hf, chat_template=_field(reader, "tokenizer.chat_template"),
                      bos_token_id=int(bos) if bos is not None else None, eos_token_ids=(eos,),
                      add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
@@ -104,7 +120,17 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     ``quantization="gguf"``)."""
     reader = GGUFFile(path)
     cfg = config_from_gguf(reader, path)
+    tokenizer = gguf_tokenizer(reader)   # before the weights: a refused tokenizer costs no dequantization
     arch = reader.fields["general.architecture"]
+    if arch in FAMILY_ARCHS:   # Gemma 3, gpt-oss: their own layouts, read as float (no 4-bit groups kept)
+        with load_bar([path], f"loading {os.path.basename(path)}") as progress:
+            tensors = {}
+            for t in reader.tensors:   # in the model dtype as read (norms float32: Gemma's 1 + w comes off first)
+                progress.update(int(t.n_bytes))
+                if t.name not in _ROPE_TENSORS:
+                    arr = dequantize(t)
+                    tensors[t.name] = arr if t.name.endswith("norm.weight") else arr.to(dtype)
+        return cfg, family_state(arch, tensors, dtype), tokenizer
     names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     # llama.cpp's converter interleaves q/k rows for llama only (the others use NEOX-style RoPE)
     permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}
@@ -132,7 +158,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
             int4_groups[key] = Q8Blocks.from_blocks(*q8_blocks(t), arr.shape[0])
         state[key] = arr.to(dtype)
     progress.close()
-    return cfg, state, gguf_tokenizer(reader)
+    return cfg, state, tokenizer
 
 
 def _hf_name(path: str, name: str, names: dict, permuted: dict) -> tuple[str, int | None]:

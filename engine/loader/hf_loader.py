@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.loader.arch_fields import FIELDS, check_fields
 from engine.loader.hf_families import FAMILY_ARCHITECTURES, family_config, mistral_windows
 from engine.loader.model_config import ModelConfig
+from engine.loader.mxfp4 import decode_mxfp4_state
 from engine.loader.progress import load_bar
 from engine.tokenizer import Tokenizer
 
@@ -141,11 +142,15 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32):
     if cfg.moe:
         from engine.moe.checkpoint import SafetensorsDict
         return cfg, SafetensorsDict(path), load_hf_tokenizer(path, raw)
+    mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"   # gpt-oss's released experts
     state: dict[str, torch.Tensor] = {}
     with load_bar(files, f"loading {os.path.basename(os.path.normpath(path))}") as progress:
         for f in files:
-            state.update({k: v.to(dtype) for k, v in load_file(f).items()})
+            tensors = load_file(f)
+            state.update(tensors if mxfp4 else {k: v.to(dtype) for k, v in tensors.items()})
             progress.update(os.path.getsize(f))
+    if mxfp4:
+        state = decode_mxfp4_state(state, dtype)
     return cfg, state, load_hf_tokenizer(path, raw)
 
 

@@ -2,7 +2,9 @@
 
 Where it differs from the Llama skeleton (engine/models/llama.py), as transformers computes it:
 - local (sliding) and global layers interleave (``ModelConfig.sliding_windows``), and each kind has
-  its own RoPE base (``local_rope_theta`` 10k, ``global_rope_theta`` 1M): one table per kind a step;
+  its own RoPE (``local_rope``: base 10k; ``global_rope``: base 1M, linear factor 8 in the 4B+
+  checkpoints; any type of engine/models/rope.py, as transformers' per-layer-type RoPE): one table per
+  kind a step;
 - sandwich norms: ``x + post_attn_norm(attn(in_norm(x)))``, then ``x + post_ffw_norm(mlp(pre_ffw_norm(x)))``;
 - every RMSNorm (q/k norms too) scales by ``1 + w``: folded into the weight once at load, in float32,
   the same products as transformers' ``norm(x.float()) * (1.0 + w.float())``;
@@ -50,10 +52,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
-    """The global layers' RoPE and the local (sliding) layers' one, each with its own base."""
-    s = cfg.family_settings
-    return (RotaryEmbedding(dataclasses.replace(cfg, rope_theta=s["global_rope_theta"])),
-            RotaryEmbedding(dataclasses.replace(cfg, rope_theta=s["local_rope_theta"])))
+    """The global layers' RoPE and the local (sliding) layers' one, each with its own base and scaling."""
+    (g_theta, g_scaling), (l_theta, l_scaling) = cfg.family_settings["global_rope"], cfg.family_settings["local_rope"]
+    return (RotaryEmbedding(dataclasses.replace(cfg, rope_theta=g_theta, rope_scaling=g_scaling)),
+            RotaryEmbedding(dataclasses.replace(cfg, rope_theta=l_theta, rope_scaling=l_scaling)))
 
 
 class Gemma3Model(LlamaModel):

@@ -8,8 +8,10 @@ The Llama skeleton (engine/models/llama.py) with, as transformers computes it:
   with biases, and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``,
   ``g = clamp(gate, max=l)``.
 
-RoPE here is the default (un-scaled) one: the loader refuses gpt-oss's ``yarn`` until
-engine/models/rope.py (the families branch) provides it.
+RoPE is ``ModelConfig.rope_scaling``'s (engine/models/rope.py): the released checkpoints' ``yarn``
+(factor 32, beta_fast 32, beta_slow 1, original length 4096, ``truncate`` false, so the ramp's ends are
+not rounded) with its attention factor ``0.1 ln(32) + 1`` on cos and sin, as transformers computes it.
+transformers' GptOss rotates the two halves of each head (``_apply_rotary_emb``): rotate-half RoPE.
 """
 
 from __future__ import annotations

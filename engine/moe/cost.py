@@ -15,15 +15,10 @@ Works on numpy arrays: a placement search calls these thousands of times.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from engine.moe.config import Topology
 from engine.moe.stats import ExpertStats
-
-if TYPE_CHECKING:  # an annotation only: placement.py calls into this module
-    from engine.moe.placement import LayerPlacement
 
 
 def replica_counts(phy2log: np.ndarray, num_experts: int, world_size: int) -> np.ndarray:
@@ -92,11 +87,6 @@ def sends_from_fractions(d: np.ndarray, source: np.ndarray, coact: np.ndarray, t
     return out[0], out[1]
 
 
-def expected_load(layer: LayerPlacement, stats: ExpertStats) -> np.ndarray:
-    m = replica_counts(layer.phy2log.numpy(), layer.num_experts, layer.world_size)
-    return load_from_fractions(routing_fractions(m, layer.topology, layer.replica_policy), stats.source.numpy())
-
-
 def sends_per_token(d: np.ndarray, stats: ExpertStats, topology: Topology) -> tuple[float, float]:
     """Expected sends per token: from the token sample when ``stats`` has one, else pairwise."""
     if stats.sample_ids is not None and len(stats.sample_ids):
@@ -105,27 +95,3 @@ def sends_per_token(d: np.ndarray, stats: ExpertStats, topology: Topology) -> tu
     a, b = sends_from_fractions(d, stats.source.numpy(), stats.coact.numpy(), topology, k)
     t = max(stats.tokens, 1.0)
     return a / t, b / t
-
-
-def simulate_dispatch(layer: LayerPlacement, topk_ids, src_rank, token_index=None) -> dict[str, float]:
-    """Exact dispatch counts for given tokens, without communication (what ``ep.py`` would
-    send): rows (one per token and destination rank) and token->expert pairs that leave the
-    rank / node, and pairs served per rank. topk_ids [T, k], src_rank [T]."""
-    import torch
-
-    src = torch.as_tensor(src_rank, dtype=torch.long)
-    phys = layer.choose_replica(topk_ids, src, token_index)  # (T, k)
-    dest = phys // layer.slots_per_rank  # (T, k)
-    rpn = layer.topology.ranks_per_node
-    t = topk_ids.shape[0]
-    rows = torch.unique(torch.arange(t)[:, None] * layer.world_size + dest)  # one per (token, dest)
-    row_src, row_dest = src[rows // layer.world_size], rows % layer.world_size
-    return {
-        "tokens": float(t),
-        "pairs": float(dest.numel()),
-        "rows_off_rank": float((row_dest != row_src).sum()),
-        "rows_off_node": float((row_dest // rpn != row_src // rpn).sum()),
-        "pairs_off_rank": float((dest != src[:, None]).sum()),
-        "pairs_off_node": float((dest // rpn != src[:, None] // rpn).sum()),
-        "load": torch.bincount(dest.reshape(-1), minlength=layer.world_size).double().numpy(),
-    }

@@ -21,9 +21,11 @@ import importlib
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from engine.moe.config import Topology
+from engine.moe.cost import load_from_fractions, replica_counts, routing_fractions
 from engine.moe.stats import ExpertStats
 
 REPLICA_POLICIES = ("hash", "locality")
@@ -149,7 +151,6 @@ class Placement:
     def score(self, layer: LayerPlacement, stats: ExpertStats) -> float:
         """How good ``layer`` is for ``stats`` (lower is better); the rebalancer compares
         plans with it. Default: expected max/mean rank load."""
-        from engine.moe.cost import expected_load
 
         load = expected_load(layer, stats)
         return float(load.max() / max(load.mean(), 1e-12))
@@ -185,3 +186,32 @@ def get_placement(name: str, **kwargs) -> Placement:
         raise ValueError(f"unknown placement {name!r}; choose from {placement_names()}")
     module, cls = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def expected_load(layer: LayerPlacement, stats: ExpertStats) -> np.ndarray:
+    m = replica_counts(layer.phy2log.numpy(), layer.num_experts, layer.world_size)
+    return load_from_fractions(routing_fractions(m, layer.topology, layer.replica_policy), stats.source.numpy())
+
+
+def simulate_dispatch(layer: LayerPlacement, topk_ids, src_rank, token_index=None) -> dict[str, float]:
+    """Exact dispatch counts for given tokens, without communication (what ``ep.py`` would
+    send): rows (one per token and destination rank) and token->expert pairs that leave the
+    rank / node, and pairs served per rank. topk_ids [T, k], src_rank [T]."""
+    import torch
+
+    src = torch.as_tensor(src_rank, dtype=torch.long)
+    phys = layer.choose_replica(topk_ids, src, token_index)  # (T, k)
+    dest = phys // layer.slots_per_rank  # (T, k)
+    rpn = layer.topology.ranks_per_node
+    t = topk_ids.shape[0]
+    rows = torch.unique(torch.arange(t)[:, None] * layer.world_size + dest)  # one per (token, dest)
+    row_src, row_dest = src[rows // layer.world_size], rows % layer.world_size
+    return {
+        "tokens": float(t),
+        "pairs": float(dest.numel()),
+        "rows_off_rank": float((row_dest != row_src).sum()),
+        "rows_off_node": float((row_dest // rpn != row_src // rpn).sum()),
+        "pairs_off_rank": float((dest != src[:, None]).sum()),
+        "pairs_off_node": float((dest // rpn != src[:, None] // rpn).sum()),
+        "load": torch.bincount(dest.reshape(-1), minlength=layer.world_size).double().numpy(),
+    }

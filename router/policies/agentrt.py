@@ -172,6 +172,27 @@ class AgentrtPolicy(RoutingPolicy):
         self._fleet = AgentrtFleet(self)
         return self._fleet
 
+    def _within_bound(self, fleet: "AgentrtFleet") -> tuple[float, bool, int]:
+        """The overload bound over the fleet's mean load, whether every worker is past it (then ``ok`` is
+        all of them), and how many workers of the fleet's (load, id) order are ``ok``."""
+        size, by_load = len(fleet._states), fleet._by_load
+        if not size:
+            raise NoWorkerAvailable("no live worker to route to")
+        mean = fleet.load_sum() / size
+        bound = max(self.overload_rel * mean, mean + self.overload_abs_tokens)
+        none_ok = by_load[0][0] > bound
+        return bound, none_ok, size if none_ok else bisect_right(by_load, bound, key=_first)
+
+    @staticmethod
+    def _weighed(fleet: "AgentrtFleet", matched: Mapping[str, int], tiered: Mapping[str, tuple[int, int]],
+                 ids: Sequence[str | None]) -> list[WorkerState]:
+        """The states of the live workers among ``ids`` (the chosen one first), each once."""
+        seen: list[str] = []
+        for w in ids:
+            if w is not None and w not in seen and w in fleet._states:
+                seen.append(w)
+        return [fleet.state(w, matched.get(w, 0), tiered.get(w)) for w in seen]
+
     def select_fleet(self, request: RouteRequest, fleet: Fleet, matched: Mapping[str, int],
                      tiers: Mapping[str, tuple[int, int]] | None = None,
                      levels: Sequence[tuple[int, Sequence[str]]] | None = None
@@ -193,25 +214,14 @@ class AgentrtPolicy(RoutingPolicy):
         if fleet is not self._fleet:
             return super().select_fleet(request, fleet, matched, tiers, levels)
         assert isinstance(fleet, AgentrtFleet)
-        states, loads, by_load = fleet._states, fleet._loads, fleet._by_load
-        size = len(states)
-        if not size:
-            raise NoWorkerAvailable("no live worker to route to")
-        mean = fleet.load_sum() / size
-        bound = max(self.overload_rel * mean, mean + self.overload_abs_tokens)
-        none_ok = by_load[0][0] > bound  # every worker overloaded: ``ok`` is all of them
-        n_ok = size if none_ok else bisect_right(by_load, bound, key=_first)  # by_load[:n_ok]: ``ok``
+        states, loads, size = fleet._states, fleet._loads, len(fleet._states)
+        bound, none_ok, n_ok = self._within_bound(fleet)
         tiered = {w: t for w, t in tiers.items() if (t[0] or t[1]) and w in states and matched.get(w, 0) > 0} \
             if tiers else {}
-
         last = request.last_worker
 
         def weighed(chosen: str, wins: list[tuple[float, str] | None]) -> list[WorkerState]:
-            ids = [chosen]
-            for w in [win[1] for win in wins if win is not None] + [last]:
-                if w not in ids and w in states:
-                    ids.append(w)  # type: ignore[arg-type]
-            return [fleet.state(w, matched.get(w, 0), tiered.get(w)) for w in ids]
+            return self._weighed(fleet, matched, tiered, [chosen] + [w[1] for w in wins if w is not None] + [last])
 
         groups = self._groups(request, states, matched, tiered, levels)
         best = max([g[0] for g in groups])

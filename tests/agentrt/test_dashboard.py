@@ -91,7 +91,7 @@ def test_status_reports_what_metrics_and_usage_report(server, traffic):
     assert (s["mode"], s["model"], s["tenant"], s["scope"]) == ("serve", "SmolLM2-135M-Instruct", "acme", "tenant")
     (w,) = s["workers"]
     assert (w["id"], w["state"], w["url"]) == ("local", "up", None)
-    assert w["load"] == {"running": 0, "waiting": 0, "waiting_tokens": 0, "in_flight": 0}
+    assert w["load"] == {"running": 0, "waiting": 0, "waiting_tokens": 0, "waiting_by_priority": {}, "in_flight": 0}
     dev = w["kv"]["device"]
     assert set(w["kv"]) == {"device"}
     assert dev["pages_total"] == metric(server.url, "agentrt_kv_pages_capacity")
@@ -117,11 +117,25 @@ def test_status_reports_what_metrics_and_usage_report(server, traffic):
     assert all(b["t"] - a["t"] == 5.0 for a, b in zip(points, points[1:]))
     assert sum(p["requests"] for p in points) == 2 and sum(p["ttft_count"] for p in points) == 2
     assert sum(p["prompt_tokens"] for p in points) == prompt and sum(p["cached_tokens"] for p in points) == cached
+    # the latency SLO: each of the two turns met it or missed it, as /metrics counts them
+    slo = {o: _labelled(server.url, f'agentrt_requests_slo_total{{outcome="{o}"}}') for o in ("met", "missed")}
+    assert sum(slo.values()) == 2
+    assert sum(p["slo_met"] for p in points) == slo["met"] and sum(p["slo_missed"] for p in points) == slo["missed"]
+    assert (s["slo"]["ttft_s"], s["slo"]["tpot_s"]) == (2.0, 0.25)
+    assert s["slo"]["last_minute"]["sessions_ended"] == 0  # no session ended yet
     for p in points:
         if p["ttft_count"]:
             assert 0 < p["ttft_p50_s"] <= p["ttft_p95_s"] <= p["ttft_max_s"]
         if p["prompt_tokens"]:
             assert p["hit_rate"] == pytest.approx(p["cached_tokens"] / p["prompt_tokens"])
+
+
+def _labelled(url: str, sample: str) -> float:
+    """A labelled sample of the server's /metrics (0 when absent: a counter no event touched yet)."""
+    try:
+        return metric(url, sample)
+    except KeyError:
+        return 0.0
 
 
 def test_sessions_are_scoped_to_the_callers_tenant(server, traffic):

@@ -63,7 +63,7 @@ def test_ep2_over_http_equals_single_process(checkpoint, start_agentrt_server, t
 
 
 def test_ep_that_does_not_divide_the_experts_fails_at_start(checkpoint):
-    proc = subprocess.run([sys.executable, "-m", "agentrt.cli", "serve", "--model", checkpoint, "--ep-size", "3"],
+    proc = subprocess.run([sys.executable, "-m", "agentrt_cli", "serve", "--model", checkpoint, "--ep-size", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "ep_size=3 must divide the expert slot count: 8 experts + 0 redundant = 8 slots" in proc.stderr

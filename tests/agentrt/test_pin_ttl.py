@@ -138,3 +138,38 @@ def test_the_ttl_is_capped_and_the_history_bounded():
     assert len(model._pauses) == 2 and "a" not in model._pauses
     with pytest.raises(ValueError, match="min_ttl_s <= max_ttl_s"):
         ToolPinTTL(fallback_ttl_s=1.0, max_ttl_s=0.5)
+
+
+def test_a_hinted_pause_is_pinned_through_when_it_fits_and_pays_else_demoted_and_read_back_before_it_ends():
+    from agentrt.pin_ttl import PREFETCH_LEAD_S, PausePlan, prefetch_after
+
+    model = ToolPinTTL(fallback_ttl_s=120.0, max_ttl_s=600.0, min_ttl_s=1.0, slack=0.25)
+    idle, full = (lambda: stats(used=0)), (lambda: stats(used=100))   # noqa: E731
+    # no prefill measured: a pause that fits is taken to pay; one past max_ttl_s cannot be pinned through
+    assert model.plan("s", full, expected_pause_s=40.0) == PausePlan(50.0)
+    assert model.plan("s", idle, expected_pause_s=0.2) == PausePlan(1.0)            # min_ttl_s at least
+    assert model.plan("s", idle, expected_pause_s=3600.0) == PausePlan(0.0, True, 3600.0 - PREFETCH_LEAD_S)
+    # measured: 10 ms a token to recompute, a 1600-token pool. Idle, any pause that fits pays (net = c);
+    # full (p = 1), holding a token for 40 s costs 40/1600 = 25 ms > 10 ms: demote, back 2 s before the end
+    model.observe_prefill(1000, 10.0)
+    assert pin_net(40.0, [40.0], 0.01, 1.0, 1600) == pytest.approx(0.01 - 0.025)
+    assert model.plan("s", idle, expected_pause_s=40.0) == PausePlan(50.0)
+    assert model.plan("s", full, expected_pause_s=40.0) == PausePlan(0.0, True, 38.0)
+    assert model.plan("s", full, expected_pause_s=1.0) == PausePlan(1.25)   # 1/1600 s < 10 ms: pays
+    assert prefetch_after(3.0) == 1.5 and prefetch_after(0.0) == 0.0      # the lead is at most half the pause
+
+
+def test_without_a_hint_a_pause_not_worth_a_pin_is_demoted_and_read_back_at_the_likely_return():
+    from agentrt.pin_ttl import PausePlan, prefetch_after
+
+    model = ToolPinTTL(fallback_ttl_s=120.0, max_ttl_s=600.0, min_ttl_s=1.0, slack=0.25)
+    full = lambda: stats(used=100)   # noqa: E731
+    assert model.plan("s", full) == PausePlan(120.0)           # nothing measured: the fallback, pinned
+    model.observe_prefill(1000, 0.001)                         # recompute almost free
+    for i, pause in enumerate((30.0, 40.0, 50.0, 60.0)):
+        model.tool_call_ended("s", 1000.0 * i)
+        model.turn_started("s", 1000.0 * i + pause)
+    assert model.ttl("s", full) == 1.0                         # no pin is worth it
+    # the likely return: the LIKELY_QUANTILE (a quarter) of its pauses, 40 s of [30, 40, 50, 60]
+    assert model.plan("s", full) == PausePlan(0.0, True, prefetch_after(40.0))
+    assert model.plan("s", lambda: stats(used=0)) == PausePlan(60.0 * 1.25)   # no pressure: pinned through

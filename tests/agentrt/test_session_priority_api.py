@@ -32,6 +32,7 @@ class _Engine:
         self.keys: list = []
         self.params: list = []
         self.overloaded = False
+        self.pins: list = []   # (what, pin id, ttl or None): extend_pin, demote, prefetch calls in order
 
     def constraint(self, options):
         return None
@@ -45,7 +46,13 @@ class _Engine:
         return OneReply(request_id)
 
     def extend_pin(self, pin_id, ttl_s, worker=None):
-        pass
+        self.pins.append(("extend", pin_id, ttl_s))
+
+    def demote(self, pin_id, worker=None):
+        self.pins.append(("demote", pin_id, None))
+
+    def prefetch(self, pin_id, worker=None):
+        self.pins.append(("prefetch", pin_id, None))
 
     def unpin(self, pin_id, worker=None):
         pass
@@ -69,10 +76,10 @@ def model():
     return load_router_model(None)
 
 
-def call(engine: _Engine, model, requests: list[tuple[str, str, dict]]) -> list[httpx.Response]:
-    """Send ``(method, path, body)`` in order to a fresh app over ``engine``; a body may name the id of the
-    session the first request made as ``{sid}`` in its path."""
-    app = assemble_app(ServerConfig(), engine, model)
+def call(engine: _Engine, model, requests: list[tuple[str, str, dict]], **config) -> list[httpx.Response]:
+    """Send ``(method, path, body)`` in order to a fresh app over ``engine`` (``config``: ServerConfig
+    fields); a path may name the id of the session the latest session creation made as ``{sid}``."""
+    app = assemble_app(ServerConfig(**config), engine, model)
 
     async def run() -> list[httpx.Response]:
         out: list[httpx.Response] = []
@@ -179,6 +186,68 @@ def test_session_completion_and_queue_by_priority_are_exported(model):
     assert 'agentrt_engine_waiting_by_priority{priority="normal",session="new"} 2.0' in text
     assert 'agentrt_engine_waiting_by_priority{priority="high",session="started"} 1.0' in text
     assert 'agentrt_engine_waiting_by_priority{priority="low",session="new"} 0.0' in text
+
+
+def test_turns_within_the_latency_slo_and_goodput_are_exported(model):
+    """Each ended generation counts as met or missed against slo_ttft_s / slo_tpot_s; a session that
+    ends (here: deleted) counts as met when every turn was, with the share of its turns in the SLO; the
+    dashboard's last minute says the same. The same traffic under an SLO nobody can meet: all missed."""
+    session = [("POST", "/v1/sessions", {"model": model.model_id}), ("POST", "/v1/sessions/{sid}/turns", TURN),
+               ("POST", "/v1/sessions/{sid}/turns", TURN), ("DELETE", "/v1/sessions/{sid}", None),
+               ("POST", "/v1/chat/completions", {"model": model.model_id, "max_tokens": 4,
+                                                 "messages": TURN["messages"]}),
+               ("POST", "/v1/sessions", {"model": model.model_id}), ("GET", "/metrics", None),
+               ("GET", "/dashboard/status", None)]
+    for config, outcome, other in (({}, "met", "missed"), ({"slo_ttft_s": 1e-9}, "missed", "met")):
+        responses = call(_Engine(), model, session, **config)
+        assert [r.status_code for r in responses] == [201, 200, 200, 200, 200, 201, 200, 200]
+        text = responses[-2].text
+        assert f'agentrt_requests_slo_total{{outcome="{outcome}"}} 3.0' in text  # two turns and the chat call
+        assert f'agentrt_requests_slo_total{{outcome="{other}"}}' not in text
+        assert f'agentrt_sessions_ended_total{{slo="{outcome}"}} 1.0' in text  # the session still open: not yet
+        assert "agentrt_session_turns_in_slo_ratio_count 1.0" in text
+        assert f"agentrt_session_turns_in_slo_ratio_sum {1.0 if outcome == 'met' else 0.0}" in text
+        slo = responses[-1].json()["slo"]
+        assert (slo["ttft_s"], slo["tpot_s"]) == (config.get("slo_ttft_s", 2.0), 0.25)
+        last = slo["last_minute"]
+        assert (last["requests"], last["requests_in_slo"], last["sessions_ended"]) == \
+            (3, 3 if outcome == "met" else 0, 1)
+        assert last["sessions_in_slo"] == (1 if outcome == "met" else 0)
+        assert last["goodput_sessions_per_min"] == last["sessions_in_slo"]  # per minute over the last minute
+        assert last["requests_in_slo_ratio"] == (1.0 if outcome == "met" else 0.0)
+
+
+def test_an_announced_long_pause_demotes_the_turns_kv_and_reads_it_back_before_the_pause_ends(model):
+    """``expected_pause_s`` past what max_pin_ttl_s can pin through: the turn's pin is demoted (to the KV
+    tiers) when the turn is recorded and read back by the sweep once the pause is near its end (2 s
+    pause, lead half of it: after 1 s), never before; a short announced pause is pinned through."""
+    import time
+
+    engine = _Engine()
+    app = assemble_app(ServerConfig(max_pin_ttl_s=1.0, pin_ttl_s=1.0, pin_ttl_tool_s=1.0), engine, model)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            sid = (await http.post("/v1/sessions", json={"model": model.model_id})).json()["id"]
+            bad = await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": -1})
+            assert bad.status_code == 400 and "expected_pause_s" in bad.text
+            await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": 2.0})
+            (what, pin, _), = engine.pins
+            assert what == "demote"
+            ended = time.time()
+            await app.state.sessions.sweep()
+            assert len(engine.pins) == 1   # not due yet
+            await asyncio.sleep(max(0.0, ended + 1.05 - time.time()))
+            await app.state.sessions.sweep()
+            assert engine.pins[1:] == [("prefetch", pin, None)]
+            await app.state.sessions.sweep()
+            assert len(engine.pins) == 2   # read back once
+            await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": 0.5})
+            assert engine.pins[2][0] == "extend" and engine.pins[2][2] == 1.0   # 0.5 s (+25%), at least 1 s
+            return (await http.get("/metrics")).text
+
+    text = asyncio.run(run())
+    assert "agentrt_session_kv_demotions_total 1.0" in text and "agentrt_session_kv_prefetches_total 1.0" in text
 
 
 def test_a_tenants_weight_is_read_from_the_tenants_file_and_sent_with_its_requests(tmp_path, model):

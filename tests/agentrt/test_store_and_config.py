@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from agentrt.cli import build_parser
+from agentrt_cli import build_parser
 import dataclasses
 
 from agentrt.config import (MODEL_FIELDS, ConfigError, EngineSettings, ModelSettings, RouterServerConfig, ServerConfig,

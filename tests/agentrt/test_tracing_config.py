@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from agentrt import tracing
-from agentrt.cli import main
+from agentrt_cli import main
 from agentrt.config import ConfigError, ServerConfig
 from engine.request import Request
 from engine.types import SamplingParams

@@ -103,7 +103,7 @@ def test_duration_bounds_a_long_run(agentrt_server, tmp_path, tokenizer):
     assert sum(p.arrival_s >= duration for p in plans) == 2 and sum(p.n_calls for p in plans) == 38
     out = tmp_path / "bounded.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "bench", "--target", url, *flags, "--duration", str(duration),
+        [sys.executable, "-m", "agentrt_cli", "bench", "--target", url, *flags, "--duration", str(duration),
          "--grace", "25", "--json", str(out), "--price-per-worker-hour", "2.0", "--slo-ttft-s", "60",
          "--slo-tpot-s", "10"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

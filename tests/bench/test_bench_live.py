@@ -55,7 +55,7 @@ def _check_tiny_bench(url: str, tmp_path) -> None:
     before = _counters(url)
     out = tmp_path / "tiny.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "bench", "--target", url, "--preset", "tiny", "--sessions", "2",
+        [sys.executable, "-m", "agentrt_cli", "bench", "--target", url, "--preset", "tiny", "--sessions", "2",
          "--json", str(out), "--price-per-worker-hour", "2.0", "--slo-ttft-s", "60", "--slo-tpot-s", "10",
          "--no-progress", "--no-estimate"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

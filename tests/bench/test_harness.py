@@ -74,7 +74,7 @@ def test_git_state_sees_commit_dirty_tree_and_diff(tmp_path):
 def test_header_has_exactly_the_documented_keys(tmp_path):
     args = argparse.Namespace(json=tmp_path / "out" / "r.json", repeats=2, order="alternate")
     run = harness.Run(args, "benchmarks/speculative.py", argv=["--quick"])
-    run.add_server("agentrt", ["python", "-m", "agentrt.cli", "serve", "--port", "1", "--dtype", "float32"],
+    run.add_server("agentrt", ["python", "-m", "agentrt_cli", "serve", "--port", "1", "--dtype", "float32"],
                    harness.non_default_flags(["--port", "1", "--dtype", "float32"]))
     result = run.write({"figures": {"x": 1}}, kernels={"decode_attention": True, "layer_ops": False})
     on_disk = json.loads(args.json.read_text())
@@ -90,7 +90,7 @@ def test_header_has_exactly_the_documented_keys(tmp_path):
     assert h["machine"]["cores_usable"] >= 1
     assert set(h["torch"]) == {"version", "threads"} and set(h["env"]) == {"OMP_WAIT_POLICY", "OMP_NUM_THREADS"}
     assert h["kernels"] == {"decode_attention": True, "layer_ops": False} and h["engine"] is None
-    assert h["servers"] == [{"name": "agentrt", "cmd": ["python", "-m", "agentrt.cli", "serve", "--port", "1",
+    assert h["servers"] == [{"name": "agentrt", "cmd": ["python", "-m", "agentrt_cli", "serve", "--port", "1",
                                                         "--dtype", "float32"],
                              "non_default_flags": {"--dtype": "float32"}}]
 

@@ -1,8 +1,10 @@
 """Write a transformers model as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does for its
 architecture: the ``gguf`` package's writer, llama.cpp's tensor names (gguf.constants.TENSOR_NAMES) and
 metadata keys, q/k rows interleaved for llama, llama3 RoPE as a ``rope_freqs`` tensor, Phi-3's longrope
-as ``rope_factors_short`` / ``rope_factors_long`` + attention factor. Float32 tensors (no quantization),
-so the GGUF model is the checkpoint's model. A test helper: the oracle our GGUF loader is checked with."""
+as ``rope_factors_short`` / ``rope_factors_long`` + attention factor; Gemma 3 and gpt-oss as its Gemma3Model
+and GptOssModel write them (``write_family_gguf``: norms stored as 1 + w, gpt-oss's experts split and
+transposed). Float32 tensors (no quantization), so the GGUF model is the checkpoint's model. A test helper:
+the oracle our GGUF loader is checked with."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def _llama3_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
+def _shape_metadata(w, cfg) -> None:
+    """The keys every converted architecture writes: context, widths, depth, heads, the norms' epsilon."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -53,6 +56,10 @@ def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
+    _shape_metadata(w, cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(rot)
     w.add_vocab_size(cfg.vocab_size)
@@ -135,6 +142,108 @@ def write_gguf(checkpoint, cfg, prefix: str, path, tokenizer_fields: dict) -> No
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for name, t in _tensors(checkpoint, arch, cfg):
         w.add_tensor(name, t.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# --- the sliding-window families: convert_hf_to_gguf.py's Gemma3Model and GptOssModel ---------------------
+
+def _family_metadata(w, arch: str, cfg) -> None:
+    """TextModel.set_gguf_parameters and the family's own keys (llama.cpp fixes the rest in code)."""
+    _shape_metadata(w, cfg)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)   # gemma3: the global layers' set
+    w.add_rope_freq_base(rope["rope_theta"])
+    if "sliding_attention" in cfg.rope_parameters:                          # transformers 5 configs
+        w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "gemma3" and cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gpt-oss":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+
+
+def _representable(arch: str, cfg) -> None:
+    """What llama.cpp fixes in code (or writes no key for: the local layers' RoPE scaling) must be what the
+    checkpoint has, or the file would be another model."""
+    if arch == "gemma3":
+        local = cfg.rope_parameters["sliding_attention"]
+        scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 else cfg.head_dim
+        ok = (local["rope_type"] == "default" and cfg.query_pre_attn_scalar == scalar
+              and cfg.layer_types == [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
+                                      for i in range(cfg.num_hidden_layers)])
+    else:
+        ok = (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0) and cfg.layer_types == [
+            ("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(cfg.num_hidden_layers)]
+    if not ok:
+        raise ValueError(f"{arch}: llama.cpp's fixed settings (layer pattern, local RoPE, attention scale, SwiGLU) "
+                         "are not this checkpoint's")
+
+
+def _family_tensors(checkpoint, arch: str, cfg):
+    """Gemma3Model.modify_tensors (norms stored as 1 + w) / GptOssModel.modify_tensors (gate_up split, experts
+    transposed, sinks named .weight), then gguf's tensor-name map, as the converter's map_tensor_name."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.GPT_OSS,
+                                     cfg.num_hidden_layers)
+    state = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        state.update({k: v.float() for k, v in load_file(f).items()})
+    for name, t in state.items():
+        out: list[tuple[str, torch.Tensor]] = [(name, t)]
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            out = [(name, t + 1)]
+        elif name.endswith("sinks"):
+            out = [(name + ".weight", t)]
+        elif name.endswith("gate_up_proj_bias"):
+            base = name.removesuffix("gate_up_proj_bias")
+            out = [(base + "gate_proj.bias", t[..., ::2]), (base + "up_proj.bias", t[..., 1::2])]
+        elif name.endswith("gate_up_proj"):
+            t = t.transpose(-1, -2)                                              # (E, 2I, H)
+            base = name.removesuffix("gate_up_proj")
+            out = [(base + "gate_proj.weight", t[:, ::2, :]), (base + "up_proj.weight", t[:, 1::2, :])]
+        elif name.endswith("down_proj_bias"):
+            out = [(name.replace("down_proj_bias", "down_proj.bias"), t)]
+        elif name.endswith("experts.down_proj"):
+            out = [(name + ".weight", t.transpose(-1, -2))]                      # (E, H, I)
+        for hf, tensor in out:
+            if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            yield names.get_name(hf, try_suffixes=(".weight", ".bias")), tensor.contiguous()
+
+
+def write_family_gguf(checkpoint, cfg, path, tokenizer_fields: dict, mxfp4_experts: bool = False) -> None:
+    """A Gemma 3 (text) or gpt-oss checkpoint directory (transformers config ``cfg``) as llama.cpp's converter
+    writes it, float32 tensors, at ``path``; ``mxfp4_experts``: gpt-oss's expert weights as MXFP4 blocks, as
+    the released GGUF files hold them (gguf.quants' quantizer)."""
+    arch = {"gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}[cfg.model_type]
+    _representable(arch, cfg)
+    w = gguf.GGUFWriter(str(path), arch)
+    _family_metadata(w, arch, cfg)
+    _tokenizer(w, tokenizer_fields)
+    for name, t in _family_tensors(checkpoint, arch, cfg):
+        arr = t.numpy().astype(np.float32)
+        if mxfp4_experts and name.endswith("_exps.weight"):
+            mxfp4 = gguf.GGMLQuantizationType.MXFP4
+            w.add_tensor(name, gguf.quants.quantize(arr, mxfp4), raw_dtype=mxfp4)
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -27,7 +27,7 @@ def test_the_dispatcher_routes_by_type_and_refuses_an_unknown_one():
 
 
 def test_the_engine_handles_every_message_type(default_engine):
-    assert len(MESSAGES) == 9
+    assert len(MESSAGES) == 11
     assert set(default_engine._dispatch._handlers) == MESSAGES
 
 
@@ -49,3 +49,9 @@ def test_abort_pin_and_snapshot_through_the_inbox(default_engine):
     eng.unpin("pin-a")
     assert eng.step() == []
     assert not eng.pin_active("pin-a")
+    eng.pin("pin-b", list(range(200, 240)), 60.0)
+    assert eng.step() == [] and eng.pin_active("pin-b")
+    eng.demote("pin-b")   # no tiers here: a demotion is a release
+    eng.prefetch("pin-b")
+    assert eng.step() == []
+    assert not eng.pin_active("pin-b") and eng.prefetches == 0

@@ -15,7 +15,6 @@ import dataclasses
 import json
 
 import jsonschema
-import pytest
 
 from engine import EngineConfig, LLMEngine
 from engine.chat import TOOL_CALL_END, encode_chat, parse_tool_calls

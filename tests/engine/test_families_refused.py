@@ -86,8 +86,18 @@ GGUF_REFUSED = {  # case: (architecture, extra metadata (key without the arch pr
     "final_softcapping": ("qwen3", {"final_logit_softcapping": 30.0}, "'qwen3.final_logit_softcapping' = 30.0"),
     "expert_shared": ("qwen3moe", {"expert_shared_count": 1}, "'qwen3moe.expert_shared_count' = 1"),
     "split": ("llama", {"=split.count": 2}, "'split.count' = 2"),
+    # llama.cpp fixes gemma3's layer pattern in code; a file saying otherwise is refused
+    "gemma3_window_pattern": ("gemma3", {"attention.sliding_window_pattern": 4},
+                              "'gemma3.attention.sliding_window_pattern' = 4"),
+    "gemma3_attn_softcapping": ("gemma3", {"attn_logit_softcapping": 50.0}, "'gemma3.attn_logit_softcapping' = 50.0"),
+    "gemma3_no_window": ("gemma3", {}, "'gemma3.attention.sliding_window' = None"),
+    "gemma3_partial_rotary": ("gemma3", {"attention.sliding_window": 8, "attention.key_length": 16,
+                                         "rope.dimension_count": 8}, "'gemma3.rope.dimension_count' = 8"),
+    "gpt_oss_gating": ("gpt-oss", {"expert_gating_func": 2}, "'gpt-oss.expert_gating_func' = 2"),
+    "gpt_oss_yarn_attn_factor": ("gpt-oss", {"rope.scaling.yarn_attn_factor": 1.5},
+                                 "'gpt-oss.rope.scaling.yarn_attn_factor' = 1.5"),
 }
-GGUF_ARCHITECTURES = {"deepseek2": "(MLA)", "glm4moe": "GLM", "gemma3": "Gemma 3", "gpt-oss": "gpt-oss"}
+GGUF_ARCHITECTURES = {"deepseek2": "(MLA)", "glm4moe": "GLM"}
 
 
 def _write_gguf(path, arch, extra):
@@ -122,3 +132,21 @@ def test_families_unsupported_gguf_architecture_is_refused_by_name(arch, tmp_pat
         load_model_files(_write_gguf(tmp_path / "m.gguf", arch, {}))
     assert f"GGUF architecture '{arch}' is not supported" in str(err.value)
     assert GGUF_ARCHITECTURES[arch] in str(err.value)
+
+
+GGUF_TOKENIZERS = {  # byte-level BPE with a pre-tokenizer we reproduce, or refused
+    "spm": ({"=tokenizer.ggml.model": "llama"}, "'tokenizer.ggml.model' = 'llama'"),   # Gemma 3, Phi-3 files
+    "o200k": ({"=tokenizer.ggml.model": "gpt2", "=tokenizer.ggml.pre": "gpt-4o"}, "'tokenizer.ggml.pre' = 'gpt-4o'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_TOKENIZERS))
+def test_families_refused_gguf_tokenizer_fails_the_load(case, tmp_path):
+    """A GGUF tokenizer engine.tokenizer does not reproduce stops the load (engine and router alike), rather
+    than split text differently from the model's own tokenizer."""
+    from engine.loader import load_tokenizer
+
+    extra, text = GGUF_TOKENIZERS[case]
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(_write_gguf(tmp_path / "m.gguf", "llama", extra))
+    assert text in str(err.value)

@@ -54,7 +54,7 @@ def test_every_tensor_dequantizes_to_the_reference_floats(both):
     assert seen == {"F32", "Q4_1", "Q8_0"}   # the default model's types
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q6_K", "MXFP4"])
 def test_each_block_type_matches_the_reference_on_random_blocks(name, tmp_path):
     code = next(c for c, (n, _, _) in GGML_TYPES.items() if n == name)
     _, block, size = GGML_TYPES[code]
@@ -69,6 +69,8 @@ def test_each_block_type_matches_the_reference_on_random_blocks(name, tmp_path):
                                                  dtype=np.uint8).reshape(n_blocks, 2)
     elif name == "F16":
         raw = rng.uniform(-4, 4, n_blocks * size // 2).astype(np.float16).view(np.uint8)
+    elif name == "MXFP4":   # e8m0 scales within float32's range (2^-27 .. 2^22), any 4-bit values
+        raw.reshape(n_blocks, size)[:, 0] = rng.integers(100, 150, n_blocks)
     elif name == "BF16":
         raw = (rng.uniform(-4, 4, n_blocks * size // 2).astype(np.float32).view(np.uint32) >> 16)
         raw = raw.astype(np.uint16).view(np.uint8)

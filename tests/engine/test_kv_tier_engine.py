@@ -146,6 +146,49 @@ def test_a_turn_waits_for_room_to_load_its_tier_pages_instead_of_recomputing(eng
     assert ids[rid] == recomputed.token_ids
 
 
+def test_a_demoted_pin_is_in_the_tiers_at_once_and_a_prefetch_reads_it_back_before_the_turn(
+        engine, prompts, recomputed):
+    """A long pause ahead (agentrt/pin_ttl.py's plan): ``demote`` copies the pinned prefix into the tiers
+    and releases the pin, so another prompt takes its pool pages with nothing left to write; ``prefetch``
+    starts the disk reads before the session's next turn arrives, which then loads every page from the
+    tiers and continues exactly as recomputing would. A second prefetch, or one of a pin never demoted,
+    does nothing."""
+    a, b, c = prompts
+    engine.flush_cache()
+    assert engine.generate([a], GREEDY)[0].finish_reason == "length"
+    engine.pin("pause", a, 600.0)
+    engine.step()
+    assert "pause" in engine.scheduler.pins
+    hashes = block_hashes(a[:len(a) // P * P], P, engine._seed(""))
+    assert not any(engine.tiers.holds(h) for h in hashes)   # nothing evicted yet: nothing in a tier
+    demotions, prefetches = engine.demotions, engine.prefetches
+    engine.demote("pause")
+    engine.step()
+    assert "pause" not in engine.scheduler.pins and engine.demotions == demotions + 1
+    assert all(engine.tiers.holds(h) for h in hashes)       # copied at the demotion, not at an eviction
+    settle(engine)
+    assert engine.generate([b], GREEDY)[0].finish_reason == "length"   # b takes a's pool pages
+    assert engine.cache.match_prefix(a, "")[0] == []
+    on_disk = [h for h in hashes if engine.tiers.holds(h) == "disk"]
+    assert on_disk   # the host tier holds one page: the rest went on to disk
+    engine.prefetch("never demoted")
+    engine.prefetch("pause")
+    engine.step()
+    assert engine.prefetches == prefetches + 1
+    with engine.tiers._loads_lock:
+        assert all(h in engine.tiers._loads for h in on_disk)   # read before any request asked for them
+    engine.prefetch("pause")   # read back once: the demotion is forgotten
+    engine.step()
+    assert engine.prefetches == prefetches + 1
+    deadline = time.monotonic() + 20
+    while engine.tiers.loading():
+        assert time.monotonic() < deadline, "the prefetch's reads did not finish"
+        time.sleep(0.01)
+    [r] = engine.generate([c], GREEDY)
+    assert r.cached_tokens == len(hashes) * P and r.cached_tokens_by_tier["device"] == 0
+    same_output(r, recomputed)
+
+
 def test_a_full_disk_turns_the_tier_off_and_fails_no_request(engine, prompts, recomputed):
     """Last in this module: the disk tier stays off. RLIMIT_FSIZE stands in for a full filesystem."""
     engine.flush_cache()
@@ -168,3 +211,4 @@ def test_a_full_disk_turns_the_tier_off_and_fails_no_request(engine, prompts, re
     assert stats["enabled"] is False and stats["errors"] == 1 and stats["pages"] == 0
     assert results[2].cached_tokens_by_tier["disk"] == 0
     same_output(results[2], recomputed)
+

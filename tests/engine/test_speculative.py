@@ -20,7 +20,8 @@ from engine.chat import encode_chat
 from engine.grammar import constraint_for_request
 from engine.kv_pool import PagePool
 from engine.request import Request
-from engine.speculative import DraftLength, NgramDrafter, OutputCorpus, TenantCorpora, verify
+from engine.drafting import DraftLength, NgramDrafter, OutputCorpus, TenantCorpora
+from engine.speculative import verify
 from engine.step_cost import MIN_ROW, STEP_COST, fit_step_cost, step_cost_for
 
 QUOTED = textwrap.dedent(inspect.getsource(PagePool.alloc))   # real code, as an agent quotes a file

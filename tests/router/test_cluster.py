@@ -13,7 +13,6 @@ killed mid-session.
 
 from __future__ import annotations
 
-import time
 
 import anthropic
 import httpx
@@ -242,7 +241,7 @@ def test_status_command_reads_the_cluster(cl):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "agentrt.cli", "status", "--redis", cl.server.url, "--json"],
+    out = subprocess.run([sys.executable, "-m", "agentrt_cli", "status", "--redis", cl.server.url, "--json"],
                          capture_output=True, text=True, timeout=60, cwd=c.ROOT)
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)

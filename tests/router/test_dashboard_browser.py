@@ -103,12 +103,18 @@ class _Dom(HTMLParser):
         self.workers: dict[str, dict] = {}
         self.decisions: list[dict] = []
         self.loaded = False
+        self.slo: dict[str, object] = {}  # the latency SLO summary's fields (#slo-summary)
+        self._in_slo = False
         self._field: str | None = None
 
     def handle_starttag(self, tag: str, attrs: list) -> None:
         a = dict(attrs)
         if tag == "body" and a.get("data-loaded") == "true":
             self.loaded = True
+        if tag == "div" and a.get("id") == "slo-summary":
+            self._in_slo = True
+        elif tag == "span" and self._in_slo and "data-field" in a:
+            self.slo[a["data-field"]] = json.loads(a["data-value"]) if a.get("data-value") else None
         if tag == "table":
             self.table = a.get("id")
         elif tag == "tr" and self.table == "workers" and "data-worker" in a:
@@ -126,6 +132,8 @@ class _Dom(HTMLParser):
             self.row[self._field] = data
 
     def handle_endtag(self, tag: str) -> None:
+        if tag == "div":
+            self._in_slo = False
         if tag == "td":
             self._field = None
         elif tag == "tr":
@@ -154,6 +162,7 @@ def test_the_rendered_dashboard_shows_both_workers_as_their_metrics_do(cluster, 
     for w in WORKERS:
         row, f = dom.workers[w], figures[w]
         assert row["state"] == "up"
+        assert row["waiting"] == 0  # quiet: nothing queued, in any priority class
         assert row["cached_blocks"] == f["cached"] and row["indexed_blocks"] == f["indexed"]
         assert row["tokens"] == [f["prompt"], f["hit"]]
         moved = f["moves"]   # the worker's own /internal/kv/stats: KV pages pulled in and served out
@@ -161,6 +170,11 @@ def test_the_rendered_dashboard_shows_both_workers_as_their_metrics_do(cluster, 
         assert row["hit_rate"] == pytest.approx(f["hit"] / f["prompt"], abs=1e-12) if f["prompt"] else \
             row["hit_rate"] is None
     assert sum(figures[w]["prompt"] for w in WORKERS) > 0 and sum(figures[w]["hit"] for w in WORKERS) > 0
+    # the latency SLO row: the router judged its six generations (met or missed, by /metrics), no session ended
+    rm = _metrics(router)
+    judged = sum(rm.get(f'agentrt_requests_slo_total{{outcome="{o}"}}', 0.0) for o in ("met", "missed"))
+    assert judged == 6 and set(dom.slo) == {"goodput_sessions_per_min", "sessions_in_slo", "requests_in_slo_ratio"}
+    assert dom.slo["sessions_in_slo"] == [0, 0] and dom.slo["goodput_sessions_per_min"] is None
 
     # six turns, newest first; each session's later turns stay with its first turn's worker
     assert len(dom.decisions) == 6 and all(d["kind"] in ("prefix", "load", "affinity") for d in dom.decisions)

@@ -201,3 +201,28 @@ def test_timeline_buckets_ttft_and_hit_rate_over_a_bounded_window():
     assert quantile([], 0.5) is None and quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
     with pytest.raises(ValueError):
         Timeline(interval_s=10, window_s=5)
+
+
+def test_timeline_counts_the_latency_slo_and_goodput_per_interval_and_over_the_last_minute():
+    now = [1000.0]
+    tl = Timeline(interval_s=5.0, window_s=120.0, clock=lambda: now[0])
+    assert tl.slo_summary()["requests_in_slo_ratio"] is None and tl.slo_summary()["goodput_sessions_per_min"] is None
+    for met in (True, True, False):
+        tl.observe_slo(met)
+    tl.observe_session_end(True)
+    now[0] = 1030.0
+    tl.observe_slo(False)
+    tl.observe_session_end(True)
+    tl.observe_session_end(False)
+    pts = {p["t"]: p for p in tl.points()}
+    a, b = pts[1000.0], pts[1030.0]
+    assert (a["slo_met"], a["slo_missed"], a["slo_ratio"]) == (2, 1, pytest.approx(2 / 3))
+    assert (a["sessions_met"], a["sessions_missed"], a["goodput_sessions_per_min"]) == (1, 0, 12.0)  # 1 in 5 s
+    assert (b["slo_ratio"], b["goodput_sessions_per_min"]) == (0.0, 12.0)
+    assert pts[1005.0]["slo_ratio"] is None and pts[1005.0]["goodput_sessions_per_min"] is None
+    last = tl.slo_summary(60.0)
+    assert (last["requests"], last["requests_in_slo"], last["sessions_ended"], last["sessions_in_slo"]) == (4, 2, 3, 2)
+    assert last["requests_in_slo_ratio"] == 0.5 and last["goodput_sessions_per_min"] == 2.0
+    now[0] = 1061.0  # the interval at 1000 began more than a minute before the current one's end
+    last = tl.slo_summary(60.0)
+    assert (last["requests"], last["sessions_ended"], last["goodput_sessions_per_min"]) == (1, 2, 1.0)

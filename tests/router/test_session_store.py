@@ -198,3 +198,25 @@ def test_tenant_session_limit_holds_across_replicas(redis_url):
     assert len(created) == 3 and len(refused) == 7 and counts == (3, 3)
     assert refused[0].limit == 3 and "acme" in str(refused[0])
     assert final == (3, 1)
+
+
+def test_a_turns_slo_outcome_survives_the_record_and_older_records_read_as_not_recorded():
+    """``in_slo`` is the one boolean field of a record: True/False/None round-trip; an integer there is
+    refused as a bool would be anywhere else; a turn written before the field reads as None."""
+    import msgpack
+
+    from router.redis_store import decode_record, encode_record
+
+    turns = [TurnRecord(f"t{i}", i, {"role": "assistant", "content": "ok"}, "stop", 10, 2, 0, 0.0, in_slo=v)
+             for i, v in enumerate((True, False, None))]
+    again = decode_record(encode_record(SessionRecord(id="s", model="m", turns=turns)), 1 << 20)
+    assert [t.in_slo for t in again.turns] == [True, False, None]
+    obj = msgpack.unpackb(encode_record(SessionRecord(id="s", model="m", turns=turns[:1])), raw=False)
+    obj["turns"][0]["in_slo"] = 1
+    with pytest.raises(SessionDecodeError, match="in_slo has type int"):
+        decode_record(msgpack.packb(obj), 1 << 20)
+    del obj["turns"][0]["in_slo"]
+    assert decode_record(msgpack.packb(obj), 1 << 20).turns[0].in_slo is None
+    obj["turns"][0]["prompt_tokens"] = True  # still no bool where the field is an int
+    with pytest.raises(SessionDecodeError, match="prompt_tokens has type bool"):
+        decode_record(msgpack.packb(obj), 1 << 20)

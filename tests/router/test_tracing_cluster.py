@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from dataclasses import dataclass
 
 import httpx

@@ -75,3 +75,32 @@ def test_worker_names_itself_on_every_response():
             r = await http.get("/missing")
             assert r.status_code == 404 and r.headers["x-agentrt-worker"] == "worker-7"
     asyncio.run(body())
+
+
+def test_the_demote_and_prefetch_routes_reach_the_workers_engine_and_check_the_pin_id():
+    """``/internal/pin/demote`` and ``/internal/pin/prefetch`` (what a router's ``RemoteEngine.demote`` /
+    ``prefetch`` post) call the worker's engine client with the pin id; a missing or empty id is a 422."""
+    import fastapi
+    from fastapi.testclient import TestClient
+
+    from router.worker_api import worker_routes
+
+    calls = []
+
+    class Engine:
+        def demote(self, pin_id, worker=None):
+            calls.append(("demote", pin_id))
+
+        def prefetch(self, pin_id, worker=None):
+            calls.append(("prefetch", pin_id))
+
+    app = fastapi.FastAPI()
+    app.include_router(worker_routes)
+    app.state.engine = Engine()
+    with TestClient(app) as http:
+        assert http.post("/internal/pin/demote", json={"pin_id": "req-1"}).json() == {"pin_id": "req-1",
+                                                                                     "pinned": False}
+        assert http.post("/internal/pin/prefetch", json={"pin_id": "req-1"}).json() == {"pin_id": "req-1"}
+        assert http.post("/internal/pin/demote", json={"pin_id": ""}).status_code == 422
+        assert http.post("/internal/pin/prefetch", json={}).status_code == 422
+    assert calls == [("demote", "req-1"), ("prefetch", "req-1")]

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.moe_traces import control_trace, structured_trace
 from engine.moe.config import Topology
-from engine.moe.cost import expected_load, simulate_dispatch
+from engine.moe.placement import expected_load, simulate_dispatch
 from engine.moe.placement import LayerPlacement, get_placement, placement_names
 
 TOPO = Topology(nodes=2, ranks_per_node=2)

@@ -1,4 +1,8 @@
-"""The ``agentrt`` command. Subcommands are entries of :data:`SUBCOMMANDS`.
+"""The ``agentrt`` command (``python -m agentrt_cli``). Subcommands are entries of :data:`SUBCOMMANDS`.
+
+The package stands above ``agentrt`` and ``router`` (tests/test_layers.py): it dispatches to the
+serving core's subcommands (serve, chat, bench) and the multi-worker ones (worker, router, up,
+status: ``router/commands.py``), and nothing of ours imports it.
 
 To add one, write ``configure(parser)`` and ``run(args) -> int`` functions and add a
 :class:`Subcommand` to the tuple; heavy imports go inside ``run`` so ``agentrt chat`` never loads torch.
@@ -173,7 +177,3 @@ def build_parser(subcommands: Sequence[Subcommand] = SUBCOMMANDS) -> argparse.Ar
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args._run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
