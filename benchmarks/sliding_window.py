@@ -72,12 +72,15 @@ def write_model(family: str, window: int, path: str, tokenizer) -> tuple[int, in
     return cfg.num_hidden_layers - sliding, sliding
 
 
+def layer_bytes(layers: int) -> int:
+    """K and V bytes a token takes in ``layers`` layers of these models, float32."""
+    return kv_bytes_per_token(layers, SHAPE["num_key_value_heads"], SHAPE["head_dim"], torch.float32)
+
+
 def budget_for(held: int, context: int, layers: int, page_size: int = PAGE) -> int:
     """Bytes of a pool that holds ``held`` contexts of ``context`` tokens (page-rounded, plus a chunk's
     pages for the running request) with every layer keeping the whole context, float32."""
-    pages = held * -(-context // page_size) + CHUNK // page_size
-    return pages * page_size * kv_bytes_per_token(layers, SHAPE["num_key_value_heads"], SHAPE["head_dim"],
-                                                  torch.float32)
+    return (held * -(-context // page_size) + CHUNK // page_size) * page_size * layer_bytes(layers)
 
 
 def bytes_per_cached_token(ids_used: int, window_pages_used: int, cached_pages: int, full_bpt: int,
@@ -120,13 +123,12 @@ def run_pool(path: str, side: str, budget: int, layers: tuple[int, int], args) -
         cache, pool, P = engine.cache, engine.pool, PAGE
         held = sum(whole_context_held(cache, seq, P) for seq in sequences)
         full, sliding = layers
-        per = lambda n: kv_bytes_per_token(n, SHAPE["num_key_value_heads"], SHAPE["head_dim"], torch.float32)  # noqa: E731
         if side == "honoured":
             ids_used, window_used = pool.capacity - pool.num_free_ids, pool.window_pages_used
-            full_bpt, window_bpt = per(full), per(sliding)
+            full_bpt, window_bpt = layer_bytes(full), layer_bytes(sliding)
         else:
             ids_used, window_used = pool.capacity - pool.num_free, 0
-            full_bpt, window_bpt = per(full + sliding), 0
+            full_bpt, window_bpt = layer_bytes(full + sliding), 0
         return {"sessions_held": held, "tokens_held": (pool.capacity) * P,
                 "sliding_pages": pool.window_pool.capacity if side == "honoured" else None,
                 "cached_tokens": cache.cached_pages * P,
