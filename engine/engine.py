@@ -84,6 +84,22 @@ class LLMEngine:
 
     def _setup(self, config: EngineConfig, on_kv_event, kv_event_tokens: bool) -> None:
         """Load the model; build the KV pool, radix cache, scheduler and model runner."""
+        dtype = self._load(config)
+        self.backend_name = config.resolved_backend()
+        backend_cls = backend_class(self.backend_name)
+        layer_attention = self.model.layer_attention()
+        self._build_kv(config, dtype, backend_cls, layer_attention, on_kv_event, kv_event_tokens)
+        self._build_runner(config, dtype, backend_cls, layer_attention)
+        self._init_inbox()
+        self._build_speculative(config)
+        self._snapshot()
+        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads, C kernels "
+                  "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
+                  self.attention_desc, self.speculative, torch.get_num_threads(),
+                  ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
+
+    def _load(self, config: EngineConfig) -> torch.dtype:
+        """The model and its tokenizer, in the resolved dtype, device and weight format."""
         self.config = config
         self.device = config.resolved_device()
         dtype = _DTYPES[config.resolved_dtype()]
@@ -101,11 +117,15 @@ class LLMEngine:
             self.model = build_model(mcfg, state, dtype, self.device, self.quantization, int4_groups)
         self.model.rope.fit_context(self.max_model_len)   # longrope: its long table only past the original length
         del state, int4_groups
+        return dtype
+
+    def _build_kv(self, config: EngineConfig, dtype: torch.dtype, backend_cls, layer_attention, on_kv_event,
+                  kv_event_tokens: bool) -> None:
+        """The KV pool (a windowed one where layers slide), the radix cache, the scheduler, the tiers and
+        the KV mover."""
+        mcfg = self.model_config
         P = config.page_size
         kv_dtype = _DTYPES[config.resolved_kv_cache_dtype()]
-        self.backend_name = config.resolved_backend()
-        backend_cls = backend_class(self.backend_name)
-        layer_attention = self.model.layer_attention()
         self.window_layers = self._window_layers(layer_attention, backend_cls.kv_layout)
         if self.window_layers:
             self.pool, self.kv = self._windowed_pool(layer_attention, dtype, kv_dtype)
@@ -131,11 +151,15 @@ class LLMEngine:
         self.mover = KVMover(self.kv, self.pool, self.cache, P, self._kv_layout(), self.tiers,
                              write_page=self._write_page)
         self.prefill_tokens_per_s = 0.0   # measured on prefill steps (EWMA): the router's cost of a recompute
+
+    def _build_runner(self, config: EngineConfig, dtype: torch.dtype, backend_cls, layer_attention) -> None:
+        """The attention backend and the model runner, and which C kernels they run."""
+        mcfg = self.model_config
         kernel = {"cpu_kernel": config.cpu_kernels} if self.backend_name == "torch" else {}
         attn = backend_cls(kv=self.kv, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
                            head_dim=mcfg.head_dim, **kernel)
         attn.set_layer_attention(layer_attention)   # windows, sinks, ...: refused if unsupported
-        self.runner = ModelRunner(self.model, attn, P, self.device,
+        self.runner = ModelRunner(self.model, attn, config.page_size, self.device,
                                   window_page=self.pool.window_page if self.window_layers else None,
                                   window=self.pool.window if self.window_layers else None)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
@@ -146,6 +170,10 @@ class LLMEngine:
                                "qmatmul": self.quantization == "gguf"}
         self.attention_desc = (self.backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
                                + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
+
+    def _init_inbox(self) -> None:
+        """The control-message inbox, admission counters and per-request state."""
+        config = self.config
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # control messages, engine/commands.py
         self._dispatch = self._handlers()
         self.on_command = None  # called after every message put in the inbox (AsyncEngine wakes its loop)
@@ -162,6 +190,9 @@ class LLMEngine:
         # how long a serving loop holds its next step for agents coming back (engine/coalesce.py)
         self.coalescer = TurnCoalescer(config.turn_coalesce_max_s, config.turn_coalesce_fraction)
         self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+
+    def _build_speculative(self, config: EngineConfig) -> None:
+        """Speculative decoding (engine/speculative.py) as configured, and the scheduler hooks it needs."""
         self.speculative = config.resolved_speculative()
         # a verification's cost in decode steps, for the draft-length rule (engine/step_cost.py)
         step_cost, step_cost_why = step_cost_for(self.step_cost_setup())
@@ -172,11 +203,6 @@ class LLMEngine:
             # quantized layers run steps of more rows on their bf16 copies, at 2-3x a row's cost:
             # drafts never take a step past that (a step already past it drafts freely)
             self.scheduler.draft_rows_cap = MAX_QUANT_ROWS if self.quantization != "off" else None
-        self._snapshot()
-        _log.info("model %s, %s on %s, weights %s, attention %s, speculative %s, %d torch threads, C kernels "
-                  "active: %s", self.model_id, config.resolved_dtype(), self.device, self.quantization,
-                  self.attention_desc, self.speculative, torch.get_num_threads(),
-                  ", ".join(k for k, on in self.active_kernels.items() if on) or "none")
 
     def _window_layers(self, layer_attention, kv_layout: str) -> tuple[int, ...]:
         """The sliding layers whose pages keep only their window (engine/window_pool.py): none without such
