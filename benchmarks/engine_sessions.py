@@ -31,6 +31,7 @@ from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks.workload import AgenticWorkload, finished_turns  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SPECULATIVE  # noqa: E402
+from engine.types import SchedulingKey  # noqa: E402
 from engine.chat import encode_chat  # noqa: E402
 
 
@@ -52,7 +53,8 @@ def run_engine(engine: LLMEngine, wl: AgenticWorkload, system: str) -> dict:
     def submit(s: int) -> None:
         history[s].extend(wl.turn_messages(tok, s, turn[s]))
         prompt = encode_chat(tok, history[s])
-        rid = engine.add_request(prompt, params)
+        # each turn names its session, as agentrt's serving layer does (the session scheduling policy reads it)
+        rid = engine.add_request(prompt, params, key=SchedulingKey(session=f"s{s}", continuing=turn[s] > 0))
         live[rid] = (s, time.perf_counter(), prompt, [])
 
     start = time.perf_counter()
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", default="suffix", choices=list(SPECULATIVE),
                     help="speculative decoding (default: what agentrt serve runs)")
     ap.add_argument("--no-baseline", action="store_true", help="engine only")
+    ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "session"],
+                    help="the engine's admission order (EngineConfig.scheduling_policy; default: agentrt's)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both runs (default: torch's choice); 1 keeps "
                          "figures meaningful on a machine shared with other jobs")
@@ -163,13 +167,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens)
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_tokens=131072, max_batched_tokens=512,
-                                    speculative=args.speculative))
+                                    speculative=args.speculative, scheduling_policy=args.scheduling_policy))
     system = system_prompt(engine.tokenizer, wl.system_tokens)
     print(f"workload: {wl}; torch threads {torch.get_num_threads()}", flush=True)
     ours = run_engine(engine, wl, system)
     print(f"engine:   TTFT p50 turns 2+ {ours['ttft_p50_s_turns2plus']:.3f}s, "
           f"cached {ours['cached_token_fraction']:.1%}, {ours['tokens_per_s']:.1f} tok/s", flush=True)
-    result = {"workload": vars(wl), "dtype": args.dtype, "speculative": args.speculative, "engine": ours}
+    result = {"workload": vars(wl), "dtype": args.dtype, "speculative": args.speculative,
+              "scheduling_policy": args.scheduling_policy, "engine": ours}
     if not args.no_baseline:
         import transformers
         from engine.loader.gguf_loader import default_model_path
