@@ -220,7 +220,8 @@ class Generation:
         self.result.reasoning = "".join(self._reasoning) or None
         self.result.finish_reason = reason or "stop"
         if self.affinity_turn and reason == "tool_calls":  # the agent comes back after running the tool
-            self.gen.engine.extend_pin(self.request_id, self.gen.tool_pin_ttl(self.session_id))
+            # the conversation's next request reads a demoted prefix back itself (no session sweep here)
+            self.gen.hold_for_pause(self.request_id, self.session_id, True, None, self.gen.config.pin_ttl_s)
         return tail
 
     def _record(self, out: RequestOutput) -> None:
@@ -483,15 +484,22 @@ class Generator:
             return PausePlan(self.config.pin_ttl_tool_s)
         return self.tool_pins.plan(session_id, stats)
 
-    def tool_pin_ttl(self, session_id: str | None) -> float:
-        """The pin TTL after a reply of ``session_id`` that ended in a tool call: ``pin_ttl_tool_s``, or
-        with ``pin_ttl_policy`` cost, the cost model's TTL from the session's pauses (agentrt/pin_ttl.py)."""
-        if session_id is None:
-            return self.config.pin_ttl_tool_s
-        self.tool_pins.tool_call_ended(session_id, time.monotonic())
-        if self.config.pin_ttl_policy == "fixed":
-            return self.config.pin_ttl_tool_s
-        return self.tool_pins.ttl(session_id, lambda: self.engine.stats())
+    def hold_for_pause(self, pin_id: str, session_id: str, tool_call: bool, expected_pause_s: float | None,
+                       pin_ttl_s: float) -> tuple[float, float | None]:
+        """The one place the pin rule is applied: the pin the engine made under ``pin_id`` when a turn of
+        ``session_id`` finished (a session turn, or an affinity-keyed conversation's request) follows the
+        turn's :meth:`pause_plan`: extended, or demoted to the KV tiers. Returns the pin's TTL from now
+        (``pin_ttl_s`` when the plan keeps it as it is; 0 once demoted) and, for a demotion, when to read
+        the prefix back (seconds from now; None: not scheduled)."""
+        plan = self.pause_plan(session_id, tool_call, expected_pause_s)
+        if plan is None:
+            return pin_ttl_s, None
+        if plan.demote:
+            self.engine.demote(pin_id)
+            self.metrics.kv_demotions.inc()
+            return 0.0, plan.prefetch_after_s
+        self.engine.extend_pin(pin_id, plan.ttl_s)
+        return plan.ttl_s, None
 
     async def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> Any:
         """Reserve the tenant's share (None: no tenant); 429 with Retry-After past its limits."""

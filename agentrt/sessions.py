@@ -339,14 +339,8 @@ class SessionManager:
         if run.record.pin_ttl_s is None:  # a session's own pin_ttl_s is kept as asked
             # The engine pinned the turn under its request id when it finished: over the pause that
             # follows (a tool run, or the one the agent announced) it stays pinned or goes to the tiers.
-            plan = self.gen.pause_plan(run.record.id, bool(result.tool_calls), run.expected_pause_s)
-            if plan is not None and plan.demote:
-                self.gen.engine.demote(run.generation.request_id)
-                self.gen.metrics.kv_demotions.inc()
-                pin_ttl, demoted_after = 0.0, plan.prefetch_after_s
-            elif plan is not None:
-                pin_ttl = plan.ttl_s
-                self.gen.engine.extend_pin(run.generation.request_id, pin_ttl)
+            pin_ttl, demoted_after = self.gen.hold_for_pause(run.generation.request_id, run.record.id,
+                                                             bool(result.tool_calls), run.expected_pause_s, pin_ttl)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.reasoning is not None:
