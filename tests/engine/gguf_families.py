@@ -58,6 +58,22 @@ def _shape_metadata(w, cfg) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
+def _rope_scaling(w, rope: dict, betas: bool) -> None:
+    """A linear or yarn RoPE's keys as the converter writes them (``betas``: yarn's beta_fast / beta_slow
+    too, where the config sets them: the sliding-window families' converters write them)."""
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if betas and rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if betas and rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
 def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
     _shape_metadata(w, cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
@@ -67,13 +83,8 @@ def _metadata(w, arch: str, cfg, rot: int, head_dim: int) -> None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     rope = cfg.rope_parameters
-    if rope["rope_type"] == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-    elif rope["rope_type"] == "yarn":
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope["rope_type"] in ("linear", "yarn"):
+        _rope_scaling(w, rope, betas=False)
     elif rope["rope_type"] == "longrope":             # Phi3MiniModel.set_gguf_parameters
         orig = rope["original_max_position_embeddings"]
         scale = cfg.max_position_embeddings / orig
@@ -161,17 +172,7 @@ def _family_metadata(w, arch: str, cfg) -> None:
     w.add_rope_freq_base(rope["rope_theta"])
     if "sliding_attention" in cfg.rope_parameters:                          # transformers 5 configs
         w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
-    if rope["rope_type"] == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-    elif rope["rope_type"] == "yarn":
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        if rope.get("beta_fast") is not None:
-            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        if rope.get("beta_slow") is not None:
-            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    _rope_scaling(w, rope, betas=True)
     if arch == "gemma3" and cfg.final_logit_softcapping:
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if arch == "gpt-oss":
