@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.qmatmul import Q4Blocks, Q8Blocks, QMatmulLib, load
+from engine.models.qmatmul import Q4Blocks, Q8Blocks, QMatmulLib, load, pack
 from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantize_int4, stored_parts
 
 
@@ -25,7 +25,8 @@ class BlockLinear(nn.Module):
     def __init__(self, lib: QMatmulLib, blocks: Q4Blocks | Q8Blocks, dense: torch.Tensor,
                  bias: torch.Tensor | None = None, max_rows: int = MAX_QUANT_ROWS) -> None:
         super().__init__()
-        self.lib, self.blocks, self.max_rows = lib, blocks, max_rows
+        self.lib, self.max_rows = lib, max_rows
+        self.packed = pack(blocks)                       # the kernel's layout; the only copy kept
         self.out_features, self.in_features = blocks.shape
         if tuple(dense.shape) != blocks.shape:
             raise ValueError(f"dense weight shape {tuple(dense.shape)} != blocks' {blocks.shape}")
@@ -36,16 +37,22 @@ class BlockLinear(nn.Module):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])               # (T, K)
         if x2.shape[0] > self.max_rows:
             return F.linear(x, self.dense, self.bias)
-        xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        y = self.lib.matmul(xf, self.blocks)                                   # (T, N) float32
+        if x2.dtype not in (torch.float32, torch.bfloat16) or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = self.lib.matmul(x2, self.packed)                                   # (T, N) in x2's dtype
         if self.bias is not None:
             y = y + self.bias
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def blocks(self) -> Q4Blocks | Q8Blocks:
+        """The weight blocks this layer multiplies by (unpacked anew: for inspection and tests)."""
+        return self.packed.unpack()
+
     def extra_repr(self) -> str:
-        kind = "4-bit" if isinstance(self.blocks, Q4Blocks) else "8-bit"
+        kind = f"{self.packed.bits}-bit"
         return (f"in_features={self.in_features}, out_features={self.out_features}, {kind} blocks, "
                 f"max_rows={self.max_rows}, kernel={self.lib.variant}")
 
