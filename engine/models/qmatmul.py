@@ -36,6 +36,7 @@ log = logging.getLogger("engine.models")
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul.c"
 QK = 32   # weights (and activations) per block
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # activations the kernel reads (and writes y in)
 
 
 @dataclass(frozen=True)
@@ -214,17 +215,22 @@ class QMatmulLib:
     def matmul(self, x: torch.Tensor, w: Packed | Q4Blocks | Q8Blocks) -> torch.Tensor:
         """x (M, K) float32 or bfloat16, contiguous -> (M, N) in x's dtype. Blocks not yet ``pack``ed
         are packed for this call."""
-        M, K = x.shape
         if not isinstance(w, Packed):
             w = pack(w)
-        N, Kw = w.shape
-        if K != Kw or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
-            raise ValueError(f"qmatmul: x must be contiguous float32 or bfloat16 (M, {Kw}), "
+        N, K = w.shape
+        if x.dim() != 2 or x.shape[1] != K or x.dtype not in KERNEL_DTYPES or not x.is_contiguous():
+            raise ValueError(f"qmatmul: x must be contiguous float32 or bfloat16 (M, {K}), "
                              f"got {x.dtype} {tuple(x.shape)}")
-        bf16 = int(x.dtype == torch.bfloat16)
-        y = torch.empty(M, N, dtype=x.dtype)
-        fn = self.lib.qmm_q4 if w.bits == 4 else self.lib.qmm_q8
-        rc = fn(x.data_ptr(), bf16, M, K, w.ptr, N, y.data_ptr(), bf16)
+        return self.run(x, w)
+
+    def run(self, x: torch.Tensor, w: Packed) -> torch.Tensor:
+        """``matmul`` without its checks, for a caller that has made them (a decode step makes 121 calls):
+        x (..., K) contiguous, its dtype in ``KERNEL_DTYPES`` -> (..., N) in x's dtype."""
+        N, K = w.shape
+        bf16 = x.dtype is torch.bfloat16
+        y = torch.empty((*x.shape[:-1], N), dtype=x.dtype)
+        rc = (self.lib.qmm_q4 if w.bits == 4 else self.lib.qmm_q8)(x.data_ptr(), bf16, x.numel() // K, K, w.ptr, N,
+                                                                   y.data_ptr(), bf16)
         if rc != 0:
             raise RuntimeError(f"qmatmul returned {rc} (K={K}; -1: K not a multiple of {QK}, -2: out of memory)")
         return y

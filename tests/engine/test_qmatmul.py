@@ -197,8 +197,14 @@ def test_block_linear_runs_few_rows_on_blocks_and_many_on_the_dense_weight():
     few, many = torch.randn(4, 128, generator=gen), torch.randn(5, 128, generator=gen)
     assert torch.equal(layer(few), lib.matmul(few, blocks) + layer.bias)
     assert torch.equal(layer(many), F.linear(many, dense, layer.bias))
-    y = layer(few.bfloat16().view(2, 2, 128))                                  # dtype and leading shape kept
+    xb = few.bfloat16()
+    y = layer(xb.view(2, 2, 128))                                              # dtype and leading shape kept
     assert y.dtype == torch.bfloat16 and y.shape == (2, 2, 48)
+    assert torch.equal(y.view(4, 48), (lib.matmul(xb, blocks) + layer.bias).bfloat16())
+    strided = torch.randn(128, 3, generator=gen).t()                           # not contiguous: copied first
+    assert torch.equal(layer(strided), lib.matmul(strided.contiguous(), blocks) + layer.bias)
+    with pytest.raises(RuntimeError):                                          # a wrong K never reaches C
+        layer(torch.randn(1, 96, generator=gen))
 
 
 def test_bad_shapes_are_refused():
