@@ -55,15 +55,14 @@ def build_sides(shapes: dict, layers: int, avx2: bool) -> tuple[dict, dict]:
     if avx2:
         libs["gguf-avx2"] = QMatmulLib(build(SOURCE, ("-mno-avx512f",)))
     q8 = Q8Blocks.quantize(head)
+    def block(lib, blocks, shape):
+        return BlockLinear(lib, blocks, torch.zeros(()).expand(*shape))       # dense never read: few rows
+
     for name, lib in libs.items():
         if lib is None:
             raise SystemExit("the qmatmul kernel did not build (see the log)")
-
-        def block(blocks, shape):
-            return BlockLinear(lib, blocks, torch.zeros(()).expand(*shape))   # dense never read: few rows
-
-        sides[name] = ([{s: block(Q4Blocks.from_groups(g), shapes[s]) for s, g in layer.items()} for layer in groups],
-                       block(q8, shapes["head"]))
+        sides[name] = ([{s: block(lib, Q4Blocks.from_groups(g), shapes[s]) for s, g in layer.items()}
+                        for layer in groups], block(lib, q8, shapes["head"]))
     return sides, {name: lib.variant for name, lib in libs.items()}
 
 
