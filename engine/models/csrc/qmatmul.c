@@ -42,6 +42,14 @@
 #define MAX_M 8   /* activation rows multiplied per pass over the weights */
 #define Q4_BYTES (256 + 4 * G)   /* one block of a group: qs, d, m */
 #define Q8_BYTES (512 + 2 * G)   /* qs, d */
+/* Each thread reads its rows' records as one stream; asking for the bytes this far ahead of the record
+ * being read took a 2-thread stream from ~35-42 to ~45-52 GB/s here (the hardware prefetcher alone
+ * leaves the memory idle part of the time). */
+#define PREFETCH_AHEAD 8192
+
+INLINE void prefetch_record(const uint8_t *rec, int bytes) {
+    for (int j = 0; j < bytes; j += 64) __builtin_prefetch(rec + PREFETCH_AHEAD + j, 0, 3);
+}
 
 /* IEEE half -> float (the portable path's; the vector paths convert with vcvtph2ps) */
 static inline float f16_to_f32(uint16_t h) {
@@ -124,6 +132,7 @@ INLINE void q4_group(const uint8_t *w, const acts a, const int M, float *out) {
     __m512 acc[MAX_M];
     for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_record(w + b * Q4_BYTES, Q4_BYTES);
         __m512i lo[4], hi[4];
         for (int j = 0; j < 4; j++) {
             __m512i raw = _mm512_loadu_si512(w + b * Q4_BYTES + j * 64);
@@ -152,6 +161,7 @@ INLINE void q4_group(const uint8_t *w, const acts a, const int M, float *out) {
         __m256 acc[MAX_M];
         for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            if (h == 0) prefetch_record(w + b * Q4_BYTES, Q4_BYTES);   /* the second half re-reads from L1 */
             __m256i lo[4], hi[4];
             for (int j = 0; j < 4; j++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(w + b * Q4_BYTES + j * 64 + h * 32));
@@ -181,6 +191,7 @@ INLINE void q4_group(const uint8_t *w, const acts a, const int M, float *out) {
     float acc[MAX_M * G] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *qs = w + b * Q4_BYTES;
+        prefetch_record(qs, Q4_BYTES);
         uint16_t d[G], mn[G];
         memcpy(d, qs + 256, sizeof d);
         memcpy(mn, qs + 256 + 2 * G, sizeof mn);
@@ -207,6 +218,7 @@ INLINE void q8_group(const uint8_t *w, const acts a, const int M, float *out) {
     __m512 acc[MAX_M];
     for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_record(w + b * Q8_BYTES, Q8_BYTES);
         __m512i q[8];
         for (int j = 0; j < 8; j++) q[j] = _mm512_loadu_si512(w + b * Q8_BYTES + j * 64);
         __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + b * Q8_BYTES + 512)));
@@ -228,6 +240,7 @@ INLINE void q8_group(const uint8_t *w, const acts a, const int M, float *out) {
         __m256 acc[MAX_M];
         for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            if (h == 0) prefetch_record(w + b * Q8_BYTES, Q8_BYTES);
             __m256i q[8], aq[8];
             for (int j = 0; j < 8; j++) {
                 q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + b * Q8_BYTES + j * 64 + h * 32)), flip);
@@ -251,6 +264,7 @@ INLINE void q8_group(const uint8_t *w, const acts a, const int M, float *out) {
     float acc[MAX_M * G] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *qs = w + b * Q8_BYTES;
+        prefetch_record(qs, Q8_BYTES);
         uint16_t d[G];
         memcpy(d, qs + 512, sizeof d);
         for (int r = 0; r < M; r++) {
