@@ -67,7 +67,7 @@ def _layers(mode: str, shapes: dict, dtype: torch.dtype):
         elif mode == "int4":
             fns.append((k, Int8Linear(weights(n, k)) if name == "head" else Int4Linear(q4(n, k))))
         else:
-            blocks = (Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.full((n, k // 32), 0.01))
+            blocks = (Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.full((n, k // 32), 2.0 ** -7))
                       if name == "head" else Q4Blocks.from_groups(q4(n, k)))
             dense = torch.zeros(()).expand(n, k)                  # never read: one row runs on the blocks
             fns.append((k, BlockLinear(load(), blocks, dense)))

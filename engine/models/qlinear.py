@@ -3,8 +3,8 @@
 Every decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj`` and the LM head become
 a ``BlockLinear``: steps of at most ``max_rows`` rows (decode, small batches, short verifications) run
 through engine/models/csrc/qmatmul.c (activations quantized to 8 bits per block of 32, integer dot
-products against the 4-bit / 8-bit weight blocks, float32 out); longer steps (prefill chunks) multiply the
-model's dense weights as before. The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0
+products against the 4-bit / 8-bit weight blocks, out in the activations' dtype, float32 or bfloat16);
+longer steps (prefill chunks) multiply the model's dense weights as before. The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0
 ``token_embd`` for a tied head); a weight the file holds in another form is quantized here (4-bit as
 Q4_1, round to nearest; the LM head to Q8_0), as is every weight of a Hugging Face checkpoint.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.qmatmul import Q4Blocks, Q8Blocks, QMatmulLib, load
+from engine.models.qmatmul import KERNEL_DTYPES, Q4Blocks, Q8Blocks, QMatmulLib, load, pack
 from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantize_int4, stored_parts
 
 
@@ -25,7 +25,8 @@ class BlockLinear(nn.Module):
     def __init__(self, lib: QMatmulLib, blocks: Q4Blocks | Q8Blocks, dense: torch.Tensor,
                  bias: torch.Tensor | None = None, max_rows: int = MAX_QUANT_ROWS) -> None:
         super().__init__()
-        self.lib, self.blocks, self.max_rows = lib, blocks, max_rows
+        self.lib, self.max_rows = lib, max_rows
+        self.packed = pack(blocks)                       # the kernel's layout; the only copy kept
         self.out_features, self.in_features = blocks.shape
         if tuple(dense.shape) != blocks.shape:
             raise ValueError(f"dense weight shape {tuple(dense.shape)} != blocks' {blocks.shape}")
@@ -33,19 +34,21 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])               # (T, K)
-        if x2.shape[0] > self.max_rows:
-            return F.linear(x, self.dense, self.bias)
-        xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        y = self.lib.matmul(xf, self.blocks)                                   # (T, N) float32
-        if self.bias is not None:
-            y = y + self.bias
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        if x.shape[-1] != self.in_features or x.numel() > self.max_rows * self.in_features:
+            return F.linear(x, self.dense, self.bias)                          # (prefill: many rows)
+        if x.dtype in KERNEL_DTYPES and x.is_contiguous():
+            y = self.lib.run(x, self.packed)                                   # (..., N) in x's dtype
+        else:
+            y = self.lib.run(x.float().contiguous(), self.packed).to(x.dtype)
+        return y if self.bias is None else (y + self.bias).to(x.dtype)
+
+    @property
+    def blocks(self) -> Q4Blocks | Q8Blocks:
+        """The weight blocks this layer multiplies by (unpacked anew: for inspection and tests)."""
+        return self.packed.unpack()
 
     def extra_repr(self) -> str:
-        kind = "4-bit" if isinstance(self.blocks, Q4Blocks) else "8-bit"
+        kind = f"{self.packed.bits}-bit"
         return (f"in_features={self.in_features}, out_features={self.out_features}, {kind} blocks, "
                 f"max_rows={self.max_rows}, kernel={self.lib.variant}")
 

@@ -6,8 +6,11 @@
 * Against the plain float matmul on the dequantized weights: the error of rounding each activation to
   8 bits is at most half a step, so ``|y - x @ W.T| <= sum_b (xd_b / 2) * sum_j |w_bj|`` (plus the
   float32 tolerance above); the test asserts that bound.
-* Random blocks (odd N, K a multiple of 32, M = 1..8 and 11 past one pass), the default model's real
-  layers (Q4_1 layers, the Q8_0 token_embd LM head), and the portable build against the AVX2 one.
+* Random blocks (odd N, K a multiple of 32, M = 1..8 and 11 past one pass, float32 and bfloat16
+  activations), extreme blocks (the integer sums at their bounds), the default model's real layers (Q4_1
+  layers, the Q8_0 token_embd LM head), on every build this CPU runs: the native one (AVX512-VNNI here
+  where the CPU has it), the AVX2 one (``-mno-avx512f``: what a CPU without AVX-512 runs) and the
+  portable C (``-mno-avx2``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,30 @@ from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.gguf_loader import default_model_path
 from engine.models.qlinear import BlockLinear
 from engine.cpu_build import build
-from engine.models.qmatmul import SOURCE, Q4Blocks, Q8Blocks, QMatmulLib, quantize_activations, reference_matmul
+from engine.cpu_info import cpu_flags
+from engine.models.qmatmul import (SOURCE, Packed, Q4Blocks, Q8Blocks, QMatmulLib, pack, quantize_activations,
+                                   reference_matmul)
 from engine.models.quant import Int4Groups, quantize_int4
 from kernel_build import KernelBuild
 
 BUILD = KernelBuild(lambda: QMatmulLib(build(SOURCE)))   # skipped only without a compiler on PATH
 lib = BUILD.value
 pytestmark = BUILD.skip_mark()
+# the builds besides the native one: extra flags, and the variant they give on a CPU with AVX2, FMA, F16C
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
+HAS_AVX2 = {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def variant_lib(request):
+    """Each build of the kernel; the AVX2 one must be the AVX2 path wherever the CPU has AVX2."""
+    BUILD.require()
+    built = lib if request.param == "native" else QMatmulLib(build(SOURCE, BUILDS[request.param]))
+    if request.param == "portable":
+        assert built.variant == "portable"
+    if request.param == "avx2":
+        assert built.variant == ("avx2" if HAS_AVX2 else "portable")
+    return built
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +64,8 @@ def random_q4(n: int, k: int, gen: torch.Generator, q4_0: bool = False) -> Q4Blo
 
 
 def random_q8(n: int, k: int, gen: torch.Generator) -> Q8Blocks:
-    return Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
-                    torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)   # -128: a file may hold it
+    return Q8Blocks(q, (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4).half().float())
 
 
 def activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -73,16 +93,49 @@ def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w) -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
-@pytest.mark.parametrize("n,k", [(37, 96), (101, 576), (5, 32)])
-def test_kernel_matches_its_reference_on_random_blocks(kind, n, k):
+@pytest.mark.parametrize("n,k", [(37, 96), (101, 576), (5, 32), (48, 1536)])
+def test_kernel_matches_its_reference_on_random_blocks(variant_lib, kind, n, k):
     gen = torch.Generator().manual_seed(n * k + len(kind))
     w = random_q8(n, k, gen) if kind == "q8_0" else random_q4(n, k, gen, q4_0=kind == "q4_0")
+    packed = pack(w)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 11):
         x = activations(m, k, gen)
-        y = lib.matmul(x, w)
-        assert y.shape == (m, n)
+        y = variant_lib.matmul(x, packed)
+        assert y.shape == (m, n) and y.dtype == torch.float32
         assert_exact(y, x, w)
         assert_within_rounding(y, x, w)
+        # bfloat16 in: the same float32 sums (bf16 -> f32 is exact), rounded to bfloat16 out
+        xb = x.bfloat16()
+        yb = variant_lib.matmul(xb, packed)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, variant_lib.matmul(xb.float(), packed).bfloat16())
+
+
+def test_integer_sums_at_their_bounds(variant_lib):
+    """The largest sums the paths hold: 4-bit q = 15 against xq = +-127 (an AVX2 block's int16 pair sums
+    reach 8 * 2 * 15 * 127 = 30480), 8-bit q = -128 against xq = -127 (|q| * xq pairs of 2 * 128 * 127)."""
+    n, k = 19, 64
+    x = torch.full((2, k), 3.0)
+    x[1] = -3.0
+    ones = torch.ones(n, k // 32)
+    w4 = Q4Blocks.from_groups(Int4Groups(torch.full((n, k), 15, dtype=torch.uint8), ones * 0.5, ones * -0.25))
+    w8 = Q8Blocks(torch.full((n, k), -128, dtype=torch.int8), ones * 0.125)
+    for w, want in ((w4, 15 * 0.5 - 0.25), (w8, -128 * 0.125)):
+        y = variant_lib.matmul(x, w)
+        assert_exact(y, x, w)
+        assert torch.allclose(y[0], torch.full((n,), 3.0 * k * want), rtol=1e-6)
+        assert torch.allclose(y[1], -y[0], rtol=1e-6)
+
+
+def test_pack_round_trips_and_refuses_scales_float16_cannot_hold():
+    gen = torch.Generator().manual_seed(6)
+    for w in (random_q4(37, 96, gen), random_q8(21, 64, gen)):
+        p = pack(w)
+        assert isinstance(p, Packed) and p.shape == w.shape and p.data.shape[0] == -(-w.shape[0] // 16)
+        back = p.unpack()
+        assert type(back) is type(w) and torch.equal(back.dequantize(), w.dequantize())
+    w = random_q8(16, 32, gen)
+    with pytest.raises(ValueError, match="float16 values"):
+        pack(Q8Blocks(w.qs, w.d + 1e-6))
 
 
 def test_activation_quantization_is_the_kernels():
@@ -99,7 +152,7 @@ def test_activation_quantization_is_the_kernels():
     assert xq.abs().max() == 127 and torch.all(xq[0, 32:64] == 0) and xd[0, 1] == 0
 
 
-def test_default_models_layers():
+def test_default_models_layers(variant_lib):
     """Layer 0's Q4_1 projections and the Q8_0 token_embd (the tied LM head) as stored in the file:
     the repacked blocks dequantize bit for bit as the reader does, and the kernel matches its reference."""
     reader = GGUFFile(default_model_path())
@@ -115,25 +168,25 @@ def test_default_models_layers():
             assert t.type_name == "Q4_1"
             w = Q4Blocks.from_groups(Int4Groups.from_blocks(*q4_blocks(t), want.shape[0]))
         assert torch.equal(w.dequantize(), want), name
+        packed = pack(w)
         for m in (1, 5):
             x = activations(m, want.shape[1], gen)
-            y = lib.matmul(x, w)
+            y = variant_lib.matmul(x, packed)
             assert_exact(y, x, w)
             assert_within_rounding(y, x, w)
 
 
-@pytest.mark.skipif(lib is None or lib.variant != "avx2", reason="the native build is not the AVX2 path")
-def test_portable_build_agrees_with_avx2():
-    portable = QMatmulLib(build(SOURCE, ("-mno-avx2",)))
-    assert portable is not None and portable.variant == "portable"
+def test_builds_agree():
+    """Every build this CPU runs gives the native build's figures up to float32 summation order."""
+    others = [QMatmulLib(build(SOURCE, flags)) for flags in BUILDS.values() if flags]
     gen = torch.Generator().manual_seed(3)
     for w in (random_q4(67, 192, gen), random_q8(67, 192, gen)):
         for m in (1, 4, 8):
             x = activations(m, 192, gen)
-            a, b = lib.matmul(x, w), portable.matmul(x, w)
-            assert_exact(b, x, w)
             scale = x.abs() @ w.dequantize().abs().t()
-            assert bool(((a - b).abs() <= 2e-5 * scale + 1e-6).all())
+            a = lib.matmul(x, w)
+            for other in others:
+                assert bool(((a - other.matmul(x, w)).abs() <= 2e-5 * scale + 1e-6).all()), other.variant
 
 
 def test_block_linear_runs_few_rows_on_blocks_and_many_on_the_dense_weight():
@@ -144,14 +197,20 @@ def test_block_linear_runs_few_rows_on_blocks_and_many_on_the_dense_weight():
     few, many = torch.randn(4, 128, generator=gen), torch.randn(5, 128, generator=gen)
     assert torch.equal(layer(few), lib.matmul(few, blocks) + layer.bias)
     assert torch.equal(layer(many), F.linear(many, dense, layer.bias))
-    y = layer(few.bfloat16().view(2, 2, 128))                                  # dtype and leading shape kept
+    xb = few.bfloat16()
+    y = layer(xb.view(2, 2, 128))                                              # dtype and leading shape kept
     assert y.dtype == torch.bfloat16 and y.shape == (2, 2, 48)
+    assert torch.equal(y.view(4, 48), (lib.matmul(xb, blocks) + layer.bias).bfloat16())
+    strided = torch.randn(128, 3, generator=gen).t()                           # not contiguous: copied first
+    assert torch.equal(layer(strided), lib.matmul(strided.contiguous(), blocks) + layer.bias)
+    with pytest.raises(RuntimeError):                                          # a wrong K never reaches C
+        layer(torch.randn(1, 96, generator=gen))
 
 
 def test_bad_shapes_are_refused():
     gen = torch.Generator().manual_seed(5)
     w = random_q4(8, 64, gen)
-    with pytest.raises(ValueError, match=r"contiguous float32 \(M, 64\)"):
+    with pytest.raises(ValueError, match=r"contiguous float32 or bfloat16 \(M, 64\)"):
         lib.matmul(torch.randn(1, 32), w)
     with pytest.raises(ValueError, match=r"contiguous float32"):
         lib.matmul(torch.randn(1, 64, dtype=torch.float64), w)

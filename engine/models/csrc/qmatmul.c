@@ -1,41 +1,90 @@
 /* y = x @ W^T with W in a GGUF file's own blocks of 32 weights along K, for decode and small batches.
  *
- * Weights (repacked once at load by engine/models/qmatmul.py; the values are the file's):
- *   4-bit (Q4_1, and Q4_0 as Q4_1 with m = -8 d): qs [N, K/32, 16] bytes, byte j of a block holding
- *     element j in its low nibble and element j + 16 in its high nibble (GGUF's order); d, m [N, K/32]
- *     float32: w = d * q + m, q in 0..15.
- *   8-bit (Q8_0): qs [N, K] int8; d [N, K/32] float32: w = d * q.
+ * Weights, repacked once at load by engine/models/qmatmul.py (``pack``; the values are the file's), in
+ * groups of G = 16 output rows (N padded to a multiple of 16 with zero rows), block b of a group holding
+ * its 16 rows' block b side by side, 4 bytes of each row at a time, so that one 64-byte load is 4 bytes
+ * of every row of the group (one 32-bit lane per row):
+ * Each block of a group is one record, read as one stream:
+ *   4-bit (Q4_1, and Q4_0 as Q4_1 with m = -8 d), 320 bytes: qs [4, 16, 4] (chunk j, row r, byte t is byte
+ *     4j + t of the row's GGUF block: element 4j + t in its low nibble, 16 + 4j + t in its high one), then
+ *     d [16] and m [16] float16 (GGUF's own): w = d * q + m, q in 0..15.
+ *   8-bit (Q8_0), 544 bytes: qs [8, 16, 4] (chunk j, row r, byte t is element 4j + t as q + 128,
+ *     unsigned), then d [16] float16: w = d * q.
  * Activations are quantized per block of 32 to int8 (llama.cpp's Q8_1 idea): xd = max|x| / 127,
- * xq = round_half_even(x * (1 / xd)), xs = xd * sum(xq) (what the 4-bit min term needs). Then per block
+ * xq = round_half_even(x * (1 / xd)), xi = sum(xq), xs = xd * xi (what the 4-bit min term needs). Per
+ * block, for the 16 rows of a group at once (a vector with one lane per row):
  *   4-bit: d * xd * sum(q * xq) + m * xs        8-bit: d * xd * sum(q * xq)
- * with the integer sums exact (AVX2: vpmaddubsw unsigned x signed bytes -> int16 pairs, vpmaddwd -> int32)
- * and the blocks accumulated in float32. Output rows are split over the OpenMP threads (torch's pool).
- * One code path per build: AVX2 where the compiler targets it (-march=native on an AVX2 CPU), portable C
- * otherwise; qmm_variant() says which. engine/models/qmatmul.py holds the plain references.
+ * the integer sums exact: AVX512-VNNI vpdpbusd (unsigned weight bytes x 4 signed activation bytes
+ * broadcast to every lane; for 8 bits sum((q + 128) * xq) - 128 xi), AVX2 vpmaddubsw / vpmaddwd (4 bits:
+ * the int16 pair sums of a whole block stay below 2^15; 8 bits: |q| times xq with q's sign), portable C
+ * elsewhere; the blocks accumulate in float32 and no horizontal sums are needed. Groups of rows are split
+ * over the OpenMP threads (torch's pool). Activations are read as float32 or bfloat16 and y written as
+ * either. One code path per build, fixed by the compiler's target (-march); qmm_variant() says which.
+ * engine/models/qmatmul.py holds the plain references.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX2__
+#include <string.h>
+#include "kernel_math.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QMM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QMM_AVX2 1
+#endif
+
 #define QK 32
+#define G 16      /* output rows per group */
 #define MAX_M 8   /* activation rows multiplied per pass over the weights */
+#define Q4_BYTES (256 + 4 * G)   /* one block of a group: qs, d, m */
+#define Q8_BYTES (512 + 2 * G)   /* qs, d */
+/* Each thread reads its rows' records as one stream; asking for the bytes this far ahead of the record
+ * being read took a 2-thread stream from ~35-42 to ~45-52 GB/s here (the hardware prefetcher alone
+ * leaves the memory idle part of the time). */
+#define PREFETCH_AHEAD 8192
+
+INLINE void prefetch_record(const uint8_t *rec, int bytes) {
+    for (int j = 0; j < bytes; j += 64) __builtin_prefetch(rec + PREFETCH_AHEAD + j, 0, 3);
+}
+
+/* IEEE half -> float (the portable path's; the vector paths convert with vcvtph2ps) */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    bits32 c;
+    if (exp == 0x1F) c.u = sign | 0x7F800000u | (man << 13);                /* inf, NaN */
+    else if (exp) c.u = sign | ((exp + 112) << 23) | (man << 13);           /* normal */
+    else {                                                                  /* zero, subnormal */
+        c.f = (float)man * 5.9604644775390625e-8f;                          /* man * 2^-24 */
+        c.u |= sign;
+    }
+    return c.f;
+}
 
 const char *qmm_variant(void) {
-#ifdef __AVX2__
+#if defined(QMM_VNNI)
+    return "avx512vnni";
+#elif defined(QMM_AVX2)
     return "avx2";
 #else
     return "portable";
 #endif
 }
 
-/* x: [M, K] float32 -> xq [M, K] int8, xd and xs [M, K/32] float32 (K a multiple of 32). */
-void qmm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+/* x: [M, K] (float32, or bfloat16 where bf16) -> xq [M, K] int8, xd, xs [M, K/32] float32, xi [M, K/32]
+ * int32 (K a multiple of 32). */
+static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+                          int32_t *xi) {
     int64_t nb = K / QK;
     for (int64_t i = 0; i < M * nb; i++) {
-        const float *v = x + i * QK;
+        float v[QK];
+        if (bf16)
+            for (int j = 0; j < QK; j++) v[j] = bf16_to_f32(((const uint16_t *)x)[i * QK + j]);
+        else
+            memcpy(v, (const float *)x + i * QK, sizeof v);
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
@@ -47,139 +96,241 @@ void qmm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *
         }
         xd[i] = d;
         xs[i] = d * (float)sum;
+        xi[i] = sum;
     }
 }
 
-#ifdef __AVX2__
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* float32 x: the activation quantization alone (engine/models/qmatmul.py's quantize_activations is its
+ * reference). */
+void qmm_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+    int32_t *xi = malloc(sizeof(int32_t) * (size_t)(M * (K / QK)) + 1);
+    if (!xi) return;
+    quantize_rows(x, 0, M, K, xq, xd, xs, xi);
+    free(xi);
 }
-#endif
 
-/* One weight row against M (<= MAX_M, a constant after inlining) activation rows: out[r] for r < M. */
-static inline __attribute__((always_inline)) void q4_row(const uint8_t *qs, const float *d, const float *mn,
-        int64_t nb, const int8_t *xq, const float *xd, const float *xs, int64_t K, const int M, float *out) {
-    float msum[MAX_M];
-    for (int r = 0; r < M; r++) {
-        float s = 0.0f;
-        for (int64_t b = 0; b < nb; b++) s += mn[b] * xs[r * nb + b];
-        msum[r] = s;
-    }
-#ifdef __AVX2__
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MAX_M];
-    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+/* Activation rows of one pass: r-th row's block b at q + r * K + b * 32, its scales at [r * nb + b]. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *i;
+    int64_t K, nb;
+} acts;
+
+INLINE int32_t load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* One group of 16 rows (its block records from w) against M (<= MAX_M, a constant after inlining)
+ * activation rows: out[r * 16 + i] = y of activation row r, group row i. */
+INLINE void q4_group(const uint8_t *w, const acts a, const int M, float *out) {
+    const int64_t nb = a.nb;
+#if defined(QMM_VNNI)
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MAX_M];
+    for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * 16));
-        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+        prefetch_record(w + b * Q4_BYTES, Q4_BYTES);
+        __m512i lo[4], hi[4];
+        for (int j = 0; j < 4; j++) {
+            __m512i raw = _mm512_loadu_si512(w + b * Q4_BYTES + j * 64);
+            lo[j] = _mm512_and_si512(raw, low);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        const uint8_t *sc = w + b * Q4_BYTES + 256;
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 2 * G)));
         for (int r = 0; r < M; r++) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[b] * xd[r * nb + b]), acc[r]);
+            const int8_t *x = a.q + r * a.K + b * QK;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                s0 = _mm512_dpbusd_epi32(s0, lo[j], _mm512_set1_epi32(load4(x + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, hi[j], _mm512_set1_epi32(load4(x + 16 + 4 * j)));
+            }
+            __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(a.d[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(p, dv, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[r * nb + b]), acc[r]);
         }
     }
-    for (int r = 0; r < M; r++) out[r] = hsum8(acc[r]) + msum[r];
+    for (int r = 0; r < M; r++) _mm512_storeu_ps(out + r * G, acc[r]);
+#elif defined(QMM_AVX2)
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {                              /* rows 8h .. 8h + 7 */
+        __m256 acc[MAX_M];
+        for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (h == 0) prefetch_record(w + b * Q4_BYTES, Q4_BYTES);   /* the second half re-reads from L1 */
+            __m256i lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(w + b * Q4_BYTES + j * 64 + h * 32));
+                lo[j] = _mm256_and_si256(raw, low);
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            }
+            const uint8_t *sc = w + b * Q4_BYTES + 256 + h * 16;
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+            __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * G)));
+            for (int r = 0; r < M; r++) {
+                const int8_t *x = a.q + r * a.K + b * QK;
+                /* int16 pair sums: each at most 2 * 15 * 127, so the 8 of a block stay below 2^15 */
+                __m256i s = _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++) {
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(load4(x + 4 * j))));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(load4(x + 16 + 4 * j))));
+                }
+                __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones)),
+                                         _mm256_set1_ps(a.d[r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(p, dv, acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[r * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < M; r++) _mm256_storeu_ps(out + r * G + h * 8, acc[r]);
+    }
 #else
-    float acc[MAX_M] = {0};
+    float acc[MAX_M * G] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *q = qs + b * 16;
+        const uint8_t *qs = w + b * Q4_BYTES;
+        prefetch_record(qs, Q4_BYTES);
+        uint16_t d[G], mn[G];
+        memcpy(d, qs + 256, sizeof d);
+        memcpy(mn, qs + 256 + 2 * G, sizeof mn);
         for (int r = 0; r < M; r++) {
-            const int8_t *a = xq + r * K + b * QK;
-            int32_t s = 0;
-            for (int j = 0; j < 16; j++) s += (q[j] & 0x0F) * a[j] + (q[j] >> 4) * a[j + 16];
-            acc[r] += (float)s * (d[b] * xd[r * nb + b]);
+            const int8_t *x = a.q + r * a.K + b * QK;
+            for (int i = 0; i < G; i++) {
+                int32_t s = 0;
+                for (int j = 0; j < 4; j++)
+                    for (int t = 0; t < 4; t++) {
+                        uint8_t v = qs[j * 64 + i * 4 + t];
+                        s += (v & 0x0F) * x[4 * j + t] + (v >> 4) * x[16 + 4 * j + t];
+                    }
+                acc[r * G + i] += (float)s * a.d[r * nb + b] * f16_to_f32(d[i]) + f16_to_f32(mn[i]) * a.s[r * nb + b];
+            }
         }
     }
-    for (int r = 0; r < M; r++) out[r] = acc[r] + msum[r];
+    memcpy(out, acc, sizeof(float) * (size_t)(M * G));
 #endif
 }
 
-static inline __attribute__((always_inline)) void q8_row(const int8_t *qs, const float *d, int64_t nb,
-        const int8_t *xq, const float *xd, int64_t K, const int M, float *out) {
-#ifdef __AVX2__
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MAX_M];
-    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+INLINE void q8_group(const uint8_t *w, const acts a, const int M, float *out) {
+    const int64_t nb = a.nb;
+#if defined(QMM_VNNI)
+    __m512 acc[MAX_M];
+    for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(qs + b * QK));
-        __m256i aw = _mm256_sign_epi8(w, w);            /* |w| as unsigned bytes (-128 -> 128) */
+        prefetch_record(w + b * Q8_BYTES, Q8_BYTES);
+        __m512i q[8];
+        for (int j = 0; j < 8; j++) q[j] = _mm512_loadu_si512(w + b * Q8_BYTES + j * 64);
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + b * Q8_BYTES + 512)));
         for (int r = 0; r < M; r++) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[b] * xd[r * nb + b]), acc[r]);
+            const int8_t *x = a.q + r * a.K + b * QK;
+            __m512i s0 = _mm512_set1_epi32(-128 * a.i[r * nb + b]), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {   /* sum((q + 128) * xq) - 128 sum(xq) = sum(q * xq) */
+                s0 = _mm512_dpbusd_epi32(s0, q[j], _mm512_set1_epi32(load4(x + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, q[j + 1], _mm512_set1_epi32(load4(x + 4 * j + 4)));
+            }
+            __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(a.d[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(p, dv, acc[r]);
         }
     }
-    for (int r = 0; r < M; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < M; r++) _mm512_storeu_ps(out + r * G, acc[r]);
+#elif defined(QMM_AVX2)
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[MAX_M];
+        for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (h == 0) prefetch_record(w + b * Q8_BYTES, Q8_BYTES);
+            __m256i q[8], aq[8];
+            for (int j = 0; j < 8; j++) {
+                q[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + b * Q8_BYTES + j * 64 + h * 32)), flip);
+                aq[j] = _mm256_sign_epi8(q[j], q[j]);          /* |q| as unsigned bytes (-128 -> 128) */
+            }
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + b * Q8_BYTES + 512 + h * 16)));
+            for (int r = 0; r < M; r++) {
+                const int8_t *x = a.q + r * a.K + b * QK;
+                __m256i s = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {   /* |q| * (xq with q's sign): pairs at most 2 * 128 * 127 */
+                    __m256i p = _mm256_maddubs_epi16(aq[j], _mm256_sign_epi8(_mm256_set1_epi32(load4(x + 4 * j)), q[j]));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                }
+                __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.d[r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(p, dv, acc[r]);
+            }
+        }
+        for (int r = 0; r < M; r++) _mm256_storeu_ps(out + r * G + h * 8, acc[r]);
+    }
 #else
-    float acc[MAX_M] = {0};
+    float acc[MAX_M * G] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *q = qs + b * QK;
+        const uint8_t *qs = w + b * Q8_BYTES;
+        prefetch_record(qs, Q8_BYTES);
+        uint16_t d[G];
+        memcpy(d, qs + 512, sizeof d);
         for (int r = 0; r < M; r++) {
-            const int8_t *a = xq + r * K + b * QK;
-            int32_t s = 0;
-            for (int j = 0; j < QK; j++) s += q[j] * a[j];
-            acc[r] += (float)s * (d[b] * xd[r * nb + b]);
+            const int8_t *x = a.q + r * a.K + b * QK;
+            for (int i = 0; i < G; i++) {
+                int32_t s = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 4; t++) s += ((int)qs[j * 64 + i * 4 + t] - 128) * x[4 * j + t];
+                acc[r * G + i] += (float)s * a.d[r * nb + b] * f16_to_f32(d[i]);
+            }
         }
     }
-    for (int r = 0; r < M; r++) out[r] = acc[r];
+    memcpy(out, acc, sizeof(float) * (size_t)(M * G));
 #endif
 }
 
-/* Dispatch one weight row to the specialisation for m rows (1..MAX_M), so each unrolls. */
+/* Dispatch one group to the specialisation for m rows (1..MAX_M), so each unrolls. */
 #define BY_M(m, CALL) switch (m) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
     case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; \
     default: CALL(8); }
 
-/* Quantized activations for x [M, K]; NULL if out of memory. One buffer: xq, then xd, then xs. */
-static int8_t *quantize(const float *x, int64_t M, int64_t K, float **xd, float **xs) {
-    int64_t nb = K / QK;
-    int8_t *buf = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb) + 64);
-    if (!buf) return NULL;
-    *xd = (float *)(buf + ((M * K + 63) / 64) * 64);
-    *xs = *xd + M * nb;
-    qmm_quantize_rows(x, M, K, buf, *xd, *xs);
-    return buf;
-}
-
-/* x [M, K] float32 times weights [N, K] (4-bit: qs, d, mn as above; 8-bit: qs int8, d, mn NULL) ->
- * y [M, N] float32. Returns 0, -1 for K not a multiple of 32, -2 when out of memory. */
-static int qmm(int bits, const float *x, int64_t M, int64_t K, const void *qs, const float *d, const float *mn,
-               int64_t N, float *y) {
+/* x [M, K] float32 or bfloat16 times weights [N, K] packed as above -> y [M, N] float32 or bfloat16.
+ * Returns 0, -1 for K not a multiple of 32, -2 when out of memory. */
+static int qmm(int bits, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y,
+               int y_bf16) {
     if (K % QK) return -1;
-    float *xd, *xs;
-    int8_t *xq = quantize(x, M, K, &xd, &xs);
-    if (!xq) return -2;
-    int64_t nb = K / QK;
+    int64_t nb = K / QK, groups = (N + G - 1) / G;
+    size_t qbytes = (size_t)((M * K + 63) / 64 * 64);
+    int8_t *buf = malloc(qbytes + (2 * sizeof(float) + sizeof(int32_t)) * (size_t)(M * nb) + 64);
+    if (!buf) return -2;
+    float *xd = (float *)(buf + qbytes), *xs = xd + M * nb;
+    int32_t *xi = (int32_t *)(xs + M * nb);
+    quantize_rows(x, x_bf16, M, K, buf, xd, xs, xi);
+    const int64_t wbytes = bits == 4 ? Q4_BYTES : Q8_BYTES;
     for (int64_t r0 = 0; r0 < M; r0 += MAX_M) {
         int m = M - r0 < MAX_M ? (int)(M - r0) : MAX_M;
-        const int8_t *aq = xq + r0 * K;
-        const float *ad = xd + r0 * nb, *as = xs + r0 * nb;
+        const acts a = {buf + r0 * K, xd + r0 * nb, xs + r0 * nb, xi + r0 * nb, K, nb};
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            float out[MAX_M];
+        for (int64_t g = 0; g < groups; g++) {
+            float out[MAX_M * G];
+            const uint8_t *wg = w + g * nb * wbytes;
             if (bits == 4) {
-#define Q4(c) q4_row((const uint8_t *)qs + n * nb * 16, d + n * nb, mn + n * nb, nb, aq, ad, as, K, c, out)
+#define Q4(c) q4_group(wg, a, c, out)
                 BY_M(m, Q4)
             } else {
-#define Q8(c) q8_row((const int8_t *)qs + n * K, d + n * nb, nb, aq, ad, K, c, out)
+#define Q8(c) q8_group(wg, a, c, out)
                 BY_M(m, Q8)
             }
-            for (int r = 0; r < m; r++) y[(r0 + r) * N + n] = out[r];
+            int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
+            for (int r = 0; r < m; r++) {
+                int64_t at = (r0 + r) * N + n0;
+                if (y_bf16)
+                    for (int64_t i = 0; i < rows; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(out[r * G + i]);
+                else
+                    memcpy((float *)y + at, out + r * G, sizeof(float) * (size_t)rows);
+            }
         }
     }
-    free(xq);
+    free(buf);
     return 0;
 }
 
-int qmm_q4(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float *mn,
-           int64_t N, float *y) {
-    return qmm(4, x, M, K, qs, d, mn, N, y);
+int qmm_q4(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_bf16) {
+    return qmm(4, x, x_bf16, M, K, w, N, y, y_bf16);
 }
 
-int qmm_q8(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d, int64_t N, float *y) {
-    return qmm(8, x, M, K, qs, d, NULL, N, y);
+int qmm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_bf16) {
+    return qmm(8, x, x_bf16, M, K, w, N, y, y_bf16);
 }
