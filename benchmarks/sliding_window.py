@@ -172,12 +172,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--pool-windows", type=int, default=8,
                     help="windows the sliding layers' pool holds (EngineConfig.sliding_window_pool_windows)")
     ap.add_argument("--reply", type=int, default=4, help="greedy tokens each turn decodes")
-    ap.add_argument("--gemma-window", type=int, default=256)
-    ap.add_argument("--gpt-oss-window", type=int, default=128)
-    ap.add_argument("--turn-sessions", type=int, default=3)
-    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--gemma-window", type=int, default=256,
+                    help="the Gemma-3-shaped model's local layers' window, in tokens")
+    ap.add_argument("--gpt-oss-window", type=int, default=128,
+                    help="the gpt-oss-shaped model's sliding layers' window, in tokens")
+    ap.add_argument("--turn-sessions", type=int, default=3,
+                    help="sessions of the multi-turn workload (its pool holds every one either way)")
+    ap.add_argument("--turns", type=int, default=3, help="turns each multi-turn session takes")
     ap.add_argument("--turn-tokens", type=int, default=256, help="new tokens each later turn appends")
-    ap.add_argument("--families", nargs="+", default=["gemma3", "gpt_oss"], choices=["gemma3", "gpt_oss"])
+    ap.add_argument("--families", nargs="+", default=["gemma3", "gpt_oss"], choices=["gemma3", "gpt_oss"],
+                    help="which random models to run")
     args = ap.parse_args(argv)
     run = harness.Run(args, __file__, argv)
     tokenizer = load_tokenizer(None)[0]
