@@ -55,7 +55,6 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
 
 import torch
 
