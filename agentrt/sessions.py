@@ -253,6 +253,10 @@ class SessionManager:
         """A recorded turn (replay of ``turn_id``) or a running one holding the session's lock."""
         record = await self.get(session_id, tenant)
         new_messages = self._check_new_messages(req)
+        if req.expected_pause_s is not None and record.pin_ttl_s is not None:
+            raise bad_request(f"expected_pause_s: session '{session_id}' was created with its own pin_ttl_s "
+                              f"({record.pin_ttl_s}), which every turn keeps; drop one of the two",
+                              param="expected_pause_s")
 
         def plan(record: SessionRecord) -> TurnPlan:
             fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop",

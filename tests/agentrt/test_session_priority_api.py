@@ -231,6 +231,10 @@ def test_an_announced_long_pause_demotes_the_turns_kv_and_reads_it_back_before_t
             sid = (await http.post("/v1/sessions", json={"model": model.model_id})).json()["id"]
             bad = await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": -1})
             assert bad.status_code == 400 and "expected_pause_s" in bad.text
+            pinned = (await http.post("/v1/sessions", json={"model": model.model_id, "pin_ttl_s": 1.0})).json()["id"]
+            both = await http.post(f"/v1/sessions/{pinned}/turns", json={**TURN, "expected_pause_s": 2.0})
+            assert both.status_code == 400 and "its own pin_ttl_s" in both.json()["error"]["message"]
+            assert engine.pins == []   # refused before anything ran
             await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": 2.0})
             (what, pin, _), = engine.pins
             assert what == "demote"
