@@ -34,6 +34,8 @@ from typing import Any, Iterable, Sequence
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "agentrt-bench/1"
 ORDERS = ("alternate", "fixed")
+# environment variables that change what runs (threads; the kernels' -march; torch's and oneDNN's ISA caps)
+ENV_RECORDED = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "AGENTRT_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 HEADER_KEYS = ("schema", "script", "argv", "commit", "dirty", "diff_sha256", "machine", "torch", "env", "kernels",
                "engine", "servers", "order", "repeats", "started_at", "finished_at")
 HEADER_ADDED = ("loadavg",)   # keys added since the first results (a header has them after HEADER_KEYS)
@@ -178,7 +180,7 @@ class Run:
             kernels = engine.active_kernels if engine is not None else loaded_kernels()
         return {"schema": SCHEMA, "script": self.script, "argv": self.argv, **git_state(),
                 "machine": machine(), "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
-                "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
+                "env": {k: os.environ.get(k) for k in ENV_RECORDED},
                 "kernels": dict(kernels), "engine": _engine_of(engine) if engine is not None else settings,
                 "servers": self.servers, "order": getattr(self.args, "order", None),
                 "repeats": getattr(self.args, "repeats", None), "started_at": self.started_at, "finished_at": _now(),

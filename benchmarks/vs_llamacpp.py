@@ -41,6 +41,13 @@ llama-server's defaults crash at start-up (ggml's AMX repacking on some virtual 
 with ``--no-repack``; the JSON (``peer_flags``) and the table say so beside its figures, and agentrt
 runs once more with its equivalent path off (``agentrt_float32``: bf16 off, ``--dtype float32``) as
 the like-for-like figure. A run with any other non-default llama-server flag is ``"headline": false``.
+
+``--cpu x86-64-v3`` measures both sides as on a CPU with AVX2 and no AVX-512 or native bf16 (most
+laptops, desktops and many cloud VMs), on a machine that has more: llama-server built for AVX2 only
+(``llamacpp_build.TARGET_FLAGS``), and agentrt with its C kernels built ``-march=x86-64-v3``
+(``AGENTRT_KERNEL_MARCH``), torch and oneDNN capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2``,
+``ONEDNN_MAX_CPU_ISA=AVX2``) and ``--dtype float32``, which is what ``--dtype auto`` resolves to on a
+CPU without native bf16 (engine/config.py). The header's ``env`` and ``cpu_target`` record it.
 """
 
 from __future__ import annotations
@@ -61,11 +68,18 @@ from agentrt.bench.driver import CallFailed, stream_chat_completion  # noqa: E40
 from agentrt.bench.progress import bar  # noqa: E402
 from agentrt.bench.summary import percentile  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.llamacpp_build import (CMAKE_FLAGS, LLAMA_CPP_PYTHON_VERSION, build_llama_server,  # noqa: E402
+from benchmarks.llamacpp_build import (LLAMA_CPP_PYTHON_VERSION, build_llama_server, cmake_flags,  # noqa: E402
                                        llama_server_version)
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 
 SLOT_CONTEXT = 8192          # llama-server context per slot (SmolLM2's trained context)
+
+# --cpu: how agentrt runs as on that CPU (environment of both servers; agentrt's extra flags)
+CPU_TARGETS = {
+    "native": ({}, []),
+    "x86-64-v3": ({"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                  ["--dtype", "float32"]),
+}
 
 
 # --------------------------------------------------------------------------- summarising (pure)
@@ -389,7 +403,7 @@ def side_commands(args, binary, model_path: str, peer: dict) -> dict[str, list[s
     cmds = {}
     if args.only != "llama":
         cmds["agentrt"] = [sys.executable, "-m", "agentrt_cli", "serve", "--port", "{port}", *model_flag,
-                           *args.agentrt_flag]
+                           *CPU_TARGETS[args.cpu][1], *args.agentrt_flag]
     if binary is not None:
         c = args.concurrency
         cmds["llama_server"] = [str(binary), "-m", model_path, "--port", "{port}", "-np", str(c),
@@ -435,7 +449,8 @@ def describe_run(args: argparse.Namespace, wl: AgenticWorkload, model_path: str,
         ],
         "llama_server_build": {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
                                "version": llama_server_version(binary) if binary else None,
-                               "cmake_flags": CMAKE_FLAGS if binary and args.llama_server is None else None},
+                               "cmake_flags": cmake_flags(args.cpu) if binary and args.llama_server is None else None},
+        "cpu_target": {"target": args.cpu, "env": CPU_TARGETS[args.cpu][0], "agentrt_flags": CPU_TARGETS[args.cpu][1]},
     }
 
 
@@ -445,6 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="a llama-server binary (default: build it under out/llamacpp/)")
     parser.add_argument("--build-only", action="store_true", help="build (or find) llama-server and stop")
+    parser.add_argument("--cpu", choices=tuple(CPU_TARGETS), default="native",
+                        help="native: this CPU; x86-64-v3: both sides built and run for AVX2 only (see the docstring)")
     parser.add_argument("--model", default=None, help="GGUF both servers load (default: the embedded SmolLM2-135M)")
     parser.add_argument("--only", choices=("agentrt", "llama"), default=None, help="run one server only")
     parser.add_argument("--sessions", type=int, default=8, help="agent sessions in the workload")
@@ -476,8 +493,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ.update(CPU_TARGETS[args.cpu][0])          # before the header records env and servers inherit it
     run = harness.Run(args, __file__, argv)
-    binary = args.llama_server or build_llama_server() if args.only != "agentrt" else None
+    binary = args.llama_server or build_llama_server(target=args.cpu) if args.only != "agentrt" else None
     if args.build_only:
         print(binary)
         return 0

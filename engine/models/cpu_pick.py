@@ -8,7 +8,8 @@ weight matmuls of a batch-1 decode step at this model's shapes (read from the fi
 q/k/v, o, gate/up and down projections of ``LAYERS`` layers with weights of their own, so they stream
 from memory as a step's do, and the LM head), rounds alternating between candidates, the best round of
 each kept; the fastest wins. The times are cached as JSON in the kernel cache
-(engine/cpu_build.cache_dir), keyed by the CPU's flags, torch's version, the shapes, the dtype and the
+(engine/cpu_build.cache_dir), keyed by the CPU's flags, the kernels' ``-march``, torch's and oneDNN's ISA
+caps (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), torch's version, the shapes, the dtype and the
 kernel's source, so a machine measures once; the pick and the times are logged.
 """
 
@@ -24,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_build import cache_dir
+from engine.cpu_build import cache_dir, kernel_march
 from engine.cpu_info import flags_line
 
 log = logging.getLogger("engine")
@@ -93,7 +94,8 @@ def measure(candidates: list[str], shapes: dict, dtype: torch.dtype) -> dict[str
 def _key(candidates: list[str], shapes: dict, dtype: torch.dtype) -> str:
     from engine.models.qmatmul import SOURCE
 
-    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS])
+    caps = [kernel_march(), os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ONEDNN_MAX_CPU_ISA")]
+    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS, caps])
     return hashlib.sha256(text.encode() + SOURCE.read_bytes()).hexdigest()[:16]
 
 

@@ -88,7 +88,7 @@ def test_header_has_exactly_the_documented_keys(tmp_path):
     assert (h["diff_sha256"] is None) == (not h["dirty"])
     assert set(h["machine"]) == {"cpu_model", "cores_usable", "memory_gib", "cpu_flags"}
     assert h["machine"]["cores_usable"] >= 1
-    assert set(h["torch"]) == {"version", "threads"} and set(h["env"]) == {"OMP_WAIT_POLICY", "OMP_NUM_THREADS"}
+    assert set(h["torch"]) == {"version", "threads"} and set(h["env"]) == set(harness.ENV_RECORDED) >= {"OMP_NUM_THREADS", "AGENTRT_KERNEL_MARCH"}
     assert h["kernels"] == {"decode_attention": True, "layer_ops": False} and h["engine"] is None
     assert h["servers"] == [{"name": "agentrt", "cmd": ["python", "-m", "agentrt_cli", "serve", "--port", "1",
                                                         "--dtype", "float32"],

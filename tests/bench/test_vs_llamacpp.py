@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from pathlib import Path
 
 from benchmarks.vs_llamacpp import (cached_tokens_of, chat_body, compare, decode_tok_s, format_table,
                                     llama_threads, stream_chat, summarize_side)
@@ -131,13 +132,31 @@ def test_decode_prompts_are_distinct_over_repeats_and_runs():
 def test_side_commands_add_the_float32_side_only_when_llama_needs_its_fallback():
     import argparse
     from benchmarks.vs_llamacpp import side_commands
-    args = argparse.Namespace(model=None, only=None, agentrt_flag=[], llama_flag=[], concurrency=2)
+    args = argparse.Namespace(model=None, only=None, agentrt_flag=[], llama_flag=[], concurrency=2, cpu="native")
     plain = side_commands(args, "llama-server", "m.gguf", {"flags": [], "agentrt_equivalent": []})
     assert list(plain) == ["agentrt", "llama_server"]
     fb = side_commands(args, "llama-server", "m.gguf", {"flags": ["--no-repack"],
                                                          "agentrt_equivalent": ["--dtype", "float32"]})
     assert list(fb) == ["agentrt", "llama_server", "agentrt_float32"]
     assert fb["llama_server"][-1] == "--no-repack" and fb["agentrt_float32"][-2:] == ["--dtype", "float32"]
+
+
+def test_avx2_target_runs_agentrt_as_an_avx2_cpu_would_and_builds_llama_server_without_avx512():
+    """--cpu x86-64-v3: agentrt gets float32 (dtype auto's answer without native bf16) and AVX2-capped
+    kernels; llama-server's cmake turns ggml's native detection off and AVX-512 off."""
+    import argparse
+    from benchmarks.llamacpp_build import build_dir, cmake_flags
+    from benchmarks.vs_llamacpp import CPU_TARGETS, side_commands
+    args = argparse.Namespace(model=None, only=None, agentrt_flag=["--x"], llama_flag=[], concurrency=2,
+                              cpu="x86-64-v3")
+    cmds = side_commands(args, "llama-server", "m.gguf", {"flags": [], "agentrt_equivalent": []})
+    assert cmds["agentrt"][-3:] == ["--dtype", "float32", "--x"]
+    env = CPU_TARGETS["x86-64-v3"][0]
+    assert env == {"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    avx2, native = cmake_flags("x86-64-v3"), cmake_flags("native")
+    assert "-DGGML_NATIVE=OFF" in avx2 and "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX2=ON" in avx2
+    assert "-DGGML_NATIVE=ON" in native and not any("AVX512" in f for f in native)
+    assert build_dir(Path("r"), "native") != build_dir(Path("r"), "x86-64-v3")
 
 
 def test_llama_threads_from_log():

@@ -61,6 +61,21 @@ def test_auto_picks_the_fastest_measured_path(tmp_path, monkeypatch):
         assert pick(None, "float32") != slow
 
 
+def test_the_pick_is_measured_again_for_another_kernel_target(tmp_path, monkeypatch):
+    """Times measured with native kernels are not reused for an AVX2-only build or an ISA-capped torch."""
+    monkeypatch.setattr(cpu_pick, "cache_dir", lambda: tmp_path)
+    shapes = {"qkv": (8, 8)}
+    keys = set()
+    for env in ({}, {"AGENTRT_KERNEL_MARCH": "x86-64-v3"}, {"ATEN_CPU_CAPABILITY": "avx2"},
+                {"ONEDNN_MAX_CPU_ISA": "AVX2"}):
+        for name in ("AGENTRT_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        keys.add(cpu_pick._key(["off", "gguf"], shapes, torch.float32))
+    assert len(keys) == 4
+
+
 def test_gguf_engine_in_bfloat16_agrees_with_float32(default_engine):
     """bfloat16 activations (what ``auto`` runs where the CPU has native bf16 and the kernel is measured
     fastest), read and written by the kernel as they are. Measured when this test was written: top-1
