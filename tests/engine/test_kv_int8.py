@@ -88,15 +88,18 @@ def reference_rows(q, kv, tables, lens, P):
 
 
 @needs_kernel
-@pytest.mark.parametrize("variant", ["native", "portable"])
-@pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1)])
+@pytest.mark.parametrize("variant", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1), (20, 2, 64, 4), (4, 2, 40, 8)])
 def test_kernel_reads_int8_pages_as_the_torch_path(variant, Hq, Hkv, D, P):
-    """The kernel over int8 pages in place (AVX2/AVX-512 build and the portable -mno-avx build) against
-    float64 attention over the same pages dequantized: tight, output and log-sum-exp."""
+    """The kernel over int8 pages in place (this CPU's build, an AVX2-only build: -mno-avx512f, and the
+    portable -mno-avx build) against float64 attention over the same pages dequantized: tight, output and
+    log-sum-exp. The shapes reach the vectorised passes with a constant and a runtime query group (3, 10),
+    and the per-query path (D 24; D 40 under AVX-512, whose 16 lanes do not divide it)."""
     from engine.attention.cpu_kernel import SOURCE, DecodeKernel
     from engine.cpu_build import build
 
-    kern = kernel if variant == "native" else DecodeKernel(build(SOURCE, extra_flags=("-mno-avx", "-mno-avx2")))
+    flags = {"native": None, "avx2": ("-mno-avx512f",), "portable": ("-mno-avx", "-mno-avx2")}[variant]
+    kern = kernel if flags is None else DecodeKernel(build(SOURCE, extra_flags=flags))
     rng = random.Random(D + P)
     torch.manual_seed(D + P)
     lens = [1, 17, 255, 256, 257, 1100]

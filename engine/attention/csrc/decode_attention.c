@@ -30,6 +30,7 @@
 #define CHUNK 256          /* keys per task */
 #define MAX_G 16           /* query heads per KV head */
 #define MAX_D 256          /* head dim */
+#define TASKS_AT_ONCE 4    /* consecutive tasks a thread takes at a time */
 
 /* A row of D elements of the pool (bfloat16 or float32) widened into float32. */
 INLINE void widen(const void *src, int bf16, float *dst, int D) {
@@ -151,46 +152,185 @@ INLINE void axpy_i8(float *a, float w, const int8_t *x, int D) {
     for (int d = 0; d < D; d++) a[d] += w * (float)x[d];
 }
 
+#ifndef PREFETCH_PAGES_I8
+#define PREFETCH_PAGES_I8 2
+#endif
+/* While scoring key k0 + t of a row of row_len keys, the key and value rows PREFETCH_PAGES_I8 pages on
+ * are asked into the cache (and at a page's start, that page's scales): pass 3 then finds the values
+ * there too. The look-ahead runs past the chunk's end into the row's next chunk, which the same thread
+ * usually takes next (tasks go out a few consecutive chunks of one row and head at a time). */
+INLINE void prefetch_i8(const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh, const int32_t *pages,
+                        int64_t k0, int t, int64_t row_len, int P, int D) {
+    int64_t a = k0 + t + PREFETCH_PAGES_I8 * P;
+    if (a >= row_len) return;
+    int64_t slot = (int64_t)pages[a / P] * P + a % P;
+    if (a % P == 0) prefetch_row((const char *)(ksh + slot), (const char *)(vsh + slot), 4 * P);
+    prefetch_row((const char *)(kh + slot * D), (const char *)(vh + slot * D), D);
+}
+
+/* Vectors of int8 -> float32 lanes for the int8 chunk: AVX-512 (16 lanes) or AVX2 (8) where the build
+ * has them; I8_LANES 0 in the portable build. */
+#if defined(__AVX512F__)
+#define I8_LANES 16
+typedef __m512 i8vec;
+INLINE i8vec i8_load(const int8_t *x) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x))); }
+INLINE i8vec i8_zero(void) { return _mm512_setzero_ps(); }
+INLINE i8vec i8_fma(float w, i8vec x, i8vec a) { return _mm512_fmadd_ps(_mm512_set1_ps(w), x, a); }
+INLINE i8vec i8_mul_add(i8vec q, i8vec x, i8vec a) { return _mm512_fmadd_ps(q, x, a); }
+INLINE i8vec i8_loadf(const float *x) { return _mm512_loadu_ps(x); }
+INLINE void i8_store(float *dst, i8vec a) { _mm512_storeu_ps(dst, a); }
+INLINE float i8_sum(i8vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__)
+#define I8_LANES 8
+typedef __m256 i8vec;
+INLINE i8vec i8_load(const int8_t *x) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x))); }
+INLINE i8vec i8_zero(void) { return _mm256_setzero_ps(); }
+INLINE i8vec i8_fma(float w, i8vec x, i8vec a) { return _mm256_fmadd_ps(_mm256_set1_ps(w), x, a); }
+INLINE i8vec i8_mul_add(i8vec q, i8vec x, i8vec a) { return _mm256_fmadd_ps(q, x, a); }
+INLINE i8vec i8_loadf(const float *x) { return _mm256_loadu_ps(x); }
+INLINE void i8_store(float *dst, i8vec a) { _mm256_storeu_ps(dst, a); }
+INLINE float i8_sum(i8vec a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define I8_LANES 0
+#endif
+
+#if defined(__AVX2__)
+/* Eight vectors of 8 -> one vector of their 8 sums (lane i: the sum of v[i]). */
+INLINE __m256 sums8(const __m256 *v) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+#if I8_LANES == 16
+/* I8_LANES vectors -> one vector of their sums: halves added, then eight at a time. */
+INLINE i8vec i8_sums(const i8vec *v) {
+    __m256 h[16];
+    for (int i = 0; i < 16; i++) h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(sums8(h)), sums8(h + 8), 1);
+}
+#elif I8_LANES == 8
+INLINE i8vec i8_sums(const i8vec *v) { return sums8(v); }
+#endif
+
+#if I8_LANES
+/* Pass 1 of an int8 chunk, vectorised (D a multiple of I8_LANES): each key row widened once into
+ * registers and multiplied with each of the G queries into one vector per (query, key); the vectors of
+ * I8_LANES keys are then summed across lanes together (i8_sums: a transpose of adds), one vector of
+ * scores per query, instead of a horizontal sum per key. */
+INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh,
+                          const int32_t *pages, int64_t k0, int64_t row_len, const int64_t *slot, int n, int G, int P,
+                          int D, float *s) {
+    int R = D / I8_LANES;
+    for (int t0 = 0; t0 < n; t0 += I8_LANES) {
+        i8vec part[MAX_G][I8_LANES];
+        int tn = n - t0 < I8_LANES ? n - t0 : I8_LANES;
+        for (int i = 0; i < I8_LANES; i++) {
+            int t = t0 + i;
+            if (i >= tn) {                                   /* past the chunk's last key: zeros */
+                for (int g = 0; g < G; g++) part[g][i] = i8_zero();
+                continue;
+            }
+            prefetch_i8(kh, vh, ksh, vsh, pages, k0, t, row_len, P, D);
+            const int8_t *kr = kh + slot[t] * D;
+            i8vec k[MAX_D / 8];
+            for (int r = 0; r < R; r++) k[r] = i8_load(kr + r * I8_LANES);
+            for (int g = 0; g < G; g++) {
+                i8vec a = i8_zero();
+                for (int r = 0; r < R; r++) a = i8_mul_add(i8_loadf(qf + g * D + r * I8_LANES), k[r], a);
+                part[g][i] = a;
+            }
+        }
+        float sk[I8_LANES];
+        for (int i = 0; i < tn; i++) sk[i] = ksh[slot[t0 + i]];
+        for (int g = 0; g < G; g++) {
+            float sums[I8_LANES];
+            i8_store(sums, i8_sums(part[g]));
+            for (int i = 0; i < tn; i++) s[g * CHUNK + t0 + i] = sums[i] * sk[i];
+        }
+    }
+}
+
+/* Pass 3 of an int8 chunk, vectorised: acc[g] = sum_t w[g][t] * v[t] (w = probability x the value row's
+ * scale), keys outer: each value row is widened once, RB vectors of D at a time, and added into all G
+ * queries' accumulators, G x RB vectors that stay in registers (G and D are constants where run_i8
+ * inlines this: RB is the most of D's vectors that fit beside them). Per lane and query the sum runs
+ * over keys in order, as the per-query loop it replaces did. */
+#define I8_ACC_REGS 24
+INLINE void values_i8_vec(const float *w, const int8_t *vh, const int64_t *slot, int n, int G, int D, float *acc) {
+    int R = D / I8_LANES, RB = I8_ACC_REGS / G < 1 ? 1 : I8_ACC_REGS / G;
+    if (RB > R) RB = R;
+    for (int r0 = 0; r0 < R; r0 += RB) {
+        int rb = R - r0 < RB ? R - r0 : RB;
+        i8vec a[I8_ACC_REGS > MAX_G ? I8_ACC_REGS : MAX_G];
+        for (int j = 0; j < G * rb; j++) a[j] = i8_zero();
+        for (int t = 0; t < n; t++) {
+            const int8_t *vr = vh + slot[t] * D + r0 * I8_LANES;
+            i8vec x[I8_ACC_REGS];
+            for (int r = 0; r < rb; r++) x[r] = i8_load(vr + r * I8_LANES);
+            for (int g = 0; g < G; g++) {
+                float wg = w[g * CHUNK + t];
+                for (int r = 0; r < rb; r++) a[g * rb + r] = i8_fma(wg, x[r], a[g * rb + r]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < rb; r++) i8_store(acc + g * D + (r0 + r) * I8_LANES, a[g * rb + r]);
+    }
+}
+#endif
+
 /* An int8 pool's chunk (int8 K/V rows, one float32 scale per KV head and slot: ks, vs): scores are
- * q . k * ks[slot], each key row widened once into a register-sized stack row; values are summed as
- * (p * vs[slot]) * v straight from the pool's int8 rows (pass 3 walks the pages again): no chunk of
- * dequantized values is ever written. The int8 rows go through widen_i8 / axpy_i8 (AVX2 or plain C). */
+ * q . k * ks[slot]; values are summed as (p * vs[slot]) * v straight from the pool's int8 rows (pass 3
+ * walks the pages again): no chunk of dequantized values is ever written. With AVX2 / AVX-512 and D a
+ * multiple of the vector, the vectorised passes above; otherwise widen_i8 / axpy_i8 a query at a time. */
 INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh,
-                     const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D, float *m, float *l,
-                     float *acc) {
+                     const int32_t *pages, int P, int64_t k0, int64_t k1, int64_t row_len, int G, int D, float *m,
+                     float *l, float *acc) {
     float s[MAX_G * CHUNK];
     float row[MAX_D];
     int64_t slot[CHUNK];
     int n = (int)(k1 - k0);
-    int64_t ahead = -1;                            /* first slot of the page PREFETCH_PAGES pages on */
-    for (int t = 0; t < n; t++) {                  /* k0 is a multiple of P: P divides CHUNK */
+    for (int t = 0; t < n; t++)                    /* k0 is a multiple of P: P divides CHUNK */
         slot[t] = (int64_t)pages[(k0 + t) / P] * P + t % P;
-        if (t % P == 0) {
-            ahead = t + PREFETCH_PAGES * P < n ? (int64_t)pages[(k0 + t) / P + PREFETCH_PAGES] * P : -1;
-            if (ahead >= 0) prefetch_row((const char *)(ksh + ahead), (const char *)(vsh + ahead), 4 * P);
-        }
-        if (ahead >= 0)
-            prefetch_row((const char *)(kh + (ahead + t % P) * D), (const char *)(vh + (ahead + t % P) * D), D);
-        widen_i8(kh + slot[t] * D, row, D);
-        float sk = ksh[slot[t]];
-        for (int g = 0; g < G; g++) {
-            const float *qg = qf + g * D;
-            float dot = 0.0f;
+#if I8_LANES
+    int vec = D % I8_LANES == 0;
+    if (vec) scores_i8_vec(qf, kh, vh, ksh, vsh, pages, k0, row_len, slot, n, G, P, D, s);
+#else
+    int vec = 0;
+#endif
+    if (!vec) {
+        for (int t = 0; t < n; t++) {
+            prefetch_i8(kh, vh, ksh, vsh, pages, k0, t, row_len, P, D);
+            widen_i8(kh + slot[t] * D, row, D);
+            float sk = ksh[slot[t]];
+            for (int g = 0; g < G; g++) {
+                const float *qg = qf + g * D;
+                float dot = 0.0f;
 #pragma omp simd reduction(+:dot)
-            for (int d = 0; d < D; d++) dot += qg[d] * row[d];
-            s[g * CHUNK + t] = dot * sk;
+                for (int d = 0; d < D; d++) dot += qg[d] * row[d];
+                s[g * CHUNK + t] = dot * sk;
+            }
         }
     }
     for (int g = 0; g < G; g++) {
         float *sg = s + g * CHUNK;
         exponentials(sg, n, m + g, l + g);
+        if (vec) {
+            for (int t = 0; t < n; t++) sg[t] *= vsh[slot[t]];     /* the weights pass 3 adds with */
+            continue;
+        }
         float a[MAX_D];
         for (int d = 0; d < D; d++) a[d] = 0.0f;
-        for (int t = 0; t < n; t++) {
-            axpy_i8(a, sg[t] * vsh[slot[t]], vh + slot[t] * D, D);
-        }
+        for (int t = 0; t < n; t++) axpy_i8(a, sg[t] * vsh[slot[t]], vh + slot[t] * D, D);
         memcpy(acc + g * D, a, sizeof(float) * D);
     }
+#if I8_LANES
+    if (vec) values_i8_vec(s, vh, slot, n, G, D, acc);
+#endif
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -268,11 +408,26 @@ INLINE void chunk_bf16_dp(const uint16_t *qb, float scale, const uint16_t *kh, c
 #define HAVE_DPBF16 0
 #endif
 
+/* chunk_i8 with constant arguments where they are common (head dims 64, 128; 1-8 queries per KV head), so
+ * each call inlines into its own unrolled loop nest with the G accumulators in registers. */
+#define I8_CASE(GG, DD) if (G == GG && D == DD) { chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, row_len, GG, DD, m, l, acc); return; }
+#define I8_CASES(DD) I8_CASE(1, DD) I8_CASE(2, DD) I8_CASE(3, DD) I8_CASE(4, DD) I8_CASE(5, DD) I8_CASE(6, DD) \
+    I8_CASE(7, DD) I8_CASE(8, DD)
+static void run_i8(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh,
+                   const int32_t *pages, int P, int64_t k0, int64_t k1, int64_t row_len, int G, int D, float *m,
+                   float *l, float *acc) {
+    I8_CASES(64)
+    I8_CASES(128)
+    if (D == 64) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, row_len, G, 64, m, l, acc);
+    else if (D == 128) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, row_len, G, 128, m, l, acc);
+    else chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, row_len, G, D, m, l, acc);
+}
+
 /* One (row, KV head, chunk) task: q rows of that KV head's G query heads, keys [k0, k1). bf16: q (and
  * the pool unless i8) is bfloat16; i8: the pool is int8 with scales ksh, vsh (that head's, [S]). */
 static void run_task(const void *qh, int bf16, int i8, float scale, const void *kh, const void *vh, const float *ksh,
-                     const float *vsh, const int32_t *pages, int P, int64_t k0, int64_t k1, int G, int D,
-                     float *vbuf, float *part) {
+                     const float *vsh, const int32_t *pages, int P, int64_t k0, int64_t k1, int64_t row_len, int G,
+                     int D, float *vbuf, float *part) {
     float *m = part, *l = part + G, *acc = part + 2 * G;
 #if HAVE_DPBF16
     if (!i8 && bf16 && D == 64) { chunk_bf16_dp(qh, scale, kh, vh, pages, P, k0, k1, G, 64, vbuf, m, l, acc); return; }
@@ -281,9 +436,7 @@ static void run_task(const void *qh, int bf16, int i8, float scale, const void *
     float qf[MAX_G * MAX_D];
     for (int i = 0; i < G * D; i++) qf[i] = (bf16 ? bf16_to_f32(((const uint16_t *)qh)[i]) : ((const float *)qh)[i]) * scale;
     /* constant arguments: each call inlines into a loop nest of its own (unrolled for D 64, 128) */
-    if (i8 && D == 64) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, G, 64, m, l, acc);
-    else if (i8 && D == 128) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, G, 128, m, l, acc);
-    else if (i8) chunk_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, G, D, m, l, acc);
+    if (i8) { run_i8(qf, kh, vh, ksh, vsh, pages, P, k0, k1, row_len, G, D, m, l, acc); return; }
     else if (bf16 && D == 64) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 64, vbuf, m, l, acc);
     else if (bf16 && D == 128) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, 128, vbuf, m, l, acc);
     else if (bf16) chunk_generic(qf, kh, vh, 1, pages, P, k0, k1, G, D, vbuf, m, l, acc);
@@ -315,10 +468,12 @@ static int decode_attention(const void *q, const void *k, const void *v, const f
         free(first);
         return -2;
     }
-#pragma omp parallel for schedule(dynamic, 1)
+    /* tasks go out by KV head, then row, then chunk: a thread takes TASKS_AT_ONCE consecutive chunks of a
+     * row at a time, so the int8 look-ahead that runs past a chunk's end fetches the thread's own next */
+#pragma omp parallel for schedule(dynamic, TASKS_AT_ONCE)
     for (int64_t task = 0; task < tasks; task++) {
-        int64_t c = task / Hkv;
-        int h = (int)(task % Hkv);
+        int64_t c = task % first[B];
+        int h = (int)(task / first[B]);
         int lo = 0, hi = B;                          /* the row whose chunks hold chunk c */
         while (hi - lo > 1) {
             int mid = (lo + hi) / 2;
@@ -328,8 +483,8 @@ static int decode_attention(const void *q, const void *k, const void *v, const f
         int64_t k1 = k0 + CHUNK < kv_len[lo] ? k0 + CHUNK : kv_len[lo];
         const char *qh = (const char *)q + ((int64_t)lo * Hq + (int64_t)h * G) * D * esize;
         run_task(qh, bf16, i8, scale, (const char *)k + h * S * D * kvsize, (const char *)v + h * S * D * kvsize,
-                 i8 ? ks + h * S : NULL, i8 ? vs + h * S : NULL, pages + page_start[lo], P, k0, k1, G, D,
-                 vbufs + (int64_t)omp_get_thread_num() * CHUNK * D, part + task * stride);
+                 i8 ? ks + h * S : NULL, i8 ? vs + h * S : NULL, pages + page_start[lo], P, k0, k1, kv_len[lo], G, D,
+                 vbufs + (int64_t)omp_get_thread_num() * CHUNK * D, part + (c * Hkv + h) * stride);
     }
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < (int64_t)B * Hq; bh++) {
