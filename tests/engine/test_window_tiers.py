@@ -125,8 +125,8 @@ def test_a_tier_hit_whose_window_was_dropped_is_shortened(family, tmp_path, toke
 
     prompt = seq_a[:64] + random_ids(20, 15)
     [r] = eng.generate([prompt], GREEDY)
-    assert r.cached_tokens == expected and r.cached_tokens_by_tier["device"] == 0
     assert r.token_ids == greedy_reference(ref, prompt, 6)[0]
+    assert r.cached_tokens == expected and r.cached_tokens_by_tier["device"] == 0
     check_tiers(eng)
     eng.close()
 
