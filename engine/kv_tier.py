@@ -19,7 +19,11 @@ those pages back into fresh device pages instead of recomputing them. Two tiers,
   (then the next start indexes the files it finds and checks each when it is loaded).
 
 Pages are named by their contract-1 block hash (engine/hashing.py): the hash names the whole
-prefix, so a page found under a hash is the K/V of exactly that prefix's last block.
+prefix, so a page found under a hash is the K/V of exactly that prefix's last block. For a pool whose
+sliding layers keep only their window (``partial_shape`` given) a block is whole (every layer) or
+partial (the full-attention layers only: its sliding page had been dropped); each tier records which
+(``is_partial``), and the scheduler ends a read-back hit only where the window before it is whole
+(docs/kv_tiers.md, "Blocks of a model with sliding windows").
 
 :class:`KVTiers` ties the tiers together for the engine: ``offload`` on eviction, ``match`` for
 the contiguous run of a request's next block hashes the tiers hold (memory only, no I/O),

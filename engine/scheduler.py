@@ -17,7 +17,9 @@ With KV tiers (``tiers``, engine/kv_tier.py) a request's match continues past th
 pool: the block hashes after the device match that a tier holds are loaded into fresh pages
 and inserted in the radix cache, so the request computes only what no tier has. A request
 whose tier pages are still being read from disk stays in the queue and the scheduler admits
-the requests behind it meanwhile; it is admitted once they are in (``KVTiers.ready``).
+the requests behind it meanwhile; it is admitted once they are in (``KVTiers.ready``). With sliding
+windows the tiers' run continues the raw device match and stops where the window before its end is
+held (device pages with their sliding page, whole tier blocks): docs/kv_tiers.md.
 Pages come from the free pool; when it runs dry the scheduler evicts unlocked
 cache, then releases session pins (earliest expiry first), then preempts the
 youngest running request (with an ``order``, the one of greatest key): its
