@@ -115,8 +115,9 @@ class EngineConfig:
     layers keep KV pages only within their window, in a second pool of ``sliding_window_pool_windows``
     windows (default two per sequence of a full batch) plus a step's chunk; ``kv_cache_tokens`` (or what
     ``kv_cache_memory_bytes`` leaves after that pool) sizes the full layers' pages. Off, every layer keeps
-    the whole context (what KV tiers need: they are refused with it on). Models without sliding layers
-    are unaffected.
+    the whole context (what KV moves between workers need: they are refused with it on; KV tiers keep a
+    block without its sliding part where the window dropped it, docs/kv_tiers.md). Models without
+    sliding layers are unaffected.
 
     Overlap scheduling (engine/overlap.py): with ``overlap_schedule`` the model forward and sampling run on
     a forward thread, and the engine thread schedules and prepares step n+1 while step n runs, committing

@@ -210,12 +210,6 @@ class LLMEngine:
         layers = tuple(i for i, a in enumerate(layer_attention) if a.window is not None)
         if not layers or not self.config.sliding_window_cache or kv_layout != "HSD":
             return ()
-        cfg = self.config
-        if cfg.kv_host_tokens or cfg.kv_disk_tokens:
-            raise ValueError("kv_host_tokens / kv_disk_tokens: the KV tiers keep whole pages, and this model's "
-                             f"sliding layers {list(layers)} keep only their window in the cache; set "
-                             "sliding_window_cache=False (--sliding-window-cache false) to keep every layer's whole "
-                             "context and use the tiers (docs/models.md)")
         return layers
 
     def _windowed_pool(self, layer_attention, dtype, kv_dtype) -> tuple[WindowedPagePool, KVCache]:
@@ -242,19 +236,20 @@ class LLMEngine:
 
     def _build_tiers(self) -> KVTiers | None:
         """The KV tiers the config asks for, wired to the radix cache's evictions and the scheduler. They
-        hold pages as the pool stores them (int8 pages with their scales, as bytes)."""
+        hold blocks as the pool stores them (int8 pages with their scales, as bytes): whole, or, where the
+        sliding layers keep only their window, partial (the full layers only; docs/kv_tiers.md)."""
         cfg = self.config
         if not (cfg.kv_host_tokens or cfg.kv_disk_tokens) or not cfg.enable_prefix_cache:
             return None
-        shape, dtype = self.kv.page_shape, self.kv.page_dtype
+        shape, dtype, partial = self.kv.page_shape, self.kv.page_dtype, self.kv.partial_page_shape
         host = disk = None
         if cfg.kv_host_tokens:
             host = HostTier(cfg.kv_host_tokens // cfg.page_size, shape, dtype,
-                            pin=self.device.startswith("cuda"))
+                            pin=self.device.startswith("cuda"), partial_shape=partial)
         if cfg.kv_disk_tokens:
             disk = DiskTier(cfg.kv_disk_path, cfg.kv_disk_tokens // cfg.page_size, shape, dtype,
                             keep=cfg.kv_disk_keep, on_event=self._tier_event,
-                            drop_page_cache=cfg.kv_disk_drop_page_cache)
+                            drop_page_cache=cfg.kv_disk_drop_page_cache, partial_shape=partial)
         tiers = KVTiers(host, disk, on_event=self._tier_event)
         self.cache.on_evict = self._offload
         self.scheduler.tiers, self.scheduler.write_page = tiers, self._write_page
@@ -269,22 +264,29 @@ class LLMEngine:
                         str(self.kv.page_dtype).removeprefix("torch."), tuple(self.kv.page_shape),
                         self.config.page_size, m.num_layers, m.num_kv_heads, m.head_dim, self.kv.layout)
 
+    def _window_page(self, page: int) -> int:
+        """The sliding page paired with ``page`` (0: none, or the model has no sliding layers in the cache)."""
+        return self.pool.window_page[page] if self.window_layers else 0
+
     def _write_page(self, page: int, data: torch.Tensor) -> None:
-        """Copy a tier's page into the pool; with overlap scheduling, once the forward thread is idle (a
-        launched step may still write a row into this page, given back by a request it computes)."""
+        """Copy a tier's block into the pool (its sliding part into the page's sliding page, if it has one);
+        with overlap scheduling, once the forward thread is idle (a launched step may still write a row
+        into this page, given back by a request it computes)."""
         if self._worker is not None:
             self._worker.wait_idle()
-        self.kv.write_page(page, data)
+        self.kv.write_page(page, data, self._window_page(page))
 
     def _tier_event(self, kind: str, hashes: list[int], medium: str) -> None:
         if self.on_kv_event is not None:
             self.on_kv_event(kind, hashes, None, medium=medium)
 
     def _offload(self, hashes: list[int], pages: list[int]) -> None:
-        """The radix cache is evicting these pages: copy each one into the tiers first."""
+        """The radix cache is evicting these pages: copy each one into the tiers first (whole where the page
+        still has its sliding page, else partial)."""
         for h, page in zip(hashes, pages):
-            if self.tiers.holds(h) is None:
-                self.tiers.offload(h, self.kv.read_page(page))
+            window_page = self._window_page(page)
+            if self.tiers.needs(h, partial=bool(self.window_layers) and not window_page):
+                self.tiers.offload(h, self.kv.read_page(page, window_page))
             else:
                 self.tiers.offload(h, None)   # already there: only its LRU position changes
 

@@ -19,8 +19,10 @@ step waits long:
   never a pin, never a running request's pages.
 
 Pages are in the pool's own layout (``KVCache.read_page``): the same bytes the tiers keep. A model whose
-sliding layers keep only their window in the cache (engine/window_pool.py) has no whole pages: ``held``,
-``export`` and ``import_pages`` refuse it, and the transfer fails (the puller computes instead).
+sliding layers keep only their window in the cache (engine/window_pool.py) has blocks without their
+sliding part, which the wire's fixed-size pages (router/kv_wire.py) cannot carry and which an import
+attached after the puller's device match would have to stop at a held window: ``held``, ``export`` and
+``import_pages`` refuse it, and the transfer fails (the puller computes instead; docs/kv_tiers.md).
 """
 
 from __future__ import annotations

@@ -36,10 +36,19 @@ class PagePool:
         return len(self._free)
 
     @property
+    def num_free_ids(self) -> int:
+        """Page ids free (here every page; a windowed pool's may lack a sliding page: engine/window_pool.py)."""
+        return len(self._free)
+
+    @property
     def capacity(self) -> int:
         return self.num_pages - 1
 
     def alloc(self, n: int) -> list[int]:
+        return PagePool.alloc_ids(self, n)
+
+    def alloc_ids(self, n: int) -> list[int]:
+        """Page ids only: a windowed pool hands them out without sliding pages (here the same as ``alloc``)."""
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
         out = [heapq.heappop(self._free) for _ in range(n)]
@@ -170,27 +179,40 @@ class KVCache:
         """int8 values (Hkv, N, D) and scales (Hkv, N) -> (Hkv, N, D) in ``dtype``."""
         return (q.float() * scale[..., None]).to(self.dtype)
 
-    # -- whole pages, for the KV tiers (engine/kv_tier.py) ------------------------------------------------
+    # -- blocks, for the KV tiers (engine/kv_tier.py) ----------------------------------------------------
+    # A block is one page's K/V in every layer that holds it. With ``window_layers`` the sliding layers' part
+    # lives in the page's sliding page (engine/window_pool.py) and may be gone: a *whole* block has every
+    # layer, a *partial* one only the full-attention layers (:attr:`partial_page_shape`).
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """Shape of what :meth:`read_page` returns: ``[2, layers, *one layer's page]``; int8 pools: bytes,
-        ``[2, layers, Hkv, P * D + 4 * P]`` (each head's values, then its P float32 scales)."""
+        """Shape of a whole block as :meth:`read_page` returns it: ``[2, layers, *one layer's page]``; int8
+        pools: bytes, ``[2, layers, Hkv, P * D + 4 * P]`` (each head's values, then its P float32 scales)."""
         t = self.k[0]
         if self.quantized:
             return (2, len(self.k), t.shape[0], self.page_size * (t.shape[2] + 4))
         one = tuple(t.shape[1:]) if self.layout == "NHD" else (t.shape[0], self.page_size, t.shape[2])
         return (2, len(self.k), *one)
 
-    def _check_whole_pages(self) -> None:
-        """Whole pages (every layer's K/V of a page) are not defined when the sliding layers keep only a
-        window: their part of a page may be gone. The engine refuses KV tiers and moves for such a pool."""
-        if self.window_layers:
-            raise ValueError("whole pages are not defined for a pool whose sliding layers keep only a window "
-                             "(their page may be gone): KV tiers and KV moves refuse such a pool")
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in range(len(self.k)) if layer not in self.window_layers)
+
+    @property
+    def partial_page_shape(self) -> tuple[int, ...] | None:
+        """Shape of a block without the sliding layers' K/V (None: this pool has no sliding layers)."""
+        if not self.window_layers:
+            return None
+        return (2, len(self.full_layers), *self.page_shape[2:])
 
     @property
     def page_dtype(self) -> torch.dtype:
         return torch.uint8 if self.quantized else self.kv_dtype
+
+    def _block_layers(self, page: int, window_page: int) -> list[tuple[int, int]]:
+        """(layer, page of that layer's pool) of every layer a block of ``page`` holds: the full layers at
+        ``page``, the sliding ones at ``window_page`` unless it is 0 (then the block is partial)."""
+        return [(layer, window_page if layer in self.window_layers else page) for layer in range(len(self.k))
+                if window_page or layer not in self.window_layers]
 
     def _page_view(self, t: torch.Tensor, page: int) -> torch.Tensor:
         P = self.page_size
@@ -203,27 +225,45 @@ class KVCache:
         s = self._page_view(scales[layer], page)                              # (Hkv, P) float32
         return torch.cat([q.reshape(q.shape[0], -1).view(torch.uint8), s.contiguous().view(torch.uint8)], dim=1)
 
-    def read_page(self, page: int) -> torch.Tensor:
-        """A CPU copy of one page's K and V in every layer (int8 pools: with their scales), shaped
-        :attr:`page_shape`."""
-        self._check_whole_pages()
+    def read_page(self, page: int, window_page: int = 0) -> torch.Tensor:
+        """A CPU copy of one block (int8 pools: with its scales): whole, shaped :attr:`page_shape`, unless the
+        pool has sliding layers and ``window_page`` is 0: then partial, :attr:`partial_page_shape`."""
+        layers = self._block_layers(page, window_page)
+        if not layers:   # every layer slides (Mistral) and the window is gone: the block holds nothing
+            return torch.empty((2, 0, *self.page_shape[2:]), dtype=self.page_dtype)
         if self.quantized:
-            out = torch.stack([torch.stack([self._page_bytes(layer, i, page) for layer in range(len(self.k))])
-                               for i in (0, 1)])
+            out = torch.stack([torch.stack([self._page_bytes(layer, i, p) for layer, p in layers]) for i in (0, 1)])
         else:
-            out = torch.stack([torch.stack([self._page_view(t, page) for t in kv]) for kv in (self.k, self.v)])
+            out = torch.stack([torch.stack([self._page_view(kv[layer], p) for layer, p in layers])
+                               for kv in (self.k, self.v)])
         return out.to("cpu") if out.device.type != "cpu" else out
 
-    def write_page(self, page: int, data: torch.Tensor) -> None:
-        """Copy ``data`` (as :meth:`read_page` returns it) into ``page``: bit for bit."""
-        self._check_whole_pages()
+    def write_page(self, page: int, data: torch.Tensor, window_page: int = 0) -> None:
+        """Copy a block (as :meth:`read_page` returns it) into ``page``, bit for bit: the full layers, and the
+        sliding layers into ``window_page`` when it is not 0 (a whole block's sliding part is skipped
+        without one). A partial block cannot fill a sliding page: that is refused."""
+        L, full = len(self.k), self.full_layers
+        if data.shape[1] == L:
+            row = {layer: layer for layer in range(L)}
+        elif self.window_layers and data.shape[1] == len(full):
+            if window_page:
+                raise ValueError(f"a block without its sliding layers' K/V cannot fill sliding page {window_page}")
+            row = {layer: j for j, layer in enumerate(full)}
+        else:
+            raise ValueError(f"a block of {data.shape[1]} layers fits neither this pool's {L} layers nor its "
+                             f"{len(full)} full-attention layers")
+        for layer, p in self._block_layers(page, window_page):
+            self._write_layer(layer, p, data[:, row[layer]])
+
+    def _write_layer(self, layer: int, page: int, data: torch.Tensor) -> None:
+        """One layer's K and V of a block (``data[0]``, ``data[1]``) into ``page`` of that layer's pool."""
         for i, kv in enumerate((self.k, self.v)):
-            for layer, t in enumerate(kv):
-                if not self.quantized:
-                    self._page_view(t, page).copy_(data[i, layer])
-                    continue
-                Hkv, P, D = t.shape[0], self.page_size, t.shape[2]
-                raw = data[i, layer].to(t.device)                             # (Hkv, P * D + 4 * P) uint8
-                self._page_view(t, page).copy_(raw[:, :P * D].contiguous().view(torch.int8).view(Hkv, P, D))
-                scales = (self.k_scale, self.v_scale)[i][layer]
-                self._page_view(scales, page).copy_(raw[:, P * D:].contiguous().view(torch.float32))
+            t = kv[layer]
+            if not self.quantized:
+                self._page_view(t, page).copy_(data[i])
+                continue
+            Hkv, P, D = t.shape[0], self.page_size, t.shape[2]
+            raw = data[i].to(t.device)                                        # (Hkv, P * D + 4 * P) uint8
+            self._page_view(t, page).copy_(raw[:, :P * D].contiguous().view(torch.int8).view(Hkv, P, D))
+            scales = (self.k_scale, self.v_scale)[i][layer]
+            self._page_view(scales, page).copy_(raw[:, P * D:].contiguous().view(torch.float32))

@@ -19,7 +19,11 @@ those pages back into fresh device pages instead of recomputing them. Two tiers,
   (then the next start indexes the files it finds and checks each when it is loaded).
 
 Pages are named by their contract-1 block hash (engine/hashing.py): the hash names the whole
-prefix, so a page found under a hash is the K/V of exactly that prefix's last block.
+prefix, so a page found under a hash is the K/V of exactly that prefix's last block. For a pool whose
+sliding layers keep only their window (``partial_shape`` given) a block is whole (every layer) or
+partial (the full-attention layers only: its sliding page had been dropped); each tier records which
+(``is_partial``), and the scheduler ends a read-back hit only where the window before it is whole
+(docs/kv_tiers.md, "Blocks of a model with sliding windows").
 
 :class:`KVTiers` ties the tiers together for the engine: ``offload`` on eviction, ``match`` for
 the contiguous run of a request's next block hashes the tiers hold (memory only, no I/O),
@@ -90,22 +94,54 @@ def _checksum(page: torch.Tensor) -> int:
     return zlib.crc32(page.reshape(-1).view(torch.uint8).numpy())
 
 
+def _shape_kind(page: torch.Tensor, shapes: tuple) -> bool:
+    """Whether ``page`` is a partial block (``shapes[1]``) rather than a whole one; any other shape is refused."""
+    shape = tuple(page.shape)
+    if shape not in shapes:
+        raise ValueError(f"a KV tier keeps blocks shaped {' or '.join(map(str, shapes))}, not {shape}")
+    return shape != shapes[0]
+
+
+def _check_shapes(page_shape: Sequence[int], partial_shape: Sequence[int] | None) -> tuple:
+    """The block shapes a tier takes: whole, and partial (no sliding layers' K/V) if the pool has one."""
+    whole = tuple(page_shape)
+    if partial_shape is None:
+        return (whole,)
+    partial = tuple(partial_shape)
+    if len(partial) != len(whole) or partial[0] != whole[0] or partial[2:] != whole[2:] or partial[1] >= whole[1]:
+        raise ValueError(f"a partial block {partial} must be a whole block {whole} with fewer layers")
+    return whole, partial
+
+
 class HostTier:
     """Pages in a preallocated CPU slab (pinned for a GPU pool), LRU over ``capacity`` slots.
 
     Each slot keeps the block hash it holds and the payload's CRC-32, checked when the page is
-    taken back: a page whose bytes changed is dropped and recomputed."""
+    taken back: a page whose bytes changed is dropped and recomputed. With ``partial_shape`` (a pool
+    whose sliding layers keep only their window) a slot may hold a partial block, in its first bytes."""
 
     medium = "host"
 
-    def __init__(self, capacity: int, page_shape: Sequence[int], dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, capacity: int, page_shape: Sequence[int], dtype: torch.dtype, pin: bool,
+                 partial_shape: Sequence[int] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"a host tier needs at least 1 page, got {capacity}")
+        self.shapes = _check_shapes(page_shape, partial_shape)
         self.slab = torch.empty((capacity, *page_shape), dtype=dtype, pin_memory=pin)
         self.capacity = capacity
         self._free = list(range(capacity - 1, -1, -1))
         self._slots: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()  # hash -> slot, crc
+        self._partial: set[int] = set()   # hashes whose block is partial
         self.stats = TierStats(capacity_pages=capacity)
+
+    def _view(self, slot: int, partial: bool) -> torch.Tensor:
+        if not partial:
+            return self.slab[slot]
+        shape = self.shapes[1]
+        return self.slab[slot].view(-1)[:torch.Size(shape).numel()].view(shape)
+
+    def is_partial(self, block_hash: int) -> bool:
+        return block_hash in self._partial
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -118,14 +154,18 @@ class HostTier:
 
     def put(self, block_hash: int, page: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """Store a copy of ``page``; returns the (hash, page copy) pairs evicted to make room."""
+        partial = _shape_kind(page, self.shapes)
         evicted = []
         if not self._free:
             old, (slot, _) = self._slots.popitem(last=False)
-            evicted.append((old, self.slab[slot].clone()))
+            evicted.append((old, self._view(slot, old in self._partial).clone()))
+            self._partial.discard(old)
             self._free.append(slot)
         slot = self._free.pop()
-        self.slab[slot].copy_(page)
-        self._slots[block_hash] = (slot, _checksum(self.slab[slot]))
+        self._view(slot, partial).copy_(page)
+        if partial:
+            self._partial.add(block_hash)
+        self._slots[block_hash] = (slot, _checksum(self._view(slot, partial)))
         self.stats.bytes_written += page_bytes(page)
         self.stats.pages = len(self._slots)
         return evicted
@@ -133,7 +173,7 @@ class HostTier:
     def get(self, block_hash: int) -> torch.Tensor | None:
         """The page (a view of its slot: copy it before the next ``put``), or None if it failed its check."""
         slot, crc = self._slots[block_hash]
-        page = self.slab[slot]
+        page = self._view(slot, block_hash in self._partial)
         if _checksum(page) != crc:
             self.stats.corrupt += 1
             self.remove(block_hash)
@@ -144,6 +184,7 @@ class HostTier:
 
     def remove(self, block_hash: int) -> None:
         slot, _ = self._slots.pop(block_hash)
+        self._partial.discard(block_hash)
         self._free.append(slot)
         self.stats.pages = len(self._slots)
 
@@ -151,6 +192,7 @@ class HostTier:
         gone = list(self._slots)
         self._free.extend(slot for slot, _ in self._slots.values())
         self._slots.clear()
+        self._partial.clear()
         self.stats.pages = 0
         return gone
 
@@ -167,10 +209,11 @@ class DiskTier:
 
     def __init__(self, path: str | None, capacity: int, page_shape: Sequence[int], dtype: torch.dtype,
                  keep: bool = False, on_event: TierEvent | None = None, max_pending: int = 256,
-                 drop_page_cache: bool = False) -> None:
+                 drop_page_cache: bool = False, partial_shape: Sequence[int] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"a disk tier needs at least 1 page, got {capacity}")
-        self.page_shape = tuple(page_shape)
+        self.shapes = _check_shapes(page_shape, partial_shape)   # a partial block's file is smaller
+        self.page_shape = self.shapes[0]
         self.dtype = dtype
         self.keep = keep
         self.on_event = on_event
@@ -193,6 +236,7 @@ class DiskTier:
         self.stats = TierStats(capacity_pages=capacity)
         self._index: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._staged: dict[int, torch.Tensor] = {}   # written soon: served from memory until then
+        self._partial: set[int] = set()               # hashes whose block is partial
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -215,6 +259,20 @@ class DiskTier:
     def enabled(self) -> bool:
         return self.stats.enabled
 
+    def is_partial(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._partial
+
+    def forget(self, block_hash: int) -> None:
+        """Drop a block (its file is deleted by the writer unless the block is stored again first)."""
+        with self._lock:
+            if self._index.pop(block_hash, "absent") is not None:
+                return
+            self._staged.pop(block_hash, None)
+            self._partial.discard(block_hash)
+            self.stats.pages = len(self._index)
+        self._jobs.put(("delete", block_hash))
+
     def touch(self, block_hash: int) -> None:
         with self._lock:
             if block_hash in self._index:
@@ -225,6 +283,7 @@ class DiskTier:
         if not self.stats.enabled:
             self.stats.dropped += 1
             return False
+        partial = _shape_kind(page, self.shapes)
         evicted = []
         with self._lock:
             if block_hash in self._index:
@@ -236,9 +295,12 @@ class DiskTier:
             while len(self._index) >= self.capacity:
                 old, _ = self._index.popitem(last=False)
                 self._staged.pop(old, None)
+                self._partial.discard(old)
                 evicted.append(old)
             self._index[block_hash] = None
             self._staged[block_hash] = page
+            if partial:
+                self._partial.add(block_hash)
             self.stats.pages = len(self._index)
         for old in evicted:
             self._jobs.put(("delete", old))
@@ -253,6 +315,7 @@ class DiskTier:
             gone = list(self._index)
             self._index.clear()
             self._staged.clear()
+            self._partial.clear()
             self.stats.pages = 0
         for h in gone:
             self._jobs.put(("delete", h))
@@ -292,13 +355,20 @@ class DiskTier:
         if h != block_hash:
             return f"its file holds block {h:016x}"
         shape = tuple(dims[:ndim])
-        if _DTYPE_OF.get(dtype_code) != self.dtype or shape != self.page_shape:
-            return f"its page is {_DTYPE_OF.get(dtype_code)} {shape}, the pool's {self.dtype} {self.page_shape}"
+        if _DTYPE_OF.get(dtype_code) != self.dtype or shape not in self.shapes:
+            return (f"its page is {_DTYPE_OF.get(dtype_code)} {shape}, the pool's {self.dtype} "
+                    f"{' or '.join(map(str, self.shapes))}")
+        with self._lock:
+            indexed_partial = block_hash in self._partial
+        if indexed_partial != (shape != self.page_shape):
+            return f"its block is {'whole' if indexed_partial else 'partial'}, the index says otherwise"
         payload = memoryview(data)[_HEADER.size:]
         if len(payload) != nbytes:
             return f"its file is truncated ({len(payload)} of {nbytes} payload bytes)"
         if zlib.crc32(payload) != crc:
             return "its checksum does not match"
+        if not nbytes:   # a partial block of a model whose every layer slides holds nothing
+            return torch.empty(shape, dtype=self.dtype)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).reshape(shape)
 
     def _bad(self, block_hash: int, why: str) -> None:
@@ -306,6 +376,7 @@ class DiskTier:
         self.stats.corrupt += 1
         with self._lock:
             had = self._index.pop(block_hash, "absent") is None
+            self._partial.discard(block_hash)
             self.stats.pages = len(self._index)
         if had:
             self._jobs.put(("delete", block_hash))
@@ -380,6 +451,7 @@ class DiskTier:
             gone = list(self._index)
             self._index.clear()
             self._staged.clear()
+            self._partial.clear()
             self.stats.pages = 0
         log.error("KV disk tier in %s turned off: %s (%s); serving goes on without it", self.path,
                   "the disk is full" if full else "an I/O error", exc)
@@ -406,9 +478,21 @@ class DiskTier:
                 found.append(h)
         for h in found:
             self._index[h] = None
+            if len(self.shapes) > 1 and self._file_shape(h) != self.page_shape:
+                self._partial.add(h)   # partial, or unreadable: never counted whole (checked when loaded)
         self.stats.pages = len(self._index)
         if found:
             log.info("KV disk tier: %d kept pages found in %s", len(found), self.path)
+
+    def _file_shape(self, block_hash: int) -> tuple | None:
+        """The block shape a kept file's header names (None if it cannot be read)."""
+        try:
+            with open(self._file(block_hash), "rb") as f:
+                head = f.read(_HEADER.size)
+            _, _, _, _, ndim, *rest = _HEADER.unpack(head)
+        except (OSError, struct.error):
+            return None
+        return tuple(rest[:6][:ndim])
 
     def close(self) -> None:
         if self._closed:
@@ -467,11 +551,30 @@ class KVTiers:
             return "disk"
         return None
 
-    # -- engine thread ------------------------------------------------------------------
-    def offload(self, block_hash: int, page: torch.Tensor) -> None:
-        """An evicted device page: keep it (host first, else disk). ``page`` is a CPU copy; it may be None
-        when the tiers already hold the block (only its LRU position moves)."""
+    def is_partial(self, block_hash: int) -> bool:
+        """Whether the block the tiers hold under ``block_hash`` lacks the sliding layers' K/V."""
         medium = self.holds(block_hash)
+        return medium is not None and (self.host if medium == "host" else self.disk).is_partial(block_hash)
+
+    def is_partial_block(self, page: torch.Tensor) -> bool:
+        """Whether ``page`` (as ``take`` returned it) is a partial block, not a whole one."""
+        return tuple(page.shape) != self.tiers[0].shapes[0]
+
+    def needs(self, block_hash: int, partial: bool) -> bool:
+        """Whether an evicted device block (partial or whole) should be copied here: the tiers hold no
+        copy, or only a partial one and the device's is whole."""
+        return self.holds(block_hash) is None or (self.is_partial(block_hash) and not partial)
+
+    # -- engine thread ------------------------------------------------------------------
+    def offload(self, block_hash: int, page: torch.Tensor | None) -> None:
+        """An evicted device page: keep it (host first, else disk). ``page`` is a CPU copy; it may be None
+        when the tiers already hold the block (only its LRU position moves). A whole block replaces a
+        partial copy of the same block."""
+        medium = self.holds(block_hash)
+        if medium is not None and page is not None and self.is_partial(block_hash) \
+                and not self.is_partial_block(page):
+            self._forget(block_hash, medium)
+            medium = None
         if medium == "host":
             self.host.touch(block_hash)
             return
@@ -486,6 +589,17 @@ class KVTiers:
             self._emit("stored", [block_hash], "host")
         elif self.disk is not None:
             self.disk.put(block_hash, page)
+
+    def _forget(self, block_hash: int, medium: str) -> None:
+        if medium == "host":
+            self.host.remove(block_hash)
+        else:
+            self.disk.forget(block_hash)
+        with self._loads_lock:
+            load = self._loads.get(block_hash)
+            if load is not None and load.done:
+                del self._loads[block_hash]   # the old copy, already read: never served in place of the new one
+        self._emit("removed", [block_hash], medium)
 
     def match(self, hashes: Sequence[int]) -> list[str]:
         """The media of the longest run of ``hashes`` (from the first) that the tiers hold."""

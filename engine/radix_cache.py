@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 
 from engine.hashing import block_hashes
 from engine.kv_pool import PagePool
+from engine.window_pool import usable_pages
 
 EventCallback = Callable[..., None]  # (kind, hashes, parent[, tokens, salt]): see the module docstring
 
@@ -131,14 +132,8 @@ class RadixCache:
         return pages[:n], node
 
     def _usable_pages(self, pages: list[int]) -> int:
-        """The most leading pages of ``pages`` (a prefix from the root) whose end's window is held: every
-        page holding one of positions ``end - W + 1 .. end - 1``."""
-        P, W, has = self.page_size, self.window, self.pool.has_window
-        for n in range(len(pages), 0, -1):
-            first = max(0, n * P - W + 1) // P
-            if all(has(p) for p in pages[first:n]):
-                return n
-        return 0
+        """The most leading pages of ``pages`` (a prefix from the root) whose end's window is held."""
+        return usable_pages([self.pool.has_window(p) for p in pages], self.page_size, self.window)
 
     def _matching_pages(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
         P, n = self.page_size, 0

@@ -17,7 +17,9 @@ With KV tiers (``tiers``, engine/kv_tier.py) a request's match continues past th
 pool: the block hashes after the device match that a tier holds are loaded into fresh pages
 and inserted in the radix cache, so the request computes only what no tier has. A request
 whose tier pages are still being read from disk stays in the queue and the scheduler admits
-the requests behind it meanwhile; it is admitted once they are in (``KVTiers.ready``).
+the requests behind it meanwhile; it is admitted once they are in (``KVTiers.ready``). With sliding
+windows the tiers' run continues the raw device match and stops where the window before its end is
+held (device pages with their sliding page, whole tier blocks): docs/kv_tiers.md.
 Pages come from the free pool; when it runs dry the scheduler evicts unlocked
 cache, then releases session pins (earliest expiry first), then preempts the
 youngest running request (with an ``order``, the one of greatest key): its
@@ -47,6 +49,7 @@ from engine.kv_tier import PENDING, KVTiers
 from engine.radix_cache import Node, RadixCache
 from engine.request import Request, Status
 from engine.session_priority import SessionOrder
+from engine.window_pool import usable_pages
 
 
 @dataclass
@@ -121,16 +124,19 @@ class Scheduler:
     def _pages_for(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.P) - len(req.pages))
 
-    def _free_up(self, n: int) -> bool:
-        """Make ``n`` pages free by evicting cache, then releasing pins. With sliding windows a leaf
-        may free page ids but no sliding pages (its window was dropped): evicting goes on while it frees."""
-        while self.pool.num_free < n and self.cache.evict(n - self.pool.num_free):
+    def _free_up(self, n: int, ids: int = 0) -> bool:
+        """Make ``n`` pages free (with sliding pages, where layers slide) and at least ``ids`` page ids by
+        evicting cache, then releasing pins. With sliding windows a leaf may free page ids but no sliding
+        pages (its window was dropped): evicting goes on while it frees."""
+        def short() -> int:
+            return max(n - self.pool.num_free, ids - self.pool.num_free_ids)
+        while short() > 0 and self.cache.evict(short()):
             pass
-        while self.pool.num_free < n and self.pins:
+        while short() > 0 and self.pins:
             pin_id = min(self.pins, key=lambda k: self.pins[k].expires_at)
             self.unpin(pin_id)
-            self.cache.evict(n - self.pool.num_free)
-        return self.pool.num_free >= n
+            self.cache.evict(short())
+        return short() <= 0
 
     def _drop_behind_window(self, req: Request) -> None:
         """Give back the sliding pages of the request's own pages (not the radix cache's) that lie wholly
@@ -199,38 +205,42 @@ class Scheduler:
             return got
         return "ok"
 
-    def tier_hashes(self, req: Request, limit: int | None = None) -> list[int]:
-        """Block hashes of the request's full blocks past its device match (``req.tree_node``)."""
-        limit = ((req.num_tokens - 1) // self.P) * self.P if limit is None else limit
-        start = req.num_tree_pages * self.P
-        return block_hashes(req.all_ids[start:limit], self.P, self.cache.seed_fn(req.cache_salt),
-                            parent=req.tree_node.last_hash)
+    def _tier_run(self, req: Request, limit: int) -> tuple[list[int], Node, list[int], list[str]]:
+        """The device's raw match of the request's first ``limit`` tokens (pages and node: with sliding
+        windows it may run past the usable match ``req.tree_node``, over pages whose window is gone), the
+        hashes of the blocks after it, and the media of the run of them the tiers hold, cut where a hit
+        may end (``_usable_run``)."""
+        raw, raw_node = self.cache.match_prefix(req.all_ids[:limit], req.cache_salt)
+        hashes = block_hashes(req.all_ids[len(raw) * self.P:limit], self.P, self.cache.seed_fn(req.cache_salt),
+                              parent=raw_node.last_hash)
+        media = self.tiers.match(hashes)
+        n = self._usable_run(raw, [not self.tiers.is_partial(h) for h in hashes[:len(media)]])
+        return raw, raw_node, hashes, media[:n]
+
+    def _usable_run(self, raw: list[int], whole: list[bool]) -> int:
+        """How many of the tier blocks after the device's ``raw`` pages to load (``whole[i]``: block i has
+        its sliding layers' K/V): the most after which a hit may end, the window before that end held by
+        device pages that kept theirs or by whole blocks (engine/window_pool.py ``usable_pages``); all of
+        them without sliding layers. 0 when no such end lies past ``raw``."""
+        if self.cache.window is None:
+            return len(whole)
+        held = [self.pool.has_window(p) for p in raw] + list(whole)
+        return usable_pages(held, self.P, self.cache.window, floor=len(raw)) - len(raw)
 
     def _load_from_tiers(self, req: Request, limit: int) -> str:
-        """Continue the device match into the tiers: copy the pages they hold into fresh pool pages and
+        """Continue the device match into the tiers: copy the blocks they hold into fresh pool pages and
         insert them in the radix cache. ``"pending"`` while some are still being read from disk;
         ``"wait"`` while the pool cannot hold them with the first chunk and running requests will free
-        room (a load is far cheaper than the recompute that admitting without it would cost)."""
-        hashes = self.tier_hashes(req, limit)
-        media = self.tiers.match(hashes)
+        room (a load is far cheaper than the recompute that admitting without it would cost). With
+        sliding windows the run is cut where the window before its end is held (docs/kv_tiers.md)."""
+        raw, raw_node, hashes, media = self._tier_run(req, limit)
         if not media:
             return "ok"
-        # Room for the pages and the first chunk, from free and evictable pages and, if need be, pins
-        # released (as ``_free_up`` would); nothing moves between tiers before the pages are taken. Pages
-        # loaded for a request that then cannot be admitted would be evicted again (and read again)
-        # before it runs, so without room the request waits for the running ones; alone, it loads what
-        # fits and computes the rest.
-        chunk = min(req.num_tokens - req.num_computed - len(media) * self.P, self.max_batched_tokens)
-        first = max(0, -(-chunk // self.P))
-        while self.pool.num_free + self.cache.evictable_pages < len(media) + first and self.pins:
-            self.unpin(min(self.pins, key=lambda k: self.pins[k].expires_at))
-        room = self.pool.num_free + self.cache.evictable_pages - first
-        if room < len(media):
-            if self.running:
-                return "wait"
-            media = media[:max(0, room)]
-            if not media:
-                return "ok"
+        media = self._room_for(req, len(raw), media)
+        if media is None:
+            return "wait"
+        if not media:
+            return "ok"
         if not self.tiers.ready(hashes[:len(media)]):
             return "pending"
         data = []
@@ -239,28 +249,69 @@ class Scheduler:
             if page is None or page is PENDING:   # gone or corrupt: recompute from here
                 break
             data.append(page)
-        n = len(data)
-        if not n or not self._free_up(n):   # the device match is locked: freeing cannot evict it
+        data = data[:self._usable_run(raw, [not self.tiers.is_partial_block(d) for d in data])]
+        if not data:
             return "ok"
-        new = self.pool.alloc(n)
-        for page, tensor in zip(new, data):
-            self.write_page(page, tensor)
-        first = req.num_tree_pages
-        tokens = req.all_ids[:(first + n) * self.P]
-        _, dups = self.cache.insert(tokens, req.pages + new, req.cache_salt)
-        if dups:
-            self.pool.free(dups)
-        pages, node = self.cache.match_prefix(tokens, req.cache_salt)
-        self.cache.lock(node)
-        self.cache.unlock(req.tree_node)
-        req.tree_node, req.pages, req.num_tree_pages = node, list(pages), len(pages)
-        req.num_computed = len(pages) * self.P
-        for medium in set(media[:n]):
-            count = media[:n].count(medium)
+        self.cache.lock(raw_node)   # the raw match's pages past the usable one must survive the eviction
+        try:
+            loaded = self._insert_loaded(req, raw, data)
+        finally:
+            self.cache.unlock(raw_node)
+        for medium in set(media[:loaded]):
+            count = media[:loaded].count(medium)
             self.tiers.count_hit(medium, count, count * self.P)
             if req.cached_tokens is None:   # the first admission's cached tokens say where they came from
                 req.tier_tokens[medium] = req.tier_tokens.get(medium, 0) + count * self.P
         return "ok"
+
+    def _room_for(self, req: Request, first: int, media: list[str]) -> list[str] | None:
+        """The tier blocks after the device's ``first`` pages there is room to load with the first chunk
+        after them, from free and evictable pages and, if need be, pins released (as ``_free_up`` would);
+        nothing moves between tiers before the pages are taken. None (wait) when there is no room for all
+        and running requests will free some: pages loaded for a request that then cannot be admitted would
+        be evicted again (and read again) before it runs. Alone, it loads what fits and computes the rest."""
+        chunk = min(req.num_tokens - (first + len(media)) * self.P, self.max_batched_tokens)
+        first_chunk = max(0, -(-chunk // self.P))
+
+        def free() -> int:
+            return self.pool.num_free_ids + self.cache.evictable_pages
+        while free() < len(media) + first_chunk and self.pins:
+            self.unpin(min(self.pins, key=lambda k: self.pins[k].expires_at))
+        room = free() - first_chunk
+        if room >= len(media):
+            return media
+        return None if self.running else media[:max(0, room)]
+
+    def _insert_loaded(self, req: Request, raw: list[int], data: list[torch.Tensor]) -> int:
+        """Write ``data`` (the blocks after the device's ``raw`` pages) into fresh pages, insert them and move
+        the request's hold to the usable end; returns how many of them the request now holds (0: no room)."""
+        new = self._alloc_for_load(len(raw), len(data))
+        if new is None:
+            return 0
+        for page, tensor in zip(new, data):
+            self.write_page(page, tensor)
+        tokens = req.all_ids[:(len(raw) + len(data)) * self.P]
+        _, dups = self.cache.insert(tokens, raw + new, req.cache_salt)
+        if dups:
+            self.pool.free(dups)
+        pages, node = self.cache.match_usable(tokens, req.cache_salt)
+        self.cache.lock(node)
+        self.cache.unlock(req.tree_node)
+        req.tree_node, req.pages, req.num_tree_pages = node, list(pages), len(pages)
+        req.num_computed = len(pages) * self.P
+        return max(0, len(pages) - len(raw))
+
+    def _alloc_for_load(self, first: int, n: int) -> list[int] | None:
+        """Pages for ``n`` blocks after the first ``first`` of a prefix (None if the pool cannot give them,
+        the device match being locked). With sliding windows only those under the window before the run's
+        end get a sliding page; the others are page ids alone (their sliding K/V is never read)."""
+        if self.cache.window is None:
+            return self.pool.alloc(n) if self._free_up(n) else None
+        end = (first + n) * self.P
+        bare = min(n, max(0, max(0, end - self.cache.window + 1) // self.P - first))
+        if not self._free_up(n - bare, ids=n):
+            return None
+        return self.pool.alloc_ids(bare) + self.pool.alloc(n - bare)
 
     def cache_request(self, req: Request) -> Node:
         """Hand the request's full computed pages to the radix cache and adopt the tree's pages. Only

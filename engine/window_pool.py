@@ -24,6 +24,8 @@ window reads a subset of it).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from engine.kv_pool import OutOfPages, PagePool
 
 
@@ -48,18 +50,13 @@ class WindowedPagePool(PagePool):
         return min(len(self._free), self.window_pool.num_free)
 
     @property
-    def num_free_ids(self) -> int:
-        """Page ids free, whatever the sliding pool has."""
-        return len(self._free)
-
-    @property
     def window_pages_used(self) -> int:
         return self.window_pool.capacity - self.window_pool.num_free
 
     def alloc(self, n: int) -> list[int]:
         if n > self.window_pool.num_free:
             raise OutOfPages(f"asked for {n} pages, {self.window_pool.num_free} sliding-layer pages free")
-        pages = super().alloc(n)
+        pages = self.alloc_ids(n)
         window_pages = self.window_pool.alloc(n)
         for p, w in zip(pages, window_pages):
             self.window_page[p] = w
@@ -88,6 +85,16 @@ class WindowedPagePool(PagePool):
         if self.window_page[dst] or not self.window_page[src]:
             raise RuntimeError(f"move_window: page {dst} already has a sliding page or {src} has none")
         self.window_page[dst], self.window_page[src] = self.window_page[src], 0
+
+
+def usable_pages(held: Sequence[bool], page_size: int, window: int, floor: int = 0) -> int:
+    """The most leading pages of a prefix from the root (``held[i]``: page i still has its sliding K/V) whose
+    end's window is held: every page holding one of positions ``end - window + 1 .. end - 1``, the keys the
+    query at ``end`` reads. ``floor`` when no count above it is usable."""
+    for n in range(len(held), floor, -1):
+        if all(held[max(0, n * page_size - window + 1) // page_size:n]):
+            return n
+    return floor
 
 
 def window_pool_pages(window: int, page_size: int, windows: int, max_batched_tokens: int) -> int:

@@ -266,3 +266,54 @@ def test_dropping_the_page_cache_leaves_written_pages_on_the_device_only(tmp_pat
         assert all(torch.equal(tier.read(h), page(h)) for h in (1, 2, 3))
     finally:
         tier.close()
+
+
+PARTIAL = (2, 1, 2, 4, 8)   # the same pool's block without its sliding layer (one of the two layers slides)
+
+
+def partial_page(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(PARTIAL, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_partial_blocks_round_trip_and_say_they_are_partial(tmp_path):
+    """A pool whose sliding layers keep only a window stores whole and partial blocks: each round-trips
+    bit for bit through the host slab (in its slot's first bytes) and the disk, keeps its kind when the
+    host tier evicts it to disk, and a kept directory knows each file's kind again from its header."""
+    path = str(tmp_path / "kept")
+    disk = DiskTier(path, 8, SHAPE, torch.float32, keep=True, partial_shape=PARTIAL)
+    tiers = KVTiers(HostTier(1, SHAPE, torch.float32, pin=False, partial_shape=PARTIAL), disk)
+    blocks = {41: partial_page(41), 42: page(42), 43: partial_page(43)}
+    for h, b in blocks.items():
+        tiers.offload(h, b)
+    assert [tiers.holds(h) for h in blocks] == ["disk", "disk", "host"]
+    assert [tiers.is_partial(h) for h in blocks] == [True, False, True]
+    for h, b in blocks.items():
+        got = take(tiers, h)
+        assert torch.equal(got, b) and tiers.is_partial_block(got) == (b.shape == PARTIAL)
+    with pytest.raises(ValueError, match="blocks shaped"):
+        tiers.offload(44, torch.zeros(2, 3, 2, 4, 8))
+    settle(disk)
+    tiers.close()
+    kept = DiskTier(path, 8, SHAPE, torch.float32, keep=True, partial_shape=PARTIAL)
+    assert {h: kept.is_partial(h) for h in kept.hashes()} == {41: True, 42: False}
+    assert torch.equal(kept.read(41), blocks[41]) and torch.equal(kept.read(42), blocks[42])
+    kept.close()
+
+
+def test_a_whole_block_replaces_a_partial_copy_never_the_reverse(tmp_path, events):
+    """An evicted page that still has its sliding page is worth more than the tier's partial copy of the
+    same block: it replaces it (``needs`` says so); a partial page never replaces a whole copy."""
+    disk = DiskTier(str(tmp_path / "t"), 8, SHAPE, torch.float32, partial_shape=PARTIAL,
+                    on_event=lambda *e: events.append(e))
+    tiers = KVTiers(None, disk, on_event=lambda *e: events.append(e))
+    tiers.offload(51, partial_page(51))
+    assert tiers.needs(51, partial=False) and not tiers.needs(51, partial=True)
+    tiers.offload(51, page(51))
+    assert not tiers.is_partial(51) and torch.equal(take(tiers, 51), page(51))
+    assert ("removed", [51], "disk") in events
+    assert not tiers.needs(51, partial=True)
+    tiers.offload(51, None)            # the engine passes no copy when the tiers need none
+    assert not tiers.is_partial(51)
+    settle(disk)
+    assert torch.equal(disk.read(51), page(51))
+    tiers.close()

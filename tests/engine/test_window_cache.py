@@ -157,12 +157,14 @@ def test_window_cache_sized_by_bytes(tmp_path, tokenizer):
     assert tensors == (full_pages * 2 + window_pages * 2) * P * per_layer <= budget
 
 
-def test_window_cache_refuses_tiers(tmp_path, tokenizer):
+def test_window_cache_takes_tiers_and_refuses_kv_moves(tmp_path, tokenizer):
+    """KV tiers keep whole or partial blocks (tests/engine/test_window_tiers.py); moves between workers carry
+    whole pages only, so they are refused, naming the setting (docs/kv_tiers.md)."""
     write_checkpoint("gpt_oss", tmp_path, tokenizer)
-    with pytest.raises(ValueError, match="sliding_window_cache=False"):
-        engine_for(tmp_path, kv_host_tokens=256)
+    tiered = engine_for(tmp_path, kv_host_tokens=256)
+    assert tiered.tiers.host.shapes[1] == tiered.kv.partial_page_shape
     eng = engine_for(tmp_path)
-    with pytest.raises(ValueError, match="KV moves"):
+    with pytest.raises(ValueError, match="KV moves.*sliding_window_cache=False"):
         eng.mover.held([1] * 8, "")
 
 

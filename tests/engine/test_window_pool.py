@@ -9,7 +9,7 @@ import pytest
 from engine.hashing import make_seed
 from engine.kv_pool import OutOfPages
 from engine.radix_cache import RadixCache
-from engine.window_pool import WindowedPagePool, size_windowed_pools, window_pool_pages
+from engine.window_pool import WindowedPagePool, size_windowed_pools, usable_pages, window_pool_pages
 
 P, W = 2, 6
 
@@ -129,3 +129,30 @@ def test_window_pool_sizing():
     Cfg.kv_cache_memory_bytes = 16 * 600 * 300                      # too small to save anything: paired
     assert size_windowed_pools(Cfg, 1024, 100, 500) == (300, 300)
     assert size_windowed_pools(Cfg, 1024, 0, 500) == (4096, 360)    # every layer slides: ids cost nothing
+
+
+def test_blocks_of_a_windowed_kv_cache_are_whole_or_partial():
+    """``KVCache.read_page`` gives a whole block (every layer) for a page with its sliding page, a partial
+    one (the full layers) without; ``write_page`` puts each back bit for bit, skips a whole block's sliding
+    part for a page without a sliding page, and refuses to fill a sliding page from a partial block."""
+    import torch
+
+    from engine.kv_pool import KVCache
+    kv = KVCache(3, 8, P, 2, 4, torch.float32, "cpu", layout="HSD", window_layers=(0, 2), window_pages=4)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape))
+    assert kv.page_shape == (2, 3, 2, P, 4) and kv.partial_page_shape == (2, 1, 2, P, 4)
+    whole, partial = kv.read_page(5, 3), kv.read_page(5)
+    assert whole.shape == kv.page_shape and torch.equal(partial[:, 0], whole[:, 1])
+    assert torch.equal(whole[0, 0], kv.k[0][:, 3 * P:4 * P]) and torch.equal(whole[1, 1], kv.v[1][:, 5 * P:6 * P])
+    kv.write_page(6, whole, 1)
+    assert torch.equal(kv.read_page(6, 1), whole)
+    before = kv.k[0].clone()
+    kv.write_page(7, whole)                        # no sliding page: the full layer only
+    assert torch.equal(kv.read_page(7), partial) and torch.equal(kv.k[0], before)
+    with pytest.raises(ValueError, match="cannot fill sliding page 2"):
+        kv.write_page(7, partial, 2)
+    with pytest.raises(ValueError, match="fits neither"):
+        kv.write_page(7, torch.zeros(2, 2, 2, P, 4))
+    assert usable_pages([True, False, True, True, True], P, W) == 5 and usable_pages([False, True], P, W) == 0
+    assert usable_pages([True, True, False], P, W, floor=1) == 2
