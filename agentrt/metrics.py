@@ -89,6 +89,11 @@ _ENGINE_GAUGES = (
     ("agentrt_kv_pages_evictable",
      "KV cache pages of cached prefixes that no request or pin holds, now (reclaimed on demand)",
      _attr("pages_evictable")),
+    ("agentrt_kv_window_pages_capacity",
+     "Pages of the sliding-window layers' own pool, where the model's layers slide (0 otherwise): "
+     "those layers keep only their window's K/V (docs/models.md)", _attr("window_pages_total")),
+    ("agentrt_kv_window_pages_used",
+     "Pages of the sliding-window layers' pool in use, now (0 where no layer slides)", _attr("window_pages_used")),
     ("agentrt_kv_pages_pinned",
      "KV cache pages held by session pins between turns, now", _attr("pages_pinned")),
     ("agentrt_kv_pins",

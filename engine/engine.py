@@ -573,8 +573,14 @@ class LLMEngine:
             spec_verifications_total=self.spec.verifications_total,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {}, cpu_kernels=self.active_kernels,
             kv_cache_bytes_per_token=self.kv.bytes_per_token, waiting_by_priority=_by_priority(s.waiting),
-            prefill_tokens_per_s=self.prefill_tokens_per_s)
+            prefill_tokens_per_s=self.prefill_tokens_per_s, **self._window_stats())
         self._pin_ids = frozenset(s.pins)
+
+    def _window_stats(self) -> dict:
+        """The sliding layers' pool for EngineStats (empty where no layer slides in the cache)."""
+        if not isinstance(self.pool, WindowedPagePool):
+            return {}
+        return {"window_pages_total": self.pool.window_pool.capacity, "window_pages_used": self.pool.window_pages_used}
 
     def has_pins(self) -> bool:
         """Whether a pin is held (it may expire: a serving loop steps now and then to expire it)."""

@@ -194,6 +194,10 @@ class EngineStats:
     # prompt tokens a second on recent prefill steps of 64+ tokens (EWMA; 0 before the first): what a
     # router weighs a KV transfer against (router/move_cost.py)
     prefill_tokens_per_s: float = 0.0
+    # the sliding layers' own pool (engine/window_pool.py), where a model's layers slide and
+    # sliding_window_cache is on: its capacity and pages in use, in pages of page_size tokens (0, 0 otherwise)
+    window_pages_total: int = 0
+    window_pages_used: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

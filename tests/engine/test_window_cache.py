@@ -134,6 +134,8 @@ def test_window_cache_frees_sliding_pages_and_leaks_none(tmp_path, tokenizer):
     assert eng.cache.cached_pages == (200 + 40 - 1) // P
     # the leaf's end (token 236) keeps the window before it, 11 tokens on 3 pages; nothing else
     assert pool.window_pages_used == 3
+    stats = eng.stats()                            # what /metrics shows (agentrt_kv_window_pages_*)
+    assert (stats.window_pages_total, stats.window_pages_used) == (pool.window_pool.capacity, 3)
     eng.flush_cache()
     eng.step()
     assert pool.num_free_ids == pool.capacity and pool.window_pool.num_free == pool.window_pool.capacity
@@ -173,3 +175,5 @@ def test_window_cache_untouched_without_sliding_layers(default_engine):
     assert default_engine.window_layers == ()
     assert type(default_engine.pool).__name__ == "PagePool"
     assert not default_engine.kv.window_layers
+    stats = default_engine.stats()
+    assert (stats.window_pages_total, stats.window_pages_used) == (0, 0)

@@ -468,9 +468,11 @@ static int decode_attention(const void *q, const void *k, const void *v, const f
         free(first);
         return -2;
     }
-    /* tasks go out by KV head, then row, then chunk: a thread takes TASKS_AT_ONCE consecutive chunks of a
-     * row at a time, so the int8 look-ahead that runs past a chunk's end fetches the thread's own next */
-#pragma omp parallel for schedule(dynamic, TASKS_AT_ONCE)
+    /* tasks go out by KV head, then row, then chunk: with many tasks a thread takes TASKS_AT_ONCE consecutive
+     * chunks of a row at a time, so the int8 look-ahead that runs past a chunk's end fetches the thread's own
+     * next; with few (small batches, short rows) one at a time, so that every thread gets some */
+    int at_once = tasks >= (int64_t)8 * TASKS_AT_ONCE * omp_get_max_threads() ? TASKS_AT_ONCE : 1;
+#pragma omp parallel for schedule(dynamic, at_once)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t c = task % first[B];
         int h = (int)(task / first[B]);
