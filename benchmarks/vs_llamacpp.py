@@ -46,8 +46,9 @@ the like-for-like figure. A run with any other non-default llama-server flag is 
 laptops, desktops and many cloud VMs), on a machine that has more: llama-server built for AVX2 only
 (``llamacpp_build.TARGET_FLAGS``), and agentrt with its C kernels built ``-march=x86-64-v3``
 (``AGENTRT_KERNEL_MARCH``), torch and oneDNN capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2``,
-``ONEDNN_MAX_CPU_ISA=AVX2``) and ``--dtype float32``, which is what ``--dtype auto`` resolves to on a
-CPU without native bf16 (engine/config.py). The header's ``env`` and ``cpu_target`` record it.
+``ONEDNN_MAX_CPU_ISA=AVX2``). So capped, agentrt sees no native bf16 (engine/cpu_info.py), and its
+defaults resolve as on such a CPU: ``--dtype auto`` to float32, ``--quantization auto`` to the faster of
+dense float32 and the GGUF's blocks, measured at start-up. The header's ``env`` and ``cpu_target`` record it.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ SLOT_CONTEXT = 8192          # llama-server context per slot (SmolLM2's trained 
 CPU_TARGETS = {
     "native": ({}, []),
     "x86-64-v3": ({"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-                  ["--dtype", "float32"]),
+                  []),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import Mapping
 
 # the feature flags that decide which kernels and dtypes run fast here (recorded with every benchmark)
 FLAGS_THAT_MATTER = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni")
@@ -49,9 +50,17 @@ def flags_line(cpuinfo: str | None = None) -> str:
     return _field(text, "flags", "Features") or platform.processor()
 
 
-def has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+def has_native_bf16(cpuinfo: str | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16) for torch: not where
+    the process caps torch or oneDNN below AVX-512 (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` in
+    ``env``, default ``os.environ``), as ``benchmarks/vs_llamacpp.py --cpu x86-64-v3`` does to run as an
+    AVX2-only CPU would: there bf16 matmuls are emulated and float32 is the faster choice."""
+    env = os.environ if env is None else env
+    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    onednn = env.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    capped = aten in ("default", "avx", "avx2", "no avx") or (onednn not in ("", "ALL") and not
+                                                             onednn.startswith(("AVX512", "AVX10", "AMX")))
+    return not capped and bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
 
 
 def cores_usable() -> int:

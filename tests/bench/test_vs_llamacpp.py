@@ -142,17 +142,22 @@ def test_side_commands_add_the_float32_side_only_when_llama_needs_its_fallback()
 
 
 def test_avx2_target_runs_agentrt_as_an_avx2_cpu_would_and_builds_llama_server_without_avx512():
-    """--cpu x86-64-v3: agentrt gets float32 (dtype auto's answer without native bf16) and AVX2-capped
-    kernels; llama-server's cmake turns ggml's native detection off and AVX-512 off."""
+    """--cpu x86-64-v3: agentrt runs with its defaults under AVX2-capped kernels, torch and oneDNN (so its
+    dtype auto sees no native bf16); llama-server's cmake turns ggml's native detection off and AVX-512 off."""
     import argparse
     from benchmarks.llamacpp_build import build_dir, cmake_flags
     from benchmarks.vs_llamacpp import CPU_TARGETS, side_commands
     args = argparse.Namespace(model=None, only=None, agentrt_flag=["--x"], llama_flag=[], concurrency=2,
                               cpu="x86-64-v3")
     cmds = side_commands(args, "llama-server", "m.gguf", {"flags": [], "agentrt_equivalent": []})
-    assert cmds["agentrt"][-3:] == ["--dtype", "float32", "--x"]
+    assert cmds["agentrt"][-2:] == ["{port}", "--x"]
     env = CPU_TARGETS["x86-64-v3"][0]
     assert env == {"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    from engine.config import EngineConfig
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        assert EngineConfig(dtype="auto").resolved_dtype() == "float32"   # on this host too, whatever it has
     avx2, native = cmake_flags("x86-64-v3"), cmake_flags("native")
     assert "-DGGML_NATIVE=OFF" in avx2 and "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX2=ON" in avx2
     assert "-DGGML_NATIVE=ON" in native and not any("AVX512" in f for f in native)

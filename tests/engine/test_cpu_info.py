@@ -11,7 +11,12 @@ OLD = "model name\t: Old CPU\nflags\t\t: fpu sse avx2 fma\n"
 def test_model_flags_and_bf16():
     assert cpu_info.cpu_model(XEON) == "Intel(R) Xeon(R) Platinum 8481C"
     assert {"avx512_bf16", "amx_tile"} <= cpu_info.cpu_flags(XEON)
-    assert cpu_info.has_native_bf16(XEON) and not cpu_info.has_native_bf16(OLD)
+    assert cpu_info.has_native_bf16(XEON, env={}) and not cpu_info.has_native_bf16(OLD, env={})
+    # torch or oneDNN capped below AVX-512 (as vs_llamacpp.py --cpu x86-64-v3 runs): no native bf16 for torch
+    for capped in ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "avx2_vnni"}):
+        assert not cpu_info.has_native_bf16(XEON, env=capped), capped
+    for free in ({"ATEN_CPU_CAPABILITY": "avx512"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, {"ONEDNN_MAX_CPU_ISA": "ALL"}):
+        assert cpu_info.has_native_bf16(XEON, env=free), free
     assert cpu_info.flags_line(OLD) == "fpu sse avx2 fma"
     assert cpu_info.cpu_flags("no flags here") == set()
 
