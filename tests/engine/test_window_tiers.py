@@ -154,3 +154,29 @@ def test_a_demoted_windowed_pin_reads_back_whole(tmp_path, tokenizer):
     assert r.token_ids == greedy_reference(ref, nxt, 6)[0]
     check_tiers(eng)
     eng.close()
+
+
+@pytest.mark.parametrize("overlap,kv", [(True, "auto"), (False, "int8"), (True, "int8")],
+                         ids=["overlap", "int8", "overlap-int8"])
+def test_windowed_tiers_under_overlap_and_with_int8_pages(overlap, kv, tmp_path, tokenizer):
+    """The two sessions of the first test with overlap scheduling and/or int8 pages (a block then travels as
+    bytes with its scales): each turn's tokens are those of the same settings on a pool that never evicts
+    (and transformers' with float pages), and later turns hit their previous context from the tiers."""
+    ref = write_checkpoint("gemma3", tmp_path, tokenizer)
+    eng = tiered(tmp_path, tmp_path, overlap_schedule=overlap, kv_cache_dtype=kv)
+    roomy = engine_for(tmp_path, overlap_schedule=overlap, kv_cache_dtype=kv)
+    sessions = [random_ids(50, 1), random_ids(46, 2)]
+    for turn in range(3):
+        for s, context in enumerate(sessions):
+            [r] = eng.generate([context], GREEDY)
+            [expect] = roomy.generate([context], GREEDY)
+            assert r.token_ids == expect.token_ids, (turn, s)
+            if kv == "auto":
+                assert r.token_ids == greedy_reference(ref, context, 6)[0], (turn, s)
+            if turn:
+                assert r.cached_tokens == (len(context) - 8 - 1) // P * P, (turn, s)
+                assert r.cached_tokens_by_tier["host"] + r.cached_tokens_by_tier["disk"] > 0
+            sessions[s] = context + r.token_ids + random_ids(8, 100 * turn + s)
+            check_tiers(eng)
+    eng.close()
+    roomy.close()
