@@ -34,9 +34,18 @@ SERVER_FIXTURES = frozenset({"agentrt_server", "start_agentrt_server", "redis_se
                              "redis_server_factory"})
 
 
+def _starts_processes(module) -> bool:
+    """Whether a test module builds its own processes: a cluster through tests/router/cluster.py, a server
+    through :func:`start_server`, or an ``agentrt.procs.Procs`` group (its fixtures are its own, so the
+    fixture names above do not show it)."""
+    from tests.router import cluster
+    return any(v is cluster or v is start_server or v is Procs for v in vars(module).values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        module = getattr(item, "module", None)
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or (module is not None and _starts_processes(module)):
             item.add_marker(pytest.mark.server)
 
 
