@@ -1,9 +1,10 @@
 """Building the peer of benchmarks/vs_llamacpp.py: C++ ``llama-server`` from the llama.cpp sources
 vendored in the ``llama-cpp-python`` sdist on PyPI (MIT; version pinned in ``LLAMA_CPP_PYTHON_VERSION``):
 ``pip download`` the sdist into ``out/llamacpp/``, unpack it, cmake (Release, static, no curl/OpenSSL/web
-UI/tests/examples) and build only the ``llama-server`` target, for this CPU (``native``: ggml's GGML_NATIVE) or for AVX2 only (``x86-64-v3``: GGML_NATIVE off,
-which turns on exactly SSE4.2, AVX, AVX2, BMI2, FMA and F16C, and AVX-512 off: the build most users'
-CPUs run, measured on a machine that has more). The binary stays in ``out/llamacpp/build/bin/`` (native)
+UI/tests/examples) and build only the ``llama-server`` target, for this CPU (``native``: ggml's
+GGML_NATIVE) or for AVX2 only (``x86-64-v3``: GGML_NATIVE off, which turns on exactly SSE4.2, AVX,
+AVX2, BMI2, FMA and F16C, and AVX-512 off: the build most users' CPUs run, measured on a machine that
+has more). The binary stays in ``out/llamacpp/build/bin/`` (native)
 or ``out/llamacpp/build-x86-64-v3/bin/`` and later runs reuse it; a file lock keeps two builds from
 running at once.
 """
