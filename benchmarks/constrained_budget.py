@@ -35,6 +35,7 @@ from engine.chat import encode_chat, parse_tool_calls
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.grammar import XGrammarConstraint, constraint_for_request
+from engine.output_processor import OutputProcessor
 from engine.types import CLOSED_BY_BUDGET, InvalidRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: benchmarks/ importable
@@ -126,19 +127,22 @@ def valid(kind: str, text: str) -> bool:
 
 def run_mode(engine: LLMEngine, draws: list[dict]) -> dict:
     """Submit every draw (refusals counted), run them to the end, check each reply."""
-    tok, sink, ids = engine.tokenizer, [0.0, 0], {}
+    tok, sink, ids, text = engine.tokenizer, [0.0, 0], {}, {}
     refused = collections.Counter()
     for d in draws:
         prompt, constraint = prompt_and_constraint(tok, d)
         params = SamplingParams(max_tokens=d["max_tokens"], temperature=d["temperature"], seed=d["seed"])
         try:
-            ids[engine.add_request(prompt, params, constraint=_TimedConstraint(constraint, sink))] = d
+            rid = engine.add_request(prompt, params, constraint=_TimedConstraint(constraint, sink))
         except InvalidRequest:
             refused[d["kind"]] += 1
+        else:
+            ids[rid], text[rid] = d, OutputProcessor(tok, params, tok.eos_token_ids)
     texts, outs = collections.defaultdict(str), {}
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
+            out = text[out.request_id].process(out)
             texts[out.request_id] += out.text
             if out.finished:
                 outs[out.request_id] = out

@@ -37,7 +37,7 @@ def one_row(engine: LLMEngine, ctx: int, max_drafts: int) -> Request:
     """A request of ``ctx`` random tokens at its last one, with pages for ``max_drafts`` more."""
     P, gen = engine.config.page_size, torch.Generator().manual_seed(ctx)
     ids = torch.randint(0, engine.model_config.vocab_size, (ctx,), generator=gen).tolist()
-    req = Request("step-cost", ids, SamplingParams(max_tokens=1), detok=None)
+    req = Request("step-cost", ids, SamplingParams(max_tokens=1))
     req.pages = engine.pool.alloc(-(-(ctx + max_drafts) // P))
     req.num_computed = ctx - 1
     return req

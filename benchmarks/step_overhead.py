@@ -84,7 +84,7 @@ def decode_batch(engine: LLMEngine, batch: int, ctx: int, shared: int = 0) -> Sc
     requests = []
     for i in range(batch):
         ids = common + torch.randint(0, vocab, (ctx - shared,), generator=gen).tolist()
-        req = Request(f"bench-{i}", ids, SamplingParams(max_tokens=1), detok=None)
+        req = Request(f"bench-{i}", ids, SamplingParams(max_tokens=1))
         req.pages = common_pages + engine.pool.alloc(-(-(ctx - shared) // P))
         req.num_computed = ctx - 1
         requests.append(req)

@@ -3,7 +3,10 @@
 It is the in-process ``engine.client.EngineClient`` (the router's ``RemoteEngine`` is the other).
 
 Each request gets an asyncio queue on the submitting loop; the engine thread
-hands outputs over with ``call_soon_threadsafe``. Closing a stream (or cancelling
+hands outputs over with ``call_soon_threadsafe``, in tokens. The stream turns them into text
+with the request's ``OutputProcessor`` (engine/output_processor.py) on the loop, off the engine
+thread: detokenizing, stop strings, held-back text; a stop string it finds ends the stream and asks
+the engine to finish the request as stopped. Closing a stream (or cancelling
 its consumer) aborts the request, which frees its pages at the next step. After a
 session turn ends the loop may hold its next step briefly for the agent's next turn
 (``engine.coalesce``).
@@ -21,14 +24,16 @@ from engine.client import SessionHint, StructuredOutput
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.engine import LLMEngine
+from engine.output_processor import OutputProcessor
 from engine.types import RequestOutput, SamplingParams, SchedulingKey
 
 
 class RequestStream:
-    """Async iterator of one request's :class:`RequestOutput` updates."""
+    """Async iterator of one request's :class:`RequestOutput` updates, with their text."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, q: asyncio.Queue) -> None:
+    def __init__(self, engine: "AsyncEngine", request_id: str, q: asyncio.Queue, processor: OutputProcessor) -> None:
         self._engine, self.request_id, self._q = engine, request_id, q
+        self._processor = processor
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -38,13 +43,16 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            out = await self._q.get()
+            raw = await self._q.get()
         except BaseException:
             await self.aclose()
             raise
+        out = self._processor.process(raw)
         if out.finished:
             self._done = True
             self._engine._forget(self.request_id)
+            if not raw.finished:   # a stop string the engine has not seen
+                self._engine.engine.stop_request(self.request_id, self._processor.stopped)
         return out
 
     async def aclose(self) -> None:
@@ -159,6 +167,8 @@ class AsyncEngine:
             raise RuntimeError(f"the engine loop stopped after an internal error ({self._dead!r}); restart the "
                                f"server")
         rid = request_id or uuid.uuid4().hex
+        params = params or SamplingParams()
+        processor = OutputProcessor(self.engine.tokenizer, params, self.engine.tokenizer.eos_token_ids)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[rid] = (asyncio.get_running_loop(), q)
@@ -168,7 +178,7 @@ class AsyncEngine:
         except BaseException:
             self._forget(rid)
             raise
-        return RequestStream(self, rid, q)
+        return RequestStream(self, rid, q, processor)
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id)

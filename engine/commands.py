@@ -30,6 +30,14 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class StopRequest:
+    """Finish a request as stopped by stop string ``stop``, which the output processor found in its text
+    (engine/output_processor.py); unknown or finished ids are ignored."""
+    request_id: str
+    stop: str
+
+
+@dataclass(frozen=True)
 class Pin:
     """Hold the cached prefix of ``token_ids`` under ``pin_id`` for ``ttl_s``."""
     pin_id: str

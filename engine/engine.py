@@ -34,7 +34,7 @@ from engine.attention import backend_class
 from engine.coalesce import TurnCoalescer
 from engine.client import check_closing, check_request
 from engine.commands import (KV_OPS, Abort, AddRequest, CacheSnapshot, Demote, Dispatcher, ExtendPin, FlushCache,
-                             KVTransfer, Pin, Prefetch, TierSnapshot, Unpin)
+                             KVTransfer, Pin, Prefetch, StopRequest, TierSnapshot, Unpin)
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.cpu_info import cpu_model
@@ -46,6 +46,7 @@ from engine.loader import gguf_weight_types, load_model_files
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.quant import MAX_QUANT_ROWS
+from engine.output_processor import OutputProcessor
 from engine.overlap import ForwardWorker, Step, StepResult
 from engine.radix_cache import RadixCache
 from engine.request import PLACEHOLDER, Request, Status
@@ -54,7 +55,6 @@ from engine.scheduler import Scheduler
 from engine.session_priority import SESSION, ServiceLedger, SessionOrder, charge, priority_class
 from engine.speculative import SpeculativeDecoder
 from engine.step_cost import step_cost_for
-from engine.tokenizer import IncrementalDetokenizer
 from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, EngineStats, GenerationResult, InvalidRequest,
                           RequestOutput, SamplingParams, SchedulingKey)
 from engine.window_pool import WindowedPagePool, size_windowed_pools
@@ -344,9 +344,7 @@ class LLMEngine:
         started = key.continuing or self.ledger.started(key.session)
         self._admit(len(prompt), started)
         rid = request_id or uuid.uuid4().hex
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        req = Request(rid, prompt, params, detok, constraint, cache_salt, pin_ttl_s, trace=trace, key=key,
-                      started=started)
+        req = Request(rid, prompt, params, constraint, cache_salt, pin_ttl_s, trace=trace, key=key, started=started)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(params.seed if params.seed is not None
@@ -397,6 +395,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self._send(Abort(request_id))
+
+    def stop_request(self, request_id: str, stop: str) -> None:
+        """The output processor found stop string ``stop`` in the request's text: finish it as stopped (its
+        pages cached, a session turn's pinned, as for an EOS); the tokens it gained since are not emitted
+        to anyone (its stream ended at the stop string)."""
+        self._send(StopRequest(request_id, stop))
 
     def pin(self, pin_id: str, token_ids: Sequence[int], ttl_s: float, cache_salt: str = "") -> None:
         self._send(Pin(pin_id, list(token_ids), ttl_s, cache_salt))
@@ -467,7 +471,7 @@ class LLMEngine:
         output of a request it ended (``Abort``) or None: ``_drain_inbox`` emits what is not None."""
         s = self.scheduler
         return Dispatcher({
-            AddRequest: self._on_add, Abort: self._on_abort,
+            AddRequest: self._on_add, Abort: self._on_abort, StopRequest: self._on_stop,
             Pin: lambda m: void(s.pin(m.pin_id, m.token_ids, m.ttl_s, m.cache_salt)),
             ExtendPin: lambda m: void(s.extend_pin(m.pin_id, m.ttl_s)), Unpin: lambda m: s.unpin(m.pin_id),
             Demote: self._on_demote, Prefetch: self._on_prefetch,
@@ -506,6 +510,16 @@ class LLMEngine:
         req.drop_placeholders()   # a launched step's token for it is dropped at its commit
         req.finish_reason = "abort"
         self.scheduler.finish(req)
+        return self._emit(req)
+
+    def _on_stop(self, msg: StopRequest) -> RequestOutput | None:
+        req = self._requests.get(msg.request_id)
+        if req is None or req.finished:
+            return None
+        req.finish_reason, req.stop_reason = "stop", msg.stop
+        req.status = Status.FINISHED
+        if self._finish(req):
+            self.coalescer.on_finish(1)
         return self._emit(req)
 
     def _on_flush(self, _: FlushCache) -> None:
@@ -749,7 +763,7 @@ class LLMEngine:
                 0.7 * self.prefill_tokens_per_s + 0.3 * rate
 
     def _commit(self, step: Step, result: StepResult) -> list[RequestOutput]:
-        """Append the step's tokens (stop checks, detokenizing) and emit each sampling request's update."""
+        """Append the step's tokens (the token-level stop checks) and emit each sampling request's update."""
         self._settle(step)
         outputs: list[RequestOutput] = []
         returning = 0
@@ -818,52 +832,26 @@ class LLMEngine:
         if eos or tok in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", (None if eos else tok)
             req.status = Status.FINISHED
-        else:
-            req.text += req.detok.push([tok])
-            if self._check_stop_strings(req):
-                return
-            if check_complete and req.constraint is not None and req.constraint.is_terminated():
-                req.finish_reason = "stop"
-                req.status = Status.FINISHED
+        elif check_complete and req.constraint is not None and req.constraint.is_terminated():
+            req.finish_reason = "stop"
+            req.status = Status.FINISHED
         if not req.finished and (len(req.output_ids) - req.pending >= p.max_tokens
                                  or req.num_known >= self.max_model_len):
             req.finish_reason = "length"
             req.status = Status.FINISHED
-        if req.finished:
-            req.text += req.detok.flush()
-            self._check_stop_strings(req)
-            if req.finish_reason == "stop" and req.stop_reason is None and req.constraint is not None \
-                    and req.constraint.closed_by_budget:
-                req.stop_reason = CLOSED_BY_BUDGET
-
-    def _check_stop_strings(self, req: Request) -> bool:
-        stops = req.params.stop
-        if not stops:
-            return False
-        start = max(0, req.sent - max(map(len, stops)))
-        hits = [(req.text.find(s, start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        idx, s = min(hits)
-        req.text = req.text[:idx]
-        req.finish_reason, req.stop_reason = "stop", s
-        req.status = Status.FINISHED
-        return True
+        if req.finish_reason == "stop" and req.stop_reason is None and req.constraint is not None \
+                and req.constraint.closed_by_budget:
+            req.stop_reason = CLOSED_BY_BUDGET
 
     def _emit(self, req: Request) -> RequestOutput:
-        """The update since the last one; text that may begin a stop string is held back."""
-        end = len(req.text)
-        if not req.finished and req.params.stop:
-            end = max(req.sent, end - (max(map(len, req.params.stop)) - 1))
+        """The update since the last one, in tokens (its text is the output processor's)."""
         out = RequestOutput(
-            request_id=req.request_id, text=req.text[req.sent:end], token_ids=req.pending_ids,
+            request_id=req.request_id, text="", token_ids=req.pending_ids,
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens or 0,
             cached_tokens_by_tier=_by_tier(req),
             completion_tokens=len(req.output_ids) - req.pending,
             logprobs=req.pending_logprobs if req.params.logprobs is not None else None, error=req.error)
-        req.sent = end
         req.pending_ids, req.pending_logprobs = [], []
         if req.finished:
             self._requests.pop(req.request_id, None)
@@ -875,19 +863,23 @@ class LLMEngine:
     # -- conveniences ---------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  constraints: list[TokenConstraint | None] | None = None) -> list[GenerationResult]:
-        """Run ``prompts`` together to completion (tests, benchmarks, offline use). When the
+        """Run ``prompts`` together to completion (tests, benchmarks, offline use), their text through an
+        output processor each (engine/output_processor.py), as a server's streams have it. When the
         waiting queue is full (``EngineOverloaded``) it runs steps until the next prompt is admitted."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids, acc = [], {}
+        ids, acc, text = [], {}, {}
         start = time.monotonic()
         done = 0
 
         def absorb(outputs: list[RequestOutput]) -> int:
             finished = 0
-            for out in outputs:
-                r = acc.get(out.request_id)
-                if r is None:
+            for raw in outputs:
+                r = acc.get(raw.request_id)
+                out = text[raw.request_id].process(raw) if r is not None else None
+                if out is None:
                     continue
+                if out.finished and not raw.finished:   # a stop string: the engine finishes it next step
+                    self.stop_request(out.request_id, text[out.request_id].stopped)
                 if r.ttft_s is None and out.token_ids:
                     r.ttft_s = time.monotonic() - start
                 r.token_ids.extend(out.token_ids)
@@ -909,10 +901,13 @@ class LLMEngine:
                 except EngineOverloaded:  # something is queued, so a step makes room
                     done += absorb(self.step())
             ids.append(rid)
+            text[rid] = OutputProcessor(self.tokenizer, plist[i], self.tokenizer.eos_token_ids)
             acc[rid] = GenerationResult(rid, [], "", None, len(prompt), 0,
                                         [] if plist[i].logprobs is not None else None)
         while done < len(ids):
             done += absorb(self.step())
+        while any(rid in self._requests for rid in ids):   # the engine's side of the stop strings found
+            self.step()
         return [acc[i] for i in ids]
 
     def stats(self) -> EngineStats:

@@ -1,4 +1,5 @@
-"""A request's state inside the engine: tokens, pages, progress, output text."""
+"""A request's state inside the engine: tokens, pages, progress (its text is the output processor's,
+engine/output_processor.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 
 from engine.constraints import TokenConstraint
 from engine.drafting import SpeculativeState
-from engine.tokenizer import IncrementalDetokenizer
 from engine.types import SamplingParams, SchedulingKey, TokenLogprob
 
 
@@ -30,7 +30,6 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
     constraint: TokenConstraint | None = None
     cache_salt: str = ""
     pin_ttl_s: float | None = None
@@ -66,9 +65,7 @@ class Request:
     generator: torch.Generator | None = None
     speculative: SpeculativeState | None = None  # its drafter, once it drafted (engine/speculative.py)
 
-    # output text: ``text`` is all decoded text, ``sent`` how much was streamed
-    text: str = ""
-    sent: int = 0
+    # what the next output carries: the tokens (and their logprobs) committed since the last one
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None

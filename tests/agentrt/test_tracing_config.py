@@ -186,7 +186,7 @@ def test_an_app_built_with_tracing_on_gets_the_middleware(recorder, router_app):
 
 def _request(arrival, admitted=None, first_token=None, finished=None, trace=None, reason="stop",
              error=None) -> Request:
-    req = Request("req-1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), detok=None, arrival=arrival)
+    req = Request("req-1", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), arrival=arrival)
     req.admitted_at, req.first_token_time, req.finished_at = admitted, first_token, finished
     req.cached_tokens = 0 if admitted is not None else None
     req.output_ids = [7, 8] if first_token is not None else []

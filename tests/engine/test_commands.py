@@ -27,7 +27,7 @@ def test_the_dispatcher_routes_by_type_and_refuses_an_unknown_one():
 
 
 def test_the_engine_handles_every_message_type(default_engine):
-    assert len(MESSAGES) == 11
+    assert len(MESSAGES) == 12
     assert set(default_engine._dispatch._handlers) == MESSAGES
 
 

@@ -44,7 +44,7 @@ def test_tiny_temperature_is_greedy_not_nan():
 
     logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
     for t in (5e-324, 1e-8):
-        req = Request("r", [1], SamplingParams(temperature=t), detok=None)
+        req = Request("r", [1], SamplingParams(temperature=t))
         req.generator = torch.Generator().manual_seed(0)
         tokens, _ = sample(logits.clone(), [req])
         assert tokens == [1]

@@ -4,6 +4,7 @@ import pytest
 
 from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from engine.chat import encode_chat
+from engine.output_processor import OutputProcessor
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -150,13 +151,18 @@ def test_stop_strings_and_tokens(default_engine, tokenizer):
 
 
 def test_streamed_deltas_reassemble_the_text(default_engine, tokenizer):
+    """The engine emits tokens only; its output processor's deltas split no character and add up to the
+    decoded reply."""
     p = chat(tokenizer, "Say something in French with accents, like café or élève.")
     params = SamplingParams(max_tokens=30, temperature=0, stop=["xyzzy"])
     rid = default_engine.add_request(p, params)
+    processor = OutputProcessor(tokenizer, params, tokenizer.eos_token_ids)
     parts, ids = [], []
     while default_engine.has_unfinished():
         for out in default_engine.step():
             if out.request_id == rid:
+                assert out.text == ""
+                out = processor.process(out)
                 parts.append(out.text)
                 ids.extend(out.token_ids)
                 assert "\ufffd" not in out.text

@@ -192,7 +192,7 @@ def test_the_engine_drafts_with_its_setups_step_cost(spec_engine, tokenizer):
     def first_draft(cost):
         kept, spec_engine.spec.step_cost = spec_engine.spec.step_cost, cost
         try:
-            req = Request("step-cost", prompt, greedy(32), detok=None)
+            req = Request("step-cost", prompt, greedy(32))
             draft = spec_engine.spec.propose(req, 8)
             assert (req.speculative.length.fixed, req.speculative.length.row) == cost
             return draft
