@@ -97,6 +97,16 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)   # (T, I) each
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """``forward`` through the C layer ops (``LlamaModel._forward_fused``): on GGUF blocks
+        (engine/models/qlinear.py) a float32 decode step's whole MLP is one kernel call, else SiLU-multiply
+        is one call between the projections."""
+        swiglu = getattr(self.gate_up_proj, "swiglu", None)
+        y = swiglu(self.down_proj, x) if swiglu is not None else None
+        if y is None:
+            y = self.down_proj(ops.silu_mul(self.gate_up_proj(x).contiguous()))
+        return y
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
@@ -159,7 +169,7 @@ class LlamaModel(nn.Module):
             h = norm(x, layer.self_attn(h, rope, attn).contiguous(), post.weight, post.eps)
             mlp = layer.mlp
             if type(mlp) is MLP:
-                d = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h).contiguous()))
+                d = mlp.forward_fused(h, ops)
             else:                                             # an MoE block, say
                 d = mlp(h)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm

@@ -16,7 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "kernel_math.h"   /* engine/csrc: bits32, bf16 <-> f32, exp_nonpos */
+#include "kernel_math.h"   /* engine/csrc: bits32, bf16 <-> f32, exp_nonpos, silu_f32 */
 
 #define MAX_H 16384
 
@@ -53,9 +53,8 @@ int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const float *w, float 
     return 0;
 }
 
-/* gate_up: [T, 2 I] bfloat16, gate in the first I columns, up in the last I; out: [T, I].
- * silu(g) = g / (1 + exp(-g)), with exp of -|g| only: g * e / (1 + e) for g < 0, e = exp(g); below -87 it is
- * 0 (torch's exp(-g) overflows there, or nearly: |silu(g)| < 1e-36). */
+/* gate_up: [T, 2 I] bfloat16, gate in the first I columns, up in the last I; out: [T, I]. silu: kernel_math.h's
+ * silu_f32. */
 void silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out) {
 #pragma omp parallel for schedule(static) if (T >= 32)
     for (int64_t t = 0; t < T; t++) {
@@ -63,10 +62,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out)
         uint16_t *o = out + t * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) {
-            float x = bf16_to_f32(g[i]);
-            float e = exp_nonpos(x < 0.0f ? x : -x);
-            float s = x < -87.0f ? 0.0f : (x < 0.0f ? x * e : x) / (1.0f + e);   /* past the clamp: 0, as torch's */
-            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s)) * bf16_to_f32(u[i]));
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
         }
     }
 }
@@ -99,18 +95,13 @@ int add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, in
     return 0;
 }
 
-/* gate_up: [T, 2 I] float32, gate then up; out: [T, I] = silu(gate) * up (silu as in silu_mul_bf16). */
+/* gate_up: [T, 2 I] float32, gate then up; out: [T, I] = silu(gate) * up. */
 void silu_mul_f32(const float *gate_up, int64_t T, int64_t I, float *out) {
 #pragma omp parallel for schedule(static) if (T >= 32)
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
 #pragma omp simd
-        for (int64_t i = 0; i < I; i++) {
-            float x = g[i];
-            float e = exp_nonpos(x < 0.0f ? x : -x);
-            float s = x < -87.0f ? 0.0f : (x < 0.0f ? x * e : x) / (1.0f + e);
-            o[i] = s * u[i];
-        }
+        for (int64_t i = 0; i < I; i++) o[i] = silu_f32(g[i]) * u[i];
     }
 }

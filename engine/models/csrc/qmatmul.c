@@ -408,3 +408,26 @@ int qmm_q4(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 int qmm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_bf16) {
     return qmm(8, x, x_bf16, M, K, w, N, y, y_bf16);
 }
+
+/* A SwiGLU MLP of a few float32 rows on 4-bit blocks in one call, as a decode step runs it: y [M, N] =
+ * down(silu(gate) * up) with [gate; up] = x [M, K] @ gate_up^T ([2 I, K] packed), down [N, I] packed. The
+ * same kernels and the same silu (kernel_math.h's silu_f32, as layer_ops.c's silu_mul_f32) as three
+ * separate calls; one call from Python instead of three. Returns qmm's codes. */
+int qmm_swiglu_q4_f32(const float *x, int64_t M, int64_t K, const uint8_t *gate_up, int64_t I, const uint8_t *down,
+                      int64_t N, float *y) {
+    float *gu = malloc(sizeof(float) * (size_t)(M * 3 * I) + 64);
+    if (!gu) return -2;
+    float *act = gu + M * 2 * I;
+    int rc = qmm(4, x, 0, M, K, gate_up, 2 * I, gu, 0);
+    if (rc == 0) {
+        for (int64_t t = 0; t < M; t++) {
+            const float *g = gu + t * 2 * I, *u = g + I;
+            float *o = act + t * I;
+#pragma omp simd
+            for (int64_t i = 0; i < I; i++) o[i] = silu_f32(g[i]) * u[i];
+        }
+        rc = qmm(4, act, 0, M, I, down, N, y, 0);
+    }
+    free(gu);
+    return rc;
+}
