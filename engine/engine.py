@@ -163,7 +163,7 @@ class LLMEngine:
                                   window_page=self.pool.window_page if self.window_layers else None,
                                   window=self.pool.window if self.window_layers else None)
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
-            self.model.use_cpu_ops(config.cpu_kernels) and dtype == torch.bfloat16   # they run on bf16 steps only
+            self.model.use_cpu_ops(config.cpu_kernels) and dtype in (torch.bfloat16, torch.float32)
         decode_kernel = getattr(attn, "kernel", None)
         # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
         self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused),

@@ -1,5 +1,5 @@
 /* Scalar helpers every CPU kernel shares (engine/attention/csrc/decode_attention.c,
- * engine/models/csrc/layer_ops.c): bfloat16 <-> float32 as torch converts, and exp(x) for x <= 0 as
+ * engine/models/csrc/layer_ops.c, engine/models/csrc/qmatmul.c): bfloat16 <-> float32 as torch converts, and exp(x) for x <= 0 as
  * exp2 of a polynomial, so that the loops around it vectorise. engine/cpu_build.py compiles every kernel
  * with this folder on the include path and keys its cache by these headers too. */
 #ifndef AGENTRT_KERNEL_MATH_H
@@ -42,6 +42,15 @@ INLINE float exp_nonpos(float x) {
     bits32 c;
     c.u = (uint32_t)((int32_t)n + 127) << 23;   /* 2^n, n in [-126, 0] */
     return p * c.f;
+}
+
+/* silu(x) = x / (1 + exp(-x)), with exp of -|x| only: x * e / (1 + e) for x < 0, e = exp(x); below -87 it is
+ * 0 (torch's exp(-x) overflows there, or nearly: |silu(x)| < 1e-36). SwiGLU's activation in
+ * engine/models/csrc/layer_ops.c and in the fused MLP of engine/models/csrc/qmatmul.c: one formula, so the
+ * two give the same values. */
+INLINE float silu_f32(float x) {
+    float e = exp_nonpos(x < 0.0f ? x : -x);
+    return x < -87.0f ? 0.0f : (x < 0.0f ? x * e : x) / (1.0f + e);
 }
 
 #endif

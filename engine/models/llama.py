@@ -19,6 +19,10 @@ from engine.models.rope import RopeTable, RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
+# activations ``LlamaModel._forward_fused`` runs (engine/models/cpu_ops.py DTYPES): bfloat16, and float32 where
+# the CPU has no native bf16 (there the unfused norm was ~8 torch calls, 61 a step)
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
 
 class RMSNorm(nn.Module):
     """Normalised in float32, whatever the activations' dtype. ``keep_float32_norms`` stores the weights
@@ -93,6 +97,16 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)   # (T, I) each
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """``forward`` through the C layer ops (``LlamaModel._forward_fused``): on GGUF blocks
+        (engine/models/qlinear.py) a float32 decode step's whole MLP is one kernel call, else SiLU-multiply
+        is one call between the projections."""
+        swiglu = getattr(self.gate_up_proj, "swiglu", None)
+        y = swiglu(self.down_proj, x) if swiglu is not None else None
+        if y is None:
+            y = self.down_proj(ops.silu_mul(self.gate_up_proj(x).contiguous()))
+        return y
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
@@ -128,15 +142,15 @@ class LlamaModel(nn.Module):
                      self.rope.rotary_dim, cfg.head_dim, cfg.partial_rotary_factor)
 
     # set by the engine (``use_cpu_ops``): the residual add and the next RMSNorm, and SwiGLU's activation,
-    # each as one C call (engine/models/cpu_ops.py) when the activations are bfloat16 on the CPU; None: the
-    # plain layers
+    # each as one C call (engine/models/cpu_ops.py) when the activations are bfloat16 or float32 on the CPU;
+    # None: the plain layers
     cpu_ops = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, d)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.table(positions, x.dtype)
-        if self.cpu_ops is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+        if self.cpu_ops is not None and x.dtype in FUSED_DTYPES and x.dim() == 2:
             return self._forward_fused(x, rope, attn)
         for layer in self.layers:
             x = layer(x, rope, attn)
@@ -155,7 +169,7 @@ class LlamaModel(nn.Module):
             h = norm(x, layer.self_attn(h, rope, attn).contiguous(), post.weight, post.eps)
             mlp = layer.mlp
             if type(mlp) is MLP:
-                d = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h).contiguous()))
+                d = mlp.forward_fused(h, ops)
             else:                                             # an MoE block, say
                 d = mlp(h)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
@@ -163,8 +177,8 @@ class LlamaModel(nn.Module):
         return h
 
     def use_cpu_ops(self, enabled: bool) -> bool:
-        """Run bfloat16 steps through the C layer operations where they build and fit (float32 norm
-        weights); returns whether they are on."""
+        """Run bfloat16 and float32 steps through the C layer operations where they build and fit (float32
+        norm weights); returns whether they are on."""
         self.cpu_ops = None
         if enabled and all(isinstance(m, RMSNorm) and m.weight.dtype == torch.float32 for m in self._norms()):
             from engine.models.cpu_ops import MAX_HIDDEN, load

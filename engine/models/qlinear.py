@@ -42,6 +42,16 @@ class BlockLinear(nn.Module):
             y = self.lib.run(x.float().contiguous(), self.packed).to(x.dtype)
         return y if self.bias is None else (y + self.bias).to(x.dtype)
 
+    def swiglu(self, down: "BlockLinear", x: torch.Tensor) -> torch.Tensor | None:
+        """This layer as a SwiGLU MLP's fused gate/up projection followed by ``down``, in one kernel call
+        (``down(silu(gate) * up)``): the same values as the three calls, for the float32 decode steps the
+        kernel runs (x contiguous, few rows, 4-bit blocks, no biases); None for any other step."""
+        if (not isinstance(down, BlockLinear) or x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.in_features
+                or x.shape[0] > self.max_rows or down.in_features * 2 != self.out_features or down.max_rows < x.shape[0]
+                or self.bias is not None or down.bias is not None or self.packed.bits != 4 or down.packed.bits != 4):
+            return None
+        return self.lib.swiglu(x, self.packed, down.packed)
+
     @property
     def blocks(self) -> Q4Blocks | Q8Blocks:
         """The weight blocks this layer multiplies by (unpacked anew: for inspection and tests)."""

@@ -209,6 +209,8 @@ class QMatmulLib:
         lib.qmm_variant.restype = ctypes.c_char_p
         lib.qmm_q4.restype = lib.qmm_q8.restype = ctypes.c_int
         lib.qmm_q4.argtypes = lib.qmm_q8.argtypes = [p, i32, i64, i64, p, i64, p, i32]
+        lib.qmm_swiglu_q4_f32.restype = ctypes.c_int
+        lib.qmm_swiglu_q4_f32.argtypes = [p, i64, i64, p, i64, p, i64, p]
         self.path, self.lib = path, lib
         self.variant = lib.qmm_variant().decode()
 
@@ -233,6 +235,20 @@ class QMatmulLib:
                                                                    y.data_ptr(), bf16)
         if rc != 0:
             raise RuntimeError(f"qmatmul returned {rc} (K={K}; -1: K not a multiple of {QK}, -2: out of memory)")
+        return y
+
+
+    def swiglu(self, x: torch.Tensor, gate_up: Packed, down: Packed) -> torch.Tensor:
+        """A SwiGLU MLP in one call: ``down(silu(gate) * up)``, ``[gate; up] = gate_up(x)``, each projection
+        as ``run`` computes it and silu as the layer ops' ``silu_mul``. x (M, K) float32, contiguous;
+        gate_up (2 I, K) and down (N, I) 4-bit -> (M, N) float32. The caller checks the shapes."""
+        M, K = x.shape
+        N = down.shape[0]
+        y = torch.empty((M, N), dtype=torch.float32)
+        rc = self.lib.qmm_swiglu_q4_f32(x.data_ptr(), M, K, gate_up.ptr, gate_up.shape[0] // 2, down.ptr, N,
+                                        y.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"qmatmul swiglu returned {rc} (-1: K not a multiple of {QK}, -2: out of memory)")
         return y
 
 

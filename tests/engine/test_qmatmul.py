@@ -6,6 +6,9 @@
 * Against the plain float matmul on the dequantized weights: the error of rounding each activation to
   8 bits is at most half a step, so ``|y - x @ W.T| <= sum_b (xd_b / 2) * sum_j |w_bj|`` (plus the
   float32 tolerance above); the test asserts that bound.
+* The fused SwiGLU MLP (``QMatmulLib.swiglu``, ``BlockLinear.swiglu``): the values of its three calls
+  (gate/up projection, the layer ops' SiLU-multiply, down projection), and on every build within the
+  8-bit rounding bound of the plain float computation.
 * Random blocks (odd N, K a multiple of 32, M = 1..8 and 11 past one pass, float32 and bfloat16
   activations), extreme blocks (the integer sums at their bounds), the default model's real layers (Q4_1
   layers, the Q8_0 token_embd LM head), on every build this CPU runs: the native one (AVX512-VNNI here
@@ -205,6 +208,58 @@ def test_block_linear_runs_few_rows_on_blocks_and_many_on_the_dense_weight():
     assert torch.equal(layer(strided), lib.matmul(strided.contiguous(), blocks) + layer.bias)
     with pytest.raises(RuntimeError):                                          # a wrong K never reaches C
         layer(torch.randn(1, 96, generator=gen))
+
+
+def _mlp_blocks(gen: torch.Generator, k: int = 96, i: int = 64, n: int = 37):
+    """A SwiGLU MLP's 4-bit blocks: gate/up (2 i, k), down (n, i), as BlockLinear layers."""
+    gate_up, down = random_q4(2 * i, k, gen), random_q4(n, i, gen)
+    return (BlockLinear(lib, gate_up, torch.zeros(2 * i, k)), BlockLinear(lib, down, torch.zeros(n, i)),
+            gate_up, down)
+
+
+def test_swiglu_is_the_three_calls_it_fuses():
+    """One kernel call for the MLP gives exactly what the gate/up projection, the layer ops' SiLU-multiply
+    (the same silu, kernel_math.h) and the down projection give as three calls (both libraries built for
+    this CPU)."""
+    from engine.models.cpu_ops import LayerOps, SOURCE as OPS_SOURCE
+
+    ops = LayerOps(build(OPS_SOURCE))
+    gen = torch.Generator().manual_seed(6)
+    gate_up, down, _, _ = _mlp_blocks(gen)
+    for m in (1, 2, 3, 8):
+        x = activations(m, 96, gen)
+        y = gate_up.swiglu(down, x)
+        assert y.shape == (m, 37) and y.dtype == torch.float32
+        assert torch.equal(y, down(ops.silu_mul(gate_up(x))))
+
+
+def test_swiglu_on_every_build_is_within_rounding_of_the_float_mlp(variant_lib):
+    """Each build's fused MLP against the plain float computation: the gate/up output exact to its own
+    reference, then the down projection within the 8-bit rounding bound of silu(gate) * up."""
+    gen = torch.Generator().manual_seed(7)
+    _, _, gu_blocks, dn_blocks = _mlp_blocks(gen)
+    for m in (1, 2, 5):
+        x = activations(m, 96, gen)
+        y = variant_lib.swiglu(x, pack(gu_blocks), pack(dn_blocks))
+        gate, up = variant_lib.matmul(x, gu_blocks).split(64, dim=-1)
+        act = F.silu(gate) * up
+        assert_within_rounding(y, act, dn_blocks)
+
+
+def test_swiglu_leaves_other_steps_to_the_separate_calls():
+    """None (the caller runs the three calls) for bfloat16, more rows than the kernel takes, a bias, an
+    8-bit layer or a down projection that is no BlockLinear."""
+    gen = torch.Generator().manual_seed(8)
+    gate_up, down, gu_blocks, dn_blocks = _mlp_blocks(gen)
+    x = torch.randn(1, 96, generator=gen)
+    assert gate_up.swiglu(down, x) is not None
+    assert gate_up.swiglu(down, x.bfloat16()) is None
+    assert gate_up.swiglu(down, torch.randn(9, 96, generator=gen)) is None          # > MAX_QUANT_ROWS
+    assert gate_up.swiglu(torch.nn.Linear(64, 37), x) is None
+    biased = BlockLinear(lib, dn_blocks, torch.zeros(37, 64), bias=torch.ones(37))
+    assert gate_up.swiglu(biased, x) is None
+    q8 = BlockLinear(lib, Q8Blocks.quantize(torch.randn(37, 64, generator=gen)), torch.zeros(37, 64))
+    assert gate_up.swiglu(q8, x) is None
 
 
 def test_bad_shapes_are_refused():

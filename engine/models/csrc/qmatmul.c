@@ -157,6 +157,46 @@ INLINE void q4_group(const uint8_t *w, const acts a, const int M, float *out) {
     for (int r = 0; r < M; r++) _mm512_storeu_ps(out + r * G, acc[r]);
 #elif defined(QMM_AVX2)
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    if (M <= 2) {
+        /* A decode step's one row (or two): both halves of each record in one sweep, so each broadcast of
+         * x serves 16 rows and the record is read once; 4 accumulators and the int16 sums fit the 16
+         * registers. The same sums in the same order as the loop below. */
+        __m256 acc[2][2];
+        for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = w + b * Q4_BYTES;
+            prefetch_record(rec, Q4_BYTES);
+            __m256i s[2][2];
+            for (int r = 0; r < M; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                __m256i raw0 = _mm256_loadu_si256((const __m256i *)(rec + j * 64));
+                __m256i raw1 = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + 32));
+                __m256i lo0 = _mm256_and_si256(raw0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
+                __m256i lo1 = _mm256_and_si256(raw1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+                for (int r = 0; r < M; r++) {
+                    const int8_t *x = a.q + r * a.K + b * QK;
+                    __m256i xl = _mm256_set1_epi32(load4(x + 4 * j)), xh = _mm256_set1_epi32(load4(x + 16 + 4 * j));
+                    s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(lo0, xl));
+                    s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(hi0, xh));
+                    s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(lo1, xl));
+                    s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(hi1, xh));
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + h * 16)));
+                __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 2 * G + h * 16)));
+                for (int r = 0; r < M; r++) {
+                    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones)),
+                                             _mm256_set1_ps(a.d[r * nb + b]));
+                    acc[r][h] = _mm256_fmadd_ps(p, dv, acc[r][h]);
+                    acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[r * nb + b]), acc[r][h]);
+                }
+            }
+        }
+        for (int r = 0; r < M; r++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * G + h * 8, acc[r][h]);
+        return;
+    }
     for (int h = 0; h < 2; h++) {                              /* rows 8h .. 8h + 7 */
         __m256 acc[MAX_M];
         for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
@@ -236,6 +276,40 @@ INLINE void q8_group(const uint8_t *w, const acts a, const int M, float *out) {
     for (int r = 0; r < M; r++) _mm512_storeu_ps(out + r * G, acc[r]);
 #elif defined(QMM_AVX2)
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    if (M <= 2) {
+        /* As q4_group's: both halves of each record in one sweep for a pass of one or two rows (the LM
+         * head of a decode step), the same sums in the same order as the loop below. */
+        __m256 acc[2][2];
+        for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = w + b * Q8_BYTES;
+            prefetch_record(rec, Q8_BYTES);
+            __m256i s[2][2];
+            for (int r = 0; r < M; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + j * 64)), flip);
+                __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + j * 64 + 32)), flip);
+                __m256i aq0 = _mm256_sign_epi8(q0, q0), aq1 = _mm256_sign_epi8(q1, q1);
+                for (int r = 0; r < M; r++) {
+                    __m256i xj = _mm256_set1_epi32(load4(a.q + r * a.K + b * QK + 4 * j));
+                    __m256i p0 = _mm256_maddubs_epi16(aq0, _mm256_sign_epi8(xj, q0));
+                    __m256i p1 = _mm256_maddubs_epi16(aq1, _mm256_sign_epi8(xj, q1));
+                    s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
+                    s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + h * 16)));
+                for (int r = 0; r < M; r++) {
+                    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_set1_ps(a.d[r * nb + b]));
+                    acc[r][h] = _mm256_fmadd_ps(p, dv, acc[r][h]);
+                }
+            }
+        }
+        for (int r = 0; r < M; r++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * G + h * 8, acc[r][h]);
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         __m256 acc[MAX_M];
         for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
@@ -333,4 +407,27 @@ int qmm_q4(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, in
 
 int qmm_q8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_bf16) {
     return qmm(8, x, x_bf16, M, K, w, N, y, y_bf16);
+}
+
+/* A SwiGLU MLP of a few float32 rows on 4-bit blocks in one call, as a decode step runs it: y [M, N] =
+ * down(silu(gate) * up) with [gate; up] = x [M, K] @ gate_up^T ([2 I, K] packed), down [N, I] packed. The
+ * same kernels and the same silu (kernel_math.h's silu_f32, as layer_ops.c's silu_mul_f32) as three
+ * separate calls; one call from Python instead of three. Returns qmm's codes. */
+int qmm_swiglu_q4_f32(const float *x, int64_t M, int64_t K, const uint8_t *gate_up, int64_t I, const uint8_t *down,
+                      int64_t N, float *y) {
+    float *gu = malloc(sizeof(float) * (size_t)(M * 3 * I) + 64);
+    if (!gu) return -2;
+    float *act = gu + M * 2 * I;
+    int rc = qmm(4, x, 0, M, K, gate_up, 2 * I, gu, 0);
+    if (rc == 0) {
+        for (int64_t t = 0; t < M; t++) {
+            const float *g = gu + t * 2 * I, *u = g + I;
+            float *o = act + t * I;
+#pragma omp simd
+            for (int64_t i = 0; i < I; i++) o[i] = silu_f32(g[i]) * u[i];
+        }
+        rc = qmm(4, act, 0, M, I, down, N, y, 0);
+    }
+    free(gu);
+    return rc;
 }
