@@ -19,12 +19,17 @@ from engine.models.qmatmul import Q4Blocks, Q8Blocks, load
 from tests.engine.test_quant import assert_close_to
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the kernel could not be built")
-SCORED = 20   # positions per prompt: 6 prompts, 120 positions
+# positions per prompt: 6 prompts, 360 positions. At 120 the top-1 count moved by +-4 when the reference's
+# own norm weights were shifted by one float32 step (115-117/120), as wide as the tolerance's margin: a
+# last-bit change of a fused op (float32 layer_ops) then failed a draw at 110/120 whose KL was unchanged
+SCORED = 60
 
 
 def test_gguf_engine_agrees_with_float32(default_engine):
-    """Measured when this test was written: top-1 agreement 117/120, mean KL 0.0033 nats, largest
-    change of the reference's top-token log-prob 0.20 nats. Stated tolerances: top-1 >= 93%, mean KL
+    """Measured over 360 positions with the float32 layer ops fused: top-1 agreement 352/360 natively and
+    340/360 with the kernels built for AVX2 only (torch and oneDNN capped at AVX2), mean KL 0.0028 /
+    0.0032 nats, largest change of the reference's top-token log-prob 0.32 / 0.43 nats (over 120
+    positions before the fusion: 117/120, 0.0033, 0.20). Stated tolerances: top-1 >= 93%, mean KL
     <= 0.01, top-token change <= 0.5."""
     eng = LLMEngine(EngineConfig(quantization="gguf", kv_cache_tokens=4096))
     layer, head = eng.model.layers[0], eng.model.lm_head
