@@ -97,8 +97,9 @@ class EngineConfig:
 
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
     (torch backend) goes through a C kernel that reads each row's own pages in place
-    (engine/attention/cpu_kernel.py), as do each layer's RoPE and K/V write (one call); bfloat16 and
-    float32 steps add each layer's output to the residual stream and take the next RMSNorm in one call, and
+    (engine/attention/cpu_kernel.py), as do each layer's RoPE and K/V write (one call); bfloat16 steps, and
+    float32 steps on quantized weights (float32 on dense weights stays transformers-exact), add each
+    layer's output to the residual stream and take the next RMSNorm in one call, and
     SwiGLU's activation in another (engine/models/cpu_ops.py); both libraries are compiled on first use by the
     system C compiler. Where they cannot be built the engine logs why and runs the
     pure-torch paths, as it does with False.

@@ -162,8 +162,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, attn, config.page_size, self.device,
                                   window_page=self.pool.window_page if self.window_layers else None,
                                   window=self.pool.window if self.window_layers else None)
+        # bfloat16 steps, and float32 steps on quantized weights (already inexact: 8-bit activations);
+        # float32 on dense weights keeps torch's ops, transformers-exact
         fused = self.device == "cpu" and hasattr(self.model, "use_cpu_ops") and \
-            self.model.use_cpu_ops(config.cpu_kernels) and dtype in (torch.bfloat16, torch.float32)
+            (dtype == torch.bfloat16 or (dtype == torch.float32 and self.quantization != "off")) and \
+            self.model.use_cpu_ops(config.cpu_kernels)
         decode_kernel = getattr(attn, "kernel", None)
         # the C kernels this engine runs (engine/cpu_build.py KERNELS), logged below and exported in /metrics
         self.active_kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused),

@@ -20,7 +20,8 @@ from engine.models.rope import RopeTable, RotaryEmbedding
 log = logging.getLogger(__name__)
 
 # activations ``LlamaModel._forward_fused`` runs (engine/models/cpu_ops.py DTYPES): bfloat16, and float32 where
-# the CPU has no native bf16 (there the unfused norm was ~8 torch calls, 61 a step)
+# the CPU has no native bf16 (there the unfused norm was ~8 torch calls, 61 a step); the engine turns them on
+# for float32 only on quantized weights, so float32 on dense weights stays transformers-exact
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
