@@ -168,7 +168,6 @@ class AsyncEngine:
                                f"server")
         rid = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
-        processor = OutputProcessor(self.engine.tokenizer, params, self.engine.tokenizer.eos_token_ids)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[rid] = (asyncio.get_running_loop(), q)
@@ -178,6 +177,8 @@ class AsyncEngine:
         except BaseException:
             self._forget(rid)
             raise
+        # built once add_request has checked the parameters (a bad ``stop`` is its InvalidRequest)
+        processor = OutputProcessor(self.engine.tokenizer, params, self.engine.tokenizer.eos_token_ids)
         return RequestStream(self, rid, q, processor)
 
     def abort(self, request_id: str) -> None:

@@ -164,3 +164,19 @@ def test_generate_ends_at_the_stop_string_and_leaves_nothing_running(default_eng
     assert r.text == tokenizer.decode(r.token_ids) if not stop else "7" not in r.text
     if stop:
         assert r.finish_reason == "stop" and r.stop_reason == "7" and "7" in tokenizer.decode(r.token_ids)
+
+
+def test_a_bad_stop_is_the_engine_checks_invalid_request(default_engine):
+    """The stream's processor is built after the engine's check: a stop that is not a list of strings is a
+    clear InvalidRequest (a 400), never a TypeError from the processor."""
+    from engine.types import InvalidRequest
+
+    async def run():
+        ae = AsyncEngine(default_engine)
+        try:
+            with pytest.raises(InvalidRequest, match="stop must be a list of non-empty strings"):
+                ae.submit([1, 2, 3], SamplingParams(max_tokens=2, stop=[5]))
+        finally:
+            await ae.shutdown()
+    asyncio.run(run())
+    assert not default_engine.has_unfinished()
