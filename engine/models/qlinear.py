@@ -46,9 +46,10 @@ class BlockLinear(nn.Module):
         """This layer as a SwiGLU MLP's fused gate/up projection followed by ``down``, in one kernel call
         (``down(silu(gate) * up)``): the same values as the three calls, for the float32 decode steps the
         kernel runs (x contiguous, few rows, 4-bit blocks, no biases); None for any other step."""
-        if (not isinstance(down, BlockLinear) or x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.in_features
-                or x.shape[0] > self.max_rows or down.in_features * 2 != self.out_features or down.max_rows < x.shape[0]
-                or self.bias is not None or down.bias is not None or self.packed.bits != 4 or down.packed.bits != 4):
+        step = x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] == self.in_features
+        if not (step and isinstance(down, BlockLinear) and down.in_features * 2 == self.out_features
+                and x.shape[0] <= min(self.max_rows, down.max_rows)
+                and self.bias is None and down.bias is None and self.packed.bits == 4 and down.packed.bits == 4):
             return None
         return self.lib.swiglu(x, self.packed, down.packed)
 
