@@ -232,6 +232,9 @@ class KVMoves:
         pinned = await self._engine("pinned")
         done = {"sessions": len(pinned), "handed_over": 0, "blocks": 0}
         if not pinned or not targets:
+            # said either way: a drain that hands nothing over says why (no pins, or no live worker to take them)
+            log.warning("drain handover: %d pinned sessions, %d live workers to take them; nothing handed over",
+                        len(pinned), len(targets))
             return done
         deadline = time.monotonic() + timeout_s
         for i, (pin_id, tokens, salt, ttl_s) in enumerate(pinned):

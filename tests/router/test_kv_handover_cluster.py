@@ -26,7 +26,8 @@ def cl(tmp_path_factory):
     group = c.procs(tmp_path_factory.mktemp("kv-handover"))
     try:
         redis_server = group.redis(appendonly=False)
-        workers = {wid: c.worker(group, redis_server.url, wid) for wid in WORKERS}
+        # pins outlive the test's slowest step under a loaded suite (the default 30 s did not, once)
+        workers = {wid: c.worker(group, redis_server.url, wid, "--pin-ttl-s", "300") for wid in WORKERS}
         for w in workers.values():
             w.wait_ready()
         router = c.router(group, redis_server.url, "r0")
