@@ -529,7 +529,7 @@ class ResponsesService:
             key, done = hex_id(), None
         if done is not None or record.last_turn.turn_id == turn.turn_id:
             run = new_run(response_id(record.id, key))
-            started = await self.sessions.begin_turn(record, tenant, run.base["id"], plan_for(run),
+            started = await self.sessions.begin_turn(record.id, tenant, run.base["id"], plan_for(run),
                                                      after=turn.turn_id)
             if started is not None:
                 return self._started(run, started)
@@ -556,7 +556,7 @@ class ResponsesService:
         """``run``'s turn, the first of ``record``, a session made for it (deleted unless the turn is recorded)."""
         run.new_session = record.id
         try:
-            started = await self.sessions.begin_turn(record, run.tenant, run.base["id"], plan_for(run))
+            started = await self.sessions.begin_turn(record.id, run.tenant, run.base["id"], plan_for(run))
         except BaseException:
             await self.drop_session(record.id, run.tenant)
             raise

@@ -58,7 +58,7 @@ class TurnRun:
         self.generation = generation
         self.pin_ttl_s = pin_ttl_s
         self.tenant = tenant
-        self._lock = lock
+        self.lock = lock
         self.turn: TurnRecord | None = None
 
     async def deltas(self) -> AsyncIterator[Any]:
@@ -85,7 +85,7 @@ class TurnRun:
             if self.turn is None:  # the engine pins a request when it ends, even aborted: undo that
                 self.manager.unpin(self.generation.request_id)
         finally:
-            await self._lock.release()
+            await self.lock.release()
 
 
 @dataclass
@@ -171,12 +171,8 @@ class SessionManager:
         try:
             record = await self.store.get(session_id)
         except SessionDecodeError:
-            raise APIError(500, f"the record of session '{session_id}' is corrupt and cannot be used",
-                           type="server_error", code="session_record_corrupt") from None
-        if record is None or record.expires_at <= time.time() or record.tenant != tenant.name:
-            raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
-                            param="session_id", code="session_not_found")
-        return record
+            raise _corrupt(session_id) from None
+        return _visible(session_id, record, tenant)
 
     async def delete(self, session_id: str, tenant: Tenant) -> None:
         await self.get(session_id, tenant)
@@ -251,14 +247,13 @@ class SessionManager:
 
     async def start_turn(self, session_id: str, req: TurnRequest, tenant: Tenant) -> TurnRun | TurnRecord:
         """A recorded turn (replay of ``turn_id``) or a running one holding the session's lock."""
-        record = await self.get(session_id, tenant)
         new_messages = self._check_new_messages(req)
-        if req.expected_pause_s is not None and record.pin_ttl_s is not None:
-            raise bad_request(f"expected_pause_s: session '{session_id}' was created with its own pin_ttl_s "
-                              f"({record.pin_ttl_s}), which every turn keeps; drop one of the two",
-                              param="expected_pause_s")
 
         def plan(record: SessionRecord) -> TurnPlan:
+            if req.expected_pause_s is not None and record.pin_ttl_s is not None:
+                raise bad_request(f"expected_pause_s: session '{session_id}' was created with its own pin_ttl_s "
+                                  f"({record.pin_ttl_s}), which every turn keeps; drop one of the two",
+                                  param="expected_pause_s")
             fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop",
                                                                    "seed", "priority"}, exclude_none=True)}
             structured = _structured_options(record.sampling, req)
@@ -267,38 +262,40 @@ class SessionManager:
             return TurnPlan(new_messages, self.history(record) + new_messages, fields, options,
                             expected_pause_s=req.expected_pause_s)
 
-        started = await self.begin_turn(record, tenant, req.turn_id, plan)
+        started = await self.begin_turn(session_id, tenant, req.turn_id, plan)
         assert started is not None  # begin_turn returns None only for a turn that must follow another
         return started
 
-    async def begin_turn(self, record: SessionRecord, tenant: Tenant, turn_id: str | None,
+    async def begin_turn(self, session_id: str, tenant: Tenant, turn_id: str | None,
                          plan: Callable[[SessionRecord], TurnPlan], *, after: str | None = None
                          ) -> TurnRun | TurnRecord | None:
-        """Start a turn on ``record``'s session (``record``: as just read for ``tenant``): the recorded
-        turn if ``turn_id`` is one (a replay), else a running turn holding the session's lock, its request
-        made by ``plan(record)`` from the record as it is once locked. 409 ``turn_in_progress`` while
-        another turn runs. ``after``: the turn must directly follow that turn; None (nothing started)
-        when it cannot now, because another turn runs or has followed it."""
-        if turn_id is not None and (done := record.find_turn(turn_id)) is not None:
-            return done
-        session_id = record.id
-        lock = await self.store.lock_turn(session_id)
-        if lock is None:
-            if after is not None:
-                return None
-            raise APIError(409, f"session '{session_id}' already has a turn in progress; wait for it to finish",
-                           param="session_id", code="turn_in_progress")
+        """Start a turn on the session of ``tenant``: the recorded turn if ``turn_id`` is one (a replay),
+        else a running turn holding the session's lock, its request made by ``plan(record)`` from the
+        record as it is once locked. 404 for a session ``tenant`` cannot see, 409 ``turn_in_progress``
+        while another turn runs. ``after``: the turn must directly follow that turn; None (nothing
+        started) when it cannot now, because another turn runs or has followed it. The record and the
+        lock come from one store call (``SessionStore.open_turn``); the turn's record and the lock's
+        release are the other (``append_turn_once`` in ``_record_turn``)."""
         try:
-            record = await self.get(session_id, tenant)
+            record, lock = await self.store.open_turn(session_id)
+        except SessionDecodeError:
+            raise _corrupt(session_id) from None
+        try:
+            record = _visible(session_id, record, tenant)
             if turn_id is not None and (done := record.find_turn(turn_id)) is not None:
-                await lock.release()  # recorded by the turn that held the lock a moment ago
+                await _release(lock)  # a replay (or recorded by a turn that held the lock a moment ago)
                 return done
+            if lock is None:
+                if after is not None:
+                    return None
+                raise APIError(409, f"session '{session_id}' already has a turn in progress; wait for it to "
+                               "finish", param="session_id", code="turn_in_progress")
             if after is not None and (record.last_turn is None or record.last_turn.turn_id != after):
-                await lock.release()
+                await _release(lock)
                 return None
             run = await self._submit(record, plan(record), turn_id or "turn_" + uuid.uuid4().hex, lock, tenant)
         except BaseException:
-            await lock.release()
+            await _release(lock)
             raise
         # The new request now holds the prefix; the last turn's pin (whichever router made it) has done its job.
         self._pins.pop(session_id, None)
@@ -358,7 +355,8 @@ class SessionManager:
                           raw_text=result.text, response=run.describe(result) if run.describe else None,
                           in_slo=result.in_slo)
         try:
-            record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn)
+            record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn,
+                                                                lock=run.lock)
         except SessionNotFound:
             self.unpin(turn.pin_id)
             raise not_found(f"session '{run.record.id}' was deleted while its turn ran",
@@ -395,6 +393,25 @@ class SessionManager:
 
 
 _STRUCTURED = ("response_format", "tool_choice", "parallel_tool_calls")
+
+
+def _corrupt(session_id: str) -> APIError:
+    return APIError(500, f"the record of session '{session_id}' is corrupt and cannot be used",
+                    type="server_error", code="session_record_corrupt")
+
+
+def _visible(session_id: str, record: SessionRecord | None, tenant: Tenant) -> SessionRecord:
+    """``record`` if ``tenant`` may see it: 404 for one that is absent, expired or another tenant's (its
+    existence is not revealed)."""
+    if record is None or record.expires_at <= time.time() or record.tenant != tenant.name:
+        raise not_found(f"session '{session_id}' does not exist (never created, deleted, or expired)",
+                        param="session_id", code="session_not_found")
+    return record
+
+
+async def _release(lock: TurnLock | None) -> None:
+    if lock is not None:
+        await lock.release()
 
 
 def _structured_options(defaults: dict[str, Any], req: TurnRequest) -> dict[str, Any]:

@@ -184,9 +184,12 @@ class TurnLock(abc.ABC):
 class _LocalTurnLock(TurnLock):
     def __init__(self, held: set[str], session_id: str) -> None:
         self._held, self._session_id = held, session_id
+        self._released = False
 
     async def release(self) -> None:
-        self._held.discard(self._session_id)
+        if not self._released:   # once: a second call must not free the lock of a turn that took it since
+            self._released = True
+            self._held.discard(self._session_id)
 
 
 class SessionStore(abc.ABC):
@@ -217,6 +220,11 @@ class SessionStore(abc.ABC):
     - ``lock_turn(id)`` takes the session's turn lock and returns it, or None when a turn
       holds it already (wherever the store is shared: the Redis store locks across
       replicas); ``turn_locked(id)`` says whether one is held.
+    - ``open_turn(id)`` is a turn's first touch of the store, one atomic step: ``(record, lock)``,
+      the record (None: no such session) and, when it exists and no turn holds it, its turn lock
+      (else None). ``append_turn_once(..., lock=lock)`` is its last: the append and the lock's
+      release in one atomic step (the lock is released whether the turn is appended or was
+      recorded already; ``lock.release()`` afterwards does nothing). A turn touches the store twice.
     A store that serializes records raises :class:`SessionDecodeError` from ``get`` for a
     stored record it cannot read, and :class:`SessionTooLarge` for one it cannot write.
     """
@@ -231,7 +239,7 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
-                               reply: TurnRecord) -> tuple[SessionRecord, bool]:
+                               reply: TurnRecord, lock: TurnLock | None = None) -> tuple[SessionRecord, bool]:
         ...
 
     @abc.abstractmethod
@@ -258,6 +266,10 @@ class SessionStore(abc.ABC):
     async def turn_locked(self, session_id: str) -> bool:
         ...
 
+    @abc.abstractmethod
+    async def open_turn(self, session_id: str) -> tuple[SessionRecord | None, TurnLock | None]:
+        ...
+
 
 class InMemorySessionStore(SessionStore):
     """Sessions in a dict of this process, guarded by one asyncio lock (all callers share a loop)."""
@@ -277,6 +289,10 @@ class InMemorySessionStore(SessionStore):
     async def turn_locked(self, session_id: str) -> bool:
         return session_id in self._turns
 
+    async def open_turn(self, session_id: str) -> tuple[SessionRecord | None, TurnLock | None]:
+        record = await self.get(session_id)
+        return record, None if record is None else await self.lock_turn(session_id)
+
     async def create(self, record: SessionRecord, max_tenant_sessions: int | None = None) -> SessionRecord:
         check_tenant_limit(max_tenant_sessions)
         async with self._lock:
@@ -294,11 +310,13 @@ class InMemorySessionStore(SessionStore):
         return copy.deepcopy(record) if record is not None else None
 
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
-                               reply: TurnRecord) -> tuple[SessionRecord, bool]:
+                               reply: TurnRecord, lock: TurnLock | None = None) -> tuple[SessionRecord, bool]:
         async with self._lock:
             record = self._records.get(session_id)
             if record is None:
                 raise SessionNotFound(session_id)
+            if lock is not None:   # released with the append, in the same step (no await in between)
+                await lock.release()
             if record.find_turn(turn_id) is not None:
                 return copy.deepcopy(record), False
             record = self._records[session_id] = apply_turn(record, turn_id, new_messages, reply)

@@ -15,7 +15,9 @@ by last activity (ms); ``tenant:<name>:sessions`` is the sorted set of the tenan
 which ``create`` checks against the tenant's session limit and inserts into in one script, so
 replicas racing for a tenant's last session cannot both get it; ``session:<id>:turn`` is the
 turn lock while a turn runs (``lock_turn``: a random token, SET NX PX; renewed and released
-only by its holder, see ``RedisTurnLock``). Every recorded turn id is kept for the session's
+only by its holder, see ``RedisTurnLock``). A turn touches Redis twice: ``open_turn`` reads the
+record and takes the lock in one script, ``append_turn_once(lock=...)`` writes the turn and deletes
+the lock in one transaction. Every recorded turn id is kept for the session's
 life (the record's size limit, ``session_max_bytes``, bounds it).
 
 Decoding (``decode_record``) is bounded (``session_max_bytes``) and type-checked down to each
@@ -31,7 +33,7 @@ import copy
 import logging
 import secrets
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgpack
 import redis.asyncio as aioredis
@@ -67,6 +69,17 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
+"""
+
+# ``_LOCK_ACQUIRE`` and the record in one step (a turn's first touch of the store, ``open_turn``):
+# KEYS[3]: the session key. Returns {} when there is no record (no lock taken), else {taken, record}.
+_OPEN_TURN = """
+local record = redis.call('GET', KEYS[3])
+if not record then return {} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {0, record} end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return {1, record} end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, record} end
+return {0, record}
 """
 
 # KEYS[1]: lock key, KEYS[2]: the token's withdrawn marker; ARGV[1]: token; ARGV[2]: TTL in ms.
@@ -178,6 +191,12 @@ class RedisTurnLock(TurnLock):
                                 self.session_id)
                 return
 
+    def released_by_store(self) -> None:
+        """The store deleted the lock in a transaction of its own (``append_turn_once(lock=...)``): stop
+        renewing; ``release`` then does nothing."""
+        self._released = True
+        self._renewer.cancel()
+
     async def release(self) -> None:
         """Stop renewing and delete the lock; the deletion completes even if the caller is cancelled
         meanwhile (a client that disconnects as its turn ends must not leave the session locked)."""
@@ -229,25 +248,46 @@ class RedisSessionStore(SessionStore):
         self._create_script = client.register_script(_CREATE)
         self._acquire_script = client.register_script(_LOCK_ACQUIRE)
         self._withdraw_script = client.register_script(_LOCK_WITHDRAW)
+        self._open_script = client.register_script(_OPEN_TURN)
 
     # ------------------------------------------------------------ turn lock (one turn at a time, any replica)
 
     async def lock_turn(self, session_id: str) -> TurnLock | None:
         token = secrets.token_hex(16)
-        # As with tenant admission: the command runs in a task of its own, and a caller that never
-        # reads its answer (cancelled, or the reply lost) withdraws it, whatever Redis did with it.
-        call = asyncio.ensure_future(self._acquire_turn_lock(session_id, token, self.lock_ttl_ms))
+        acquire = self._acquire_turn_lock(session_id, token, self.lock_ttl_ms)
+        locked = await self._unwithdrawn(session_id, token, acquire)
+        return RedisTurnLock(self, session_id, token, self.lock_ttl_ms) if locked else None
+
+    async def open_turn(self, session_id: str) -> tuple[SessionRecord | None, TurnLock | None]:
+        token = secrets.token_hex(16)
+        keys = [self.config.turn_lock_key(session_id), self.config.turn_lock_withdrawn_key(token),
+                self.config.session_key(session_id)]
+        reply = await self._unwithdrawn(session_id, token,
+                                        self._open_script(keys=keys, args=[token, str(self.lock_ttl_ms)]))
+        if not reply:
+            return None, None
+        taken, raw = reply
+        lock = RedisTurnLock(self, session_id, token, self.lock_ttl_ms) if taken else None
         try:
-            locked = await asyncio.shield(call)
+            return self._decode(session_id, raw), lock
+        except BaseException:
+            if lock is not None:
+                await lock.release()
+            raise
+
+    async def _unwithdrawn(self, session_id: str, token: str, acquire: Awaitable[Any]) -> Any:
+        """``await acquire`` (a command that may take the turn lock for ``token``). As with tenant admission:
+        the command runs in a task of its own, and a caller that never reads its answer (cancelled, or the
+        reply lost) withdraws it, whatever Redis did with it."""
+        call = asyncio.ensure_future(acquire)
+        try:
+            return await asyncio.shield(call)
         except BaseException:
             call.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome not needed any more
             task = asyncio.get_running_loop().create_task(self._withdraw_lock(session_id, token))
             self._withdrawals.add(task)
             task.add_done_callback(self._withdrawals.discard)
             raise
-        if not locked:
-            return None
-        return RedisTurnLock(self, session_id, token, self.lock_ttl_ms)
 
     async def _acquire_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> bool:
         """Take the session's turn lock for ``token``; False if someone else holds it, or ``token`` was
@@ -342,7 +382,7 @@ class RedisSessionStore(SessionStore):
         return await self._redis.zcard(self.config.tenant_sessions_key(tenant))
 
     async def append_turn_once(self, session_id: str, turn_id: str, new_messages: list[dict[str, Any]],
-                               reply: TurnRecord) -> tuple[SessionRecord, bool]:
+                               reply: TurnRecord, lock: TurnLock | None = None) -> tuple[SessionRecord, bool]:
         worker = self.worker_of(reply.pin_id) if reply.pin_id else None
         recorded: list[SessionRecord] = []
 
@@ -352,21 +392,27 @@ class RedisSessionStore(SessionStore):
                 return None
             return apply_turn(record, turn_id, new_messages, reply, last_worker=worker)
 
-        new = await self._update(session_id, append)
+        held = lock if isinstance(lock, RedisTurnLock) and lock.session_id == session_id else None
+        new = await self._update(session_id, append, held)
+        if new is None and lock is not None:  # recorded already (a concurrent retry): nothing was written
+            await lock.release()
         return (recorded[0], False) if new is None else (new, True)
 
     async def update_turn(self, session_id: str, turn_id: str, /, **changes: Any) -> SessionRecord | None:
         return await self._update(session_id, lambda record: apply_turn_update(record, turn_id, changes))
 
-    async def _update(self, session_id: str, change: Callable[[SessionRecord], SessionRecord | None]
-                      ) -> SessionRecord | None:
+    async def _update(self, session_id: str, change: Callable[[SessionRecord], SessionRecord | None],
+                      lock: RedisTurnLock | None = None) -> SessionRecord | None:
         """Store ``change(record)`` in one WATCH/MULTI transaction (run again when another client wrote
-        the record meanwhile) and return it; None, with nothing written, when ``change`` returns None."""
+        the record meanwhile) and return it; None, with nothing written, when ``change`` returns None.
+        ``lock``: a turn lock released in the same transaction, if it still holds (compare-and-delete
+        under WATCH: a lock that expired and was taken by another turn meanwhile is left to that turn)."""
         key = self.config.session_key(session_id)
+        lock_key = self.config.turn_lock_key(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             for _ in range(self.max_retries):
                 try:
-                    await pipe.watch(key)
+                    await pipe.watch(*((key, lock_key) if lock is not None else (key,)))
                     raw = await pipe.get(key)
                     if raw is None:
                         raise SessionNotFound(session_id)
@@ -374,10 +420,15 @@ class RedisSessionStore(SessionStore):
                     if new is None:
                         await pipe.unwatch()
                         return None
+                    holds = lock is not None and await pipe.get(lock_key) == lock.token.encode()
                     pipe.multi()
                     pipe.set(key, self._encode(new))
                     pipe.zadd(self.config.sessions_set_key, {session_id: _ms(new.last_active_at)})
+                    if holds:
+                        pipe.delete(lock_key)
                     await pipe.execute()
+                    if lock is not None:
+                        lock.released_by_store()
                     return new
                 except WatchError:
                     continue

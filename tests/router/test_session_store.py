@@ -88,6 +88,61 @@ def test_store_contract(kind, request):
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_open_turn_and_the_append_that_releases_its_lock(kind, request):
+    """A turn's two touches of the store: ``open_turn`` (the record, and the lock when free) and
+    ``append_turn_once(lock=...)`` (the turn and the lock's release in one step). A release after it does
+    nothing: it must not free the lock of the turn that took it since."""
+    async def body():
+        if kind == "memory":
+            clients, store, other = [], InMemorySessionStore(), None
+        else:
+            clients, (store, other) = await _stores(request.getfixturevalue("redis_url"), n=2)
+        other = other or store
+        try:
+            assert await store.open_turn("nope") == (None, None) and not await store.turn_locked("nope")
+            rec = await store.create(SessionRecord(id="s1", model="m"))
+            got, lock = await store.open_turn("s1")
+            assert got == rec and lock is not None and await store.turn_locked("s1")
+            again, none = await other.open_turn("s1")      # a second turn: the record, no lock
+            assert again == rec and none is None
+            user = [{"role": "user", "content": "hi"}]
+            new, appended = await store.append_turn_once("s1", "t1", user, reply("t1"), lock=lock)
+            assert appended and new == await store.get("s1") and not await store.turn_locked("s1")
+            got, lock2 = await other.open_turn("s1")       # the next turn gets it at once
+            assert got == new and lock2 is not None
+            await lock.release()                           # the first turn's late release: nothing
+            assert await store.turn_locked("s1")
+            # a turn recorded already (a concurrent retry): nothing written, the lock released all the same
+            same, appended = await other.append_turn_once("s1", "t1", user, reply("t1", "other"), lock=lock2)
+            assert not appended and same == new and not await store.turn_locked("s1")
+        finally:
+            await _close(clients)
+    asyncio.run(body())
+
+
+def test_an_append_leaves_a_lock_it_no_longer_holds(redis_url):
+    """The lock expired while the turn ran and another turn took it: the append records the turn and
+    leaves the other turn's lock where it is (compare-and-delete under WATCH)."""
+    async def body():
+        clients, (store, other) = await _stores(redis_url)
+        try:
+            await store.create(SessionRecord(id="s1", model="m"))
+            _, lock = await store.open_turn("s1")
+            await clients[0].delete(store.config.turn_lock_key("s1"))   # as if it expired
+            _, theirs = await other.open_turn("s1")
+            assert theirs is not None
+            _, appended = await store.append_turn_once("s1", "t1", [{"role": "user", "content": "hi"}],
+                                                       reply("t1"), lock=lock)
+            assert appended and await store.turn_locked("s1")
+            assert await clients[0].get(store.config.turn_lock_key("s1")) == theirs.token.encode()
+            await theirs.release()
+            assert not await store.turn_locked("s1")
+        finally:
+            await _close(clients)
+    asyncio.run(body())
+
+
 # ------------------------------------------------------------ Redis
 
 def test_create_get_list_delete(redis_url):
