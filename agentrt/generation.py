@@ -413,7 +413,7 @@ class Generator:
             tracing.annotate(trace, {"agentrt.request_id": request_id,
                                      "agentrt.tenant": tenant.name if tenant else None})
         try:
-            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
+            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, lease_ttl_s=pin_ttl_s,
                                         cache_salt=cache_salt, session=session, trace=trace, key=key)
         except BaseException as exc:
             self.release()
@@ -423,7 +423,7 @@ class Generator:
         if affinity_turn:  # this request now holds the conversation's prefix: the last turn's pin is done
             previous = self.affinity_pins.replace(session.session_id, request_id)
             if previous is not None:
-                self.engine.unpin(previous)
+                self.engine.release_lease(previous)
         return Generation(self, stream, request_id, parser=parser,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic(),
@@ -495,10 +495,10 @@ class Generator:
         if plan is None:
             return pin_ttl_s, None
         if plan.demote:
-            self.engine.demote(pin_id)
+            self.engine.demote_lease(pin_id)
             self.metrics.kv_demotions.inc()
             return 0.0, plan.prefetch_after_s
-        self.engine.extend_pin(pin_id, plan.ttl_s)
+        self.engine.extend_lease(pin_id, plan.ttl_s)
         return plan.ttl_s, None
 
     async def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> Any:

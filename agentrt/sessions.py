@@ -211,7 +211,7 @@ class SessionManager:
         for sid, (when, pin_id, worker) in list(self._prefetch_at.items()):
             if when <= now:
                 del self._prefetch_at[sid]
-                self.gen.engine.prefetch(pin_id, worker=worker)
+                self.gen.engine.prefetch_lease(pin_id, worker=worker)
                 self.gen.metrics.kv_prefetches.inc()
         for sid, (_, expires) in list(self._pins.items()):
             if expires <= now:
@@ -239,7 +239,7 @@ class SessionManager:
         """Release a pin; a no-op when the engine already released it (expiry, memory pressure).
         ``worker``: where the pin lives (router mode: the session record's last worker, where the
         router's engine sends the release); None in-process."""
-        self.gen.engine.unpin(pin_id, worker=worker)
+        self.gen.engine.release_lease(pin_id, worker=worker)
 
     def _check_pin_ttl(self, ttl: float | None) -> float | None:
         if ttl is not None and ttl > self.config.max_pin_ttl_s:

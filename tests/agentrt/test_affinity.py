@@ -92,17 +92,17 @@ class _RecordingEngine:
     def constraint(self, options):
         return None
 
-    def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", pin_ttl_s=None,
+    def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", lease_ttl_s=None,
                session=None, trace=None, key=None):
         self.hints.append(session)
-        self.pin_ttls.append(pin_ttl_s)
+        self.pin_ttls.append(lease_ttl_s)
         self.request_ids.append(request_id)
         return OneReply(request_id, self.reply)
 
-    def unpin(self, pin_id, worker=None):
+    def release_lease(self, pin_id, worker=None):
         self.unpins.append(pin_id)
 
-    def extend_pin(self, pin_id, ttl_s, worker=None):
+    def extend_lease(self, pin_id, ttl_s, worker=None):
         self.extended.append((pin_id, ttl_s))
 
 

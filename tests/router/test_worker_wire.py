@@ -77,30 +77,43 @@ def test_worker_names_itself_on_every_response():
     asyncio.run(body())
 
 
-def test_the_demote_and_prefetch_routes_reach_the_workers_engine_and_check_the_pin_id():
-    """``/internal/pin/demote`` and ``/internal/pin/prefetch`` (what a router's ``RemoteEngine.demote`` /
-    ``prefetch`` post) call the worker's engine client with the pin id; a missing or empty id is a 422."""
+def test_the_lease_routes_reach_the_workers_engine_client_and_check_the_body():
+    """``POST /internal/lease/{op}`` (what a router's ``RemoteEngine`` lease calls post, ``lease_body``)
+    calls the worker's engine client's lease method of that name with the lease id (and, to extend, the
+    TTL); a missing or empty id, or an extend without a positive ``ttl_s``, is a 400; an unknown call a 404."""
     import fastapi
     from fastapi.testclient import TestClient
 
-    from router.worker_api import worker_routes
+    from agentrt.errors import install_handlers
+    from router.worker_api import LEASE_OPS, lease_body, worker_routes
 
     calls = []
 
     class Engine:
-        def demote(self, pin_id, worker=None):
-            calls.append(("demote", pin_id))
+        def extend_lease(self, lease_id, ttl_s, worker=None):
+            calls.append(("extend", lease_id, ttl_s))
 
-        def prefetch(self, pin_id, worker=None):
-            calls.append(("prefetch", pin_id))
+        def release_lease(self, lease_id, worker=None):
+            calls.append(("release", lease_id, None))
+
+        def demote_lease(self, lease_id, worker=None):
+            calls.append(("demote", lease_id, None))
+
+        def prefetch_lease(self, lease_id, worker=None):
+            calls.append(("prefetch", lease_id, None))
 
     app = fastapi.FastAPI()
+    install_handlers(app)
     app.include_router(worker_routes)
     app.state.engine = Engine()
     with TestClient(app) as http:
-        assert http.post("/internal/pin/demote", json={"pin_id": "req-1"}).json() == {"pin_id": "req-1",
-                                                                                     "pinned": False}
-        assert http.post("/internal/pin/prefetch", json={"pin_id": "req-1"}).json() == {"pin_id": "req-1"}
-        assert http.post("/internal/pin/demote", json={"pin_id": ""}).status_code == 422
-        assert http.post("/internal/pin/prefetch", json={}).status_code == 422
-    assert calls == [("demote", "req-1"), ("prefetch", "req-1")]
+        for op in LEASE_OPS:
+            body = lease_body("req-1", 90.0 if op == "extend" else None)
+            assert http.post(f"/internal/lease/{op}", json=body).json() == {"lease_id": "req-1", "op": op}
+        assert http.post("/internal/lease/demote", json={"lease_id": ""}).status_code == 400
+        assert http.post("/internal/lease/prefetch", json={}).status_code == 400
+        assert http.post("/internal/lease/extend", json={"lease_id": "req-1"}).status_code == 400
+        assert http.post("/internal/lease/extend", json={"lease_id": "req-1", "ttl_s": 0}).status_code == 400
+        assert http.post("/internal/lease/pin", json={"lease_id": "req-1"}).status_code == 404
+    assert calls == [("extend", "req-1", 90.0), ("release", "req-1", None), ("demote", "req-1", None),
+                     ("prefetch", "req-1", None)]
