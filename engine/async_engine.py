@@ -158,7 +158,8 @@ class AsyncEngine:
                session: SessionHint | None = None, trace: object | None = None,
                key: SchedulingKey | None = None) -> RequestStream:
         """Check and enqueue (``LLMEngine.add_request``); raises InvalidRequest / EngineOverloaded at
-        once. ``lease_ttl_s`` is the engine's pin of the finished sequence (``LLMEngine``'s ``pin_ttl_s``). ``session`` is a routing hint, moot in one process. ``trace`` rides on the request to
+        once. ``lease_ttl_s``: the engine pins the finished sequence (``LLMEngine``'s ``pin_ttl_s``).
+        ``session`` is a routing hint, moot in one process. ``trace`` rides on the request to
         ``LLMEngine.on_finished`` (its phase spans). ``key``: the session and tenant the scheduler
         orders it by (engine/session_priority.py)."""
         if self._stop:

@@ -2,11 +2,11 @@
 
 ``RemoteEngine`` implements the interface ``engine.AsyncEngine`` implements in one process
 (``constraint``, ``submit``, the KV lease's ``extend_lease``, ``release_lease``, ``demote_lease``,
-``prefetch_lease``, ``stats``, ``cache_snapshot``, ``shutdown``), so the router runs agentrt's own ``Generator``, OpenAI and session services
-unchanged: the router applies the chat template and tokenizes, checks the request
-(``check_request``) and routes it by its prefix and its session hint; each request goes to one
-worker's ``/internal/generate`` as token ids (``router/worker_api.py``), with the
-structured-output *options* (the worker compiles the grammar). Worker output streams through
+``prefetch_lease``, ``stats``, ``cache_snapshot``, ``shutdown``), so the router runs agentrt's own
+``Generator``, OpenAI and session services unchanged: the router applies the chat template and
+tokenizes, checks the request (``check_request``) and routes it by its prefix and its session hint;
+each request goes to one worker's ``/internal/generate`` as token ids (``router/worker_api.py``),
+with the structured-output *options* (the worker compiles the grammar). Worker output streams through
 line by line, never buffered.
 
 Sessionless conversations: a ``SessionHint`` with ``remember`` set (the client named the

@@ -2,11 +2,12 @@
 
 * ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
   constraint *options* (the worker builds the grammar: a constraint object does not travel),
-  a KV lease TTL (``lease_ttl_s``), the scheduling key (session, tenant and its weight, whether the session already ran a
-  turn: ``engine.types.SchedulingKey``); optionally ``kv_source``, a worker holding the prompt's prefix
-  to pull it from first (router/kv_moves.py); a traced request's W3C ``traceparent`` header (its span
-  continues the router's trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
-  otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
+  a KV lease TTL (``lease_ttl_s``), the scheduling key (session, tenant and its weight, whether the
+  session already ran a turn: ``engine.types.SchedulingKey``); optionally ``kv_source``, a worker
+  holding the prompt's prefix to pull it from first (router/kv_moves.py); a traced request's W3C
+  ``traceparent`` header (its span continues the router's trace). Errors found before generation
+  starts are ordinary JSON errors (400, 429, 503); otherwise the body is NDJSON, one
+  ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
 * ``POST /internal/lease/{op}``, ``op`` one of :data:`LEASE_OPS` (extend, release, demote, prefetch):
   the KV lease calls of ``engine.client.EngineClient`` on the worker's engine, by lease id (the
@@ -193,7 +194,7 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     if body.kv_source is not None and moves is not None:   # a hint: whatever fails is recomputed
         src = body.kv_source
         await moves.pull(src.url, body.prompt_token_ids, body.cache_salt, src.blocks, src.timeout_s)
-    generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, pin_ttl_s=body.lease_ttl_s,
+    generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, lease_ttl_s=body.lease_ttl_s,
                                  request_id=body.request_id, cache_salt=body.cache_salt, key=key)
 
     async def lines() -> AsyncIterator[bytes]:

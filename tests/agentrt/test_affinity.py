@@ -159,7 +159,7 @@ def test_a_keyed_request_is_pinned_until_its_conversations_next_request():
     assert engine.pin_ttls == [25.0, 25.0, 25.0, None, 25.0, 25.0]
     # alice's conv-1: its third request released its second's pin, which had released its first's
     assert engine.unpins == [ids[0], ids[4]]
-    assert len(svc.gen.affinity_pins) == 3   # alice conv-1 and conv-2, bob conv-1
+    assert svc.gen.leases.conversations() == 3   # alice conv-1 and conv-2, bob conv-1
 
 
 def test_affinity_turns_off_pins_nothing_and_a_request_with_its_own_pin_keeps_it():
@@ -180,7 +180,7 @@ def test_affinity_turns_off_pins_nothing_and_a_request_with_its_own_pin_keeps_it
     prompt = svc.gen.chat_prompt([{"role": "user", "content": "hi"}], None)
     from engine.types import SamplingParams
     hint = affinity_hint(Tenant("alice"), "conv-1")
-    asyncio.run(body(lambda: svc.gen.start(prompt, SamplingParams(max_tokens=2), pin_ttl_s=300.0, session=hint)))
+    asyncio.run(body(lambda: svc.gen.start(prompt, SamplingParams(max_tokens=2), lease_ttl_s=300.0, session=hint)))
     assert engine.pin_ttls == [300.0, 300.0] and engine.unpins == []
 
 
