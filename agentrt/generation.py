@@ -170,7 +170,7 @@ class Generation:
             self.gen.metrics.observe_ttft(self._first_token_at - self._started_at)
             # the recompute cost the lease policy weighs: prompt tokens computed before the first token
             self.gen.leases.policy.observe_prefill(out.prompt_tokens - out.cached_tokens,
-                                               self._first_token_at - self._started_at)
+                                                   self._first_token_at - self._started_at)
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self._token_ids.extend(out.token_ids)
         self._text.append(out.text)
