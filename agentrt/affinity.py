@@ -16,16 +16,15 @@ remembers where each such conversation ran (``router/affinity.py``); in one proc
 is moot.
 
 Such a request is also its conversation's latest turn (``Generator.start``, unless the server
-runs with ``--affinity-turns false``): pinned when it ends like a session turn, so the engine holds
-its next step for the agent's return, and unpinned by the conversation's next request. That
-next request finds the pin's id in :class:`AffinityPins`, this process's record of each
-conversation's last pinned request; a pin made through another router replica is not known
-here and simply expires.
+runs with ``--affinity-turns false``): it acquires a KV lease like a session turn
+(``agentrt/kv_lease.py``), so the engine holds its next step for the agent's return, and the
+conversation's next request releases it. That next request finds the lease in ``KVLeases``, this
+process's record of each conversation's last leased request; a lease made through another router
+replica is not known here and simply expires.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 from typing import Iterable, Mapping
 
@@ -64,27 +63,3 @@ def affinity_hint(tenant: Tenant | None, key: str | None) -> SessionHint | None:
     name = tenant.name if tenant is not None else ""
     digest = hashlib.sha256(f"{len(name)}:{name}:{key}".encode()).hexdigest()
     return SessionHint("aff_" + digest[:32], remember=True)
-
-
-class AffinityPins:
-    """Each affinity-keyed conversation's last pinned request id, for the most recent ``limit``
-    conversations (a conversation dropped from here loses nothing but an early unpin: its pin expires)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._last: collections.OrderedDict[str, str] = collections.OrderedDict()
-
-    def replace(self, session_id: str, request_id: str) -> str | None:
-        """Record ``request_id`` as conversation ``session_id``'s latest turn; returns the turn it replaces."""
-        previous = self._last.pop(session_id, None)
-        self._last[session_id] = request_id
-        while len(self._last) > self.limit:
-            self._last.popitem(last=False)
-        return previous
-
-    def __len__(self) -> int:
-        return len(self._last)
-
-    def __contains__(self, session_id: str) -> bool:
-        """Whether conversation ``session_id`` had a pinned request here (it already ran a turn)."""
-        return session_id in self._last

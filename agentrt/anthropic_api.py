@@ -16,12 +16,12 @@ Usage follows Anthropic: ``input_tokens`` are the prompt tokens not read from th
 is read whether or not the request marks it), ``cache_creation_input_tokens`` is always 0 (writing
 the cache costs nothing extra here). ``count_tokens`` gives the whole prompt, the sum of the three.
 
-``cache_control`` breakpoints (on blocks, tools, or the request): a request with any breakpoint is
-submitted with a pin TTL, so when it finishes its whole sequence (prompt and reply, which holds the
-prefix up to the last breakpoint) stays pinned in the engine's cache, like a session turn's: the
-server's ``pin_ttl_s`` for ``{"type": "ephemeral"}`` (or ``ttl: "5m"``), an hour capped by
-``max_pin_ttl_s`` for ``ttl: "1h"``. Nothing unpins it early; it expires, or the engine drops it
-under memory pressure.
+``cache_control`` breakpoints (on blocks, tools, or the request): a request with any breakpoint
+acquires a KV lease (agentrt/kv_lease.py), so when it finishes its whole sequence (prompt and reply,
+which holds the prefix up to the last breakpoint) stays in the engine's cache, like a session turn's,
+for the TTL ``LeasePolicy.cache_control_ttl`` gives: the server's ``pin_ttl_s`` for ``{"type":
+"ephemeral"}`` (or ``ttl: "5m"``), an hour capped by ``max_pin_ttl_s`` for ``ttl: "1h"``. Nothing
+releases it early; it expires, or the engine drops it under memory pressure.
 
 A model with a reasoning parser (engine/parsers) answers with a ``thinking`` block first (streamed as
 ``thinking_delta`` events; its ``signature`` is empty: nothing here signs reasoning); ``thinking``
@@ -244,7 +244,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     options: StructuredOutput
-    pin_ttl_s: float | None
+    cache_ttls: list[str | None]   # each cache_control breakpoint's ttl (None: ephemeral's default)
 
 
 def _param(where: str) -> str:
@@ -371,14 +371,6 @@ class _Converter:
             content = "Error: " + content
         return {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
 
-    def pin_ttl_s(self, pin_ttl_s: float, max_pin_ttl_s: float) -> float | None:
-        """How long to pin the request's KV: None without breakpoints; the longest asked for otherwise."""
-        if not self.breakpoints:
-            return None
-        if any(b.ttl == "1h" for b in self.breakpoints):
-            return max(pin_ttl_s, min(3600.0, max_pin_ttl_s))
-        return pin_ttl_s
-
 
 def _structured_output(req: CountTokensRequest, tools: list[dict[str, Any]] | None) -> StructuredOutput:
     choice = req.tool_choice
@@ -396,7 +388,7 @@ def _structured_output(req: CountTokensRequest, tools: list[dict[str, Any]] | No
     return StructuredOutput(tools=tools, tool_choice=mapped, parallel_tool_calls=parallel)
 
 
-def to_chat(req: CountTokensRequest, pin_ttl_s: float, max_pin_ttl_s: float) -> ChatRequest:
+def to_chat(req: CountTokensRequest) -> ChatRequest:
     """The chat request for ``req``; 400 naming the field for anything this server does not support."""
     for name, value in (req.model_extra or {}).items():
         if name == "thinking" and isinstance(value, dict) and value.get("type") == "disabled":
@@ -407,7 +399,7 @@ def to_chat(req: CountTokensRequest, pin_ttl_s: float, max_pin_ttl_s: float) -> 
     messages = convert.system(req.system)
     tools = convert.tools(req.tools)
     messages += convert.messages(req.messages)
-    return ChatRequest(messages, tools, _structured_output(req, tools), convert.pin_ttl_s(pin_ttl_s, max_pin_ttl_s))
+    return ChatRequest(messages, tools, _structured_output(req, tools), [b.ttl for b in convert.breakpoints])
 
 
 # ---------------------------------------------------------------- the reply
@@ -455,7 +447,7 @@ class AnthropicService:
 
     def _chat(self, req: CountTokensRequest) -> ChatRequest:
         self.gen.check_model(req.model)
-        return to_chat(req, self.gen.config.pin_ttl_s, self.gen.config.max_pin_ttl_s)
+        return to_chat(req)
 
     def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         chat = self._chat(req)
@@ -470,7 +462,8 @@ class AnthropicService:
         chat = self._chat(req)
         fields = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                   "top_k": req.top_k, "stop": req.stop_sequences, "seed": req.seed, "ignore_eos": req.ignore_eos}
-        return await self.gen.start_chat(chat.messages, fields, chat.options, pin_ttl_s=chat.pin_ttl_s,
+        lease_ttl = self.gen.leases.policy.cache_control_ttl(chat.cache_ttls)
+        return await self.gen.start_chat(chat.messages, fields, chat.options, lease_ttl_s=lease_ttl,
                                          started_at=started, session=affinity_hint(tenant, affinity), tenant=tenant)
 
     def _message_id(self, generation: Generation) -> str:

@@ -28,11 +28,10 @@ from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, Re
                           SchedulingKey, TokenLogprob)
 
 from agentrt import tracing
-from agentrt.affinity import AffinityPins
 from agentrt.config import ServingSettings
 from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
-from agentrt.pin_ttl import MIN_TTL_S, PausePlan, ToolPinTTL
+from agentrt.kv_lease import KVLeases, LeasePolicy
 from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
 log = logging.getLogger(__name__)
@@ -78,10 +77,10 @@ class Generation:
 
     def __init__(self, generator: "Generator", stream: OutputStream, request_id: str, *,
                  parser: OutputParser | None, parallel_tool_calls: bool, want_logprobs: bool, started_at: float,
-                 tenant: Tenant | None = None, reservation: Any = None, affinity_turn: bool = False,
+                 tenant: Tenant | None = None, reservation: Any = None, affinity_ttl_s: float | None = None,
                  session_id: str | None = None) -> None:
         self.gen = generator
-        self.affinity_turn = affinity_turn  # pinned as its conversation's latest turn (Generator.start)
+        self.affinity_ttl_s = affinity_ttl_s  # its lease as its conversation's latest turn (Generator.start)
         self.session_id = session_id  # the session or conversation it is a turn of (None: none)
         self.tenant = tenant
         self._reservation = reservation
@@ -169,9 +168,9 @@ class Generation:
         if out.token_ids and self._first_token_at is None:
             self._first_token_at = time.monotonic()
             self.gen.metrics.observe_ttft(self._first_token_at - self._started_at)
-            # the recompute cost the pin-TTL model weighs: prompt tokens computed before the first token
-            self.gen.tool_pins.observe_prefill(out.prompt_tokens - out.cached_tokens,
-                                               self._first_token_at - self._started_at)
+            # the recompute cost the lease policy weighs: prompt tokens computed before the first token
+            self.gen.leases.policy.observe_prefill(out.prompt_tokens - out.cached_tokens,
+                                                   self._first_token_at - self._started_at)
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self._token_ids.extend(out.token_ids)
         self._text.append(out.text)
@@ -219,9 +218,10 @@ class Generation:
         self.result.content, self.result.tool_calls = content, list(self._calls)
         self.result.reasoning = "".join(self._reasoning) or None
         self.result.finish_reason = reason or "stop"
-        if self.affinity_turn and reason == "tool_calls":  # the agent comes back after running the tool
-            # the conversation's next request reads a demoted prefix back itself (no session sweep here)
-            self.gen.hold_for_pause(self.request_id, self.session_id, True, None, self.gen.config.pin_ttl_s)
+        if self.affinity_ttl_s is not None:  # its lease over the pause after it (a tool run); a demoted
+            # prefix is read back by the conversation's next request itself (no session sweep here)
+            self.gen.leases.hold_for_pause(self.request_id, self.session_id, tool_call=reason == "tool_calls",
+                                           expected_pause_s=None, ttl_s=self.affinity_ttl_s)
         return tail
 
     def _record(self, out: RequestOutput) -> None:
@@ -262,10 +262,9 @@ class Generator:
         self.in_flight = 0
         self.draining = False  # set by a worker's drain: new generations get 503 worker_draining
         self.tenant_limits = tenant_limits if tenant_limits is not None else TenantLimits()
-        self.affinity_pins = AffinityPins(config.max_sessions)
-        # each session's tool pauses, for the pin after its next tool call (pin_ttl_policy "cost")
-        self.tool_pins = ToolPinTTL(config.pin_ttl_tool_s, config.max_pin_ttl_s, max_sessions=config.max_sessions,
-                                    min_ttl_s=min(MIN_TTL_S, config.max_pin_ttl_s))
+        # the KV leases of session turns and affinity-keyed conversations, and the policy of their TTLs
+        self.leases = KVLeases(engine, LeasePolicy(config, stats=lambda: self.engine.stats()), metrics,
+                               config.max_sessions)
         detected = detect(self.tokenizer.chat_template)
         self.tool_parser = config.tool_call_parser or detected[0]
         self.reasoning_parser = config.reasoning_parser or (None if config.tool_call_parser else detected[1])
@@ -325,7 +324,7 @@ class Generator:
             raise bad_request(str(exc)) from None
 
     async def start_chat(self, messages: list[dict[str, Any]], fields: dict[str, Any], options: StructuredOutput, *,
-                         logprobs: int | None = None, pin_ttl_s: float | None = None, started_at: float | None = None,
+                         logprobs: int | None = None, lease_ttl_s: float | None = None, started_at: float | None = None,
                          session: SessionHint | None = None, tenant: Tenant | None = None,
                          template_kwargs: dict[str, Any] | None = None) -> Generation:
         """A chat request (a chat completion or a session turn): the messages rendered with
@@ -342,7 +341,7 @@ class Generator:
             params.skip_special_tokens = not needs_special_tokens(tool_parser, self.reasoning_parser)
         constraint = self.constraint(options)
         return await self.start(prompt, params, constraint=constraint, parser=parser,
-                                parallel_tool_calls=options.parallel_tool_calls is not False, pin_ttl_s=pin_ttl_s,
+                                parallel_tool_calls=options.parallel_tool_calls is not False, lease_ttl_s=lease_ttl_s,
                                 started_at=started_at, session=session, tenant=tenant)
 
     def _tool_format(self, options: StructuredOutput) -> tuple[StructuredOutput, str | None]:
@@ -381,7 +380,7 @@ class Generator:
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, *, constraint: Any = None,
                     parser: OutputParser | None = None, parallel_tool_calls: bool = True,
-                    pin_ttl_s: float | None = None,
+                    lease_ttl_s: float | None = None,
                     request_id: str | None = None, started_at: float | None = None,
                     session: SessionHint | None = None, tenant: Tenant | None = None,
                     cache_salt: str | None = None, key: SchedulingKey | None = None) -> Generation:
@@ -389,17 +388,18 @@ class Generator:
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
         prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker).
 
-        A request that names its conversation (``session.remember``: an affinity key) and asks for no pin
-        of its own is that conversation's latest turn, when ``affinity_turns`` is on: the engine pins it
-        for ``pin_ttl_s`` when it ends (``pin_ttl_tool_s`` after a tool call) and holds its next step for
-        the agent's return as it does for a session turn; the conversation's next request releases it.
+        ``lease_ttl_s``: acquire a KV lease on the finished sequence (agentrt/kv_lease.py). A request that
+        names its conversation (``session.remember``: an affinity key) and asks for no lease of its own is
+        that conversation's latest turn, when ``affinity_turns`` is on: it gets the policy's lease
+        (``LeasePolicy.affinity_ttl``; over a tool pause, ``KVLeases.hold_for_pause``), the engine holds
+        its next step for the agent's return as it does for a session turn, and the conversation's next
+        request releases it.
 
         ``key``: whom the engine's scheduler serves the request for (a worker passes the router's); by
         default the session (or conversation) and the tenant, with its weight (:meth:`scheduling_key`)."""
-        affinity_turn = (pin_ttl_s is None and session is not None and session.remember
-                         and self.config.affinity_turns)
-        if affinity_turn:
-            pin_ttl_s = self.config.pin_ttl_s
+        affinity_ttl = self.leases.policy.affinity_ttl(lease_ttl_s, session)
+        if affinity_ttl is not None:
+            lease_ttl_s = affinity_ttl
         if key is None:
             key = self.scheduling_key(session, tenant)
         reservation = await self._admit(key, tenant, len(prompt_ids) + params.max_tokens)
@@ -407,27 +407,25 @@ class Generator:
         if cache_salt is None:
             cache_salt = tenant.cache_salt if tenant is not None else ""
         if session is not None:  # the end of a tool pause, if the session's last reply called a tool
-            self.tool_pins.turn_started(session.session_id, time.monotonic())
+            self.leases.policy.turn_started(session.session_id)
         trace = tracing.current()  # the request's server span (None: not traced)
         if trace is not None:
             tracing.annotate(trace, {"agentrt.request_id": request_id,
                                      "agentrt.tenant": tenant.name if tenant else None})
         try:
-            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, pin_ttl_s=pin_ttl_s,
+            stream = self.engine.submit(prompt_ids, params, request_id, constraint=constraint, lease_ttl_s=lease_ttl_s,
                                         cache_salt=cache_salt, session=session, trace=trace, key=key)
         except BaseException as exc:
             self.release()
             if reservation is not None:
                 await self.tenant_limits.release(tenant, reservation, 0)
             raise self._submit_error(exc) from None
-        if affinity_turn:  # this request now holds the conversation's prefix: the last turn's pin is done
-            previous = self.affinity_pins.replace(session.session_id, request_id)
-            if previous is not None:
-                self.engine.unpin(previous)
+        if affinity_ttl is not None:  # this request now holds the conversation's prefix: its last lease is done
+            self.leases.follow(session.session_id, request_id)
         return Generation(self, stream, request_id, parser=parser,
                           parallel_tool_calls=parallel_tool_calls, want_logprobs=params.logprobs is not None,
                           started_at=started_at if started_at is not None else time.monotonic(),
-                          tenant=tenant, reservation=reservation, affinity_turn=affinity_turn,
+                          tenant=tenant, reservation=reservation, affinity_ttl_s=affinity_ttl,
                           session_id=session.session_id if session is not None else None)
 
     async def _admit(self, key: SchedulingKey, tenant: Tenant | None, tokens: int) -> Any:
@@ -461,45 +459,13 @@ class Generator:
 
     def scheduling_key(self, session: SessionHint | None, tenant: Tenant | None) -> SchedulingKey:
         """The request's session and tenant as the engine's scheduler orders them. A session turn whose
-        session has history, or a conversation this server already pinned a request of, continues a
+        session has history, or a conversation this server already leased a request of, continues a
         started session."""
         continuing = session is not None and (session.continuing or
-                                              (session.remember and session.session_id in self.affinity_pins))
+                                              (session.remember and self.leases.continues(session.session_id)))
         return SchedulingKey(session=session.session_id if session is not None else "",
                              tenant=tenant.name if tenant is not None else "",
                              weight=tenant.weight if tenant is not None else 1.0, continuing=continuing)
-
-    def pause_plan(self, session_id: str, tool_call: bool, expected_pause_s: float | None) -> PausePlan | None:
-        """What a session turn's pin does over the pause after it (agentrt/pin_ttl.py): the agent's
-        ``expected_pause_s`` decides where given; else after a tool call, ``pin_ttl_tool_s`` (policy
-        fixed) or the cost model's plan (policy cost); else None: the turn's pin stays as it is."""
-        if tool_call:
-            self.tool_pins.tool_call_ended(session_id, time.monotonic())
-        stats = lambda: self.engine.stats()  # noqa: E731 - read only when the plan needs the pool's pressure
-        if expected_pause_s is not None:
-            return self.tool_pins.plan(session_id, stats, expected_pause_s)
-        if not tool_call:
-            return None
-        if self.config.pin_ttl_policy == "fixed":
-            return PausePlan(self.config.pin_ttl_tool_s)
-        return self.tool_pins.plan(session_id, stats)
-
-    def hold_for_pause(self, pin_id: str, session_id: str, tool_call: bool, expected_pause_s: float | None,
-                       pin_ttl_s: float) -> tuple[float, float | None]:
-        """The one place the pin rule is applied: the pin the engine made under ``pin_id`` when a turn of
-        ``session_id`` finished (a session turn, or an affinity-keyed conversation's request) follows the
-        turn's :meth:`pause_plan`: extended, or demoted to the KV tiers. Returns the pin's TTL from now
-        (``pin_ttl_s`` when the plan keeps it as it is; 0 once demoted) and, for a demotion, when to read
-        the prefix back (seconds from now; None: not scheduled)."""
-        plan = self.pause_plan(session_id, tool_call, expected_pause_s)
-        if plan is None:
-            return pin_ttl_s, None
-        if plan.demote:
-            self.engine.demote(pin_id)
-            self.metrics.kv_demotions.inc()
-            return 0.0, plan.prefetch_after_s
-        self.engine.extend_pin(pin_id, plan.ttl_s)
-        return plan.ttl_s, None
 
     async def _admit_tenant(self, tenant: Tenant | None, tokens: int) -> Any:
         """Reserve the tenant's share (None: no tenant); 429 with Retry-After past its limits."""

@@ -19,9 +19,10 @@ the session's prefix, a pin of ``tau`` seconds is worth
 
 ``F`` steps up at each pause sample and ``E[min(X, tau)]`` only grows with ``tau``, so ``net`` is
 greatest at a sample: the TTL is the best sample (the shortest among equals) times ``1 + slack``, within
-``[min_ttl_s, max_ttl_s]``; ``min_ttl_s`` when no sample has a positive net (pinning costs more than
-recomputing); ``fallback_ttl_s`` (the fixed ``pin_ttl_tool_s``) until ``MIN_PAUSES`` pauses and a
-prefill were measured. A session that never comes back leaves no pause (its pin simply expires).
+``[min_ttl_s, max_ttl_s]``; when no sample has a positive net (pinning costs more than recomputing),
+no pin: the KV is demoted to the tiers (:class:`PausePlan`); ``fallback_ttl_s`` (the fixed
+``pin_ttl_tool_s``) until ``MIN_PAUSES`` pauses and a prefill were measured. A session that never
+comes back leaves no pause (its pin simply expires).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class ToolPinTTL:
         ``max_ttl_s`` and pays (``pin_net`` of that one pause is positive; with no prefill measured yet
         it is taken to pay), else demote and read back shortly before it ends. Without a hint: the cost
         model's TTL (:meth:`ttl`), and where it finds no pin worth its cost, demote, with the read-back
-        at the ``LIKELY_QUANTILE`` of the session's pauses."""
+        at the ``LIKELY_QUANTILE`` of the session's pauses. (agentrt/kv_lease.py's ``LeasePolicy`` calls
+        this; it is the one place the TTL after a pause is computed.)"""
         if expected_pause_s is not None:
             hold = expected_pause_s * (1 + self.slack)
             pays = self.recompute_s_per_token <= 0
@@ -168,14 +170,3 @@ class ToolPinTTL:
         xs = sorted(pauses)
         likely = xs[min(len(xs) - 1, int(LIKELY_QUANTILE * len(xs)))]
         return PausePlan(0.0, demote=True, prefetch_after_s=prefetch_after(likely))
-
-    def ttl(self, session: str, stats: Callable[[], Any]) -> float:
-        """The pin TTL after ``session``'s tool call, reading the engine's ``stats()`` for pool pressure."""
-        pauses = self.pauses(session)
-        if not pauses or self.recompute_s_per_token <= 0:
-            return self.fallback_ttl_s
-        pressure, pool_tokens = pool_pressure(stats())
-        tau = best_pause(pauses, self.recompute_s_per_token, pressure, pool_tokens)
-        if tau is None:
-            return self.min_ttl_s
-        return min(self.max_ttl_s, max(self.min_ttl_s, tau * (1 + self.slack)))

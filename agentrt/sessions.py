@@ -1,13 +1,14 @@
 """Sessions: server-side conversations whose KV prefix stays warm between turns.
 
 A turn renders the session's whole history plus the new messages, so the engine's radix
-cache serves everything the previous turn already computed. After a turn the engine pins
-the turn's sequence (prompt + reply) under the turn's request id for a time-to-live
-(longer when the reply ended in a tool call); the next turn unpins it once its own
-request is admitted, and delete or idle expiry unpin it too. Which pin to release comes from
-the session record (its last turn's pin id, on the record's last worker), so behind several
-router replicas any of them releases a pin another made. The engine may drop a pin
-early under memory pressure: a pin is a hint, never a reason to fail.
+cache serves everything the previous turn already computed. Each turn acquires a KV lease
+(``agentrt/kv_lease.py``: the engine holds the turn's sequence, prompt + reply, under the
+turn's request id for the TTL the ``LeasePolicy`` gives, and the pause plan after the turn may
+extend or demote it); the next turn releases it once its own request is admitted, and delete
+or idle expiry release it too. Which lease to release comes from the session record (its last
+turn's ``pin_id``, on the record's last worker), so behind several router replicas any of them
+releases a lease another made. The engine may drop a lease early under memory pressure: a
+lease is a hint, never a reason to fail.
 
 Turns are atomic: the new messages and the reply are appended together, once, after the
 reply is complete (``SessionStore.append_turn_once``). An error or a client that goes
@@ -48,7 +49,7 @@ class TurnRun:
     """A turn in progress: its generation, the session lock it holds, and how to record it."""
 
     def __init__(self, manager: "SessionManager", record: SessionRecord, turn_id: str, plan: "TurnPlan",
-                 generation: Generation, lock: TurnLock, pin_ttl_s: float, tenant: Tenant) -> None:
+                 generation: Generation, lock: TurnLock, lease_ttl_s: float, tenant: Tenant) -> None:
         self.manager = manager
         self.record = record
         self.turn_id = turn_id
@@ -56,7 +57,7 @@ class TurnRun:
         self.describe = plan.describe
         self.expected_pause_s = plan.expected_pause_s
         self.generation = generation
-        self.pin_ttl_s = pin_ttl_s
+        self.lease_ttl_s = lease_ttl_s
         self.tenant = tenant
         self.lock = lock
         self.turn: TurnRecord | None = None
@@ -78,12 +79,12 @@ class TurnRun:
         return self.turn
 
     async def close(self) -> None:
-        """Abort the generation if unfinished, drop its pin if not recorded, release the lock (idempotent;
-        the lock is released even when the caller is cancelled while the generation closes)."""
+        """Abort the generation if unfinished, release its lease if not recorded, release the lock
+        (idempotent; the lock is released even when the caller is cancelled while the generation closes)."""
         try:
             await self.generation.close()
-            if self.turn is None:  # the engine pins a request when it ends, even aborted: undo that
-                self.manager.unpin(self.generation.request_id)
+            if self.turn is None:  # the engine leases a request's sequence when it ends, even aborted: undo that
+                self.manager.release(self.generation.request_id)
         finally:
             await self.lock.release()
 
@@ -110,10 +111,8 @@ class SessionManager:
         self.store = store
         self.gen = generator
         self.config = config
-        self._pins: dict[str, tuple[str, float]] = {}  # session id -> (pin id, expires at)
+        self.leases = generator.leases   # the turns' KV leases (agentrt/kv_lease.py)
         self._expiry: dict[str, float] = {}  # session id -> idle expiry, for the sessions made here
-        # session id -> (when, pin id, worker): read a demoted prefix back then (its next turn is near)
-        self._prefetch_at: dict[str, tuple[float, str, str | None]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -123,12 +122,13 @@ class SessionManager:
         self.gen.check_defaults(sampling, StructuredOutput(
             sampling.get("response_format"), [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             sampling.get("tool_choice"), sampling.get("parallel_tool_calls")))
+        self._check_lease(lambda: self.leases.policy.check_session_ttl(req.pin_ttl_s), "pin_ttl_s")
         record = SessionRecord(
             id="sess_" + uuid.uuid4().hex, model=model, system=req.system,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             sampling=sampling, metadata=dict(req.metadata),
             idle_ttl_s=req.idle_ttl_s or self.config.session_idle_ttl_s,
-            pin_ttl_s=self._check_pin_ttl(req.pin_ttl_s), tenant=tenant.name)
+            pin_ttl_s=req.pin_ttl_s, tenant=tenant.name)
         return await self._create(record, tenant)
 
     async def fork(self, session_id: str, req: ForkRequest, tenant: Tenant, at_turn: str | None = None
@@ -186,32 +186,24 @@ class SessionManager:
         """The session is gone (``record``: as deleted here; None if it was deleted elsewhere)."""
         self.gen.metrics.sessions.dec()
         self._expiry.pop(session_id, None)
-        self._pins.pop(session_id, None)
-        self._prefetch_at.pop(session_id, None)
+        self.leases.session_ended(session_id)
         if record is not None:
-            self._release_last_pin(record)
+            self._release_last_lease(record)
             if record.turns:  # from its creation to the end of its last turn
                 self.gen.metrics.observe_session_end(record.turns[-1].created_at - record.created_at,
                                                      [t.in_slo for t in record.turns if t.in_slo is not None])
 
-    def _release_last_pin(self, record: SessionRecord) -> None:
-        """Unpin the session's last turn while its pin may hold (whichever router made it)."""
+    def _release_last_lease(self, record: SessionRecord) -> None:
+        """Release the session's last turn's lease while it may hold (whichever router made it)."""
         turn = record.last_turn
         if turn is not None and turn.pin_id is not None and turn.pin_expires_at > time.time():
-            self.unpin(turn.pin_id, record.last_worker)
+            self.release(turn.pin_id, record.last_worker)
 
     async def sweep(self) -> int:
-        """Read back demoted prefixes that are due, delete sessions idle past their TTL and forget expired
-        pins; returns sessions deleted."""
+        """Read back demoted leases that are due, forget expired ones and delete sessions idle past their
+        TTL; returns sessions deleted."""
         now = time.time()
-        for sid, (when, pin_id, worker) in list(self._prefetch_at.items()):
-            if when <= now:
-                del self._prefetch_at[sid]
-                self.gen.engine.prefetch(pin_id, worker=worker)
-                self.gen.metrics.kv_prefetches.inc()
-        for sid, (_, expires) in list(self._pins.items()):
-            if expires <= now:
-                del self._pins[sid]
+        self.leases.sweep(now)
         deleted = 0
         for sid, expires in list(self._expiry.items()):
             if expires > now or await self.store.turn_locked(sid):
@@ -228,20 +220,20 @@ class SessionManager:
         turn = record.last_turn
         if turn is None or turn.pin_id is None:
             return None
-        active = self._pins.get(record.id, (None, 0.0))[0] == turn.pin_id and turn.pin_expires_at > time.time()
+        active = self.leases.session_holds(record.id, turn.pin_id, time.time())
         return {"id": turn.pin_id, "expires_at": turn.pin_expires_at, "active": active}
 
-    def unpin(self, pin_id: str, worker: str | None = None) -> None:
-        """Release a pin; a no-op when the engine already released it (expiry, memory pressure).
-        ``worker``: where the pin lives (router mode: the session record's last worker, where the
-        router's engine sends the release); None in-process."""
-        self.gen.engine.unpin(pin_id, worker=worker)
+    def release(self, lease_id: str, worker: str | None = None) -> None:
+        """Release a turn's lease; a no-op when the engine already let it go (expiry, memory pressure).
+        ``worker``: where it lives (router mode: the session record's last worker); None in-process."""
+        self.leases.release(lease_id, worker)
 
-    def _check_pin_ttl(self, ttl: float | None) -> float | None:
-        if ttl is not None and ttl > self.config.max_pin_ttl_s:
-            raise bad_request(f"pin_ttl_s {ttl} exceeds the server's maximum of {self.config.max_pin_ttl_s}",
-                              param="pin_ttl_s")
-        return ttl
+    def _check_lease(self, check: Callable[[], None], param: str) -> None:
+        """400 naming ``param`` for what the lease policy refuses (its ``check_*`` methods)."""
+        try:
+            check()
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from None
 
     # ------------------------------------------------------------ turns
 
@@ -250,10 +242,8 @@ class SessionManager:
         new_messages = self._check_new_messages(req)
 
         def plan(record: SessionRecord) -> TurnPlan:
-            if req.expected_pause_s is not None and record.pin_ttl_s is not None:
-                raise bad_request(f"expected_pause_s: session '{session_id}' was created with its own pin_ttl_s "
-                                  f"({record.pin_ttl_s}), which every turn keeps; drop one of the two",
-                                  param="expected_pause_s")
+            self._check_lease(lambda: self.leases.policy.check_pause_hint(session_id, record.pin_ttl_s,
+                                                                          req.expected_pause_s), "expected_pause_s")
             fields = {**record.sampling, **req.model_dump(include={"temperature", "top_p", "max_tokens", "stop",
                                                                    "seed", "priority"}, exclude_none=True)}
             structured = _structured_options(record.sampling, req)
@@ -297,10 +287,9 @@ class SessionManager:
         except BaseException:
             await _release(lock)
             raise
-        # The new request now holds the prefix; the last turn's pin (whichever router made it) has done its job.
-        self._pins.pop(session_id, None)
-        self._prefetch_at.pop(session_id, None)  # arrived first: its request reads its tier pages itself
-        self._release_last_pin(record)
+        # The new request now holds the prefix; the last turn's lease (whichever router made it) has done its job.
+        self.leases.session_turn_began(session_id)
+        self._release_last_lease(record)
         return run
 
     def _check_new_messages(self, req: TurnRequest) -> list[dict[str, Any]]:
@@ -313,12 +302,12 @@ class SessionManager:
     async def _submit(self, record: SessionRecord, plan: TurnPlan, turn_id: str, lock: TurnLock,
                       tenant: Tenant) -> TurnRun:
         started = time.monotonic()
-        pin_ttl = record.pin_ttl_s or self.config.pin_ttl_s
+        lease_ttl = self.leases.policy.turn_ttl(record.pin_ttl_s)
         hint = SessionHint(record.id, record.last_worker, continuing=bool(record.turns))
-        generation = await self.gen.start_chat(plan.messages, plan.fields, plan.options, pin_ttl_s=pin_ttl,
+        generation = await self.gen.start_chat(plan.messages, plan.fields, plan.options, lease_ttl_s=lease_ttl,
                                                started_at=started, session=hint, tenant=tenant,
                                                template_kwargs=plan.template_kwargs)
-        return TurnRun(self, record, turn_id, plan, generation, lock, pin_ttl, tenant)
+        return TurnRun(self, record, turn_id, plan, generation, lock, lease_ttl, tenant)
 
     def history(self, record: SessionRecord, upto: TurnRecord | None = None) -> list[dict[str, Any]]:
         """The prompt's messages so far: system, history; ``upto``: only up to the end of that turn. With
@@ -336,12 +325,11 @@ class SessionManager:
 
     async def _record_turn(self, run: TurnRun) -> TurnRecord:
         result = run.generation.result
-        pin_ttl, demoted_after = run.pin_ttl_s, None
-        if run.record.pin_ttl_s is None:  # a session's own pin_ttl_s is kept as asked
-            # The engine pinned the turn under its request id when it finished: over the pause that
-            # follows (a tool run, or the one the agent announced) it stays pinned or goes to the tiers.
-            pin_ttl, demoted_after = self.gen.hold_for_pause(run.generation.request_id, run.record.id,
-                                                             bool(result.tool_calls), run.expected_pause_s, pin_ttl)
+        # The engine leased the turn under its request id when it finished: over the pause that follows
+        # (a tool run, or the one the agent announced) the lease is held or goes to the tiers.
+        lease_ttl, demoted_after = self.leases.hold_for_pause(
+            run.generation.request_id, run.record.id, tool_call=bool(result.tool_calls),
+            expected_pause_s=run.expected_pause_s, ttl_s=run.lease_ttl_s, own_ttl=run.record.pin_ttl_s is not None)
         now = time.time()
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.reasoning is not None:
@@ -351,22 +339,22 @@ class SessionManager:
         turn = TurnRecord(turn_id=run.turn_id, index=len(run.record.messages) + len(run.new_messages),
                           message=message, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
-                          cached_tokens_by_tier=result.cached_tokens_by_tier or None, created_at=now, pin_id=run.generation.request_id, pin_expires_at=now + pin_ttl,
+                          cached_tokens_by_tier=result.cached_tokens_by_tier or None, created_at=now,
+                          pin_id=run.generation.request_id, pin_expires_at=now + lease_ttl,
                           raw_text=result.text, response=run.describe(result) if run.describe else None,
                           in_slo=result.in_slo)
         try:
             record, was_new = await self.store.append_turn_once(run.record.id, run.turn_id, run.new_messages, turn,
                                                                 lock=run.lock)
         except SessionNotFound:
-            self.unpin(turn.pin_id)
+            self.release(turn.pin_id)
             raise not_found(f"session '{run.record.id}' was deleted while its turn ran",
                             param="session_id", code="session_not_found") from None
         if not was_new:  # a concurrent retry recorded this turn id first: keep its reply
-            self.unpin(turn.pin_id)
+            self.release(turn.pin_id)
             return record.find_turn(run.turn_id)
-        self._pins[record.id] = (turn.pin_id, turn.pin_expires_at)
-        if demoted_after is not None:
-            self._prefetch_at[record.id] = (now + demoted_after, turn.pin_id, record.last_worker)
+        self.leases.session_recorded(record.id, turn.pin_id, turn.pin_expires_at, record.last_worker, demoted_after,
+                                     now)
         self._expiry[record.id] = record.expires_at
         self.gen.metrics.turns.labels("new").inc()
         return turn

@@ -154,11 +154,12 @@ class AsyncEngine:
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, constraint: TokenConstraint | None = None,
-               cache_salt: str = "", pin_ttl_s: float | None = None,
+               cache_salt: str = "", lease_ttl_s: float | None = None,
                session: SessionHint | None = None, trace: object | None = None,
                key: SchedulingKey | None = None) -> RequestStream:
         """Check and enqueue (``LLMEngine.add_request``); raises InvalidRequest / EngineOverloaded at
-        once. ``session`` is a routing hint, moot in one process. ``trace`` rides on the request to
+        once. ``lease_ttl_s``: the engine pins the finished sequence (``LLMEngine``'s ``pin_ttl_s``).
+        ``session`` is a routing hint, moot in one process. ``trace`` rides on the request to
         ``LLMEngine.on_finished`` (its phase spans). ``key``: the session and tenant the scheduler
         orders it by (engine/session_priority.py)."""
         if self._stop:
@@ -173,7 +174,7 @@ class AsyncEngine:
             self._streams[rid] = (asyncio.get_running_loop(), q)
         try:
             self.engine.add_request(prompt_token_ids, params, rid, constraint=constraint,
-                                    cache_salt=cache_salt, pin_ttl_s=pin_ttl_s, trace=trace, key=key)
+                                    cache_salt=cache_salt, pin_ttl_s=lease_ttl_s, trace=trace, key=key)
         except BaseException:
             self._forget(rid)
             raise
@@ -185,17 +186,19 @@ class AsyncEngine:
         self._forget(request_id)
         self.engine.abort_request(request_id)
 
-    def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:
-        self.engine.extend_pin(pin_id, ttl_s)
+    # the KV lease (``EngineClient``): the engine's pins, under the request id that made them
 
-    def unpin(self, pin_id: str, worker: str | None = None) -> None:
-        self.engine.unpin(pin_id)
+    def extend_lease(self, lease_id: str, ttl_s: float, worker: str | None = None) -> None:
+        self.engine.extend_pin(lease_id, ttl_s)
 
-    def demote(self, pin_id: str, worker: str | None = None) -> None:
-        self.engine.demote(pin_id)
+    def release_lease(self, lease_id: str, worker: str | None = None) -> None:
+        self.engine.unpin(lease_id)
 
-    def prefetch(self, pin_id: str, worker: str | None = None) -> None:
-        self.engine.prefetch(pin_id)
+    def demote_lease(self, lease_id: str, worker: str | None = None) -> None:
+        self.engine.demote(lease_id)
+
+    def prefetch_lease(self, lease_id: str, worker: str | None = None) -> None:
+        self.engine.prefetch(lease_id)
 
     def stats(self):
         return self.engine.stats()

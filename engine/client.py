@@ -86,33 +86,41 @@ class EngineClient(Protocol):
         ...
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *,
-               constraint: Any = None, cache_salt: str = "", pin_ttl_s: float | None = None,
+               constraint: Any = None, cache_salt: str = "", lease_ttl_s: float | None = None,
                session: SessionHint | None = None, trace: Any = None,
                key: SchedulingKey | None = None) -> OutputStream:
         """Check (:func:`check_request`: ``InvalidRequest`` at once) and enqueue; the stream yields
-        ``RequestOutput`` deltas, the last one finished. ``pin_ttl_s``: pin the finished sequence
-        (prompt + reply) under ``request_id`` for that long (a session turn). ``trace``: the caller's
+        ``RequestOutput`` deltas, the last one finished. ``lease_ttl_s``: acquire a KV lease, held
+        ``lease_ttl_s`` seconds from the request's end, on its finished sequence (prompt + reply) under
+        ``request_id`` (see "KV lease" below). ``trace``: the caller's
         trace context (opaque here; agentrt/tracing.py), or None: the in-process engine hands it back
         with the finished request for its phase spans, a remote client forwards it to the worker.
         ``key``: the session and tenant the engine's scheduler orders the request by
         (engine/session_priority.py); a remote client sends it to the worker."""
         ...
 
-    def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:
-        """Make a pin expire ``ttl_s`` from now (``worker``: where it lives, for a remote client)."""
+    # KV lease: a finished sequence's pages held in the prefix cache for a TTL, so the next turn that
+    # extends it computes only its new tokens. Acquired by ``submit(lease_ttl_s=)``, named by that
+    # request's id; ``worker``: the worker holding it, for a remote client (None: the one it sent the
+    # request to; in process, moot). The engine may drop a lease early under memory pressure, and every
+    # call on a lease that no longer holds is a no-op: a lease is a hint, never a reason to fail.
+    # Which TTL each case gets is agentrt/kv_lease.py's ``LeasePolicy``.
+
+    def extend_lease(self, lease_id: str, ttl_s: float, worker: str | None = None) -> None:
+        """Make the lease expire ``ttl_s`` from now."""
         ...
 
-    def unpin(self, pin_id: str, worker: str | None = None) -> None:
-        """Release a pin (a no-op when the engine already let it go)."""
+    def release_lease(self, lease_id: str, worker: str | None = None) -> None:
+        """Let the lease go (its pages stay cached, evictable)."""
         ...
 
-    def demote(self, pin_id: str, worker: str | None = None) -> None:
-        """Copy a pin's pages into the KV tiers and release it: its session pauses for long (a no-op
-        when the pin no longer holds; without tiers, a release)."""
+    def demote_lease(self, lease_id: str, worker: str | None = None) -> None:
+        """Copy the lease's pages into the KV tiers and release it: its session pauses for long
+        (without tiers, a release)."""
         ...
 
-    def prefetch(self, pin_id: str, worker: str | None = None) -> None:
-        """Start reading a demoted pin's prefix back from the tiers: its session's next turn is near."""
+    def prefetch_lease(self, lease_id: str, worker: str | None = None) -> None:
+        """Start reading a demoted lease's prefix back from the tiers: its session's next turn is near."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -1,12 +1,12 @@
 """The router's engine client: ``engine.client.EngineClient``, served by workers over HTTP.
 
 ``RemoteEngine`` implements the interface ``engine.AsyncEngine`` implements in one process
-(``constraint``, ``submit``, ``extend_pin``, ``unpin``, ``stats``, ``cache_snapshot``,
-``shutdown``), so the router runs agentrt's own ``Generator``, OpenAI and session services
-unchanged: the router applies the chat template and tokenizes, checks the request
-(``check_request``) and routes it by its prefix and its session hint; each request goes to one
-worker's ``/internal/generate`` as token ids (``router/worker_api.py``), with the
-structured-output *options* (the worker compiles the grammar). Worker output streams through
+(``constraint``, ``submit``, the KV lease's ``extend_lease``, ``release_lease``, ``demote_lease``,
+``prefetch_lease``, ``stats``, ``cache_snapshot``, ``shutdown``), so the router runs agentrt's own
+``Generator``, OpenAI and session services unchanged: the router applies the chat template and
+tokenizes, checks the request (``check_request``) and routes it by its prefix and its session hint;
+each request goes to one worker's ``/internal/generate`` as token ids (``router/worker_api.py``),
+with the structured-output *options* (the worker compiles the grammar). Worker output streams through
 line by line, never buffered.
 
 Sessionless conversations: a ``SessionHint`` with ``remember`` set (the client named the
@@ -16,7 +16,7 @@ recorded there, so every replica keeps the conversation on one worker while the 
 
 Workers of kind vllm (``--vllm-worker``, ``router/openai_worker.py``) get the same routing decision
 from the same index, and the request as ``/v1/completions`` with the token ids as its prompt; what
-they cannot run as agentrt workers do (a grammar constraint, logprobs, a pin) goes to agentrt
+they cannot run as agentrt workers do (a grammar constraint, logprobs, a KV lease) goes to agentrt
 workers only.
 
 Placement: ``submit`` returns a ``RemoteStream``, whose ``placed()`` waits for the worker's first
@@ -55,7 +55,7 @@ from agentrt.errors import APIError
 from router.core import Route, RouterCore
 from router.openai_worker import CompletionStreamError, completion_body, stream_completion
 from router.policy import NoWorkerAvailable
-from router.worker_api import key_to_wire, output_from_wire, sampling_to_wire, structured_to_wire
+from router.worker_api import key_to_wire, lease_body, output_from_wire, sampling_to_wire, structured_to_wire
 
 log = logging.getLogger("router.remote")
 
@@ -127,7 +127,7 @@ class RemoteEngine:
         self.max_attempts = max_attempts
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s),
                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-        self._ran_on: OrderedDict[str, str] = OrderedDict()  # request id -> worker id (for pins)
+        self._ran_on: OrderedDict[str, str] = OrderedDict()  # request id -> worker id (for its KV lease)
         self._remembered = remembered_requests
         self._background: set[asyncio.Task] = set()
         self.failovers = 0
@@ -141,7 +141,7 @@ class RemoteEngine:
         return options if options.given else None
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-               constraint: StructuredOutput | None = None, cache_salt: str = "", pin_ttl_s: float | None = None,
+               constraint: StructuredOutput | None = None, cache_salt: str = "", lease_ttl_s: float | None = None,
                session: SessionHint | None = None, trace: Any = None,
                key: SchedulingKey | None = None) -> RemoteStream:
         """Check now (``InvalidRequest``), route and stream when iterated (or placed). ``trace``: the
@@ -150,7 +150,7 @@ class RemoteEngine:
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling_to_wire(params),
                 "constraint": None if constraint is None else structured_to_wire(constraint),
-                "pin_ttl_s": pin_ttl_s, "cache_salt": cache_salt}
+                "lease_ttl_s": lease_ttl_s, "cache_salt": cache_salt}
         if key is not None:
             body["key"] = key_to_wire(key)
         stream = RemoteStream()
@@ -293,45 +293,43 @@ class RemoteEngine:
         while len(self._ran_on) > self._remembered:
             self._ran_on.popitem(last=False)
 
-    # ------------------------------------------------------------ pins (fire and forget)
+    # ------------------------------------------------------------ the KV lease (fire and forget)
 
-    def extend_pin(self, pin_id: str, ttl_s: float, worker: str | None = None) -> None:
-        """Make a finished turn's pin expire ``ttl_s`` from now, on the worker that holds it."""
-        self._to_worker_of(pin_id, "/internal/pin/extend", {"pin_id": pin_id, "ttl_s": ttl_s}, worker)
+    def extend_lease(self, lease_id: str, ttl_s: float, worker: str | None = None) -> None:
+        self._lease("extend", lease_id, worker, ttl_s)
 
-    def unpin(self, pin_id: str, worker: str | None = None) -> None:
-        """Release a pin on the worker that holds it: ``worker`` (the session record's last worker, so
-        any replica can release a pin another one made), else the worker this replica sent the request
-        to. Workers hold pins by id, so the release is exact; a pin whose worker is unknown or gone
-        simply expires."""
-        self._to_worker_of(pin_id, "/internal/unpin", {"pin_id": pin_id}, worker)
+    def release_lease(self, lease_id: str, worker: str | None = None) -> None:
+        self._lease("release", lease_id, worker)
 
-    def demote(self, pin_id: str, worker: str | None = None) -> None:
-        """Demote a pin on the worker that holds it (``EngineClient.demote``)."""
-        self._to_worker_of(pin_id, "/internal/pin/demote", {"pin_id": pin_id}, worker)
+    def demote_lease(self, lease_id: str, worker: str | None = None) -> None:
+        self._lease("demote", lease_id, worker)
 
-    def prefetch(self, pin_id: str, worker: str | None = None) -> None:
-        """Read a demoted pin's prefix back on the worker that holds it (``EngineClient.prefetch``)."""
-        self._to_worker_of(pin_id, "/internal/pin/prefetch", {"pin_id": pin_id}, worker)
+    def prefetch_lease(self, lease_id: str, worker: str | None = None) -> None:
+        self._lease("prefetch", lease_id, worker)
 
-    def _to_worker_of(self, pin_id: str, path: str, body: dict, worker_id: str | None = None) -> None:
-        wid = worker_id or self.worker_of(pin_id)
-        if wid is not None and self._is_vllm(wid):  # vllm-kind workers hold no pins; their caches evict by LRU
+    def _lease(self, op: str, lease_id: str, worker_id: str | None, ttl_s: float | None = None) -> None:
+        """``POST /internal/lease/{op}`` on the worker that holds the lease: ``worker_id`` (the session
+        record's last worker, so any replica reaches a lease another one made), else the worker this
+        replica sent the request to. Workers hold leases by id, so the call is exact; a lease whose worker
+        is unknown or gone simply expires there."""
+        wid = worker_id or self.worker_of(lease_id)
+        if wid is not None and self._is_vllm(wid):  # vllm-kind workers hold no leases; their caches evict by LRU
             return
         worker = self.core.workers.get(wid or "")
         if worker is None:
             if wid is not None:
-                log.info("%s %s: worker %s is not live; the pin expires there", path, pin_id, wid)
+                log.info("lease %s %s: worker %s is not live; the lease expires there", op, lease_id, wid)
             return
-        task = asyncio.get_running_loop().create_task(self._post_quietly(worker.url + path, body))
+        body = lease_body(lease_id, ttl_s)
+        task = asyncio.get_running_loop().create_task(self._post_quietly(f"{worker.url}/internal/lease/{op}", body))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _post_quietly(self, url: str, body: dict) -> None:
         try:
             await self.http.post(url, json=body, timeout=5.0)
-        except httpx.HTTPError as exc:  # a pin is a hint: losing one costs recomputation, never a failure
-            log.info("pin call %s failed: %s", url, exc)
+        except httpx.HTTPError as exc:  # a lease is a hint: losing one costs recomputation, never a failure
+            log.info("lease call %s failed: %s", url, exc)
 
     # ------------------------------------------------------------ the rest of the EngineClient
 

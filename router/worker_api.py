@@ -2,16 +2,18 @@
 
 * ``POST /internal/generate``: a rendered prompt (token ids), sampling parameters, the
   constraint *options* (the worker builds the grammar: a constraint object does not travel),
-  a pin TTL, the scheduling key (session, tenant and its weight, whether the session already ran a
-  turn: ``engine.types.SchedulingKey``); optionally ``kv_source``, a worker holding the prompt's prefix
-  to pull it from first (router/kv_moves.py); a traced request's W3C ``traceparent`` header (its span
-  continues the router's trace). Errors found before generation starts are ordinary JSON errors (400, 429, 503);
-  otherwise the body is NDJSON, one ``RequestOutput`` per line, the last one finished.
+  a KV lease TTL (``lease_ttl_s``), the scheduling key (session, tenant and its weight, whether the
+  session already ran a turn: ``engine.types.SchedulingKey``); optionally ``kv_source``, a worker
+  holding the prompt's prefix to pull it from first (router/kv_moves.py); a traced request's W3C
+  ``traceparent`` header (its span continues the router's trace). Errors found before generation
+  starts are ordinary JSON errors (400, 429, 503); otherwise the body is NDJSON, one
+  ``RequestOutput`` per line, the last one finished.
   A client that disconnects aborts the request and frees its pages.
-* ``POST /internal/pin``, ``POST /internal/unpin``: session pins (``LLMEngine.pin``/``unpin``), by
-  pin id, so any router can release a pin another router made; ``GET /internal/pin/{id}``: whether
-  it holds; ``POST /internal/pin/demote`` and ``/internal/pin/prefetch``: a pin's pages to the KV
-  tiers for a long pause, and read back before it ends (``LLMEngine.demote``/``prefetch``).
+* ``POST /internal/lease/{op}``, ``op`` one of :data:`LEASE_OPS` (extend, release, demote, prefetch):
+  the KV lease calls of ``engine.client.EngineClient`` on the worker's engine, by lease id (the
+  request id that acquired it), so any router reaches a lease another router made; body
+  ``{"lease_id": ..., "ttl_s": ...}`` (``ttl_s`` for extend only). ``GET /internal/lease/{id}``:
+  whether it holds.
 * ``GET /internal/kv_snapshot``: every cached block hash and the last KV event seq.
 * ``POST /internal/drain``: drain as a SIGTERM does, but stay up (router/worker.py ``WorkerRuntime.drain``).
 * ``GET /internal/status``: the worker's block of the dashboard's status (``agentrt.dashboard.engine_worker``:
@@ -37,7 +39,7 @@ from engine.types import RequestOutput, SamplingParams, SchedulingKey, TokenLogp
 
 from agentrt import tracing
 from agentrt.dashboard import engine_worker
-from agentrt.errors import bad_request, draining
+from agentrt.errors import bad_request, draining, not_found
 from router.events import cache_snapshot
 
 worker_routes = APIRouter()
@@ -80,15 +82,24 @@ class GenerateBody(BaseModel):
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: dict[str, Any] = Field(default_factory=dict)
     constraint: ConstraintSpec | None = None
-    pin_ttl_s: float | None = Field(default=None, gt=0)
+    lease_ttl_s: float | None = Field(default=None, gt=0)
     cache_salt: str = ""
     key: KeySpec | None = None   # absent from an older router: the request is a session of its own
     kv_source: KVSource | None = None
 
 
-class PinBody(BaseModel):
-    pin_id: str = Field(min_length=1, max_length=256)
-    ttl_s: float = Field(default=30.0, gt=0)
+LEASE_OPS = ("extend", "release", "demote", "prefetch")
+"""The KV lease calls a router sends a worker, as ``POST /internal/lease/{op}``."""
+
+
+class LeaseBody(BaseModel):
+    lease_id: str = Field(min_length=1, max_length=256)
+    ttl_s: float | None = Field(default=None, gt=0)   # extend: the new TTL from now
+
+
+def lease_body(lease_id: str, ttl_s: float | None = None) -> dict[str, Any]:
+    """The JSON body of a lease call (``RemoteEngine``'s side of :class:`LeaseBody`)."""
+    return {"lease_id": lease_id} if ttl_s is None else {"lease_id": lease_id, "ttl_s": ttl_s}
 
 
 # ------------------------------------------------------------ wire format
@@ -183,7 +194,7 @@ async def internal_generate(body: GenerateBody, request: Request) -> StreamingRe
     if body.kv_source is not None and moves is not None:   # a hint: whatever fails is recomputed
         src = body.kv_source
         await moves.pull(src.url, body.prompt_token_ids, body.cache_salt, src.blocks, src.timeout_s)
-    generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, pin_ttl_s=body.pin_ttl_s,
+    generation = await gen.start(body.prompt_token_ids, params, constraint=constraint, lease_ttl_s=body.lease_ttl_s,
                                  request_id=body.request_id, cache_salt=body.cache_salt, key=key)
 
     async def lines() -> AsyncIterator[bytes]:
@@ -204,36 +215,27 @@ async def internal_drain(request: Request) -> dict:
     return await state.worker.drain(request.app, state.generator.config.shutdown_timeout_s)
 
 
-@worker_routes.post("/internal/pin/extend")
-async def internal_extend_pin(body: PinBody, request: Request) -> dict:
-    request.app.state.engine.extend_pin(body.pin_id, body.ttl_s)
-    return {"pin_id": body.pin_id, "ttl_s": body.ttl_s}
+@worker_routes.post("/internal/lease/{op}")
+async def internal_lease(op: str, body: LeaseBody, request: Request) -> dict:
+    """One KV lease call on the worker's engine client (``EngineClient.extend_lease`` and the rest);
+    404 for an unknown ``op``, 400 for an extend without ``ttl_s``."""
+    engine = request.app.state.engine
+    calls = {"extend": lambda: engine.extend_lease(body.lease_id, body.ttl_s),
+             "release": lambda: engine.release_lease(body.lease_id),
+             "demote": lambda: engine.demote_lease(body.lease_id),
+             "prefetch": lambda: engine.prefetch_lease(body.lease_id)}
+    if op not in calls:
+        raise not_found(f"no lease call '{op}'; the calls are {', '.join(LEASE_OPS)}", param="op")
+    if op == "extend" and body.ttl_s is None:
+        raise bad_request("extend needs ttl_s, the lease's new TTL in seconds", param="ttl_s")
+    calls[op]()
+    return {"lease_id": body.lease_id, "op": op}
 
 
-@worker_routes.post("/internal/unpin")
-async def internal_unpin(body: PinBody, request: Request) -> dict:
-    request.app.state.engine.unpin(body.pin_id)
-    return {"pin_id": body.pin_id, "pinned": False}
-
-
-@worker_routes.post("/internal/pin/demote")
-async def internal_demote_pin(body: PinBody, request: Request) -> dict:
-    """A long pause is ahead: the pin's pages go to the KV tiers and the pin is released."""
-    request.app.state.engine.demote(body.pin_id)
-    return {"pin_id": body.pin_id, "pinned": False}
-
-
-@worker_routes.post("/internal/pin/prefetch")
-async def internal_prefetch_pin(body: PinBody, request: Request) -> dict:
-    """The demoted pin's session comes back soon: read its prefix back from the tiers."""
-    request.app.state.engine.prefetch(body.pin_id)
-    return {"pin_id": body.pin_id}
-
-
-@worker_routes.get("/internal/pin/{pin_id}")
-async def internal_pin_state(pin_id: str, request: Request) -> dict:
-    """Whether the pin holds on this worker (it may have expired, been released or given way to memory)."""
-    return {"pin_id": pin_id, "pinned": request.app.state.llm.pin_active(pin_id)}
+@worker_routes.get("/internal/lease/{lease_id}")
+async def internal_lease_state(lease_id: str, request: Request) -> dict:
+    """Whether the lease holds on this worker (it may have expired, been released or given way to memory)."""
+    return {"lease_id": lease_id, "held": request.app.state.llm.pin_active(lease_id)}
 
 
 @worker_routes.get("/internal/kv_snapshot")

@@ -11,7 +11,8 @@ from engine.client import EngineClient, StructuredOutput, check_request
 from engine.types import InvalidRequest, SamplingParams
 from router.remote import RemoteEngine
 
-PROTOCOL_METHODS = ("constraint", "submit", "extend_pin", "unpin", "stats", "cache_snapshot", "shutdown")
+PROTOCOL_METHODS = ("constraint", "submit", "extend_lease", "release_lease", "demote_lease", "prefetch_lease", "stats",
+                    "cache_snapshot", "shutdown")
 
 
 @pytest.mark.parametrize("cls", [AsyncEngine, RemoteEngine])

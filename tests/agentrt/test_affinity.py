@@ -92,17 +92,17 @@ class _RecordingEngine:
     def constraint(self, options):
         return None
 
-    def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", pin_ttl_s=None,
+    def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", lease_ttl_s=None,
                session=None, trace=None, key=None):
         self.hints.append(session)
-        self.pin_ttls.append(pin_ttl_s)
+        self.pin_ttls.append(lease_ttl_s)
         self.request_ids.append(request_id)
         return OneReply(request_id, self.reply)
 
-    def unpin(self, pin_id, worker=None):
+    def release_lease(self, pin_id, worker=None):
         self.unpins.append(pin_id)
 
-    def extend_pin(self, pin_id, ttl_s, worker=None):
+    def extend_lease(self, pin_id, ttl_s, worker=None):
         self.extended.append((pin_id, ttl_s))
 
 
@@ -159,7 +159,7 @@ def test_a_keyed_request_is_pinned_until_its_conversations_next_request():
     assert engine.pin_ttls == [25.0, 25.0, 25.0, None, 25.0, 25.0]
     # alice's conv-1: its third request released its second's pin, which had released its first's
     assert engine.unpins == [ids[0], ids[4]]
-    assert len(svc.gen.affinity_pins) == 3   # alice conv-1 and conv-2, bob conv-1
+    assert svc.gen.leases.conversations() == 3   # alice conv-1 and conv-2, bob conv-1
 
 
 def test_affinity_turns_off_pins_nothing_and_a_request_with_its_own_pin_keeps_it():
@@ -180,7 +180,7 @@ def test_affinity_turns_off_pins_nothing_and_a_request_with_its_own_pin_keeps_it
     prompt = svc.gen.chat_prompt([{"role": "user", "content": "hi"}], None)
     from engine.types import SamplingParams
     hint = affinity_hint(Tenant("alice"), "conv-1")
-    asyncio.run(body(lambda: svc.gen.start(prompt, SamplingParams(max_tokens=2), pin_ttl_s=300.0, session=hint)))
+    asyncio.run(body(lambda: svc.gen.start(prompt, SamplingParams(max_tokens=2), lease_ttl_s=300.0, session=hint)))
     assert engine.pin_ttls == [300.0, 300.0] and engine.unpins == []
 
 

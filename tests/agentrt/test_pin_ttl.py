@@ -96,22 +96,22 @@ def test_pool_pressure_counts_what_eviction_cannot_reclaim_and_the_queue():
 def test_the_ttl_uses_the_sessions_own_pauses_then_everyones_then_the_fallback():
     model = ToolPinTTL(fallback_ttl_s=120.0, max_ttl_s=600.0, min_ttl_s=1.0, slack=0.25)
     idle = lambda: stats(used=0)   # noqa: E731  (no pressure: the longest pause wins)
-    assert model.ttl("s", idle) == 120.0                 # nothing measured
+    assert model.plan("s", idle).ttl_s == 120.0                 # nothing measured
     model.observe_prefill(1000, 2.0)
     for i, pause in enumerate((4.0, 6.0, 8.0)):
-        assert model.ttl("s", idle) == 120.0             # fewer than MIN_PAUSES pauses measured
+        assert model.plan("s", idle).ttl_s == 120.0             # fewer than MIN_PAUSES pauses measured
         model.tool_call_ended(f"other-{i}", 100.0)
         model.turn_started(f"other-{i}", 100.0 + pause)
     assert MIN_PAUSES == 3
-    assert model.ttl("s", idle) == pytest.approx(8.0 * 1.25)   # everyone's pauses while s has few
+    assert model.plan("s", idle).ttl_s == pytest.approx(8.0 * 1.25)   # everyone's pauses while s has few
     for start in (10.0, 20.0, 30.0):
         model.tool_call_ended("s", start)
         model.turn_started("s", start + 2.0)
-    assert model.ttl("s", idle) == pytest.approx(2.0 * 1.25)   # its own, from MIN_PAUSES on
+    assert model.plan("s", idle).ttl_s == pytest.approx(2.0 * 1.25)   # its own, from MIN_PAUSES on
     model.turn_started("s", 99.0)                        # a turn that followed no tool call: no pause
     assert model.pauses("s") == [2.0, 2.0, 2.0]
     model.recompute_s_per_token = 1e-9                   # recompute almost free: never worth a pin
-    assert model.ttl("s", lambda: stats(used=100)) == 1.0
+    assert model.plan("s", lambda: stats(used=100)).demote
 
 
 def test_before_a_prefill_is_measured_the_fallback_holds():
@@ -119,7 +119,7 @@ def test_before_a_prefill_is_measured_the_fallback_holds():
     for i in range(3):
         model.tool_call_ended("s", 10.0 * i)
         model.turn_started("s", 10.0 * i + 2.0)
-    assert model.ttl("s", lambda: stats(used=0)) == 120.0
+    assert model.plan("s", lambda: stats(used=0)).ttl_s == 120.0
     model.observe_prefill(0, 1.0)    # nothing computed (all cached): no measurement
     model.observe_prefill(10, 0.0)
     assert model.recompute_s_per_token == 0.0
@@ -134,7 +134,7 @@ def test_the_ttl_is_capped_and_the_history_bounded():
     for i, session in enumerate(("a", "b", "c")):
         model.tool_call_ended(session, 0.0)
         model.turn_started(session, 100.0 + i)
-    assert model.ttl("a", lambda: stats(used=0)) == 30.0
+    assert model.plan("a", lambda: stats(used=0)).ttl_s == 30.0
     assert len(model._pauses) == 2 and "a" not in model._pauses
     with pytest.raises(ValueError, match="min_ttl_s <= max_ttl_s"):
         ToolPinTTL(fallback_ttl_s=1.0, max_ttl_s=0.5)
@@ -169,7 +169,6 @@ def test_without_a_hint_a_pause_not_worth_a_pin_is_demoted_and_read_back_at_the_
     for i, pause in enumerate((30.0, 40.0, 50.0, 60.0)):
         model.tool_call_ended("s", 1000.0 * i)
         model.turn_started("s", 1000.0 * i + pause)
-    assert model.ttl("s", full) == 1.0                         # no pin is worth it
     # the likely return: the LIKELY_QUANTILE (a quarter) of its pauses, 40 s of [30, 40, 50, 60]
     assert model.plan("s", full) == PausePlan(0.0, True, prefetch_after(40.0))
     assert model.plan("s", lambda: stats(used=0)) == PausePlan(60.0 * 1.25)   # no pressure: pinned through

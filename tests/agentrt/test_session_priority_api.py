@@ -37,7 +37,7 @@ class _Engine:
     def constraint(self, options):
         return None
 
-    def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", pin_ttl_s=None,
+    def submit(self, prompt_token_ids, params, request_id, *, constraint=None, cache_salt="", lease_ttl_s=None,
                session=None, trace=None, key=None):
         self.keys.append(key)
         self.params.append(params)
@@ -45,16 +45,16 @@ class _Engine:
             raise EngineOverloaded("3 requests are waiting (limit 2 for a new session)", retry_after_s=6.5)
         return OneReply(request_id)
 
-    def extend_pin(self, pin_id, ttl_s, worker=None):
+    def extend_lease(self, pin_id, ttl_s, worker=None):
         self.pins.append(("extend", pin_id, ttl_s))
 
-    def demote(self, pin_id, worker=None):
+    def demote_lease(self, pin_id, worker=None):
         self.pins.append(("demote", pin_id, None))
 
-    def prefetch(self, pin_id, worker=None):
+    def prefetch_lease(self, pin_id, worker=None):
         self.pins.append(("prefetch", pin_id, None))
 
-    def unpin(self, pin_id, worker=None):
+    def release_lease(self, pin_id, worker=None):
         pass
 
     def stats(self) -> EngineStats:

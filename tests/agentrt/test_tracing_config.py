@@ -179,7 +179,7 @@ def test_an_app_built_with_tracing_on_gets_the_middleware(recorder, router_app):
     assert mw.kwargs == {"role": "router"}
     assert app.user_middleware[0] is mw  # outermost: it times 413s and auth failures too
     assert [tracing.traced(p) for p in ("/v1/chat/completions", "/internal/generate", "/health", "/metrics",
-                                        "/internal/unpin", "/internal/kv_snapshot")] == \
+                                        "/internal/lease/release", "/internal/kv_snapshot")] == \
         [True, True, False, False, False, False]
     assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"  # agentrt's provider is its own
 

@@ -158,7 +158,7 @@ def test_any_replica_releases_a_pin_another_made(cl):
     worker = cl.url(cl.last_worker(sid))
 
     def pinned(pin_id: str) -> bool:
-        return cl.http.get(worker + f"/internal/pin/{pin_id}").json()["pinned"]
+        return cl.http.get(worker + f"/internal/lease/{pin_id}").json()["held"]
 
     c.wait_for(lambda: pinned(first), what="the first turn's pin")
     # The next turn runs through the other replica, which never saw the first pin: it releases it

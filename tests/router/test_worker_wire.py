@@ -77,30 +77,98 @@ def test_worker_names_itself_on_every_response():
     asyncio.run(body())
 
 
-def test_the_demote_and_prefetch_routes_reach_the_workers_engine_and_check_the_pin_id():
-    """``/internal/pin/demote`` and ``/internal/pin/prefetch`` (what a router's ``RemoteEngine.demote`` /
-    ``prefetch`` post) call the worker's engine client with the pin id; a missing or empty id is a 422."""
-    import fastapi
-    from fastapi.testclient import TestClient
+class _LeaseEngine:
+    """A worker's engine client as the lease routes see it: records each lease call."""
 
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def extend_lease(self, lease_id, ttl_s, worker=None):
+        self.calls.append(("extend", lease_id, ttl_s))
+
+    def release_lease(self, lease_id, worker=None):
+        self.calls.append(("release", lease_id, None))
+
+    def demote_lease(self, lease_id, worker=None):
+        self.calls.append(("demote", lease_id, None))
+
+    def prefetch_lease(self, lease_id, worker=None):
+        self.calls.append(("prefetch", lease_id, None))
+
+
+def _lease_app(engine: _LeaseEngine):
+    import fastapi
+
+    from agentrt.errors import install_handlers
     from router.worker_api import worker_routes
 
-    calls = []
-
-    class Engine:
-        def demote(self, pin_id, worker=None):
-            calls.append(("demote", pin_id))
-
-        def prefetch(self, pin_id, worker=None):
-            calls.append(("prefetch", pin_id))
-
     app = fastapi.FastAPI()
+    install_handlers(app)
     app.include_router(worker_routes)
-    app.state.engine = Engine()
-    with TestClient(app) as http:
-        assert http.post("/internal/pin/demote", json={"pin_id": "req-1"}).json() == {"pin_id": "req-1",
-                                                                                     "pinned": False}
-        assert http.post("/internal/pin/prefetch", json={"pin_id": "req-1"}).json() == {"pin_id": "req-1"}
-        assert http.post("/internal/pin/demote", json={"pin_id": ""}).status_code == 422
-        assert http.post("/internal/pin/prefetch", json={}).status_code == 422
-    assert calls == [("demote", "req-1"), ("prefetch", "req-1")]
+    app.state.engine = engine
+    return app
+
+
+def test_the_lease_routes_reach_the_workers_engine_client_and_check_the_body():
+    """``POST /internal/lease/{op}`` calls the worker's engine client's lease method of that name with the
+    lease id (and, to extend, the TTL); a missing or empty id, or an extend without a positive ``ttl_s``,
+    is a 400; an unknown call a 404."""
+    from fastapi.testclient import TestClient
+
+    from router.worker_api import LEASE_OPS, lease_body
+
+    engine = _LeaseEngine()
+    with TestClient(_lease_app(engine)) as http:
+        for op in LEASE_OPS:
+            body = lease_body("req-1", 90.0 if op == "extend" else None)
+            assert http.post(f"/internal/lease/{op}", json=body).json() == {"lease_id": "req-1", "op": op}
+        assert http.post("/internal/lease/demote", json={"lease_id": ""}).status_code == 400
+        assert http.post("/internal/lease/prefetch", json={}).status_code == 400
+        assert http.post("/internal/lease/extend", json={"lease_id": "req-1"}).status_code == 400
+        assert http.post("/internal/lease/extend", json={"lease_id": "req-1", "ttl_s": 0}).status_code == 400
+        assert http.post("/internal/lease/pin", json={"lease_id": "req-1"}).status_code == 404
+    assert engine.calls == [("extend", "req-1", 90.0), ("release", "req-1", None), ("demote", "req-1", None),
+                            ("prefetch", "req-1", None)]
+
+
+def test_a_routers_lease_calls_reach_the_engine_client_of_the_worker_that_holds_the_lease():
+    """``RemoteEngine``'s lease methods post to the worker named (a session record's last worker) or, with
+    none, the worker the request ran on, and that worker's route calls its own engine client; a lease
+    whose worker is unknown or not live is left to expire (nothing is sent)."""
+    import asyncio
+    import types
+
+    import httpx
+
+    from router.remote import RemoteEngine
+
+    workers = {name: _LeaseEngine() for name in ("w-1", "w-2")}
+    core = types.SimpleNamespace(config=types.SimpleNamespace(heartbeat_interval_s=1.0), refresh_interval_s=1.0,
+                                 vllm=None, workers={name: types.SimpleNamespace(url=f"http://{name}")
+                                                     for name in workers})
+
+    async def body():
+        remote = RemoteEngine(core, max_model_len=64)
+
+        async def route(request: httpx.Request) -> httpx.Response:   # each worker's own app, by host
+            app = _lease_app(workers[request.url.host])
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
+                answer = await http.post(request.url.path, content=request.content,
+                                         headers={"content-type": "application/json"})
+            return httpx.Response(answer.status_code, content=answer.content)
+
+        remote.http = httpx.AsyncClient(transport=httpx.MockTransport(route))
+        remote._remember("req-1", "w-1")
+        remote.extend_lease("req-1", 90.0)                    # where it ran
+        remote.demote_lease("req-1")
+        remote.release_lease("req-0", worker="w-2")           # a lease another replica made, on w-2
+        remote.prefetch_lease("req-0", worker="w-2")
+        remote.release_lease("req-unknown")                   # never ran here: nothing to send
+        remote.release_lease("req-1", worker="w-gone")        # its worker is not live: it expires there
+        await asyncio.gather(*remote._background)
+        await remote.http.aclose()
+
+    asyncio.run(body())
+    # fire and forget: the calls run as tasks, in no promised order
+    assert sorted(workers["w-1"].calls) == [("demote", "req-1", None), ("extend", "req-1", 90.0)]
+    assert sorted(workers["w-2"].calls) == [("prefetch", "req-0", None), ("release", "req-0", None)]
