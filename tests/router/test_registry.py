@@ -119,7 +119,8 @@ def test_bad_input_is_rejected(redis_url):
         WorkerInfo("w1", "ftp://x", "m")
     with pytest.raises(ValueError, match="worker_id"):
         WorkerInfo("a:b", "http://x", "m")
-    for bad, why in (({"running": -1}, r"`int` >= 0 - at `\$.running`"), ({"waiting": True}, r"got `bool` - at `\$.waiting`"),
+    for bad, why in (({"running": -1}, r"`int` >= 0 - at `\$.running`"),
+                     ({"waiting": True}, r"got `bool` - at `\$.waiting`"),
                      ({"kv_pull_bytes_per_s": float("nan")}, r"`float` >= 0.0 - at `\$.kv_pull_bytes_per_s`"),
                      ({"ts_ms": 1.5}, r"got `float` - at `\$.ts_ms`"), ({"newer": 1}, "unknown field `newer`"),
                      ([1, 2], "Expected `object`, got `array`")):
