@@ -45,6 +45,7 @@ KINDS = ("stored", "removed", "cleared")
 MEDIA = ("device", "host", "disk")  # engine.kv_tier.MEDIA; the router does not import the engine's torch
 _U64 = 1 << 64
 _MAX_WORKER_ID = 256
+_INT_ONLY = {int}
 
 # The wire types. msgspec checks them in C: an int is never a bool, a float or a string; msgpack carries
 # no integer >= 2**64, so ``ge=0`` makes a decoded hash unsigned 64-bit (msgspec cannot state lt=2**64).
@@ -66,8 +67,10 @@ class _Dropped(Exception):
 
 
 class KVEvent(msgspec.Struct, frozen=True):
-    """One event; its field types are the decoder's checks (``decode_event``). Built in Python, only the
-    hashes' upper bound is checked (a publisher handing a hash msgpack cannot carry fails at ``publish``)."""
+    """One event; its field types are the decoder's checks (``decode_event``). msgspec checks nothing when
+    one is built in Python (the publisher, which checks ``kind``, ``medium`` and its worker id itself), so
+    ``__post_init__`` refuses the hashes msgpack cannot carry: the caller of ``publish`` gets the error,
+    not the writer thread."""
 
     worker: WorkerId
     seq: Count
@@ -79,8 +82,10 @@ class KVEvent(msgspec.Struct, frozen=True):
     medium: Annotated[str, Meta(min_length=1, max_length=32)] = "device"
 
     def __post_init__(self) -> None:
-        if (self.hashes and max(self.hashes) >= _U64) or (self.parent is not None and self.parent >= _U64):
-            raise EventDecodeError("hashes must be unsigned 64-bit integers (< 2**64)")
+        hashes, parent = self.hashes, self.parent  # C-speed: this runs for every event a worker publishes
+        if ((hashes and not (set(map(type, hashes)) == _INT_ONLY and min(hashes) >= 0 and max(hashes) < _U64))
+                or (parent is not None and not (type(parent) is int and 0 <= parent < _U64))):
+            raise EventDecodeError("hashes and parent must be unsigned 64-bit integers")
 
 
 def encode_event(event: KVEvent) -> bytes:

@@ -348,3 +348,11 @@ def test_decode_names_the_bad_field(name, value, why):
     with pytest.raises(EventDecodeError, match=why):
         decode_event(msgpack.packb({**good, name: value}))
     assert decode_event(msgpack.packb({**good, "newer_field": [1, {"x": "y"}]})).hashes == (1,)  # ignored
+
+
+def test_a_published_event_refuses_hashes_msgpack_cannot_carry():
+    """Built in Python (the publisher), a ``KVEvent`` refuses what its writer thread could not encode."""
+    for hashes, parent in (((1, -1), None), ((True,), None), ((1.0,), None), (("1",), None), ((1,), 1 << 64),
+                           ((1,), True), ((1,), -1)):
+        with pytest.raises(EventDecodeError, match="unsigned 64-bit"):
+            KVEvent("w", 0, "stored", hashes, parent, 0)
