@@ -220,3 +220,13 @@ def test_session_decoder_names_what_is_wrong(change, why):
     change(record)
     with pytest.raises(SessionDecodeError, match=why):
         decode_session(packed(record))
+
+
+def test_session_wire_structs_have_the_records_fields():
+    """A field added to ``SessionRecord``/``TurnRecord`` is written by ``encode_record``: the decoder's structs
+    must name it too, or every record written after the change is refused."""
+    from dataclasses import fields
+
+    from router.redis_store import _Record, _Turn
+    assert set(_Record.__struct_fields__) == {f.name for f in fields(SessionRecord)}
+    assert set(_Turn.__struct_fields__) == {f.name for f in fields(TurnRecord)}
