@@ -21,7 +21,8 @@ the lock in one transaction. Every recorded turn id is kept for the session's
 life (the record's size limit, ``session_max_bytes``, bounds it).
 
 Decoding (``decode_record``) is bounded (``session_max_bytes``) and type-checked down to each
-message and turn; a record that fails is never guessed at: it is counted in ``bad_records``,
+message and turn by msgspec structs (``_Record``, ``_Turn``: the format's fields and types, version 2's
+defaults in ``_RecordV2``); a record that fails is never guessed at: it is counted in ``bad_records``,
 logged, ``get`` raises ``SessionDecodeError`` naming the session (agentrt's session manager
 answers 500 ``session_record_corrupt``), and ``list`` skips it.
 """
@@ -33,10 +34,12 @@ import copy
 import logging
 import secrets
 from dataclasses import asdict
-from typing import Any, Awaitable, Callable
+from typing import Annotated, Any, Awaitable, Callable
 
 import msgpack
+import msgspec
 import redis.asyncio as aioredis
+from msgspec import Meta
 from redis.exceptions import WatchError
 
 from agentrt.store import (SessionDecodeError, SessionExists, SessionNotFound, SessionRecord, SessionStore,
@@ -107,58 +110,72 @@ def encode_record(record: SessionRecord) -> bytes:
     return msgpack.packb({"v": RECORD_VERSION, **asdict(record)})
 
 
-_NUM = (int, float)
-_OPT_STR = (str, type(None))
-_FIELD_TYPES = {"id": str, "model": str, "system": _OPT_STR, "tools": (list, type(None)), "sampling": dict,
-                "metadata": dict, "idle_ttl_s": _NUM, "pin_ttl_s": (*_NUM, type(None)), "parent_id": _OPT_STR,
-                "created_at": _NUM, "last_active_at": _NUM, "messages": list, "turns": list,
-                "last_worker": _OPT_STR, "tenant": str}
-_TURN_TYPES = {"turn_id": str, "index": int, "message": dict, "finish_reason": str, "prompt_tokens": int,
-               "completion_tokens": int, "cached_tokens": int, "created_at": _NUM, "pin_id": _OPT_STR,
-               "pin_expires_at": _NUM, "raw_text": _OPT_STR, "response": (dict, type(None)),
-               "cached_tokens_by_tier": (dict, type(None)), "in_slo": (bool, type(None))}
+# The record's wire types (``SessionRecord``/``TurnRecord`` as stored): every field required unless a
+# default says which older records lack it, no other field, and msgspec's strict types (a bool is never an
+# int, an int is a float where a float is meant). Values inside messages, tools, sampling, metadata and
+# responses are any msgpack (no bin or ext: ``decode_record``'s unpack refuses those anywhere).
+Json = dict[str, Any]
 
 
-def _check(what: str, obj: dict, types: dict[str, type | tuple]) -> None:
-    """``obj`` has exactly the fields of ``types``, each of its type (a bool only where ``bool`` is named:
-    bool is an int to ``isinstance``)."""
-    if set(obj) != set(types):
-        raise SessionDecodeError(f"{what} fields {sorted(map(str, obj))} are not the expected ones")
-    for name, typ in types.items():
-        named = typ if isinstance(typ, tuple) else (typ,)
-        if not isinstance(obj[name], typ) or (isinstance(obj[name], bool) and bool not in named):
-            raise SessionDecodeError(f"{what} field {name} has type {type(obj[name]).__name__}")
+class _Turn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    turn_id: str
+    index: int
+    message: Json
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    created_at: float
+    pin_id: str | None
+    pin_expires_at: float
+    raw_text: str | None
+    response: Json | None
+    cached_tokens_by_tier: dict[str, int] | None = None   # written before KV tiers: not reported
+    in_slo: bool | None = None                           # written before SLO outcomes: not recorded
+
+
+class _TurnV2(_Turn, kw_only=True):
+    response: Json | None = None  # version 2 turns had no response
+
+
+class _Record(msgspec.Struct, forbid_unknown_fields=True, tag_field="v", tag=RECORD_VERSION):
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    model: str
+    system: str | None
+    tools: list[Json] | None
+    sampling: Json
+    metadata: Json
+    idle_ttl_s: float
+    pin_ttl_s: float | None
+    parent_id: str | None
+    created_at: float
+    last_active_at: float
+    messages: list[Json]
+    turns: list[_Turn]
+    last_worker: str | None
+    tenant: str
+
+
+class _RecordV2(_Record, tag=2):
+    turns: list[_TurnV2]
 
 
 def decode_record(data: bytes, max_bytes: int) -> SessionRecord:
-    """The record in ``data``, or ``SessionDecodeError``: over ``max_bytes``, not msgpack, an unknown
-    version, or any field (each message, tool and turn included) missing, extra or of the wrong type."""
+    """The record in ``data``, or ``SessionDecodeError``: over ``max_bytes``, not msgpack (or bin or ext
+    values in it), an unknown version, or any field (each message, tool and turn included) missing, extra
+    or of the wrong type; the error names the field's path and what it must be."""
     if len(data) > max_bytes:
         raise SessionDecodeError(f"session record of {len(data)} bytes exceeds {max_bytes}")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise SessionDecodeError(f"session record is not msgpack: {e}") from None
-    if not isinstance(obj, dict) or obj.get("v") not in (2, RECORD_VERSION):
-        raise SessionDecodeError("session record is not a map of a known version")
-    if obj.pop("v") == 2 and isinstance(obj.get("turns"), list):  # version 2 turns had no response
-        obj["turns"] = [{**t, "response": None} if isinstance(t, dict) and "response" not in t else t
-                        for t in obj["turns"]]
-    _check("session record", obj, _FIELD_TYPES)
-    for name in ("messages", "tools"):
-        for i, item in enumerate(obj[name] or []):
-            if not isinstance(item, dict):
-                raise SessionDecodeError(f"session field {name}[{i}] has type {type(item).__name__}")
-    for i, turn in enumerate(obj["turns"]):
-        if not isinstance(turn, dict):
-            raise SessionDecodeError(f"session field turns[{i}] has type {type(turn).__name__}")
-        turn.setdefault("cached_tokens_by_tier", None)   # written before KV tiers: not reported
-        turn.setdefault("in_slo", None)                  # written before SLO outcomes: not recorded
-        _check(f"turns[{i}]", turn, _TURN_TYPES)
     try:
-        return SessionRecord(**{**obj, "turns": [TurnRecord(**t) for t in obj["turns"]]})
-    except ValueError as e:  # a field of the right type with a value the record refuses
+        wire = msgspec.convert(obj, _Record | _RecordV2)
+    except msgspec.ValidationError as e:
         raise SessionDecodeError(f"session record is invalid: {e}") from None
+    turns = [TurnRecord(**msgspec.structs.asdict(t)) for t in wire.turns]
+    return SessionRecord(**{**msgspec.structs.asdict(wire), "turns": turns})
 
 
 # ------------------------------------------------------------ the turn lock

@@ -19,9 +19,11 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated
 
-import msgpack
+import msgspec
 import redis.asyncio as aioredis
+from msgspec import Meta
 
 from router.config import RouterConfig
 
@@ -51,36 +53,48 @@ class WorkerInfo:
             raise ValueError("capacity and block_size must be >= 1 and kv_pages >= 0")
 
 
-@dataclass(frozen=True)
-class LoadReport:
+Count = Annotated[int, Meta(ge=0)]
+Rate = Annotated[float, Meta(ge=0)]  # NaN refused too
+
+
+class LoadReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A worker's load: requests running and waiting, KV pages used and free, and the tokens of
     the waiting requests (the KV demand its admission control bounds); of the waiting requests,
     ``waiting_new`` are a new session's first turn (what ``--scheduling-policy session`` refuses first)
-    and ``waiting_high`` have a priority below 0 (engine/session_priority.py)."""
+    and ``waiting_high`` have a priority below 0 (engine/session_priority.py).
 
-    running: int = 0
-    waiting: int = 0
-    pages_used: int = 0
-    pages_free: int = 0
-    ts_ms: int = 0
-    waiting_tokens: int = 0
-    waiting_new: int = 0
-    waiting_high: int = 0
+    On the wire (``encode_load``/``decode_load``) a msgpack map of these fields, no others; the field
+    types (a bool is no count, NaN no rate) are checked when a router decodes it, not when a worker
+    builds it from its engine's counters."""
+
+    running: Count = 0
+    waiting: Count = 0
+    pages_used: Count = 0
+    pages_free: Count = 0
+    ts_ms: Count = 0
+    waiting_tokens: Count = 0
+    waiting_new: Count = 0
+    waiting_high: Count = 0
     # what a router weighs a KV move with (router/move_cost.py); 0: not measured yet
-    prefill_tokens_per_s: float = 0.0   # the worker's measured prefill throughput
-    kv_bytes_per_token: int = 0         # bytes of K and V a token takes in its pool
-    kv_pull_bytes_per_s: float = 0.0    # the bandwidth its KV pulls measured
+    prefill_tokens_per_s: Rate = 0.0   # the worker's measured prefill throughput
+    kv_bytes_per_token: Count = 0      # bytes of K and V a token takes in its pool
+    kv_pull_bytes_per_s: Rate = 0.0    # the bandwidth its KV pulls measured
 
-    def __post_init__(self) -> None:
-        for name in ("running", "waiting", "pages_used", "pages_free", "ts_ms", "waiting_tokens", "waiting_new",
-                     "waiting_high", "kv_bytes_per_token"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("prefill_tokens_per_s", "kv_pull_bytes_per_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+_encode_load = msgspec.msgpack.Encoder().encode
+_decode_load = msgspec.msgpack.Decoder(LoadReport).decode
+
+
+def encode_load(load: LoadReport) -> bytes:
+    return _encode_load(load)
+
+
+def decode_load(blob: bytes) -> LoadReport:
+    """The report in ``blob``; ``ValueError`` naming the field and what it must be otherwise."""
+    try:
+        return _decode_load(blob)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed load report: {e}") from None
 
 
 def _text(d: dict) -> dict[str, str]:
@@ -114,7 +128,7 @@ class WorkerRegistry:
         pipe = self._redis.pipeline(transaction=True)
         pipe.set(cfg.heartbeat_key(worker_id), int(time.time() * 1000), px=ttl_ms)
         if load is not None:
-            pipe.set(cfg.load_key(worker_id), msgpack.packb(asdict(load)), px=ttl_ms)
+            pipe.set(cfg.load_key(worker_id), encode_load(load), px=ttl_ms)
         await pipe.execute()
 
     async def heartbeat_loop(self, worker_id: str, load_fn=None) -> None:
@@ -167,11 +181,9 @@ class WorkerRegistry:
             if blob is None:
                 continue
             try:
-                fields = msgpack.unpackb(blob, raw=False, max_map_len=16, max_str_len=64,
-                                         max_bin_len=0, max_ext_len=0, max_array_len=0)
-                out[wid] = LoadReport(**fields)
-            except (ValueError, TypeError, msgpack.UnpackException) as e:
-                log.warning("ignoring malformed load report of %s: %s", wid, e)
+                out[wid] = decode_load(blob)
+            except ValueError as e:
+                log.warning("ignoring the load report of %s: %s", wid, e)
         return out
 
     async def mark_dead(self, worker_id: str) -> None:

@@ -7,8 +7,9 @@ prefix scorer consume exactly these, so speaking the format lets agentrt's route
 workers (``router/vllm_consumer.py``) and lets those routers follow agentrt workers
 (``router/vllm_publisher.py``). A second socket, ROUTER, serves replays (see the consumer).
 
-Reference, read for the field lists and encodings (no code taken; plain ``msgpack`` here, not
-``msgspec``):
+Reference, read for the field lists and encodings (no code taken; vLLM's own structs are not imported:
+the fields' types are restated here as msgspec structs, ``_StoredWire`` and the like, which
+``decode_batch`` checks each event against):
 
 * vllm-project/vllm ``vllm/distributed/kv_events.py``: ``EventBatch(ts: float, events: list,
   data_parallel_rank: int | None = None)``; ``KVCacheEvent`` is a msgspec ``tag=True`` union, the
@@ -27,8 +28,9 @@ Reference, read for the field lists and encodings (no code taken; plain ``msgpac
   encodes the batch itself as a map ``{"ts", "events", "data_parallel_rank"}``. ai-dynamo/dynamo
   ``lib/kv-router/src/zmq_wire.rs`` accepts both event encodings inside an array batch.
 
-``decode_batch`` accepts all of these, bounded and strict on the fields it uses (anything else
-raises ``VllmDecodeError``; the consumer counts, logs and skips the batch, as contract 2 asks).
+``decode_batch`` accepts all of these, bounded (msgpack's unpack limits) and strict on the fields it
+uses (anything else raises ``VllmDecodeError`` naming the event, the field and what it must be; the
+consumer counts, logs and skips the batch, as contract 2 asks).
 Unknown event types are skipped (counted), so a newer producer cannot blind us. Hash values are
 normalised: ints to unsigned 64-bit (producers send both signs), bytes kept as bytes.
 ``encode_batch`` writes either encoding; block hashes go out as signed 64-bit ints, which every
@@ -38,16 +40,17 @@ consumer above decodes (Go's ``int64`` in llm-d, Rust's ``i64 | u64`` in Dynamo)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import msgpack
+import msgspec
+from msgspec import Meta
 
 ExternalHash = int | bytes
 Encoding = Literal["array", "map"]
 ENCODINGS: tuple[str, ...] = ("array", "map")
 
 _U64 = 1 << 64
-_I64_MIN = -(1 << 63)
 _MAX_HASH_BYTES = 64
 END_SEQ = -1  # a replay's last reply carries seq -1 and an empty payload
 MEDIUM_GPU = "GPU"
@@ -125,100 +128,99 @@ def unpack_seq(frame: bytes) -> int:
 
 # ------------------------------------------------------------------ decoding
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _hash(value: Any, what: str) -> ExternalHash:
-    if _is_int(value):
-        if not _I64_MIN <= value < _U64:
-            raise VllmDecodeError(f"{what} {value} is not a 64-bit integer")
-        return value % _U64
-    if isinstance(value, bytes):
-        if not 0 < len(value) <= _MAX_HASH_BYTES:
-            raise VllmDecodeError(f"{what} must be 1..{_MAX_HASH_BYTES} bytes, got {len(value)}")
-        return value
-    raise VllmDecodeError(f"{what} must be an integer or bytes, got {type(value).__name__}")
+# The fields' types, checked by msgspec after msgpack's unpack has bounded the payload. A msgpack integer
+# lies in [-2**63, 2**64) already, so any int is a 64-bit hash (normalised to unsigned by ``_u64``).
+Hash = int | Annotated[bytes, Meta(min_length=1, max_length=_MAX_HASH_BYTES)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 32)]
 
 
-def _hashes(value: Any) -> tuple[ExternalHash, ...]:
-    if not isinstance(value, list):
-        raise VllmDecodeError(f"block_hashes must be a list, got {type(value).__name__}")
-    return tuple(_hash(h, "block hash") for h in value)
+def _u64(h: ExternalHash) -> ExternalHash:
+    return h % _U64 if type(h) is int else h
 
 
-def _opt(value: Any, kind: type, what: str) -> Any:
-    if value is None:
-        return None
-    if kind is int and not _is_int(value) or kind is not int and not isinstance(value, kind):
-        raise VllmDecodeError(f"{what} must be {kind.__name__} or None, got {type(value).__name__}")
-    return value
+class _StoredWire(msgspec.Struct):
+    """``BlockStored``'s fields as vLLM names them (unknown ones ignored: a newer producer's)."""
+
+    block_hashes: list[Hash]
+    token_ids: list[TokenId]
+    block_size: Annotated[int, Meta(ge=1)]
+    parent_block_hash: Hash | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # one entry per block: None, or the keys (a list) mixed into its hash
+    group_idx: int | None = None
+
+    def event(self) -> BlockStored:
+        hashes, size = tuple(map(_u64, self.block_hashes)), self.block_size
+        if len(self.token_ids) != len(hashes) * size:
+            raise VllmDecodeError(f"BlockStored has {len(self.token_ids)} token ids for {len(hashes)} blocks of "
+                                  f"{size} tokens (expected {len(hashes) * size})")
+        extra = None if self.extra_keys is None else tuple(tuple(k) if isinstance(k, list) else k
+                                                           for k in self.extra_keys)
+        parent = None if self.parent_block_hash is None else _u64(self.parent_block_hash)
+        return BlockStored(hashes, parent, tuple(self.token_ids), size, self.lora_id, self.medium, self.lora_name,
+                           extra, self.group_idx)
 
 
-def _stored(f: dict[str, Any]) -> BlockStored:
-    for name in ("block_hashes", "token_ids", "block_size"):
-        if name not in f:
-            raise VllmDecodeError(f"BlockStored lacks {name}")
-    hashes = _hashes(f["block_hashes"])
-    tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < (1 << 32) for t in tokens):
-        raise VllmDecodeError("token_ids must be a list of unsigned 32-bit integers")
-    size = f["block_size"]
-    if not _is_int(size) or size < 1:
-        raise VllmDecodeError(f"block_size must be an integer >= 1, got {size!r}")
-    if len(tokens) != len(hashes) * size:
-        raise VllmDecodeError(f"BlockStored has {len(tokens)} token ids for {len(hashes)} blocks of "
-                              f"{size} tokens (expected {len(hashes) * size})")
-    parent = f.get("parent_block_hash")
-    extra = f.get("extra_keys")
-    if extra is not None and not isinstance(extra, list):
-        raise VllmDecodeError("extra_keys must be a list or None")
-    if extra is not None:  # one entry per block: None, or the keys (a list on the wire) mixed into its hash
-        extra = tuple(tuple(k) if isinstance(k, list) else k for k in extra)
-    return BlockStored(hashes, None if parent is None else _hash(parent, "parent_block_hash"), tuple(tokens), size,
-                       _opt(f.get("lora_id"), int, "lora_id"), _opt(f.get("medium"), str, "medium"),
-                       _opt(f.get("lora_name"), str, "lora_name"), extra,
-                       _opt(f.get("group_idx"), int, "group_idx"))
+class _RemovedWire(msgspec.Struct):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+    def event(self) -> BlockRemoved:
+        return BlockRemoved(tuple(map(_u64, self.block_hashes)), self.medium, self.group_idx)
 
 
-def _removed(f: dict[str, Any]) -> BlockRemoved:
-    if "block_hashes" not in f:
-        raise VllmDecodeError("BlockRemoved lacks block_hashes")
-    return BlockRemoved(_hashes(f["block_hashes"]), _opt(f.get("medium"), str, "medium"),
-                        _opt(f.get("group_idx"), int, "group_idx"))
+class _ClearedWire(msgspec.Struct):
+    def event(self) -> AllBlocksCleared:
+        return AllBlocksCleared()
+
+
+class _MapBatch(msgspec.Struct):
+    ts: float
+    events: list[Any]  # each event on its own (``_event``): one of an unknown type is skipped, not an error
+    data_parallel_rank: int | None = None
+
+
+class _ArrayBatch(_MapBatch, array_like=True):
+    """``[ts, events, dp_rank?]`` (trailing elements a newer producer adds are ignored)."""
 
 
 # Field order of the array encoding (vLLM's declaration order); trailing ones may be omitted.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-_DECODERS = {"BlockStored": (_STORED_FIELDS, _stored), "BlockRemoved": (_REMOVED_FIELDS, _removed),
-             "AllBlocksCleared": ((), lambda f: AllBlocksCleared())}
+_WIRE = {"BlockStored": (_STORED_FIELDS, _StoredWire), "BlockRemoved": (_REMOVED_FIELDS, _RemovedWire),
+         "AllBlocksCleared": ((), _ClearedWire)}
 
 
-def _event(raw: Any) -> Event | None:
+def _convert(obj: Any, typ: type, what: str) -> Any:
+    try:  # builtin_types: a str is never taken for base64 bytes
+        return msgspec.convert(obj, typ, builtin_types=(bytes,))
+    except msgspec.ValidationError as e:
+        raise VllmDecodeError(f"{what}: {e}") from None
+
+
+def _event(raw: Any, i: int) -> Event | None:
     """One event in either encoding; None for an event type we do not know."""
-    if isinstance(raw, list):
-        if not raw or not isinstance(raw[0], str):
-            raise VllmDecodeError("an array-encoded event must start with its type tag")
-        tag, values = raw[0], raw[1:]
-        if tag not in _DECODERS:
-            return None
-        names, decode = _DECODERS[tag]
-        return decode(dict(zip(names, values)))
-    if isinstance(raw, dict):
-        tag = raw.get("type")
-        if not isinstance(tag, str):
-            raise VllmDecodeError("a map-encoded event needs a string 'type'")
-        if tag not in _DECODERS:
-            return None
-        return _DECODERS[tag][1](raw)
-    raise VllmDecodeError(f"an event must be an array or a map, got {type(raw).__name__}")
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+    elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        tag = raw["type"]
+    else:
+        raise VllmDecodeError(f"events[{i}] must be an array that starts with its type tag or a map with a "
+                              f"string 'type', got {type(raw).__name__}")
+    if tag not in _WIRE:
+        return None
+    names, wire = _WIRE[tag]
+    fields = dict(zip(names, raw[1:])) if isinstance(raw, list) else raw
+    return _convert(fields, wire, f"events[{i}] ({tag})").event()
 
 
 def decode_batch(data: bytes, max_bytes: int = 16 << 20, max_items: int = 1 << 20) -> EventBatch:
-    """Decode and validate one ``EventBatch`` payload (either encoding); ``VllmDecodeError`` otherwise."""
+    """Decode and validate one ``EventBatch`` payload (either encoding); ``VllmDecodeError`` otherwise,
+    naming the field and what it must be."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise VllmDecodeError(f"payload must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
@@ -229,23 +231,10 @@ def decode_batch(data: bytes, max_bytes: int = 16 << 20, max_items: int = 1 << 2
                               max_bin_len=_MAX_HASH_BYTES, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise VllmDecodeError(f"not a msgpack batch: {type(e).__name__}: {e}") from None
-    if isinstance(obj, list):
-        if len(obj) < 2:
-            raise VllmDecodeError("an array-encoded batch needs [ts, events, ...]")
-        ts, events, rank = obj[0], obj[1], obj[2] if len(obj) > 2 else None
-    elif isinstance(obj, dict):
-        if "ts" not in obj or "events" not in obj:
-            raise VllmDecodeError("a map-encoded batch needs 'ts' and 'events'")
-        ts, events, rank = obj["ts"], obj["events"], obj.get("data_parallel_rank")
-    else:
-        raise VllmDecodeError(f"a batch must be an array or a map, got {type(obj).__name__}")
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        raise VllmDecodeError(f"ts must be a number, got {type(ts).__name__}")
-    if not isinstance(events, list):
-        raise VllmDecodeError(f"events must be a list, got {type(events).__name__}")
-    decoded = [_event(e) for e in events]
+    batch = _convert(obj, _ArrayBatch if isinstance(obj, list) else _MapBatch, "batch")
+    decoded = [_event(e, i) for i, e in enumerate(batch.events)]
     known = tuple(e for e in decoded if e is not None)
-    return EventBatch(float(ts), known, _opt(rank, int, "data_parallel_rank"), len(decoded) - len(known))
+    return EventBatch(batch.ts, known, batch.data_parallel_rank, len(decoded) - len(known))
 
 
 # ------------------------------------------------------------------ encoding

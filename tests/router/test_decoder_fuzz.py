@@ -198,3 +198,35 @@ def test_corrupt_records_are_counted_not_served(redis_url):
         await client.aclose()
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda r: r.update(idle_ttl_s=True), r"got `bool` - at `\$.idle_ttl_s`"),
+    (lambda r: r["turns"][0].update(index=1.0), r"Expected `int`, got `float` - at `\$.turns\[0\].index`"),
+    (lambda r: r.update(extra=1), r"unknown field `extra`"),
+    (lambda r: r["turns"][0].update(extra=1), r"unknown field `extra` - at `\$.turns\[0\]`"),
+    (lambda r: r.pop("tenant"), r"missing required field `tenant`"),
+    (lambda r: r["turns"][0].pop("response"), r"missing required field `response` - at `\$.turns\[0\]`"),
+    (lambda r: r.update(v=4), r"Invalid value 4 - at `\$.v`"),
+    (lambda r: r.pop("v"), r"missing required field `v`"),
+    (lambda r: r.update(id="x" * 257), r"length <= 256 - at `\$.id`"),
+    (lambda r: r["turns"][0].update(cached_tokens_by_tier={"host": "3"}), r"cached_tokens_by_tier"),
+    (lambda r: r.update(tools=[["not a map"]]), r"Expected `object`, got `array` - at `\$.tools\[0\]`"),
+])
+def test_session_decoder_names_what_is_wrong(change, why):
+    """Strict where a looser decoder would guess: a bool is no number, a float no int; no extra or missing
+    field (only a version-2 turn may lack ``response``); the error says where and what was expected."""
+    record = good_record()
+    change(record)
+    with pytest.raises(SessionDecodeError, match=why):
+        decode_session(packed(record))
+
+
+def test_session_wire_structs_have_the_records_fields():
+    """A field added to ``SessionRecord``/``TurnRecord`` is written by ``encode_record``: the decoder's structs
+    must name it too, or every record written after the change is refused."""
+    from dataclasses import fields
+
+    from router.redis_store import _Record, _Turn
+    assert set(_Record.__struct_fields__) == {f.name for f in fields(SessionRecord)}
+    assert set(_Turn.__struct_fields__) == {f.name for f in fields(TurnRecord)}

@@ -28,8 +28,8 @@ def test_codec_roundtrip():
 
 @pytest.mark.parametrize("payload, match", [
     (b"\xc1", "not a msgpack"),
-    (msgpack.packb([1, 2]), "must be a map"),
-    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": []}), "lacks"),
+    (msgpack.packb([1, 2]), "Expected `object`, got `array`"),
+    (msgpack.packb({"worker": "w", "seq": 0, "kind": "stored", "hashes": []}), "missing required field `parent`"),
     (msgpack.packb({"worker": "w", "seq": -1, "kind": "stored", "hashes": [], "parent": None,
                     "ts": 0}), "seq"),
     (msgpack.packb({"worker": "w", "seq": True, "kind": "stored", "hashes": [], "parent": None,
@@ -322,8 +322,37 @@ def test_decode_rejects_hashes_that_are_not_u64():
     good = {"worker": "w", "seq": 0, "kind": "stored", "parent": None, "ts": 0}
     assert decode_event(msgpack.packb({**good, "hashes": [0, (1 << 64) - 1]})).hashes == (0, (1 << 64) - 1)
     assert decode_event(msgpack.packb({**good, "hashes": []})).hashes == ()
-    for bad in ([1, -1], [True, 2], [1.0], ["1"], [None], [-(1 << 63)]):
-        with pytest.raises(EventDecodeError, match="unsigned 64-bit"):
+    for bad, why in (([1, -1], r"`int` >= 0 - at `\$.hashes\[1\]`"), ([True, 2], r"got `bool` - at `\$.hashes\[0\]`"),
+                     ([1.0], "got `float`"), (["1"], "got `str`"), ([None], "got `null`"), ([-(1 << 63)], ">= 0")):
+        with pytest.raises(EventDecodeError, match=why):
             decode_event(msgpack.packb({**good, "hashes": bad}))
     with pytest.raises(EventDecodeError, match="unsigned 64-bit"):  # msgpack cannot carry it; a publisher might try
         KVEvent("w", 0, "stored", (1, 1 << 64), None, 0)
+
+
+@pytest.mark.parametrize("name, value, why", [
+    ("seq", True, r"Expected `int`, got `bool` - at `\$.seq`"),
+    ("ts", 1.5, r"Expected `int`, got `float` - at `\$.ts`"),
+    ("ts", -1, r"Expected `int` >= 0 - at `\$.ts`"),
+    ("parent", False, r"got `bool` - at `\$.parent`"),
+    ("parent", -1, r">= 0 - at `\$.parent`"),
+    ("worker", "", r"length >= 1 - at `\$.worker`"),
+    ("worker", "w" * 257, r"length <= 256 - at `\$.worker`"),
+    ("kind", "evicted", r"Invalid enum value 'evicted' - at `\$.kind`"),
+    ("medium", "", r"length >= 1 - at `\$.medium`"),
+    ("hashes", [1, False], r"got `bool` - at `\$.hashes\[1\]`"),
+])
+def test_decode_names_the_bad_field(name, value, why):
+    """Each refusal says which field and what it must be; a bool is never an int."""
+    good = {"worker": "w", "seq": 0, "kind": "stored", "hashes": [1], "parent": None, "ts": 0}
+    with pytest.raises(EventDecodeError, match=why):
+        decode_event(msgpack.packb({**good, name: value}))
+    assert decode_event(msgpack.packb({**good, "newer_field": [1, {"x": "y"}]})).hashes == (1,)  # ignored
+
+
+def test_a_published_event_refuses_hashes_msgpack_cannot_carry():
+    """Built in Python (the publisher), a ``KVEvent`` refuses what its writer thread could not encode."""
+    for hashes, parent in (((1, -1), None), ((True,), None), ((1.0,), None), (("1",), None), ((1,), 1 << 64),
+                           ((1,), True), ((1,), -1)):
+        with pytest.raises(EventDecodeError, match="unsigned 64-bit"):
+            KVEvent("w", 0, "stored", hashes, parent, 0)

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 
 from router.config import RouterConfig
-from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+from router.registry import LoadReport, WorkerInfo, WorkerRegistry, decode_load, encode_load
+
+
+@dataclasses.dataclass
+class OldLoad:
+    """``LoadReport`` as a dataclass, before it was a msgspec struct: its wire was ``asdict``'s map."""
+
+    running: int = 0
+    waiting: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    ts_ms: int = 0
+    waiting_tokens: int = 0
+    waiting_new: int = 0
+    waiting_high: int = 0
+    prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    kv_pull_bytes_per_s: float = 0.0
 
 
 def run(coro):
@@ -100,8 +119,16 @@ def test_bad_input_is_rejected(redis_url):
         WorkerInfo("w1", "ftp://x", "m")
     with pytest.raises(ValueError, match="worker_id"):
         WorkerInfo("a:b", "http://x", "m")
-    with pytest.raises(ValueError, match="running"):
-        LoadReport(running=-1)
+    for bad, why in (({"running": -1}, r"`int` >= 0 - at `\$.running`"),
+                     ({"waiting": True}, r"got `bool` - at `\$.waiting`"),
+                     ({"kv_pull_bytes_per_s": float("nan")}, r"`float` >= 0.0 - at `\$.kv_pull_bytes_per_s`"),
+                     ({"ts_ms": 1.5}, r"got `float` - at `\$.ts_ms`"), ({"newer": 1}, "unknown field `newer`"),
+                     ([1, 2], "Expected `object`, got `array`")):
+        with pytest.raises(ValueError, match=why):
+            decode_load(msgpack.packb(bad))
+    old_wire = msgpack.packb(dataclasses.asdict(OldLoad(running=2, prefill_tokens_per_s=3, ts_ms=5)))
+    assert decode_load(old_wire) == LoadReport(running=2, prefill_tokens_per_s=3.0, ts_ms=5)
+    assert msgpack.unpackb(encode_load(LoadReport(waiting=4))) == dataclasses.asdict(OldLoad(waiting=4))
     with pytest.raises(ValueError, match="heartbeat_interval_s"):
         RouterConfig(heartbeat_ttl_s=1, heartbeat_interval_s=2)
 

@@ -91,18 +91,34 @@ def test_decode_both_encodings_the_same():
     assert s.events[0].block_hashes == (b"\x01" * 32,) and s.events[0].parent == b"\x02" * 32
     assert s.events[1] == BlockRemoved((b"\x01" * 32,), None)
     assert s.unknown == 1
+    # fields and batch elements a newer producer adds are ignored
+    n = decode_batch(msgpack.packb([2, [stored_array([1], None, [1, 2], 2, extra=(None, 3, "new")),
+                                        {**stored_map([1], None, [1, 2], 2, group_idx=3), "newer": 1}], 0, "more"]))
+    assert n.ts == 2.0 and n.events[0] == n.events[1] == BlockStored((1,), None, (1, 2), 2, medium="GPU", group_idx=3)
 
 
 @pytest.mark.parametrize("payload, why", [
     (b"\xc1", "msgpack"),
-    (msgpack.packb([1.0]), "ts, events"),
+    (msgpack.packb([1.0]), "batch: Expected `array` of at least length 2"),
     (msgpack.packb([1.0, [["BlockStored", [1, 2], None, [1, 2, 3], 2, None]]]), "3 token ids for 2 blocks"),
     (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 0, None]]]), "block_size"),
-    (msgpack.packb([1.0, [["BlockStored", ["x"], None, [1, 2], 2, None]]]), "integer or bytes"),
-    (msgpack.packb([1.0, [["BlockStored", [1], 2.5, [1, 2], 2, None]]]), "parent_block_hash must be"),
+    (msgpack.packb([1.0, [["BlockStored", ["x"], None, [1, 2], 2, None]]]),
+     r"`int \| bytes`, got `str` - at `\$.block_hashes\[0\]`"),
+    (msgpack.packb([1.0, [["BlockStored", [1], 2.5, [1, 2], 2, None]]]), r"got `float` - at `\$.parent_block_hash`"),
     (msgpack.packb([1.0, [{"block_hashes": [1]}]]), "'type'"),
-    (msgpack.packb([1.0, [["BlockRemoved"]]]), "lacks block_hashes"),
-    (msgpack.packb([1.0, [["BlockStored", [1], None, [-1, 2], 2, None]]]), "unsigned 32-bit"),
+    (msgpack.packb([1.0, [["BlockRemoved"]]]), r"events\[0\] \(BlockRemoved\): Object missing required field"),
+    (msgpack.packb([1.0, [["BlockStored", [1], None, [-1, 2], 2, None]]]), r"`int` >= 0 - at `\$.token_ids\[0\]`"),
+    (msgpack.packb([1.0, [["BlockStored", [1], None, [1 << 32, 2], 2, None]]]), r"<= 4294967295 - at `\$.token_ids"),
+    (msgpack.packb([1.0, [["BlockStored", [True], None, [1, 2], 2, None]]]), r"got `bool` - at `\$.block_hashes\[0\]`"),
+    (msgpack.packb([1.0, [["BlockStored", ["AQ=="], None, [1, 2], 2, None]]]), r"got `str`"),  # never base64 bytes
+    (msgpack.packb([1.0, [["BlockStored", [b""], None, [1, 2], 2, None]]]), r"length >= 1 - at `\$.block_hashes\[0\]`"),
+    (msgpack.packb([1.0, [["BlockStored", [b"x" * 65], None, [1, 2], 2, None]]]), "not a msgpack batch"),
+    (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], True, None]]]), r"got `bool` - at `\$.block_size`"),
+    (msgpack.packb([1.0, [["BlockRemoved", [1], 5]]]), r"Expected `str \| null`, got `int` - at `\$.medium`"),
+    (msgpack.packb([True, []]), r"batch: Expected `float`, got `bool` - at `\$\[0\]`"),
+    (msgpack.packb([1.0, [], False]), r"got `bool` - at `\$\[2\]`"),
+    (msgpack.packb({"ts": 1.0}), "missing required field `events`"),
+    (msgpack.packb([1.0, [5]]), r"events\[0\] must be an array"),
 ])
 def test_decode_rejects(payload, why):
     with pytest.raises(VllmDecodeError, match=why):
