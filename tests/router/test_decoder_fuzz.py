@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -190,7 +191,8 @@ def test_corrupt_records_are_counted_not_served(redis_url):
         with pytest.raises(SessionDecodeError, match="sess_bad1"):
             await store.get("sess_bad1")
         assert store.bad_records == 3
-        manager = SessionManager(store, None, ServerConfig())  # get needs nothing of a generator
+        # get needs nothing of a generator but the lease book the manager keeps a reference to
+        manager = SessionManager(store, SimpleNamespace(leases=None), ServerConfig())
         with pytest.raises(APIError) as err:
             await manager.get("sess_bad1", Tenant("default"))
         assert err.value.status == 500 and err.value.code == "session_record_corrupt"
