@@ -250,10 +250,10 @@ class ServingSettings(Settings):
 
     ``max_concurrent_requests`` (generations in flight, the HTTP admission limit): past it a request
     gets 429 with ``Retry-After``, and with ``concurrency_reserve`` a request that does not continue a
-    started session (``SchedulingKey.continuing``) already past that share less of it. ``tenants_file`` (``agentrt/tenants.py``) replaces ``api_keys``;
+    started session (``SchedulingKey.continuing``) already past that share less of it. ``tenants_file`` (``agentrt/core/tenants.py``) replaces ``api_keys``;
     neither means no authentication. Sessions: ``pin_ttl_s`` keeps a session's KV prefix pinned between
     turns (``pin_ttl_tool_s`` after a tool call), ``max_pin_ttl_s`` caps what a session may ask for;
-    ``affinity_turns`` gives a request with an affinity key (``agentrt/affinity.py``) the same pins.
+    ``affinity_turns`` gives a request with an affinity key (``agentrt/core/affinity.py``) the same pins.
     ``otlp_endpoint`` switches request tracing on (``agentrt/tracing.py``); without the ``agentrt[otel]``
     packages it is a configuration error saying to install them.
     """
@@ -291,7 +291,7 @@ class ServingSettings(Settings):
     max_pin_ttl_s: float = Field(600.0, gt=0, description="the longest pin a session may ask for, in seconds")
     pin_ttl_policy: Literal["fixed", "cost"] = Field(
         "cost", description="the pin after a tool call: fixed (pin_ttl_tool_s) or cost (from the session's measured "
-        "tool pauses, the pool's pressure and the recompute cost, agentrt/pin_ttl.py; pin_ttl_tool_s until three "
+        "tool pauses, the pool's pressure and the recompute cost, agentrt/core/pin_ttl.py; pin_ttl_tool_s until three "
         "pauses were measured)")
     affinity_turns: bool = Field(True, description="treat a request that names its conversation (prompt_cache_key, "
                                  "a session header) as a session turn: its prefix stays pinned for pin_ttl_s until "

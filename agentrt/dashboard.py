@@ -33,8 +33,8 @@ from typing import Any, Callable, Protocol
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse
 
-from agentrt.store import SessionStore
-from agentrt.tenants import Tenant, TenantRegistry
+from agentrt.core.store import SessionStore
+from agentrt.core.tenants import Tenant, TenantRegistry
 from agentrt.timeline import Timeline
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -85,7 +85,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
-    prompt_cache_key: str | None = None  # the conversation, for routing (agentrt/affinity.py)
+    prompt_cache_key: str | None = None  # the conversation, for routing (agentrt/core/affinity.py)
     # vLLM's extension: the chat template's own switches (enable_thinking, reasoning_effort, ...)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -202,7 +202,7 @@ class TurnRequest(_Request):
     response_format: dict[str, Any] | None = None
     # the agent's own estimate of its pause after this turn (a long tool run), in seconds: the server pins
     # the session's KV through it when that pays, else sends it to the KV tiers and reads it back before
-    # the pause ends (agentrt/pin_ttl.py)
+    # the pause ends (agentrt/core/pin_ttl.py)
     expected_pause_s: float | None = Field(default=None, ge=0.0, le=86_400.0)
 
 

@@ -11,7 +11,7 @@ Generations (chat completions, completions, messages, responses, session turns) 
 (``Generation.placed``: behind a router, once a worker produced the first output), so a stream's
 errors before that are JSON errors with their status, and a router's responses name the worker
 that served them in the ``x-agentrt-worker`` header (``agentrt serve`` sends none). Chat
-completions and completions route by the client's affinity key (``agentrt/affinity.py``). ``/dashboard`` and the JSON
+completions and completions route by the client's affinity key (``agentrt/core/affinity.py``). ``/dashboard`` and the JSON
 it polls are ``agentrt/dashboard.py``'s routes.
 
 With tracing on (``--otlp-endpoint``, ``agentrt/tracing.py``) every request but probes gets a server
@@ -36,25 +36,25 @@ from starlette.background import BackgroundTask
 
 from engine.client import EngineClient
 
-from agentrt.anthropic_api import (AnthropicErrorResponse, AnthropicService, CountTokensRequest, MessagesRequest,
+from agentrt.api.messages import (AnthropicErrorResponse, AnthropicService, CountTokensRequest, MessagesRequest,
                                    TokenCount)
 from agentrt import tracing
-from agentrt.affinity import affinity_key
+from agentrt.core.affinity import affinity_key
 from agentrt.dashboard import LocalStatus, dashboard_routes
 from agentrt.config import ServerConfig, ServingSettings
 from agentrt.debug import install_task_dump
-from agentrt.errors import APIError, from_exception, install_handlers
-from agentrt.generation import Generation, Generator
+from agentrt.core.errors import APIError, from_exception, install_handlers
+from agentrt.core.generation import Generation, Generator
 from agentrt.metrics import CONTENT_TYPE, Metrics
 from agentrt.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, ForkRequest,
                               ModelList, TokenizeRequest,
                               SessionCreateRequest, SessionDeleted, SessionList, SessionResponse, TurnRequest,
                               TurnResponse)
-from agentrt.responses_api import ResponseCreateRequest, ResponseDeleted, ResponsesService
-from agentrt.service import OpenAIService
-from agentrt.sessions import SessionManager, TurnRun
-from agentrt.store import InMemorySessionStore, SessionStore
-from agentrt.tenants import Tenant, TenantLimiter, TenantRegistry
+from agentrt.api.responses import ResponseCreateRequest, ResponseDeleted, ResponsesService
+from agentrt.api.openai import OpenAIService
+from agentrt.core.turns import SessionManager, TurnRun
+from agentrt.core.store import InMemorySessionStore, SessionStore
+from agentrt.core.tenants import Tenant, TenantLimiter, TenantRegistry
 
 log = logging.getLogger("agentrt.server")
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from agentrt.bench.text import WORDS  # noqa: E402
 from agentrt.procs import Procs, free_port  # noqa: E402
-from agentrt.tenants import hash_key  # noqa: E402
+from agentrt.core.tenants import hash_key  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

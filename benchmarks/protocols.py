@@ -133,7 +133,7 @@ async def messages(http, wl, tok, system, s, model, records) -> None:
         turn = Turn()
         body = {"model": model, "system": system, "messages": history, "max_tokens": wl.reply_tokens,
                 "temperature": 0, "stream": True, **SAME}
-        # the conversation named as Claude Code names it (agentrt/affinity.py)
+        # the conversation named as Claude Code names it (agentrt/core/affinity.py)
         async for name, d in _sse(http, "/v1/messages", body, {"x-claude-code-session-id": f"bench-{wl.seed}-{s}"}):
             if name == "content_block_delta" and d["delta"].get("type") == "text_delta":
                 turn.got(d["delta"]["text"])

@@ -25,7 +25,7 @@ class SessionHint:
     in-process engine has one place to run it; a router routes the session's turns together).
 
     ``remember``: the caller keeps no record of where the session ran (a conversation named only by
-    its client's affinity key, ``agentrt.affinity``), so a router remembers it: it looks the
+    its client's affinity key, ``agentrt.core.affinity``), so a router remembers it: it looks the
     session's worker up before routing and records the worker it chose.
 
     ``continuing``: the session already ran a turn (the caller knows its history), so this request is a
@@ -104,7 +104,7 @@ class EngineClient(Protocol):
     # request's id; ``worker``: the worker holding it, for a remote client (None: the one it sent the
     # request to; in process, moot). The engine may drop a lease early under memory pressure, and every
     # call on a lease that no longer holds is a no-op: a lease is a hint, never a reason to fail.
-    # Which TTL each case gets is agentrt/kv_lease.py's ``LeasePolicy``.
+    # Which TTL each case gets is agentrt/core/leases.py's ``LeasePolicy``.
 
     def extend_lease(self, lease_id: str, ttl_s: float, worker: str | None = None) -> None:
         """Make the lease expire ``ttl_s`` from now."""

@@ -13,7 +13,7 @@ reading an ``AsyncEngine`` stream, or ``LLMEngine.generate``'s caller), never on
 - holding back text that may begin a stop string until it cannot.
 
 The tool-call and reasoning parsers (engine/parsers) read this text next, once per request, in the
-serving layer that answers the client (``agentrt.generation.Generation``): a router's, when the engine is
+serving layer that answers the client (``agentrt.core.generation.Generation``): a router's, when the engine is
 a worker behind it. That is the only place a model's output format is parsed; the speculative drafter
 (engine/speculative.py) works on the same token ids and parses nothing.
 """

@@ -1,7 +1,7 @@
 """Where conversations named by an affinity key run: the key's worker, in Redis, for every replica.
 
 A client that keeps its own history names the conversation (``prompt_cache_key``, a session
-header: ``agentrt/affinity.py``), and the router gets a ``SessionHint`` with ``remember`` set and
+header: ``agentrt/core/affinity.py``), and the router gets a ``SessionHint`` with ``remember`` set and
 no last worker. ``RemoteEngine`` looks the conversation's worker up here before routing and passes
 it to the policy as the last worker (soft affinity: it wins unless it is overloaded, dead, or
 holds too little of the prompt), then records the worker the request went to. Each record is one

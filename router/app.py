@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from agentrt.errors import APIError
+from agentrt.core.errors import APIError
 
 from agentrt.config import RouterServerConfig
 from router.config import RouterConfig

@@ -31,7 +31,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from agentrt.dashboard import session_summary, sees_all, status_body
-from agentrt.tenants import Tenant
+from agentrt.core.tenants import Tenant
 from router.core import RouterCore
 from router.decisions import KINDS
 

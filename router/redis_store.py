@@ -1,5 +1,5 @@
 """Sessions in Redis, shared by router replicas: ``RedisSessionStore`` implements agentrt's
-``SessionStore`` (``agentrt/store.py``) on its own ``SessionRecord`` and errors.
+``SessionStore`` (``agentrt/core/store.py``) on its own ``SessionRecord`` and errors.
 
 A session record is the source of truth that lets any worker rebuild a session after a
 failure (contract 3). Turns are idempotent (contract 4): ``append_turn_once`` appends a
@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 from msgspec import Meta
 from redis.exceptions import WatchError
 
-from agentrt.store import (SessionDecodeError, SessionExists, SessionNotFound, SessionRecord, SessionStore,
+from agentrt.core.store import (SessionDecodeError, SessionExists, SessionNotFound, SessionRecord, SessionStore,
                            SessionTooLarge, TenantSessionLimitReached, TurnLock, TurnRecord, apply_turn,
                            apply_turn_update, check_tenant_limit)
 from router.config import RouterConfig

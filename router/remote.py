@@ -51,7 +51,7 @@ from engine.client import SessionHint, StructuredOutput, check_request
 from engine.types import EngineStats, RequestOutput, SamplingParams, SchedulingKey
 
 from agentrt import tracing
-from agentrt.errors import APIError
+from agentrt.core.errors import APIError
 from router.core import Route, RouterCore
 from router.openai_worker import CompletionStreamError, completion_body, stream_completion
 from router.policy import NoWorkerAvailable

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from agentrt.errors import bad_request
+from agentrt.core.errors import bad_request
 from agentrt.server import sse_response
 
 sglang_routes = APIRouter()

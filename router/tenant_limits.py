@@ -1,6 +1,6 @@
 """Tenant limits shared by router replicas: concurrent requests and tokens per minute, in Redis.
 
-``RedisTenantLimits`` is agentrt's ``TenantLimiter`` (``agentrt/tenants.py``) for
+``RedisTenantLimits`` is agentrt's ``TenantLimiter`` (``agentrt/core/tenants.py``) for
 ``agentrt router``: every replica on one Redis admits against the same counts, so a
 tenant gets its limits once, not once per replica. Per tenant, under the router's key
 prefix (``RouterConfig.tenant_*_key``):
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from agentrt.errors import APIError
-from agentrt.tenants import WINDOW_S, Tenant, TenantLimiter
+from agentrt.core.errors import APIError
+from agentrt.core.tenants import WINDOW_S, Tenant, TenantLimiter
 from router.config import RouterConfig
 from router.core import retry_for
 

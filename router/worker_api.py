@@ -39,7 +39,7 @@ from engine.types import RequestOutput, SamplingParams, SchedulingKey, TokenLogp
 
 from agentrt import tracing
 from agentrt.dashboard import engine_worker
-from agentrt.errors import bad_request, draining, not_found
+from agentrt.core.errors import bad_request, draining, not_found
 from router.events import cache_snapshot
 
 worker_routes = APIRouter()

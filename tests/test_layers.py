@@ -3,6 +3,9 @@
 
 * ``engine`` imports nothing of ours above it (no ``agentrt``, no ``router``);
 * ``agentrt`` (the serving core) does not import ``router``;
+* inside ``agentrt``, the surfaces (``agentrt.api``: OpenAI, Responses, Anthropic Messages) stand side by
+  side on ``agentrt.core`` (generation, turns, store, tenants, leases, message conversion): no surface
+  imports another, and nothing in ``agentrt.core`` imports a surface or the app (``agentrt.server``);
 * ``agentrt_cli`` (the ``agentrt`` command, dispatching to every subcommand) stands above both, and
   nothing of ours imports it;
 * nothing in the installed packages imports ``benchmarks`` or ``tests`` (scripts and tests
@@ -93,7 +96,17 @@ def forbidden(importer: str, imported: str) -> str | None:
         return "the serving core (agentrt/) does not import the multi-worker layer (router/)"
     if high == "agentrt_cli" and low != "agentrt_cli":
         return "nothing imports the command (agentrt_cli/): it stands above every package"
+    if importer.startswith("agentrt.core") and (imported.startswith("agentrt.api") or imported == "agentrt.server"):
+        return "agentrt.core builds no surface: the surfaces (agentrt.api) and the app stand on it"
+    if importer.startswith("agentrt.api.") and imported.startswith("agentrt.api.") and \
+            _surface(importer) != _surface(imported):
+        return "a surface imports another: what both need belongs in agentrt.core"
     return None
+
+
+def _surface(module: str) -> str:
+    """The surface a module of ``agentrt.api`` belongs to (``responses_output`` is the Responses API's)."""
+    return module.split(".")[2].removesuffix("_output")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -181,5 +194,9 @@ def test_the_checker_sees_what_it_must():
     assert forbidden("engine.a", "agentrt.x") and forbidden("agentrt.server", "router.core")
     assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt_cli", "router.commands")
     assert forbidden("agentrt.cli", "router.commands") and forbidden("router.commands", "agentrt_cli")
-    assert not forbidden("router.core", "agentrt.errors")
+    assert not forbidden("router.core", "agentrt.core.errors")
+    assert forbidden("agentrt.core.turns", "agentrt.api.openai") and forbidden("agentrt.core.generation", "agentrt.server")
+    assert forbidden("agentrt.api.responses", "agentrt.api.openai")
+    assert not forbidden("agentrt.api.responses", "agentrt.api.responses_output")
+    assert not forbidden("agentrt.api.messages", "agentrt.core.generation")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,4 +1,4 @@
-"""Affinity keys (``agentrt/affinity.py``): which conversation a sessionless request belongs to, in
+"""Affinity keys (``agentrt/core/affinity.py``): which conversation a sessionless request belongs to, in
 what order the body field and the headers count, and the tenant-scoped routing hint built from it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from agentrt_test_helpers import OneReply
 from starlette.datastructures import Headers
 
-from agentrt.affinity import AFFINITY_HEADERS, affinity_hint, affinity_key
+from agentrt.core.affinity import AFFINITY_HEADERS, affinity_hint, affinity_key
 from agentrt.protocol import ChatCompletionRequest, CompletionRequest
-from agentrt.tenants import Tenant
+from agentrt.core.tenants import Tenant
 
 ALL = {"x-session-affinity": "aff", "x-claude-code-session-id": "claude", "session-id": "dash",
        "session_id": "underscore"}
@@ -108,9 +108,9 @@ class _RecordingEngine:
 
 def _openai_service(engine, **config):
     from agentrt.config import ServerConfig
-    from agentrt.generation import Generator
+    from agentrt.core.generation import Generator
     from agentrt.metrics import Metrics
-    from agentrt.service import OpenAIService
+    from agentrt.api.openai import OpenAIService
     from router.model_info import load_router_model
 
     model = load_router_model(None)

@@ -17,7 +17,7 @@ import pytest
 from agentrt_test_helpers import metric
 
 from agentrt.dashboard import STATIC, sees_all
-from agentrt.tenants import Tenant, TenantRegistry, hash_key
+from agentrt.core.tenants import Tenant, TenantRegistry, hash_key
 
 KEYS = {"acme": "acme-key-1", "globex": "globex-key-1"}
 SYSTEM = "You are the build farm's on-call assistant. Name the likely cause of a failing CI step in a few words. " * 3

@@ -1,4 +1,4 @@
-"""The KV lease (agentrt/kv_lease.py): the TTL every case gets from the one policy, and that each lease is
+"""The KV lease (agentrt/core/leases.py): the TTL every case gets from the one policy, and that each lease is
 released when its holder is done with it.
 
 The policy is tested alone (``LeasePolicy``) and through the real app (``assemble_app``) over an engine
@@ -17,8 +17,8 @@ from agentrt_test_helpers import OneReply
 from engine.types import EngineStats, RequestOutput
 
 from agentrt.config import ServerConfig
-from agentrt.kv_lease import LeasePolicy
-from agentrt.pin_ttl import PausePlan
+from agentrt.core.leases import LeasePolicy
+from agentrt.core.pin_ttl import PausePlan
 from agentrt.server import assemble_app
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -21,14 +21,14 @@ from engine.grammar.compiler import compiler_cache_for
 from engine.grammar.constraint import XGrammarConstraint
 from engine.parsers import OutputParser
 
-from agentrt.anthropic_api import AnthropicService
+from agentrt.api.messages import AnthropicService
 from agentrt.config import ServerConfig
-from agentrt.errors import APIError
-from agentrt.generation import Generator
+from agentrt.core.errors import APIError
+from agentrt.core.generation import Generator
 from agentrt.metrics import Metrics
 from agentrt.protocol import ChatCompletionRequest
-from agentrt.responses_output import OutputBuilder
-from agentrt.service import OpenAIService
+from agentrt.api.responses_output import OutputBuilder
+from agentrt.api.openai import OpenAIService
 
 CALLS = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "London </tool_call> [TOOL_CALLS]"})]
 TEXTS = {  # family: (tool parser, reasoning parser, reply text); each: reasoning "Need the weather.", content "Let me look."

@@ -22,9 +22,9 @@ from httpx_sse import connect_sse
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from agentrt.errors import APIError
-from agentrt.generation import Delta
-from agentrt.responses_api import OutputBuilder, convert_input, parse_response_id, replay_events, response_id
+from agentrt.core.errors import APIError
+from agentrt.core.generation import Delta
+from agentrt.api.responses import OutputBuilder, convert_input, parse_response_id, replay_events, response_id
 from engine.chat import ToolCall
 
 EVENT = TypeAdapter(ResponseStreamEvent)

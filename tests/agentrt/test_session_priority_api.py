@@ -20,7 +20,7 @@ from engine.types import EngineOverloaded, EngineStats
 
 from agentrt.config import ServerConfig
 from agentrt.server import assemble_app
-from agentrt.tenants import Tenant, load_tenants
+from agentrt.core.tenants import Tenant, load_tenants
 
 
 class _Engine:
@@ -255,7 +255,7 @@ def test_an_announced_long_pause_demotes_the_turns_kv_and_reads_it_back_before_t
 
 
 def test_a_tenants_weight_is_read_from_the_tenants_file_and_sent_with_its_requests(tmp_path, model):
-    from agentrt.generation import Generator
+    from agentrt.core.generation import Generator
     from agentrt.metrics import Metrics
 
     path = tmp_path / "tenants.json"
@@ -277,8 +277,8 @@ def test_the_concurrency_limit_keeps_its_reserve_for_started_sessions(model):
     from engine.client import SessionHint
     from engine.types import SamplingParams
 
-    from agentrt.errors import APIError
-    from agentrt.generation import Generator
+    from agentrt.core.errors import APIError
+    from agentrt.core.generation import Generator
     from agentrt.metrics import Metrics
 
     later = SessionHint("sess-1", continuing=True)

@@ -16,7 +16,7 @@ from agentrt.metrics import Metrics
 from engine import EngineConfig, EngineStats
 from router.commands import CONNECTION, ROUTER_FIELDS, WORKER_FIELDS
 from router.config import RouterConfig, WorkerSettings
-from agentrt.store import InMemorySessionStore, SessionLimitReached, SessionNotFound, SessionRecord, TurnRecord
+from agentrt.core.store import InMemorySessionStore, SessionLimitReached, SessionNotFound, SessionRecord, TurnRecord
 
 
 def turn(turn_id: str, index: int) -> TurnRecord:

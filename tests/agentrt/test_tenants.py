@@ -12,7 +12,7 @@ import openai
 import pytest
 from agentrt_test_helpers import MODEL
 
-from agentrt.tenants import Tenant, TenantLimits, TenantRegistry, hash_key, load_tenants
+from agentrt.core.tenants import Tenant, TenantLimits, TenantRegistry, hash_key, load_tenants
 
 TENANTS = {  # name -> (key, settings)
     "alpha": ("key-alpha", {"share_cache": False}),
@@ -228,7 +228,7 @@ def test_registry_and_file_errors(tmp_path):
 
 
 def test_in_memory_store_checks_the_tenant_limit_when_it_creates():
-    from agentrt.store import InMemorySessionStore, SessionRecord, TenantSessionLimitReached
+    from agentrt.core.store import InMemorySessionStore, SessionRecord, TenantSessionLimitReached
 
     async def main():
         store = InMemorySessionStore()

@@ -15,7 +15,7 @@ from test_session_priority_api import _Engine
 
 from agentrt.config import ServerConfig
 from agentrt.server import assemble_app
-from agentrt.store import InMemorySessionStore
+from agentrt.core.store import InMemorySessionStore
 
 
 class LoggingStore(InMemorySessionStore):

@@ -216,8 +216,8 @@ def test_tier_settings_are_validated_and_reach_the_engine(tmp_path):
 
 
 def test_a_turns_tier_breakdown_survives_the_session_store():
-    from agentrt.sessions import SessionManager
-    from agentrt.store import SessionRecord, TurnRecord
+    from agentrt.core.turns import SessionManager
+    from agentrt.core.store import SessionRecord, TurnRecord
     from router.redis_store import decode_record, encode_record
 
     by_tier = {"device": 16, "host": 0, "disk": 32}

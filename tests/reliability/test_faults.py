@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from agentrt.procs import Proc, Procs
-from agentrt.tenants import hash_key
+from agentrt.core.tenants import hash_key
 from router.config import RouterConfig
 from router.redis_store import decode_record
 from tests.router import cluster as c

@@ -19,8 +19,8 @@ import openai
 import pytest
 import redis
 
-from agentrt.affinity import affinity_hint
-from agentrt.tenants import DEFAULT_TENANT, Tenant
+from agentrt.core.affinity import affinity_hint
+from agentrt.core.tenants import DEFAULT_TENANT, Tenant
 from router.config import RouterConfig
 from router.redis_store import decode_record
 from tests.router import cluster as c

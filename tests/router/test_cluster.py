@@ -304,7 +304,7 @@ def test_tenant_limits_hold_across_router_replicas(cl):
     concurrent request and session spent through one replica are spent for the other."""
     import json
 
-    from agentrt.tenants import hash_key
+    from agentrt.core.tenants import hash_key
 
     spec = {"tenants": {
         "metered": {"key_sha256": [hash_key("key-metered")], "tokens_per_minute": 60},

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agentrt.tenants import Tenant, TenantRegistry, hash_key
+from agentrt.core.tenants import Tenant, TenantRegistry, hash_key
 from agentrt.timeline import Timeline, quantile
 from router.config import RouterConfig
 from router.core import RouterCore

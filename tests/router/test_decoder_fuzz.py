@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentrt.config import ServerConfig
-from agentrt.errors import APIError
-from agentrt.sessions import SessionManager
-from agentrt.store import SessionDecodeError, SessionRecord, TurnRecord
-from agentrt.tenants import Tenant
+from agentrt.core.errors import APIError
+from agentrt.core.turns import SessionManager
+from agentrt.core.store import SessionDecodeError, SessionRecord, TurnRecord
+from agentrt.core.tenants import Tenant
 from router.config import RouterConfig
 from router.event_consumer import KVEventConsumer
 from router.events import EventDecodeError, KVEvent, decode_event, encode_event

@@ -13,7 +13,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from agentrt.errors import APIError
+from agentrt.core.errors import APIError
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.registry import WorkerInfo, WorkerRegistry

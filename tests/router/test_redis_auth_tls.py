@@ -13,7 +13,7 @@ import redis
 from redis.exceptions import AuthenticationError
 
 from agentrt.procs import Procs, free_port
-from agentrt.store import SessionRecord
+from agentrt.core.store import SessionRecord
 from router.config import RouterConfig
 from router.core import redis_client
 from router.events import KVEventPublisher, decode_event

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from agentrt.store import (InMemorySessionStore, SessionDecodeError, SessionExists, SessionNotFound, SessionRecord,
+from agentrt.core.store import (InMemorySessionStore, SessionDecodeError, SessionExists, SessionNotFound, SessionRecord,
                            SessionTooLarge, TenantSessionLimitReached, TurnRecord)
 from router.config import RouterConfig
 from router.redis_store import RedisSessionStore

@@ -11,8 +11,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from agentrt.errors import APIError
-from agentrt.tenants import Tenant, TenantLimits
+from agentrt.core.errors import APIError
+from agentrt.core.tenants import Tenant, TenantLimits
 from router.config import RouterConfig
 from router.core import redis_client
 from router.tenant_limits import RedisTenantLimits

@@ -33,7 +33,7 @@ def test_a_field_of_another_type_is_refused_by_name(field, value):
 
 
 def test_sampling_fields_are_typed():
-    from agentrt.errors import APIError
+    from agentrt.core.errors import APIError
     from router.worker_api import sampling_from_wire
 
     assert sampling_from_wire({"max_tokens": 5, "stop": ["x"]}).max_tokens == 5
@@ -99,7 +99,7 @@ class _LeaseEngine:
 def _lease_app(engine: _LeaseEngine):
     import fastapi
 
-    from agentrt.errors import install_handlers
+    from agentrt.core.errors import install_handlers
     from router.worker_api import worker_routes
 
     app = fastapi.FastAPI()

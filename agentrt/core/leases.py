@@ -16,7 +16,7 @@ Who holds one, and what ends it:
   pause plan (below). Its id is kept in the turn record (``TurnRecord.pin_id``, on the record's last
   worker), so any router replica releases it: at the session's next turn, delete or idle expiry.
 - an affinity-keyed conversation's latest request (``prompt_cache_key`` or a session header,
-  ``agentrt/affinity.py``; ``--affinity-turns``, and the request asks for no lease of its own): the
+  ``agentrt/core/affinity.py``; ``--affinity-turns``, and the request asks for no lease of its own): the
   server's ``pin_ttl_s``, then the pause plan; released by the conversation's next request here.
 - an Anthropic request with ``cache_control`` breakpoints: ``pin_ttl_s`` for ``ephemeral`` (``5m``), an
   hour within ``max_pin_ttl_s`` for ``1h``; it expires, nothing releases it early.
@@ -26,7 +26,7 @@ Who holds one, and what ends it:
 The pause plan after a turn (:meth:`LeasePolicy.after_turn`): a session's own ``pin_ttl_s`` is kept as
 asked; the agent's announced pause (``expected_pause_s``) is pinned through or demoted and read back
 before it ends; after a tool call, ``pin_ttl_tool_s`` (``--pin-ttl-policy fixed``) or the cost model of
-``agentrt/pin_ttl.py`` (``cost``); else the lease stays as acquired.
+``agentrt/core/pin_ttl.py`` (``cost``); else the lease stays as acquired.
 
 :class:`LeasePolicy` decides every TTL and holds the pause history it learns from; :class:`KVLeases`
 applies it through the engine client and remembers what this process holds. Calls come from one event
@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable
 from engine.client import EngineClient, SessionHint
 
 from agentrt.config import ServingSettings
-from agentrt.pin_ttl import MIN_TTL_S, PausePlan, ToolPinTTL
+from agentrt.core.pin_ttl import MIN_TTL_S, PausePlan, ToolPinTTL
 
 CACHE_CONTROL_LONG_S = 3600.0   # Anthropic's ``ttl: "1h"``
 
@@ -103,7 +103,7 @@ class LeasePolicy:
         """What a turn's lease does over the pause after it: None (it stays as acquired) for a session
         with its own TTL (``own_ttl``) and for a turn with neither a tool call nor an announced pause;
         else the plan of ``expected_pause_s`` where given, ``pin_ttl_tool_s`` after a tool call under
-        policy fixed, or the cost model's plan (agentrt/pin_ttl.py)."""
+        policy fixed, or the cost model's plan (agentrt/core/pin_ttl.py)."""
         if own_ttl:
             return None
         if tool_call:

@@ -12,51 +12,15 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from engine.chat import ToolCall, content_text
 from engine.client import StructuredOutput
 from engine.types import CLOSED_BY_BUDGET
 
-from agentrt.affinity import affinity_hint
-from agentrt.errors import bad_request
-from agentrt.generation import Generation, Generator, Result
-from agentrt.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                              TokenizeRequest)
-from agentrt.tenants import Tenant
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated messages as the plain dicts the chat template renders."""
-    out = []
-    for i, m in enumerate(messages):
-        d = m.model_dump(exclude_none=True)
-        if m.role == "developer":
-            d["role"] = "system"
-        if m.role == "tool" and not m.tool_call_id:
-            raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
-        try:
-            content_text(m.content)
-        except ValueError as exc:
-            raise bad_request(f"messages[{i}].content: {exc}", param=f"messages.{i}.content") from None
-        d.setdefault("content", None)
-        out.append(d)
-    return out
-
-
-_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
-
-
-def template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
-    """A request's ``chat_template_kwargs``: 400 for names the server itself passes to the template."""
-    clash = sorted(set(kwargs or {}) & set(_TEMPLATE_VARIABLES))
-    if clash:
-        raise bad_request(f"{param} may not set {', '.join(clash)} (the server passes them to the chat template)",
-                          param=param)
-    return kwargs or None
-
-
-def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+from agentrt.core.affinity import affinity_hint
+from agentrt.core.convert import message_dicts, template_kwargs, tool_call_dicts
+from agentrt.core.errors import bad_request
+from agentrt.core.generation import Generation, Generator, Result
+from agentrt.core.tenants import Tenant
+from agentrt.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -84,7 +48,7 @@ class OpenAIService:
     async def start_chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None,
                          affinity: str | None = None) -> Generation:
         """Validate and submit; errors (400/404/429) are raised here, before any byte is streamed.
-        ``affinity``: the conversation's affinity key (``agentrt.affinity.affinity_key``), routed as
+        ``affinity``: the conversation's affinity key (``agentrt.core.affinity.affinity_key``), routed as
         the tenant's session hint."""
         started = time.monotonic()
         self.gen.check_model(req.model)

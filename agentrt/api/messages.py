@@ -17,7 +17,7 @@ is read whether or not the request marks it), ``cache_creation_input_tokens`` is
 the cache costs nothing extra here). ``count_tokens`` gives the whole prompt, the sum of the three.
 
 ``cache_control`` breakpoints (on blocks, tools, or the request): a request with any breakpoint
-acquires a KV lease (agentrt/kv_lease.py), so when it finishes its whole sequence (prompt and reply,
+acquires a KV lease (agentrt/core/leases.py), so when it finishes its whole sequence (prompt and reply,
 which holds the prefix up to the last breakpoint) stays in the engine's cache, like a session turn's,
 for the TTL ``LeasePolicy.cache_control_ttl`` gives: the server's ``pin_ttl_s`` for ``{"type":
 "ephemeral"}`` (or ``ttl: "5m"``), an hour capped by ``max_pin_ttl_s`` for ``ttl: "1h"``. Nothing
@@ -46,10 +46,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from engine.chat import ToolCall, format_tool_call
 from engine.client import StructuredOutput
 
-from agentrt.affinity import affinity_hint
-from agentrt.errors import bad_request
-from agentrt.generation import Generation, Generator, Result
-from agentrt.tenants import Tenant
+from agentrt.core.affinity import affinity_hint
+from agentrt.core.errors import bad_request
+from agentrt.core.generation import Generation, Generator, Result
+from agentrt.core.tenants import Tenant
 
 # ---------------------------------------------------------------- protocol models
 

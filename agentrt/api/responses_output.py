@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.chat import ToolCall
 
-from agentrt.generation import Delta
+from agentrt.core.generation import Delta
 
 
 def hex_id() -> str:

@@ -17,7 +17,7 @@ is moot.
 
 Such a request is also its conversation's latest turn (``Generator.start``, unless the server
 runs with ``--affinity-turns false``): it acquires a KV lease like a session turn
-(``agentrt/kv_lease.py``), so the engine holds its next step for the agent's return, and the
+(``agentrt/core/leases.py``), so the engine holds its next step for the agent's return, and the
 conversation's next request releases it. That next request finds the lease in ``KVLeases``, this
 process's record of each conversation's last leased request; a lease made through another router
 replica is not known here and simply expires.
@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 
 from engine.client import SessionHint
 
-from agentrt.tenants import Tenant
+from agentrt.core.tenants import Tenant
 
 AFFINITY_HEADERS = ("x-session-affinity", "x-claude-code-session-id", "session-id", "session_id")
 """Request headers that name a conversation, in order of precedence (after the body's key)."""

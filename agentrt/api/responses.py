@@ -1,6 +1,6 @@
 """The OpenAI Responses API (``/v1/responses``) over sessions: request models, conversions, the service.
 
-A chain of ``previous_response_id`` s is a session (``agentrt/sessions.py``): each stored response is
+A chain of ``previous_response_id`` s is a session (``agentrt/core/turns.py``): each stored response is
 one turn, so the chain's history is the session's, its KV prefix stays pinned between calls, and the
 response object lives in the turn record (``TurnRecord.response``) in the session store, in process or
 in Redis behind a router. A response id names its session and its turn: ``resp_`` + the session id's
@@ -35,14 +35,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.client import SessionHint, StructuredOutput
 
-from agentrt.affinity import affinity_hint
-from agentrt.errors import APIError, bad_request, from_exception, not_found
-from agentrt.generation import Delta, Generation, Result
+from agentrt.core.affinity import affinity_hint
+from agentrt.core.errors import APIError, bad_request, from_exception, not_found
+from agentrt.core.generation import Delta, Generation, Result
 from agentrt.protocol import ForkRequest, FunctionDef, SessionCreateRequest
-from agentrt.responses_output import OutputBuilder, content_part, hex_id, replay_events
-from agentrt.sessions import SessionManager, TurnPlan, TurnRun
-from agentrt.store import SessionRecord, TurnRecord
-from agentrt.tenants import Tenant
+from agentrt.api.responses_output import OutputBuilder, content_part, hex_id, replay_events
+from agentrt.core.turns import SessionManager, TurnPlan, TurnRun
+from agentrt.core.store import SessionRecord, TurnRecord
+from agentrt.core.tenants import Tenant
 
 # ``include`` values this server honours: reasoning content is never produced, so asking for it is empty.
 SUPPORTED_INCLUDE = ("reasoning.encrypted_content",)

@@ -2,7 +2,7 @@
 
 A turn renders the session's whole history plus the new messages, so the engine's radix
 cache serves everything the previous turn already computed. Each turn acquires a KV lease
-(``agentrt/kv_lease.py``: the engine holds the turn's sequence, prompt + reply, under the
+(``agentrt/core/leases.py``: the engine holds the turn's sequence, prompt + reply, under the
 turn's request id for the TTL the ``LeasePolicy`` gives, and the pause plan after the turn may
 extend or demote it); the next turn releases it once its own request is admitted, and delete
 or idle expiry release it too. Which lease to release comes from the session record (its last
@@ -17,7 +17,7 @@ lock is the store's (``SessionStore.lock_turn``), so with the router's Redis sto
 across replicas.
 
 ``SessionManager.begin_turn`` is the turn path any API builds on: the session turns of
-``/v1/sessions`` (``start_turn``) and the OpenAI Responses API (``agentrt/responses_api.py``),
+``/v1/sessions`` (``start_turn``) and the OpenAI Responses API (``agentrt/api/responses.py``),
 whose chains of responses are sessions and which makes its own prompt (a ``TurnPlan``).
 """
 
@@ -34,15 +34,15 @@ from engine.chat import template_handles_tools
 from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServingSettings
-from agentrt.errors import APIError, bad_request, not_found
-from agentrt.generation import Generation, Generator, Result
+from agentrt.core.errors import APIError, bad_request, not_found
+from agentrt.core.generation import Generation, Generator, Result
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
-from agentrt.service import message_dicts, tool_call_dicts
-from agentrt.store import (SessionDecodeError, SessionLimitReached, SessionNotFound, SessionRecord, SessionStore,
+from agentrt.core.convert import message_dicts, tool_call_dicts
+from agentrt.core.store import (SessionDecodeError, SessionLimitReached, SessionNotFound, SessionRecord, SessionStore,
                            TurnLock, TurnRecord)
-from agentrt.tenants import Tenant
+from agentrt.core.tenants import Tenant
 
-log = logging.getLogger("agentrt.sessions")
+log = logging.getLogger("agentrt.core.turns")
 
 
 class TurnRun:
@@ -103,7 +103,7 @@ class TurnPlan:
     options: StructuredOutput
     describe: Callable[[Result], dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
-    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/pin_ttl.py)
+    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/core/pin_ttl.py)
 
 
 class SessionManager:
@@ -111,7 +111,7 @@ class SessionManager:
         self.store = store
         self.gen = generator
         self.config = config
-        self.leases = generator.leases   # the turns' KV leases (agentrt/kv_lease.py)
+        self.leases = generator.leases   # the turns' KV leases (agentrt/core/leases.py)
         self._expiry: dict[str, float] = {}  # session id -> idle expiry, for the sessions made here
 
     # ------------------------------------------------------------ lifecycle

@@ -29,10 +29,10 @@ from engine.types import (CLOSED_BY_BUDGET, EngineOverloaded, InvalidRequest, Re
 
 from agentrt import tracing
 from agentrt.config import ServingSettings
-from agentrt.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
+from agentrt.core.errors import APIError, bad_request, draining, from_exception, not_found, overloaded
 from agentrt.metrics import Metrics
-from agentrt.kv_lease import KVLeases, LeasePolicy
-from agentrt.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
+from agentrt.core.leases import KVLeases, LeasePolicy
+from agentrt.core.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +388,7 @@ class Generator:
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
         prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker).
 
-        ``lease_ttl_s``: acquire a KV lease on the finished sequence (agentrt/kv_lease.py). A request that
+        ``lease_ttl_s``: acquire a KV lease on the finished sequence (agentrt/core/leases.py). A request that
         names its conversation (``session.remember``: an affinity key) and asks for no lease of its own is
         that conversation's latest turn, when ``affinity_turns`` is on: it gets the policy's lease
         (``LeasePolicy.affinity_ttl``; over a tool pause, ``KVLeases.hold_for_pause``), the engine holds

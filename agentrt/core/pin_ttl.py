@@ -148,7 +148,7 @@ class ToolPinTTL:
         ``max_ttl_s`` and pays (``pin_net`` of that one pause is positive; with no prefill measured yet
         it is taken to pay), else demote and read back shortly before it ends. Without a hint: the cost
         model's TTL (:meth:`ttl`), and where it finds no pin worth its cost, demote, with the read-back
-        at the ``LIKELY_QUANTILE`` of the session's pauses. (agentrt/kv_lease.py's ``LeasePolicy`` calls
+        at the ``LIKELY_QUANTILE`` of the session's pauses. (agentrt/core/leases.py's ``LeasePolicy`` calls
         this; it is the one place the TTL after a pause is computed.)"""
         if expected_pause_s is not None:
             hold = expected_pause_s * (1 + self.slack)

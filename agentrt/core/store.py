@@ -39,7 +39,7 @@ class TurnRecord:
     pin_id: str | None = None
     pin_expires_at: float = 0.0
     raw_text: str | None = None  # the reply as the model wrote it: re-rendered verbatim for cache reuse
-    # The Responses API's record of this turn (``agentrt/responses_api.py``: the response object and its
+    # The Responses API's record of this turn (``agentrt/api/responses.py``: the response object and its
     # input items); None for a plain session turn, and once the response is deleted.
     response: dict[str, Any] | None = None
     # ``cached_tokens`` by where the engine found them: {"device", "host", "disk"} (KV tiers,
