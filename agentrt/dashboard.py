@@ -133,8 +133,8 @@ def status_body(mode: str, model: str, caller: Tenant, tenants: TenantRegistry, 
 class LocalStatus:
     """``agentrt serve``: one worker, the engine in this process (id ``local``); no routing."""
 
-    def __init__(self, state: Any) -> None:
-        self.state = state  # the app's state: engine, sessions, tenants, metrics, generator
+    def __init__(self, services: Any) -> None:
+        self.state = services  # the app's Services (agentrt/server.py): engine, sessions, tenants, metrics...
 
     async def status(self, tenant: Tenant) -> dict[str, Any]:
         s = self.state

@@ -1,4 +1,4 @@
-"""The HTTP app: thin routes over the services kept in ``app.state``.
+"""The HTTP app: thin routes over the app's ``Services``, which ``assemble_app`` builds once.
 
 ``create_app(config, engine=None)`` builds the app around an ``engine.LLMEngine`` (loaded
 from ``config`` when not given), runs it in an ``AsyncEngine`` thread, and on shutdown
@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -63,6 +64,30 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 WORKER_HEADER = "x-agentrt-worker"
 """Response header naming the worker that served a generation (behind a router only)."""
+
+
+@dataclass
+class Services:
+    """The app's parts, built once by ``assemble_app`` (the composition root) and handed to each route by one
+    FastAPI dependency (``services``), typed, as ``app.state.services``; beside it ``app.state`` holds only
+    ``dashboard``, the status source a router replaces with its fleet's. ``stopping``: set once the app
+    shuts down or its worker drains (``/health`` answers 503)."""
+
+    config: ServingSettings
+    tenants: TenantRegistry
+    engine: EngineClient
+    metrics: Metrics
+    generator: Generator
+    openai: OpenAIService
+    anthropic: AnthropicService
+    sessions: SessionManager
+    responses: ResponsesService
+    stopping: bool = False
+
+
+def services(request: Request) -> Services:
+    """The app's :class:`Services` (a FastAPI dependency)."""
+    return request.app.state.services
 
 
 class BodyLimitMiddleware:
@@ -132,7 +157,7 @@ def _auth(request: Request) -> Tenant:
     if not key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else None
-    tenant = request.app.state.tenants.authenticate(key)
+    tenant = services(request).tenants.authenticate(key)
     if tenant is None:
         raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -214,7 +239,7 @@ async def _sse_reply(request: Request, generation: Generation, chunks: AsyncIter
     headers = await _placed(request, generation, close)
     if isinstance(headers, Response):
         return headers
-    return sse_response(chunks, close, request.app.state.config.retry_after_s, headers, anthropic=anthropic)
+    return sse_response(chunks, close, services(request).config.retry_after_s, headers, anthropic=anthropic)
 
 
 async def _json_reply(request: Request, response: Response, generation: Generation, body: Awaitable[Any],
@@ -248,47 +273,48 @@ open_routes = APIRouter()
 
 
 @open_routes.get("/health")
-async def health(request: Request) -> JSONResponse:
-    state = request.app.state
-    if state.stopping:
+async def health(request: Request, s: Services = Depends(services)) -> JSONResponse:
+    if s.stopping:
         return JSONResponse({"status": "stopping"}, status_code=503)
-    return JSONResponse({"status": "ok", "model": state.generator.model_name})
+    return JSONResponse({"status": "ok", "model": s.generator.model_name})
 
 
 @open_routes.get("/metrics")
-async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+async def metrics(request: Request, s: Services = Depends(services)) -> Response:
+    return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @api.get("/v1/models", response_model=ModelList, dependencies=[Depends(_auth)])
-async def models(request: Request) -> dict:
-    return request.app.state.openai.models()
+async def models(request: Request, s: Services = Depends(services)) -> dict:
+    return s.openai.models()
 
 
 @api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
-                           tenant: Tenant = Depends(_auth)) -> Any:
-    svc: OpenAIService = request.app.state.openai
+                           tenant: Tenant = Depends(_auth),
+                           s: Services = Depends(services)) -> Any:
+    svc = s.openai
     generation = await svc.start_chat(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     return await _reply(request, response, generation, body.stream, lambda: svc.chat_chunks(body, generation),
                         lambda: svc.chat(body, generation))
 
 
 @api.post("/tokenize", dependencies=[Depends(_auth)])
-async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request, s: Services = Depends(services)) -> dict:
     """vLLM's ``/tokenize``: token ids of a prompt, or of messages through the chat template."""
-    return request.app.state.openai.tokenize(body)
+    return s.openai.tokenize(body)
 
 
 @api.post("/detokenize", dependencies=[Depends(_auth)])
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    return request.app.state.openai.detokenize(body)
+async def detokenize(body: DetokenizeRequest, request: Request, s: Services = Depends(services)) -> dict:
+    return s.openai.detokenize(body)
 
 
 @api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response,
-                      tenant: Tenant = Depends(_auth)) -> Any:
-    svc: OpenAIService = request.app.state.openai
+                      tenant: Tenant = Depends(_auth),
+                      s: Services = Depends(services)) -> Any:
+    svc = s.openai
     generation = await svc.start_completion(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     return await _reply(request, response, generation, body.stream, lambda: svc.completion_chunks(body, generation),
                         lambda: svc.completion(body, generation))
@@ -296,60 +322,67 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
 
 @anthropic_routes.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, response: Response,
-                   tenant: Tenant = Depends(_auth)) -> Any:
+                   tenant: Tenant = Depends(_auth),
+                   s: Services = Depends(services)) -> Any:
     """Anthropic's Messages API (``anthropic-version`` and ``anthropic-beta`` headers are accepted and
     not read); streaming sends Anthropic's named events. Session headers route as affinity keys."""
-    svc: AnthropicService = request.app.state.anthropic
+    svc = s.anthropic
     generation = await svc.start(body, tenant, affinity_key(request.headers))
     return await _reply(request, response, generation, body.stream, lambda: svc.events(generation),
                         lambda: svc.message(generation), anthropic=True)
 
 
 @anthropic_routes.post("/v1/messages/count_tokens", response_model=TokenCount, dependencies=[Depends(_auth)])
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+async def count_tokens(body: CountTokensRequest, request: Request, s: Services = Depends(services)) -> dict:
     """The ``input_tokens`` of this request: its prompt as ``/v1/messages`` would submit it."""
-    return request.app.state.anthropic.count_tokens(body)
+    return s.anthropic.count_tokens(body)
 
 
 @api.post("/v1/sessions", response_model=SessionResponse, status_code=201)
-async def create_session(body: SessionCreateRequest, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
-    sessions: SessionManager = request.app.state.sessions
+async def create_session(body: SessionCreateRequest, request: Request, tenant: Tenant = Depends(_auth),
+                         s: Services = Depends(services)) -> dict:
+    sessions = s.sessions
     return sessions.view(await sessions.create(body, tenant))
 
 
 @api.get("/v1/sessions", response_model=SessionList)
-async def list_sessions(request: Request, tenant: Tenant = Depends(_auth)) -> dict:
-    sessions: SessionManager = request.app.state.sessions
+async def list_sessions(request: Request, tenant: Tenant = Depends(_auth),
+                        s: Services = Depends(services)) -> dict:
+    sessions = s.sessions
     now = time.time()
     records = [r for r in await sessions.store.list(tenant=tenant.name) if r.expires_at > now]
     return {"object": "list", "data": [sessions.view(r) for r in records]}
 
 
 @api.get("/v1/sessions/{session_id}", response_model=SessionResponse)
-async def get_session(session_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
-    sessions: SessionManager = request.app.state.sessions
+async def get_session(session_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                      s: Services = Depends(services)) -> dict:
+    sessions = s.sessions
     return sessions.view(await sessions.get(session_id, tenant))
 
 
 @api.delete("/v1/sessions/{session_id}", response_model=SessionDeleted)
-async def delete_session(session_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
-    await request.app.state.sessions.delete(session_id, tenant)
+async def delete_session(session_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                         s: Services = Depends(services)) -> dict:
+    await s.sessions.delete(session_id, tenant)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
 @api.post("/v1/sessions/{session_id}/fork", response_model=SessionResponse, status_code=201)
 async def fork_session(session_id: str, request: Request, body: ForkRequest | None = None,
-                       tenant: Tenant = Depends(_auth)) -> dict:
-    sessions: SessionManager = request.app.state.sessions
+                       tenant: Tenant = Depends(_auth),
+                       s: Services = Depends(services)) -> dict:
+    sessions = s.sessions
     return sessions.view(await sessions.fork(session_id, body or ForkRequest(), tenant))
 
 
 @api.post("/v1/sessions/{session_id}/turns", response_model=TurnResponse)
 async def session_turn(session_id: str, body: TurnRequest, request: Request, response: Response,
-                       tenant: Tenant = Depends(_auth)) -> Any:
+                       tenant: Tenant = Depends(_auth),
+                       s: Services = Depends(services)) -> Any:
     """Append messages and generate the reply. Streaming sends ``turn.delta`` events (``turn.reasoning_delta``
     for reasoning, ``turn.tool_call`` for calls), then ``turn.completed``."""
-    sessions: SessionManager = request.app.state.sessions
+    sessions = s.sessions
     started = await sessions.start_turn(session_id, body, tenant)
     if not isinstance(started, TurnRun):  # a retried turn id: the recorded reply, nothing appended
         sessions.gen.metrics.turns.labels("replayed").inc()
@@ -382,17 +415,18 @@ async def _turn_events(session_id: str, run: TurnRun) -> AsyncIterator[dict]:
 
 @api.post("/v1/responses")
 async def create_response(body: ResponseCreateRequest, request: Request, response: Response,
-                          tenant: Tenant = Depends(_auth)) -> Any:
+                          tenant: Tenant = Depends(_auth),
+                          s: Services = Depends(services)) -> Any:
     """OpenAI's Responses API; a ``previous_response_id`` chain is a session. Streaming sends typed events.
     Like a chat completion, a response that runs answers once placed, naming its worker behind a router."""
-    svc: ResponsesService = request.app.state.responses
+    svc = s.responses
     run = await svc.start(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
     generation = run.running
     if body.stream:
         headers = {} if generation is None else await _placed(request, generation, run.close)
         if isinstance(headers, Response):
             return headers
-        return sse_response(run.events(), run.close, request.app.state.config.retry_after_s, headers, named=True)
+        return sse_response(run.events(), run.close, s.config.retry_after_s, headers, named=True)
     if generation is None:
         return await _unless_disconnected(request, run.collect(), run.close)
     return await _json_reply(request, response, generation, run.collect(), run.close)
@@ -400,24 +434,27 @@ async def create_response(body: ResponseCreateRequest, request: Request, respons
 
 @api.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
-                       stream: bool = Query(False)) -> dict:
+                       stream: bool = Query(False),
+                       s: Services = Depends(services)) -> dict:
     if stream:
         raise APIError(400, "streaming a stored response again is not supported; GET it without stream",
                        param="stream")
-    return await request.app.state.responses.retrieve(response_id, tenant)
+    return await s.responses.retrieve(response_id, tenant)
 
 
 @api.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
-async def delete_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth)) -> dict:
-    return await request.app.state.responses.delete(response_id, tenant)
+async def delete_response(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
+                          s: Services = Depends(services)) -> dict:
+    return await s.responses.delete(response_id, tenant)
 
 
 @api.get("/v1/responses/{response_id}/input_items")
 async def response_input_items(response_id: str, request: Request, tenant: Tenant = Depends(_auth),
                                limit: int = Query(20), order: str = Query("desc"), after: str | None = None,
-                               before: str | None = None) -> dict:
-    return await request.app.state.responses.input_items(response_id, tenant, limit=limit, order=order,
-                                                         after=after, before=before)
+                               before: str | None = None,
+                               s: Services = Depends(services)) -> dict:
+    return await s.responses.input_items(response_id, tenant, limit=limit, order=order, after=after,
+                                         before=before)
 
 
 async def _one_event(event: dict) -> AsyncIterator[dict]:
@@ -470,24 +507,16 @@ def assemble_app(config: ServingSettings, backend: EngineClient, model: Any, sto
         try:
             yield
         finally:
-            app.state.stopping = True
+            app.state.services.stopping = True
             sweeper.cancel()
             await backend.shutdown(config.shutdown_timeout_s)
 
     app = FastAPI(title=title, version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible chat API, Anthropic's Messages API, and server-side sessions "
                               "for LLM agents.")
-    app.state.config = config
-    app.state.stopping = False
-    app.state.tenants = tenants
-    app.state.engine = backend
-    app.state.metrics = metrics
-    app.state.generator = generator
-    app.state.openai = OpenAIService(generator)
-    app.state.anthropic = AnthropicService(generator)
-    app.state.sessions = sessions
-    app.state.responses = ResponsesService(sessions)
-    app.state.dashboard = LocalStatus(app.state)  # the router puts its own fleet view here
+    app.state.services = parts = Services(config, tenants, backend, metrics, generator, OpenAIService(generator),
+                                          AnthropicService(generator), sessions, ResponsesService(sessions))
+    app.state.dashboard = LocalStatus(parts)  # the router puts its own fleet view here
     install_handlers(app, config.retry_after_s)
     app.include_router(open_routes)
     app.include_router(api)

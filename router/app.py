@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from agentrt.core.errors import APIError
 
 from agentrt.config import RouterServerConfig
+from agentrt.server import services
 from router.config import RouterConfig
 
 router_routes = APIRouter()
@@ -31,15 +32,15 @@ router_routes = APIRouter()
 
 @router_routes.get("/router/state")
 async def router_state(request: Request) -> dict:
-    state = request.app.state
-    limits = state.generator.tenant_limits
-    return {**state.core.state(), "failovers": state.engine.failovers,
+    parts = services(request)
+    limits = parts.generator.tenant_limits
+    return {**request.app.state.core.state(), "failovers": parts.engine.failovers,
             "tenant_limits": {"leases_held": limits.held, "lost_leases": limits.lost_leases,
                               "release_errors": limits.release_errors}}
 
 
 async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    retry = request.app.state.config.retry_after_s
+    retry = services(request).config.retry_after_s
     return APIError(503, f"the session store (Redis) is unavailable: {type(exc).__name__}: {exc}; retry later",
                     type="server_error", code="store_unavailable",
                     headers={"Retry-After": str(retry)}).response(request.url.path)
@@ -66,7 +67,7 @@ def create_router_app(config: RouterServerConfig, rconfig: RouterConfig) -> Fast
     app = assemble_app(config, remote, model, store, title="agentrt router",
                        tenant_limits=limits, metrics=metrics, role="router")
     app.state.core = core
-    app.state.dashboard = RouterStatus(app.state, core)
+    app.state.dashboard = RouterStatus(app.state.services, core)
     app.include_router(router_routes)
     app.add_exception_handler(RedisError, _redis_unavailable)
     inner = app.router.lifespan_context

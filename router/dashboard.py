@@ -40,7 +40,7 @@ RECENT = 50  # decisions the JSON carries
 
 class RouterStatus:
     def __init__(self, state: Any, core: RouterCore, timeout_s: float = 2.0, cache_s: float = 1.0) -> None:
-        self.state = state  # the app's state: sessions, tenants, metrics, generator
+        self.state = state  # the app's Services (agentrt/server.py): sessions, tenants, metrics, generator
         self.core = core
         self.timeout_s = timeout_s
         self.cache_s = cache_s

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from agentrt.core.errors import bad_request
-from agentrt.server import sse_response
+from agentrt.server import services, sse_response
 
 sglang_routes = APIRouter()
 
@@ -90,7 +90,7 @@ def _meta(request_id: str, result) -> dict[str, Any]:
 
 @sglang_routes.post("/generate")
 async def native_generate(body: NativeGenerateRequest, request: Request) -> Any:
-    gen = request.app.state.generator
+    gen = services(request).generator
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text and input_ids", param="text")
     ids = gen.tokenizer.encode(body.text) if body.text is not None else list(body.input_ids)
@@ -110,4 +110,4 @@ async def native_generate(body: NativeGenerateRequest, request: Request) -> Any:
             yield {"text": "".join(text), "meta_info": {"id": rid}}
         yield {"text": "".join(text), "meta_info": _meta(rid, generation.result)}
 
-    return sse_response(chunks(), generation.close, request.app.state.config.retry_after_s)
+    return sse_response(chunks(), generation.close, services(request).config.retry_after_s)

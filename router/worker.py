@@ -143,16 +143,16 @@ class WorkerRuntime:
         return await asyncio.shield(self._drain)
 
     async def _drain_once(self, app: FastAPI, timeout_s: float) -> dict:
-        app.state.stopping = True  # /health 503, /internal/generate 503 worker_draining
-        app.state.generator.draining = True  # and every public endpoint that generates
-        log.warning("worker %s draining: %d requests in flight", self.settings.worker_id,
-                    app.state.generator.in_flight)
+        parts = app.state.services
+        parts.stopping = True  # /health 503, /internal/generate 503 worker_draining
+        parts.generator.draining = True  # and every public endpoint that generates
+        log.warning("worker %s draining: %d requests in flight", self.settings.worker_id, parts.generator.in_flight)
         await self._stop_heartbeat()
         await self._unregister()
         deadline = time.monotonic() + timeout_s
-        while app.state.generator.in_flight > 0 and time.monotonic() < deadline:
+        while parts.generator.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        left = app.state.generator.in_flight
+        left = parts.generator.in_flight
         log.warning("worker %s drained (%d requests still running)", self.settings.worker_id, left)
         handover = None
         if self.moves is not None:   # its pinned sessions' KV to other workers, before it goes
@@ -244,7 +244,7 @@ def create_worker_app(config: ServerConfig, rconfig: RouterConfig, settings: Wor
     moves = KVMoves(llm, settings.kv_pull_timeout_s) if rconfig.kv_moves else None
     runtime.moves = moves
     if moves is not None:
-        app.state.metrics.attach(KVMoveCollector(moves))
+        app.state.services.metrics.attach(KVMoveCollector(moves))
     app.state.llm = llm
     app.state.worker = runtime
     app.state.kv_moves = moves

@@ -39,6 +39,7 @@ from engine.types import RequestOutput, SamplingParams, SchedulingKey, TokenLogp
 
 from agentrt import tracing
 from agentrt.dashboard import engine_worker
+from agentrt.server import services
 from agentrt.core.errors import bad_request, draining, not_found
 from router.events import cache_snapshot
 
@@ -181,16 +182,16 @@ def output_from_wire(line: str | bytes, request_id: str) -> RequestOutput:
 async def internal_generate(body: GenerateBody, request: Request) -> StreamingResponse:
     """One request through the worker's ``Generator`` (its admission and its engine's check), its
     outputs streamed as they come."""
-    state = request.app.state
-    gen = state.generator
-    tracing.annotate(tracing.current(), {"agentrt.worker.id": state.worker.settings.worker_id})
-    if state.stopping:  # draining or shutting down: the router sends this request elsewhere
+    parts = services(request)
+    gen = parts.generator
+    tracing.annotate(tracing.current(), {"agentrt.worker.id": request.app.state.worker.settings.worker_id})
+    if parts.stopping:  # draining or shutting down: the router sends this request elsewhere
         raise draining(gen.config.retry_after_s)
     params = sampling_from_wire(body.sampling)
     spec = body.constraint
     constraint = None if spec is None else gen.constraint(StructuredOutput(**spec.model_dump()))
     key = None if body.key is None else SchedulingKey(**body.key.model_dump())
-    moves = getattr(state, "kv_moves", None)
+    moves = getattr(request.app.state, "kv_moves", None)
     if body.kv_source is not None and moves is not None:   # a hint: whatever fails is recomputed
         src = body.kv_source
         await moves.pull(src.url, body.prompt_token_ids, body.cache_salt, src.blocks, src.timeout_s)
@@ -211,15 +212,14 @@ async def internal_drain(request: Request) -> dict:
     with 503 ``worker_draining``, let requests in flight finish within ``--shutdown-timeout-s``, hand the
     pinned sessions' KV to the other workers) and answer when done, with what it did; the process stays
     up (drained) until it is stopped. A second call, or the SIGTERM that follows, returns the same result."""
-    state = request.app.state
-    return await state.worker.drain(request.app, state.generator.config.shutdown_timeout_s)
+    return await request.app.state.worker.drain(request.app, services(request).config.shutdown_timeout_s)
 
 
 @worker_routes.post("/internal/lease/{op}")
 async def internal_lease(op: str, body: LeaseBody, request: Request) -> dict:
     """One KV lease call on the worker's engine client (``EngineClient.extend_lease`` and the rest);
     404 for an unknown ``op``, 400 for an extend without ``ttl_s``."""
-    engine = request.app.state.engine
+    engine = services(request).engine
     calls = {"extend": lambda: engine.extend_lease(body.lease_id, body.ttl_s),
              "release": lambda: engine.release_lease(body.lease_id),
              "demote": lambda: engine.demote_lease(body.lease_id),
@@ -251,11 +251,11 @@ async def kv_snapshot(request: Request) -> JSONResponse:
 async def internal_status(request: Request) -> dict:
     """This worker as a router's dashboard shows it (its state: ``up``, or ``draining`` once told to stop;
     ``kv_moves``: KV page bytes it pulled from and served to other workers, its pulls and failed pulls)."""
-    state = request.app.state
+    state, parts = request.app.state, services(request)
     worker = engine_worker(state.worker.settings.worker_id,
-                           "draining" if state.stopping or state.generator.draining else "up",
+                           "draining" if parts.stopping or parts.generator.draining else "up",
                            state.llm.stats(), state.worker.settings.advertise_url)
-    worker["load"]["in_flight"] = state.generator.in_flight
+    worker["load"]["in_flight"] = parts.generator.in_flight
     moves = getattr(state, "kv_moves", None)   # router/kv_moves.py: its pages moved in and out (None: moves off)
     worker["kv_moves"] = None if moves is None else {
         k: getattr(moves.stats, k) for k in ("pulled_bytes", "served_bytes", "pulls", "pull_failures")}

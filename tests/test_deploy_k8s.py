@@ -390,8 +390,8 @@ def test_a_draining_worker_fails_its_readiness_probe(apps):
         resp = client.get(path)
         assert resp.status_code == 503 and resp.json()["status"] == "stopping"
     finally:
-        app.state.stopping = False
-        app.state.generator.draining = False
+        app.state.services.stopping = False
+        app.state.services.generator.draining = False
         runtime._drain = None   # a worker drains once; the module's app serves the other tests
 
 

@@ -239,12 +239,12 @@ def test_an_announced_long_pause_demotes_the_turns_kv_and_reads_it_back_before_t
             (what, pin, _), = engine.pins
             assert what == "demote"
             ended = time.time()
-            await app.state.sessions.sweep()
+            await app.state.services.sessions.sweep()
             assert len(engine.pins) == 1   # not due yet
             await asyncio.sleep(max(0.0, ended + 1.05 - time.time()))
-            await app.state.sessions.sweep()
+            await app.state.services.sessions.sweep()
             assert engine.pins[1:] == [("prefetch", pin, None)]
-            await app.state.sessions.sweep()
+            await app.state.services.sessions.sweep()
             assert len(engine.pins) == 2   # read back once
             await http.post(f"/v1/sessions/{sid}/turns", json={**TURN, "expected_pause_s": 0.5})
             assert engine.pins[2][0] == "extend" and engine.pins[2][2] == 1.0   # 0.5 s (+25%), at least 1 s

@@ -4,6 +4,7 @@ services read, the stop string that ended a reply included (Anthropic's ``stop_s
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -105,7 +106,7 @@ def _lease_app(engine: _LeaseEngine):
     app = fastapi.FastAPI()
     install_handlers(app)
     app.include_router(worker_routes)
-    app.state.engine = engine
+    app.state.services = types.SimpleNamespace(engine=engine)   # the one part the lease routes use
     return app
 
 
