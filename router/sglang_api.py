@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from agentrt.core.errors import bad_request
-from agentrt.server import services, sse_response
+from agentrt.api.http import sse_response
+from agentrt.server import services
 
 sglang_routes = APIRouter()
 

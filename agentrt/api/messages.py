@@ -41,12 +41,15 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Literal, Union
 
+from fastapi import APIRouter, Depends, Request, Response
+
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.chat import ToolCall, format_tool_call
 from engine.client import StructuredOutput
 
-from agentrt.core.affinity import affinity_hint
+from agentrt.api.http import Auth, reply
+from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.errors import bad_request
 from agentrt.core.generation import Generation, Generator, Result
 from agentrt.core.tenants import Tenant
@@ -590,3 +593,24 @@ class _BlockStream:
                                                                                      ensure_ascii=False)}},
                    {"type": "content_block_stop", "index": self.index}]
         return events
+
+
+def routes(svc: AnthropicService, auth: Auth, retry_after_s: int) -> APIRouter:
+    """Anthropic's Messages API over ``svc``, with Anthropic's error bodies; ``auth``: the API-key check."""
+    api = APIRouter(responses={code: {"model": AnthropicErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)})
+
+    @api.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request, response: Response,
+                       tenant: Tenant = Depends(auth)) -> Any:
+        """Anthropic's Messages API (``anthropic-version`` and ``anthropic-beta`` headers are accepted and
+        not read); streaming sends Anthropic's named events. Session headers route as affinity keys."""
+        generation = await svc.start(body, tenant, affinity_key(request.headers))
+        return await reply(request, response, generation, body.stream, lambda: svc.events(generation),
+                           lambda: svc.message(generation), retry_after_s, anthropic=True)
+
+    @api.post("/v1/messages/count_tokens", response_model=TokenCount, dependencies=[Depends(auth)])
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        """The ``input_tokens`` of this request: its prompt as ``/v1/messages`` would submit it."""
+        return svc.count_tokens(body)
+
+    return api

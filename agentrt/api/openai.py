@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoints as a service class: requests in, response bodies or chunks out.
 
-Nothing here knows about HTTP; routes in ``server.py`` wrap the chunks as server-sent
-events. Chunk shapes follow OpenAI exactly: a first chunk with the assistant role, then
+``OpenAIService`` knows nothing of HTTP; ``routes`` puts it behind its endpoints (``agentrt/api/http.py``
+wraps the chunks as server-sent events). Chunk shapes follow OpenAI exactly: a first chunk with the assistant role, then
 content or tool-call deltas (a tool call's first delta carries ``index``, ``id`` and
 ``name``, the next its ``arguments``), a chunk with ``finish_reason``, an optional usage
 chunk with ``choices: []``, and the ``[DONE]`` sentinel added by the route.
@@ -12,15 +12,18 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
+from fastapi import APIRouter, Depends, Request, Response
+
 from engine.client import StructuredOutput
 from engine.types import CLOSED_BY_BUDGET
 
-from agentrt.core.affinity import affinity_hint
+from agentrt.api.http import ERRORS, Auth, reply
+from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.convert import message_dicts, template_kwargs, tool_call_dicts
 from agentrt.core.errors import bad_request
 from agentrt.core.generation import Generation, Generator, Result
 from agentrt.core.tenants import Tenant
-from agentrt.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from agentrt.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelList, TokenizeRequest
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -226,3 +229,38 @@ class OpenAIService:
                 "top_logprobs": [{self._token_text(i): v for i, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}
 
+
+def routes(svc: OpenAIService, auth: Auth, retry_after_s: int) -> APIRouter:
+    """OpenAI's Chat Completions and Completions, ``/v1/models``, and vLLM's ``/tokenize`` and
+    ``/detokenize``, over ``svc``; ``auth``: the API-key check."""
+    api = APIRouter(responses=ERRORS)
+
+    @api.get("/v1/models", response_model=ModelList, dependencies=[Depends(auth)])
+    async def models() -> dict:
+        return svc.models()
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
+                               tenant: Tenant = Depends(auth)) -> Any:
+        generation = await svc.start_chat(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
+        return await reply(request, response, generation, body.stream, lambda: svc.chat_chunks(body, generation),
+                           lambda: svc.chat(body, generation), retry_after_s)
+
+    @api.post("/tokenize", dependencies=[Depends(auth)])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's ``/tokenize``: token ids of a prompt, or of messages through the chat template."""
+        return svc.tokenize(body)
+
+    @api.post("/detokenize", dependencies=[Depends(auth)])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return svc.detokenize(body)
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, response: Response,
+                          tenant: Tenant = Depends(auth)) -> Any:
+        generation = await svc.start_completion(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
+        return await reply(request, response, generation, body.stream,
+                           lambda: svc.completion_chunks(body, generation), lambda: svc.completion(body, generation),
+                           retry_after_s)
+
+    return api

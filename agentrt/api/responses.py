@@ -31,11 +31,14 @@ import json
 import time
 from typing import Any, AsyncIterator, Callable, Literal
 
+from fastapi import APIRouter, Depends, Query, Request, Response
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.client import SessionHint, StructuredOutput
 
-from agentrt.core.affinity import affinity_hint
+from agentrt.api.http import ERRORS, Auth, json_reply, placed, sse_response, unless_disconnected
+from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.errors import APIError, bad_request, from_exception, not_found
 from agentrt.core.generation import Delta, Generation, Result
 from agentrt.protocol import ForkRequest, FunctionDef, SessionCreateRequest
@@ -650,3 +653,44 @@ class ResponsesService:
         except APIError as exc:
             if exc.status != 404:
                 raise
+
+
+def routes(svc: ResponsesService, auth: Auth, retry_after_s: int) -> APIRouter:
+    """OpenAI's Responses API over ``svc``; ``auth``: the API-key check."""
+    api = APIRouter(responses=ERRORS)
+
+    @api.post("/v1/responses")
+    async def create_response(body: ResponseCreateRequest, request: Request, response: Response,
+                              tenant: Tenant = Depends(auth)) -> Any:
+        """OpenAI's Responses API; a ``previous_response_id`` chain is a session. Streaming sends typed
+        events. Like a chat completion, a response that runs answers once placed, naming its worker behind a
+        router."""
+        run = await svc.start(body, tenant, affinity_key(request.headers, body.prompt_cache_key))
+        generation = run.running
+        if body.stream:
+            headers = {} if generation is None else await placed(request, generation, run.close)
+            if isinstance(headers, Response):
+                return headers
+            return sse_response(run.events(), run.close, retry_after_s, headers, named=True)
+        if generation is None:
+            return await unless_disconnected(request, run.collect(), run.close)
+        return await json_reply(request, response, generation, run.collect(), run.close)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, tenant: Tenant = Depends(auth), stream: bool = Query(False)) -> dict:
+        if stream:
+            raise APIError(400, "streaming a stored response again is not supported; GET it without stream",
+                           param="stream")
+        return await svc.retrieve(response_id, tenant)
+
+    @api.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
+    async def delete_response(response_id: str, tenant: Tenant = Depends(auth)) -> dict:
+        return await svc.delete(response_id, tenant)
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, tenant: Tenant = Depends(auth), limit: int = Query(20),
+                                   order: str = Query("desc"), after: str | None = None,
+                                   before: str | None = None) -> dict:
+        return await svc.input_items(response_id, tenant, limit=limit, order=order, after=after, before=before)
+
+    return api
