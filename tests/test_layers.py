@@ -6,6 +6,9 @@
 * inside ``agentrt``, the surfaces (``agentrt.api``: OpenAI, Responses, Anthropic Messages) stand side by
   side on ``agentrt.core`` (generation, turns, store, tenants, leases, message conversion): no surface
   imports another, and nothing in ``agentrt.core`` imports a surface or the app (``agentrt.server``);
+* ``router`` uses ``agentrt`` only through the modules named in ``ROUTER_USES`` (the app it assembles,
+  the settings, the contracts it implements: store, tenants, errors), never a surface's or the turn
+  path's internals;
 * ``agentrt_cli`` (the ``agentrt`` command, dispatching to every subcommand) stands above both, and
   nothing of ours imports it;
 * nothing in the installed packages imports ``benchmarks`` or ``tests`` (scripts and tests
@@ -25,6 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "agentrt", "router", "agentrt_cli")
 OURS = PACKAGES + ("benchmarks", "tests")
+# agentrt's modules router/ may import: the app it assembles (server), its settings and instrumentation,
+# the contracts it implements or reuses (the session store, tenants, errors), the SSE plumbing, the
+# dashboard's status shape and the process launcher
+ROUTER_USES = frozenset({"agentrt", "agentrt.server", "agentrt.config", "agentrt.tracing", "agentrt.metrics",
+                         "agentrt.procs", "agentrt.dashboard", "agentrt.api.http", "agentrt.core.errors",
+                         "agentrt.core.tenants", "agentrt.core.store"})
 
 
 def module_files() -> dict[str, Path]:
@@ -94,6 +103,8 @@ def forbidden(importer: str, imported: str) -> str | None:
         return "engine/ imports nothing of ours above it"
     if low == "agentrt" and high == "router":
         return "the serving core (agentrt/) does not import the multi-worker layer (router/)"
+    if low == "router" and high == "agentrt" and imported not in ROUTER_USES:
+        return "router/ reaches into agentrt beyond the modules it may use (ROUTER_USES)"
     if high == "agentrt_cli" and low != "agentrt_cli":
         return "nothing imports the command (agentrt_cli/): it stands above every package"
     if importer.startswith("agentrt.core") and (imported.startswith("agentrt.api") or imported == "agentrt.server"):
@@ -197,6 +208,7 @@ def test_the_checker_sees_what_it_must():
     assert forbidden("router.core", "benchmarks.workload") and not forbidden("agentrt_cli", "router.commands")
     assert forbidden("agentrt.cli", "router.commands") and forbidden("router.commands", "agentrt_cli")
     assert not forbidden("router.core", "agentrt.core.errors")
+    assert forbidden("router.worker_api", "agentrt.core.turns") and forbidden("router.app", "agentrt.api.openai")
     assert forbidden("agentrt.core.turns", "agentrt.api.openai") and forbidden("agentrt.core.generation", "agentrt.server")
     assert forbidden("agentrt.api.responses", "agentrt.api.openai")
     assert not forbidden("agentrt.api.responses", "agentrt.api.responses_output")
