@@ -154,3 +154,30 @@ def pick_prefill_on_blocks(shapes: tuple[tuple[str, tuple[int, int]], ...], dtyp
              "%.1f ms (%s)", "blocks" if blocks else "dense weights", dtype_name, PREFILL_ROWS, times["off"],
              times["gguf"], how)
     return blocks
+
+
+_PICK_NAMES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
+               "down": "mlp.down_proj"}
+
+
+def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Prefill chunks on the blocks where they measured faster than on the dense weights in ``dtype`` at
+    this model's shapes (``pick_prefill_on_blocks``, once per machine); returns whether they run so."""
+    from engine.models.qlinear import BlockLinear, prefill_on_blocks
+
+    layers = getattr(model, "layers", None)
+    shapes = []
+    for name, path in _PICK_NAMES.items() if layers else ():
+        m = _submodule(layers[0], path)
+        if isinstance(m, BlockLinear):
+            shapes.append((name, (m.out_features, m.in_features)))
+    enabled = bool(shapes) and pick_prefill_on_blocks(tuple(shapes), str(dtype).removeprefix("torch."))
+    prefill_on_blocks(model, enabled)
+    return enabled
+
+
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None

@@ -80,33 +80,6 @@ def prefill_on_blocks(model: nn.Module, enabled: bool) -> None:
             m.max_rows = None if enabled else MAX_QUANT_ROWS
 
 
-_PICK_NAMES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
-               "down": "mlp.down_proj"}
-
-
-def pick_prefill_path(model: nn.Module, dtype: torch.dtype) -> bool:
-    """Prefill chunks on the blocks where they measured faster than on the dense weights in ``dtype`` at
-    this model's shapes (engine/models/cpu_pick.py, once per machine); returns whether they run so."""
-    from engine.models.cpu_pick import pick_prefill_on_blocks
-
-    layers = getattr(model, "layers", None)
-    shapes = []
-    for name, path in _PICK_NAMES.items() if layers else ():
-        m = _submodule(layers[0], path)
-        if isinstance(m, BlockLinear):
-            shapes.append((name, (m.out_features, m.in_features)))
-    enabled = bool(shapes) and pick_prefill_on_blocks(tuple(shapes), str(dtype).removeprefix("torch."))
-    prefill_on_blocks(model, enabled)
-    return enabled
-
-
-def _submodule(module: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return module.get_submodule(path)
-    except AttributeError:
-        return None
-
-
 def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks:
     """A (fused) layer's 4-bit blocks: the file's where every part has them, else Q4_1 from its weight."""
     if parts and all(isinstance(p, Int4Groups) and p.group_size == 32 for p in parts):

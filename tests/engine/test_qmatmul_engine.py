@@ -70,7 +70,8 @@ def test_auto_picks_the_fastest_measured_path(tmp_path, monkeypatch):
 def test_prefill_chunks_take_the_measured_faster_path(tmp_path, monkeypatch):
     """A gguf model's prefill chunks run on the blocks exactly when they timed faster there than on the
     dense weights (fresh times, then the cache's either way)."""
-    from engine.models.qlinear import pick_prefill_path, prefill_on_blocks
+    from engine.models.cpu_pick import pick_prefill_path
+    from engine.models.qlinear import prefill_on_blocks
 
     monkeypatch.setattr(cpu_pick, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(cpu_pick, "ROUNDS", 1)
