@@ -72,6 +72,8 @@ _SDPA_MIN_Q = 128
 # torch's fused CPU attention, which returns each query's log-sum-exp beside its output (None where this
 # torch lacks it: the masked SDPA path serves every long chunk then)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# the activations whose long chunks over a cached prefix take ``extend_attention`` (measured in float32 only)
+_EXTEND_DTYPES = (torch.float32,)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_cached: int) -> torch.Tensor:
@@ -201,7 +203,7 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks, vs, is_causal=True,
                                                    enable_gqa=True)   # (Hq, ql, D)
                 out[start:end] = o.transpose(0, 1)
-            elif end - start >= _SDPA_MIN_Q and _FLASH_CPU is not None and qs.dtype == torch.float32 \
+            elif end - start >= _SDPA_MIN_Q and _FLASH_CPU is not None and qs.dtype in _EXTEND_DTYPES \
                     and qs.device.type == "cpu":
                 out[start:end] = extend_attention(qs, ks, vs, ks.shape[1] - (end - start))
             elif end - start >= _SDPA_MIN_Q:  # a long chunk over a cached prefix: SDPA's fused kernel

@@ -6,8 +6,9 @@ through engine/models/csrc/qmatmul.c (activations quantized to 8 bits per block 
 products against the 4-bit / 8-bit weight blocks, out in the activations' dtype, float32 or bfloat16);
 longer steps (prefill chunks) multiply the model's dense weights, or the blocks too where that measured
 faster on this machine (``prefill_on_blocks``, engine/models/cpu_pick.py ``pick_prefill_on_blocks``).
-The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0 ``token_embd`` for a tied head); a weight the file holds in another form is quantized here (4-bit as
-Q4_1, round to nearest; the LM head to Q8_0), as is every weight of a Hugging Face checkpoint.
+The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0 ``token_embd`` for a tied head); a weight
+the file holds in another form is quantized here (4-bit as Q4_1, round to nearest; the LM head to Q8_0), as
+is every weight of a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
