@@ -91,8 +91,9 @@ class EngineConfig:
     ``gguf`` (engine/models/qlinear.py) multiplies decode steps (at most ``MAX_QUANT_ROWS`` rows) on the
     file's own blocks (Q4_0 / Q4_1 layers, a Q8_0 LM head; other weights quantized to Q4_1 / Q8_0) with
     activations quantized to 8 bits per block of 32 and integer dot products (a C kernel), and longer
-    steps on the dense weights in ``dtype``. With ``dtype="auto"`` too, ``auto`` on the CPU is measured:
-    the fastest of ``off``, ``int4`` (bfloat16 only) and ``gguf`` at this model's shapes, once per CPU
+    steps on the dense weights in ``dtype``, or on the blocks too where that measured faster on this CPU
+    (engine/models/cpu_pick.py ``pick_prefill_on_blocks``). With ``dtype="auto"`` too, ``auto`` on the CPU
+    is measured: the fastest of ``off``, ``int4`` (bfloat16 only) and ``gguf`` at this model's shapes, once per CPU
     (engine/models/cpu_pick.py).
 
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention

@@ -115,6 +115,10 @@ class LLMEngine:
             self.model = self._build_expert_parallel(mcfg, state, dtype)
         else:
             self.model = build_model(mcfg, state, dtype, self.device, self.quantization, int4_groups)
+        self.prefill_on_blocks = False
+        if self.quantization == "gguf" and self.device == "cpu":   # prefill chunks too, where measured faster
+            from engine.models.cpu_pick import pick_prefill_path
+            self.prefill_on_blocks = pick_prefill_path(self.model, dtype)
         self.model.rope.fit_context(self.max_model_len)   # longrope: its long table only past the original length
         del state, int4_groups
         return dtype

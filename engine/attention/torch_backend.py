@@ -31,7 +31,9 @@ the sequence's context once for all of its queries.
 
 Longer prefill chunks: per sequence, the keys are gathered (one copy) and attended with
 a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SDPA's
-``is_causal`` when nothing was cached before the chunk.
+``is_causal`` when nothing was cached before the chunk. In float32 on the CPU a chunk from
+``_SDPA_MIN_Q`` queries on takes no mask (``extend_attention``): the cached keys and the chunk's own
+are attended apart by torch's fused kernel and merged by log-sum-exp.
 
 On an int8 pool (``EngineConfig.kv_cache_dtype="int8"``) the kernel reads the int8 pages in place and
 ``rope_store`` writes them quantized; the torch paths read through ``KVCache.gather`` / ``slot_range``,
@@ -65,6 +67,34 @@ _DECODE_MAX_Q = 16
 # kernel never holds the (heads, queries, keys) scores): 2.5x faster for 512 queries over 7,000 keys
 # (186 -> 76 ms a layer, bf16, 2 cores), 2.1x at 128; slower below (64 x 7,000: 7.3 vs 11.1 ms)
 _SDPA_MIN_Q = 128
+
+
+# torch's fused CPU attention, which returns each query's log-sum-exp beside its output (None where this
+# torch lacks it: the masked SDPA path serves every long chunk then)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# the activations whose long chunks over a cached prefix take ``extend_attention`` (measured in float32 only)
+_EXTEND_DTYPES = (torch.float32,)
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_cached: int) -> torch.Tensor:
+    """A prefill chunk over a cached prefix without a mask: the cached keys, which every query sees, and
+    the chunk's own keys, causal from its first query, attended apart and merged by log-sum-exp.
+
+    q: (Q, Hq, D); k, v: (Hkv, n_cached + Q, D), the chunk's own keys last -> (Q, Hq, D).
+    The cached part stacks the G query heads of a KV head as one head of G * Q queries (no mask: each
+    block of keys is read once for all G); the own part is top-left causal, as SDPA's ``is_causal``.
+    Against the masked SDPA (one layer, 9 query / 3 KV heads of 64, torch capped at AVX2, one thread on
+    a shared host, medians of 8 alternating runs): 512 queries over 5,512 keys 287 -> 221 ms, 238 over
+    5,750 124 -> 97 ms, 512 over 2,712 127 -> 98 ms.
+    """
+    Q, Hq, D = q.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    qh = q.transpose(0, 1)                                                     # (Hq, Q, D)
+    o_c, lse_c = _FLASH_CPU(qh.reshape(Hkv, G * Q, D)[None], k[None, :, :n_cached], v[None, :, :n_cached])
+    o_n, lse_n = _FLASH_CPU(qh[None], k[None, :, n_cached:], v[None, :, n_cached:], is_causal=True)  # (1, Hq, Q, D)
+    o = _merge(o_c.reshape(Hq, Q, D), lse_c.reshape(Hq, Q), o_n[0], lse_n[0])   # (Hq, Q, D)
+    return o.transpose(0, 1).to(q.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -173,6 +203,9 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks, vs, is_causal=True,
                                                    enable_gqa=True)   # (Hq, ql, D)
                 out[start:end] = o.transpose(0, 1)
+            elif end - start >= _SDPA_MIN_Q and _FLASH_CPU is not None and qs.dtype in _EXTEND_DTYPES \
+                    and qs.device.type == "cpu":
+                out[start:end] = extend_attention(qs, ks, vs, ks.shape[1] - (end - start))
             elif end - start >= _SDPA_MIN_Q:  # a long chunk over a cached prefix: SDPA's fused kernel
                 o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks[None], vs[None], attn_mask=mask,
                                                    enable_gqa=True)   # (1, Hq, ql, D)

@@ -11,6 +11,12 @@ each kept; the fastest wins. The times are cached as JSON in the kernel cache
 (engine/cpu_build.cache_dir), keyed by the CPU's flags, the kernels' ``-march``, torch's and oneDNN's ISA
 caps (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), torch's version, the shapes, the dtype and the
 kernel's source, so a machine measures once; the pick and the times are logged.
+
+With ``gguf``, prefill chunks are measured apart (``pick_prefill_on_blocks``): one layer's projections at
+``PREFILL_ROWS`` rows on the dense weights in the model's dtype against the blocks, cached the same way; the
+faster runs every chunk of more than ``MAX_QUANT_ROWS`` rows (measured on the dev host class, AMD EPYC
+with AVX-512: the blocks won in float32 AVX2-only, where the dense matmul is oneDNN's AVX2 sgemm, by
+~1.2-1.6x a projection, and natively in bfloat16 too, 22.2 vs 26.8 ms; another CPU may pick the dense weights).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ log = logging.getLogger("engine")
 
 LAYERS = 8    # layers of weights timed per round: more than a CPU's last-level cache in float32
 ROUNDS = 5
+# rows of the prefill timing: a chunk holds up to max_batched_tokens (512 by default); one layer's weights,
+# as a chunk reuses each weight for all of its rows
+PREFILL_ROWS = 256
 
 
 def model_shapes(path: str | None) -> dict[str, tuple[int, int]]:
@@ -47,8 +56,9 @@ def model_shapes(path: str | None) -> dict[str, tuple[int, int]]:
             "head": shape.get("output.weight", shape["token_embd.weight"])}
 
 
-def _layers(mode: str, shapes: dict, dtype: torch.dtype):
-    """Callables x -> y for LAYERS layers' projections and the head, as ``mode`` would run them."""
+def _layers(mode: str, shapes: dict, dtype: torch.dtype, layers: int = LAYERS):
+    """Callables x -> y for ``layers`` layers' projections and the head (where ``shapes`` has one), as
+    ``mode`` would run them (``gguf``: on the blocks, whatever the rows)."""
     from engine.models.qlinear import BlockLinear, Q4Blocks, Q8Blocks, load
     from engine.models.quant import Int4Groups, Int4Linear, Int8Linear
 
@@ -60,7 +70,7 @@ def _layers(mode: str, shapes: dict, dtype: torch.dtype):
         return Int4Groups(q, torch.full((n, k // 32), 0.01), torch.full((n, k // 32), -0.08))
 
     fns = []
-    names = ["qkv", "o", "gate_up", "down"] * LAYERS + ["head"]
+    names = [n for n in ("qkv", "o", "gate_up", "down") if n in shapes] * layers + (["head"] if "head" in shapes else [])
     for name, (n, k) in [(s, shapes[s]) for s in names]:
         if mode == "off":
             w = weights(n, k)
@@ -71,14 +81,15 @@ def _layers(mode: str, shapes: dict, dtype: torch.dtype):
             blocks = (Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.full((n, k // 32), 2.0 ** -7))
                       if name == "head" else Q4Blocks.from_groups(q4(n, k)))
             dense = torch.zeros(()).expand(n, k)                  # never read: one row runs on the blocks
-            fns.append((k, BlockLinear(load(), blocks, dense)))
+            fns.append((k, BlockLinear(load(), blocks, dense, max_rows=None)))
     return fns
 
 
-def measure(candidates: list[str], shapes: dict, dtype: torch.dtype) -> dict[str, float]:
-    """Best-of-ROUNDS milliseconds of each candidate's batch-1 step matmuls (rounds alternate)."""
-    paths = {c: _layers(c, shapes, dtype) for c in candidates}
-    xs = {k: torch.randn(1, k).to(dtype) for _, (_, k) in shapes.items()}
+def measure(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int = 1,
+            layers: int = LAYERS) -> dict[str, float]:
+    """Best-of-ROUNDS milliseconds of each candidate's step matmuls at ``rows`` rows (rounds alternate)."""
+    paths = {c: _layers(c, shapes, dtype, layers) for c in candidates}
+    xs = {k: torch.randn(rows, k).to(dtype) for _, (_, k) in shapes.items()}
     best = {c: float("inf") for c in candidates}
     with torch.inference_mode():
         for r in range(ROUNDS + 1):
@@ -91,12 +102,28 @@ def measure(candidates: list[str], shapes: dict, dtype: torch.dtype) -> dict[str
     return best
 
 
-def _key(candidates: list[str], shapes: dict, dtype: torch.dtype) -> str:
+def _key(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int = 1) -> str:
     from engine.models.qmatmul import SOURCE
 
     caps = [kernel_march(), os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ONEDNN_MAX_CPU_ISA")]
-    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS, caps])
+    text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS, caps]
+                      + ([rows] if rows != 1 else []))
     return hashlib.sha256(text.encode() + SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _times(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int = 1,
+           layers: int = LAYERS) -> tuple[dict[str, float], str]:
+    """``measure``'s times, from the kernel cache when this machine measured them before; and where from."""
+    file = cache_dir() / f"pick-{_key(candidates, shapes, dtype, rows)}.json"
+    try:
+        return json.loads(file.read_text()), f"cached in {file}"
+    except (OSError, ValueError):
+        times = measure(candidates, shapes, dtype, rows, layers)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(times))
+        os.replace(tmp, file)
+        return times, "measured now"
 
 
 @functools.cache
@@ -110,17 +137,48 @@ def pick_quantization(path: str | None, dtype_name: str) -> str:
     candidates += ["gguf"] if load() is not None else []
     if len(candidates) == 1:
         return "off"
-    shapes = model_shapes(path)
-    file = cache_dir() / f"pick-{_key(candidates, shapes, dtype)}.json"
-    try:
-        times, how = json.loads(file.read_text()), f"cached in {file}"
-    except (OSError, ValueError):
-        times, how = measure(candidates, shapes, dtype), "measured now"
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(times))
-        os.replace(tmp, file)
+    times, how = _times(candidates, model_shapes(path), dtype)
     choice = min(times, key=times.get)
     log.info("quantization auto picked %s in %s: batch-1 step matmuls of %d layers + the LM head %s (%s)",
              choice, dtype_name, LAYERS, ", ".join(f"{c} {t:.1f} ms" for c, t in times.items()), how)
     return choice
+
+
+@functools.cache
+def pick_prefill_on_blocks(shapes: tuple[tuple[str, tuple[int, int]], ...], dtype_name: str) -> bool:
+    """Whether a ``gguf`` model's prefill chunks (more than ``MAX_QUANT_ROWS`` rows) run faster on its blocks
+    than on its dense weights in ``dtype_name``: one layer's projections of ``shapes`` ((name, (out, in))
+    for qkv, o, gate_up, down) timed at ``PREFILL_ROWS`` rows."""
+    times, how = _times(["off", "gguf"], dict(shapes), getattr(torch, dtype_name), PREFILL_ROWS, layers=1)
+    blocks = times["gguf"] < times["off"]
+    log.info("gguf prefill chunks on the %s in %s: %d rows of one layer's projections, dense %.1f ms, blocks "
+             "%.1f ms (%s)", "blocks" if blocks else "dense weights", dtype_name, PREFILL_ROWS, times["off"],
+             times["gguf"], how)
+    return blocks
+
+
+_PICK_NAMES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
+               "down": "mlp.down_proj"}
+
+
+def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Prefill chunks on the blocks where they measured faster than on the dense weights in ``dtype`` at
+    this model's shapes (``pick_prefill_on_blocks``, once per machine); returns whether they run so."""
+    from engine.models.qlinear import BlockLinear, prefill_on_blocks
+
+    layers = getattr(model, "layers", None)
+    shapes = []
+    for name, path in _PICK_NAMES.items() if layers else ():
+        m = _submodule(layers[0], path)
+        if isinstance(m, BlockLinear):
+            shapes.append((name, (m.out_features, m.in_features)))
+    enabled = bool(shapes) and pick_prefill_on_blocks(tuple(shapes), str(dtype).removeprefix("torch."))
+    prefill_on_blocks(model, enabled)
+    return enabled
+
+
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None

@@ -4,9 +4,11 @@ Every decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj
 a ``BlockLinear``: steps of at most ``max_rows`` rows (decode, small batches, short verifications) run
 through engine/models/csrc/qmatmul.c (activations quantized to 8 bits per block of 32, integer dot
 products against the 4-bit / 8-bit weight blocks, out in the activations' dtype, float32 or bfloat16);
-longer steps (prefill chunks) multiply the model's dense weights as before. The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0
-``token_embd`` for a tied head); a weight the file holds in another form is quantized here (4-bit as
-Q4_1, round to nearest; the LM head to Q8_0), as is every weight of a Hugging Face checkpoint.
+longer steps (prefill chunks) multiply the model's dense weights, or the blocks too where that measured
+faster on this machine (``prefill_on_blocks``, engine/models/cpu_pick.py ``pick_prefill_on_blocks``).
+The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0 ``token_embd`` for a tied head); a weight
+the file holds in another form is quantized here (4-bit as Q4_1, round to nearest; the LM head to Q8_0), as
+is every weight of a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from engine.models.quant import MAX_QUANT_ROWS, Int4Groups, projections, quantiz
 
 
 class BlockLinear(nn.Module):
-    """``y = x @ w.T + b`` on weight blocks for steps of at most ``max_rows`` rows, on ``dense`` above."""
+    """``y = x @ w.T + b`` on weight blocks for steps of at most ``max_rows`` rows (None: every step), on
+    ``dense`` above."""
 
     def __init__(self, lib: QMatmulLib, blocks: Q4Blocks | Q8Blocks, dense: torch.Tensor,
-                 bias: torch.Tensor | None = None, max_rows: int = MAX_QUANT_ROWS) -> None:
+                 bias: torch.Tensor | None = None, max_rows: int | None = MAX_QUANT_ROWS) -> None:
         super().__init__()
         self.lib, self.max_rows = lib, max_rows
         self.packed = pack(blocks)                       # the kernel's layout; the only copy kept
@@ -34,7 +37,8 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features or x.numel() > self.max_rows * self.in_features:
+        if x.shape[-1] != self.in_features or (self.max_rows is not None
+                                                and x.numel() > self.max_rows * self.in_features):
             return F.linear(x, self.dense, self.bias)                          # (prefill: many rows)
         if x.dtype in KERNEL_DTYPES and x.is_contiguous():
             y = self.lib.run(x, self.packed)                                   # (..., N) in x's dtype
@@ -48,7 +52,7 @@ class BlockLinear(nn.Module):
         kernel runs (x contiguous, few rows, 4-bit blocks, no biases); None for any other step."""
         step = x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] == self.in_features
         if not (step and isinstance(down, BlockLinear) and down.in_features * 2 == self.out_features
-                and x.shape[0] <= min(self.max_rows, down.max_rows)
+                and _fits(x.shape[0], self.max_rows) and _fits(x.shape[0], down.max_rows)
                 and self.bias is None and down.bias is None and self.packed.bits == 4 and down.packed.bits == 4):
             return None
         return self.lib.swiglu(x, self.packed, down.packed)
@@ -62,6 +66,18 @@ class BlockLinear(nn.Module):
         kind = f"{self.packed.bits}-bit"
         return (f"in_features={self.in_features}, out_features={self.out_features}, {kind} blocks, "
                 f"max_rows={self.max_rows}, kernel={self.lib.variant}")
+
+
+def _fits(rows: int, max_rows: int | None) -> bool:
+    return max_rows is None or rows <= max_rows
+
+
+def prefill_on_blocks(model: nn.Module, enabled: bool) -> None:
+    """Every ``BlockLinear`` of ``model`` runs steps of any size on its blocks (``enabled``), or only steps
+    of at most ``MAX_QUANT_ROWS`` rows, the longer ones on its dense weight."""
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            m.max_rows = None if enabled else MAX_QUANT_ROWS
 
 
 def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks:

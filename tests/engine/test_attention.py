@@ -197,3 +197,46 @@ def test_long_chunks_over_a_cached_prefix_match_reference(dtype):
     assert [end - start for start, end, _, _ in backend.prefills] == [q for q, _ in specs if q > 1]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("n_cached,ql", [(1, 130), (300, 128), (517, 200)])
+def test_extend_attention_matches_the_masked_computation(n_cached, ql):
+    """The unmasked split (cached keys for every query, the chunk's own keys causal, merged by log-sum-exp)
+    against the plain masked softmax in float64, with grouped KV heads."""
+    from engine.attention.torch_backend import _FLASH_CPU, extend_attention
+
+    if _FLASH_CPU is None:
+        pytest.skip("this torch has no fused CPU attention returning the log-sum-exp")
+    torch.manual_seed(n_cached)
+    kl = n_cached + ql
+    q = torch.randn(ql, HQ, D)
+    k, v = torch.randn(HKV, kl, D), torch.randn(HKV, kl, D)
+    out = extend_attention(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, n_cached)   # k strided
+    kr, vr = (t.repeat_interleave(HQ // HKV, dim=0).double() for t in (k, v))                # (Hq, kl, D)
+    s = q.transpose(0, 1).double() @ kr.transpose(1, 2) / D ** 0.5                            # (Hq, ql, kl)
+    s.masked_fill_(torch.arange(kl)[None, :] > torch.arange(n_cached, kl)[:, None], float("-inf"))
+    ref = (torch.softmax(s, -1) @ vr).transpose(0, 1)                                         # (ql, Hq, D)
+    assert out.shape == (ql, HQ, D) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_long_float32_chunks_over_a_cached_prefix_take_the_split(monkeypatch):
+    """A float32 chunk of at least _SDPA_MIN_Q queries over cached keys goes through extend_attention (a
+    bfloat16 one keeps the masked SDPA)."""
+    from engine.attention import torch_backend
+    from engine.attention.torch_backend import _SDPA_MIN_Q
+
+    if torch_backend._FLASH_CPU is None:
+        pytest.skip("this torch has no fused CPU attention returning the log-sum-exp")
+    calls = []
+    real = torch_backend.extend_attention
+    monkeypatch.setattr(torch_backend, "extend_attention", lambda *a: calls.append(a[3]) or real(*a))
+    specs = [(_SDPA_MIN_Q, _SDPA_MIN_Q + 37), (_SDPA_MIN_Q - 1, _SDPA_MIN_Q + 50)]
+    for dtype in (torch.float32, torch.bfloat16):
+        rng = random.Random(6)
+        num_pages = sum(-(-kl // P) for _, kl in specs) + 2
+        kv, backend = random_backend(1, num_pages, dtype)
+        out, ref = run_against_reference(kv, backend, make_batch(rng, num_pages, specs), 0, dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert calls == [37]

@@ -113,6 +113,24 @@ def test_kernel_matches_its_reference_on_random_blocks(variant_lib, kind, n, k):
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, variant_lib.matmul(xb.float(), packed).bfloat16())
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_prefill_chunks_match_the_reference_row_by_row(variant_lib, kind):
+    """Many rows at once (a prefill chunk: passes of 8 rows by groups of 16 output rows as the threads' tasks,
+    a last pass of fewer rows, the activations quantized in parallel): each row's values are exactly those of
+    that row alone, and within the reference's tolerance."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 83, 192
+    w = random_q8(n, k, gen) if kind == "q8_0" else random_q4(n, k, gen)
+    packed = pack(w)
+    x = activations(77, k, gen)
+    y = variant_lib.matmul(x, packed)
+    assert_exact(y, x, w)
+    for r in (0, 8, 39, 76):
+        assert torch.equal(y[r], variant_lib.matmul(x[r:r + 1].contiguous(), packed)[0])
+    xb = x.bfloat16()
+    assert torch.equal(variant_lib.matmul(xb, packed), variant_lib.matmul(xb.float(), packed).bfloat16())
+
+
 def test_integer_sums_at_their_bounds(variant_lib):
     """The largest sums the paths hold: 4-bit q = 15 against xq = +-127 (an AVX2 block's int16 pair sums
     reach 8 * 2 * 15 * 127 = 30480), 8-bit q = -128 against xq = -127 (|q| * xq pairs of 2 * 128 * 127)."""
@@ -210,6 +228,22 @@ def test_block_linear_runs_few_rows_on_blocks_and_many_on_the_dense_weight():
         layer(torch.randn(1, 96, generator=gen))
 
 
+def test_prefill_on_blocks_runs_every_step_on_the_blocks():
+    """``prefill_on_blocks``: steps of any size on the blocks, and back to the dense weight past max_rows."""
+    from engine.models.qlinear import prefill_on_blocks
+    from engine.models.quant import MAX_QUANT_ROWS
+
+    gen = torch.Generator().manual_seed(12)
+    dense = torch.randn(48, 128, generator=gen) * 0.1
+    blocks = Q4Blocks.from_groups(quantize_int4(dense))
+    model = torch.nn.Sequential(BlockLinear(lib, blocks, dense))
+    many = torch.randn(3 * MAX_QUANT_ROWS + 5, 128, generator=gen)
+    prefill_on_blocks(model, True)
+    assert model[0].max_rows is None and torch.equal(model(many), lib.matmul(many, blocks))
+    prefill_on_blocks(model, False)
+    assert model[0].max_rows == MAX_QUANT_ROWS and torch.equal(model(many), F.linear(many, dense))
+
+
 def _mlp_blocks(gen: torch.Generator, k: int = 96, i: int = 64, n: int = 37):
     """A SwiGLU MLP's 4-bit blocks: gate/up (2 i, k), down (n, i), as BlockLinear layers."""
     gate_up, down = random_q4(2 * i, k, gen), random_q4(n, i, gen)
@@ -226,7 +260,9 @@ def test_swiglu_is_the_three_calls_it_fuses():
     ops = LayerOps(build(OPS_SOURCE))
     gen = torch.Generator().manual_seed(6)
     gate_up, down, _, _ = _mlp_blocks(gen)
-    for m in (1, 2, 3, 8):
+    for m in (1, 2, 3, 8, 29):
+        if m > 8:   # a prefill chunk: only with the layers taking every step on their blocks
+            gate_up.max_rows = down.max_rows = None
         x = activations(m, 96, gen)
         y = gate_up.swiglu(down, x)
         assert y.shape == (m, 37) and y.dtype == torch.float32

@@ -79,6 +79,7 @@ const char *qmm_variant(void) {
 static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
                           int32_t *xi) {
     int64_t nb = K / QK;
+#pragma omp parallel for schedule(static) if (M > MAX_M)
     for (int64_t i = 0; i < M * nb; i++) {
         float v[QK];
         if (bf16)
@@ -373,28 +374,30 @@ static int qmm(int bits, const void *x, int x_bf16, int64_t M, int64_t K, const 
     int32_t *xi = (int32_t *)(xs + M * nb);
     quantize_rows(x, x_bf16, M, K, buf, xd, xs, xi);
     const int64_t wbytes = bits == 4 ? Q4_BYTES : Q8_BYTES;
-    for (int64_t r0 = 0; r0 < M; r0 += MAX_M) {
+    /* (pass of MAX_M rows, group) tasks in one parallel region: a prefill chunk of 512 rows is 64 passes,
+     * and a region per pass paid a thread barrier each (most of a pass's time on 2 busy cores) */
+    const int64_t passes = (M + MAX_M - 1) / MAX_M;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < passes * groups; task++) {
+        const int64_t r0 = task / groups * MAX_M, g = task % groups;
         int m = M - r0 < MAX_M ? (int)(M - r0) : MAX_M;
         const acts a = {buf + r0 * K, xd + r0 * nb, xs + r0 * nb, xi + r0 * nb, K, nb};
-#pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            float out[MAX_M * G];
-            const uint8_t *wg = w + g * nb * wbytes;
-            if (bits == 4) {
+        float out[MAX_M * G];
+        const uint8_t *wg = w + g * nb * wbytes;
+        if (bits == 4) {
 #define Q4(c) q4_group(wg, a, c, out)
-                BY_M(m, Q4)
-            } else {
+            BY_M(m, Q4)
+        } else {
 #define Q8(c) q8_group(wg, a, c, out)
-                BY_M(m, Q8)
-            }
-            int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
-            for (int r = 0; r < m; r++) {
-                int64_t at = (r0 + r) * N + n0;
-                if (y_bf16)
-                    for (int64_t i = 0; i < rows; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(out[r * G + i]);
-                else
-                    memcpy((float *)y + at, out + r * G, sizeof(float) * (size_t)rows);
-            }
+            BY_M(m, Q8)
+        }
+        int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
+        for (int r = 0; r < m; r++) {
+            int64_t at = (r0 + r) * N + n0;
+            if (y_bf16)
+                for (int64_t i = 0; i < rows; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(out[r * G + i]);
+            else
+                memcpy((float *)y + at, out + r * G, sizeof(float) * (size_t)rows);
         }
     }
     free(buf);
@@ -420,6 +423,7 @@ int qmm_swiglu_q4_f32(const float *x, int64_t M, int64_t K, const uint8_t *gate_
     float *act = gu + M * 2 * I;
     int rc = qmm(4, x, 0, M, K, gate_up, 2 * I, gu, 0);
     if (rc == 0) {
+#pragma omp parallel for schedule(static) if (M > MAX_M)
         for (int64_t t = 0; t < M; t++) {
             const float *g = gu + t * 2 * I, *u = g + I;
             float *o = act + t * I;

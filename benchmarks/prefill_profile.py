@@ -1,0 +1,128 @@
+"""Where an extend prefill's time goes: a long cached prefix, then one turn's new tokens over it.
+
+The agent workload's turn (benchmarks/vs_llamacpp.py): ~750 new tokens over a 2-7k cached context. This
+builds an engine on the default model, caches ``--prefix`` tokens, then times requests that add ``--extend``
+new tokens each (one output token), splitting every step into the weight matmuls, attention, RoPE + K/V
+write, the C layer ops and the rest. ``--ab`` alternates (ABBA, one process) the paths from before the
+blocks' prefill and the split extend attention (A) with the ones picked now (B). ``--cpu x86-64-v3`` caps torch, oneDNN and our kernels at AVX2 as
+vs_llamacpp.py does (set before torch is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", choices=["native", "x86-64-v3"], default="native",
+                   help="x86-64-v3: torch, oneDNN and the C kernels capped at AVX2, as vs_llamacpp.py --cpu does")
+    p.add_argument("--prefix", type=int, default=5000, help="cached tokens before each turn")
+    p.add_argument("--extend", type=int, default=750, help="new tokens a turn")
+    p.add_argument("--repeats", type=int, default=4, help="timed rounds (after one warm-up round)")
+    p.add_argument("--quantization", default="gguf", help="EngineConfig.quantization")
+    p.add_argument("--dtype", default="float32", help="EngineConfig.dtype")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--ab", action="store_true",
+                   help="alternate (ABBA) A, the dense prefill matmuls and the masked SDPA extend (the paths "
+                        "before prefill on the blocks and extend_attention), with B, the paths picked now")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if args.cpu == "x86-64-v3":
+        os.environ.update(AGENTRT_KERNEL_MARCH="x86-64-v3", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    import torch  # noqa: F401  (after the caps)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.models import qlinear
+
+    eng = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization,
+                                 kv_cache_tokens=args.prefix + args.extend * 4 * (args.repeats + 2) + 1024))
+    times: dict[str, float] = {}
+
+    def timed(cls, name, key):
+        fn = getattr(cls, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+        setattr(cls, name, wrapper)
+
+    timed(qlinear.BlockLinear, "forward", "matmul")
+    timed(qlinear.BlockLinear, "swiglu", "matmul")   # a whole MLP in one call, SiLU-multiply with it
+    timed(TorchAttentionBackend, "forward", "attention")
+    timed(TorchAttentionBackend, "rotate_and_store", "rope+kv write")
+    ops = eng.model.cpu_ops
+    if ops is not None:
+        timed(type(ops.add_rms_norm), "__call__", "add+norm")
+        timed(type(ops.silu_mul), "__call__", "silu*mul")
+    timed(type(eng.model), "forward", "model")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {args.cpu}, "
+          f"quantization {eng.quantization}, kernels {eng.active_kernels}", file=sys.stderr)
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    vocab = eng.model.cfg.vocab_size
+
+    def run(tokens) -> float:
+        eng.add_request(tokens, params)
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t0
+
+    prefix = torch.randint(100, vocab - 100, (args.prefix,), generator=g).tolist()
+    run(prefix)
+    from engine.attention import torch_backend
+    from engine.models.qlinear import prefill_on_blocks
+
+    flash, blocks = torch_backend._FLASH_CPU, getattr(eng, "prefill_on_blocks", False)
+
+    def config(side: str) -> None:
+        torch_backend._FLASH_CPU = flash if side == "B" else None
+        prefill_on_blocks(eng.model, blocks and side == "B")
+
+    sides = ["A", "B", "B", "A"] if args.ab else ["B"]
+    by_side: dict[str, list[dict]] = {}
+    for r in range(args.repeats + 1):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            config(side)
+            times.clear()
+            new = torch.randint(100, vocab - 100, (args.extend,), generator=g).tolist()
+            wall = run(prefix + new)
+            if r:   # the first round warms up
+                by_side.setdefault(side, []).append({"wall": wall, **times})
+    config("B")
+    for side, rows in sorted(by_side.items()):
+        if args.ab:
+            print(f"-- {side} ({'before' if side == 'A' else 'after'}): {len(rows)} runs")
+        report(rows)
+    eng.close()
+
+
+def report(rows: list[dict]) -> None:
+    keys = ["wall", "model", "matmul", "attention", "rope+kv write", "add+norm", "silu*mul"]
+    for k in keys:
+        v = [row.get(k, 0.0) * 1000 for row in rows]
+        print(f"{k:>14}: median {statistics.median(v):8.1f} ms  (min {min(v):.1f}, max {max(v):.1f})")
+    model = statistics.median(row["model"] for row in rows)
+    rest = model - sum(statistics.median(row.get(k, 0.0) for row in rows) for k in keys[2:])
+    print(f"{'model rest':>14}: {rest * 1000:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
