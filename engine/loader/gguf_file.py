@@ -175,18 +175,24 @@ class GGUFFile:
 
 
 # -- dequantization ------------------------------------------------------------------------
-def _blocks(t: GGUFTensor, size: int) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(t.data)).view(-1, size)
+# In numpy: its ufuncs on these byte arrays run ~9x faster than the same torch ops (uint8 shifts and
+# masks, float16 -> float32), and give the same float32 values (one multiply, then one add, each rounded).
+# Loading the default model's 210 Q4_1 tensors took ~4 s in torch, ~0.5 s here, at every engine start.
+def _blocks(t: GGUFTensor, size: int) -> np.ndarray:
+    return np.asarray(t.data).reshape(-1, size)
 
 
-def _f16(col: torch.Tensor) -> torch.Tensor:
-    """Bytes [n, 2] holding little-endian float16 -> float32 [n, 1]."""
-    return col.contiguous().view(torch.float16).float()
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    """Bytes ``at:at+2`` of each block, a little-endian float16 -> float32 (n, 1)."""
+    return np.ascontiguousarray(b[:, at:at + 2]).view(np.float16).astype(np.float32)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[n, 16] bytes -> [n, 32] values: the low nibbles are elements 0-15, the high ones 16-31."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    out = np.empty((qs.shape[0], 32), dtype=np.uint8)
+    np.bitwise_and(qs, 0x0F, out=out[:, :16])
+    np.right_shift(qs, 4, out=out[:, 16:])
+    return out
 
 
 def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,11 +200,11 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     in 0..15, d and m (blocks, 1) float32. Q4_0 (d, nibbles; ``w = d * (q - 8)``) gives m = -8 d."""
     if t.type_name == "Q4_1":
         b = _blocks(t, 20)
-        return _nibbles(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4])
+        return tuple(map(torch.from_numpy, (_nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2))))
     if t.type_name == "Q4_0":
         b = _blocks(t, 18)
-        d = _f16(b[:, :2])
-        return _nibbles(b[:, 2:]), d, -8.0 * d
+        d = _f16(b, 0)
+        return torch.from_numpy(_nibbles(b[:, 2:])), torch.from_numpy(d), torch.from_numpy(np.float32(-8.0) * d)
     raise ValueError(f"tensor {t.name} is {t.type_name}, not Q4_0 or Q4_1")
 
 
@@ -208,7 +214,7 @@ def q8_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
     if t.type_name != "Q8_0":
         raise ValueError(f"tensor {t.name} is {t.type_name}, not Q8_0")
     b = _blocks(t, 34)
-    return b[:, 2:].contiguous().view(torch.int8), _f16(b[:, :2])
+    return torch.from_numpy(np.ascontiguousarray(b[:, 2:]).view(np.int8)), torch.from_numpy(_f16(b, 0))
 
 
 def dequantize(t: GGUFTensor) -> torch.Tensor:
@@ -226,14 +232,16 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
         out = raw.view(torch.bfloat16).float()
     elif name == "Q8_0":
         b = _blocks(t, 34)
-        out = b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+        out = torch.from_numpy(np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.float32) * _f16(b, 0))
     elif name == "Q4_0":
         b = _blocks(t, 18)
-        q = (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
-        out = _f16(b[:, :2]) * q
+        q = (_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(np.float32)
+        out = torch.from_numpy(_f16(b, 0) * q)
     elif name == "Q4_1":
         b = _blocks(t, 20)
-        out = _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+        out = _f16(b, 0) * _nibbles(b[:, 4:]).astype(np.float32)
+        out += _f16(b, 2)
+        out = torch.from_numpy(out)
     else:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as reference

@@ -144,6 +144,18 @@ def _cos_sin(inv: torch.Tensor, max_pos: int, scale: float) -> tuple[torch.Tenso
     return (emb.cos() * scale).float(), (emb.sin() * scale).float()
 
 
+def _tables(cfg, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos / sin tables of ``cfg`` (for ``seq_len``: see ``inv_freq``). Under ``torch.device("meta")``
+    (a model's skeleton, built before its weights are placed) only their shapes: a model is given its real
+    tables on its device afterwards (``build_model``), and arithmetic on meta tensors would import
+    torch._dynamo for its decompositions, ~1.5 s of every process's start."""
+    if torch.empty(0).is_meta:
+        shape = (cfg.max_position_embeddings, rotary_dim(cfg))
+        return torch.empty(shape), torch.empty(shape)
+    inv, scale = inv_freq(cfg, seq_len)
+    return _cos_sin(inv, cfg.max_position_embeddings, scale)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the Hugging Face layout) with precomputed cos / sin tables.
 
@@ -163,14 +175,12 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"partial_rotary_factor {cfg.partial_rotary_factor}: rotary dimension "
                              f"{self.rotary_dim} of head_dim {cfg.head_dim} must be even and positive")
-        inv, scale = inv_freq(cfg)
-        cos, sin = _cos_sin(inv, cfg.max_position_embeddings, scale)
+        self.switch = long_switch(cfg)
+        cos, sin = _tables(cfg, None)
         self.register_buffer("cos_short", cos, persistent=False)
         self.register_buffer("sin_short", sin, persistent=False)
-        self.switch = long_switch(cfg)
         if self.switch is not None:
-            inv, scale = inv_freq(cfg, seq_len=self.switch + 1)
-            cos, sin = _cos_sin(inv, cfg.max_position_embeddings, scale)
+            cos, sin = _tables(cfg, self.switch + 1)
             self.register_buffer("cos_long", cos, persistent=False)
             self.register_buffer("sin_long", sin, persistent=False)
         self.fit_context(cfg.max_position_embeddings)
