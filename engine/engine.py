@@ -53,9 +53,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.overlap = config.overlap_schedule
         worker = ForwardWorker() if self.overlap else None
-        try:   # with overlap, on the forward thread: the one that runs the model loads it (AsyncEngine says why)
-            build = (build_engine, config, on_kv_event, kv_event_tokens, worker)
-            parts = worker.submit(*build).result() if worker is not None else build[0](*build[1:])
+        try:   # with overlap, on the forward thread: the thread that runs the model loads it (AsyncEngine says why)
+            if worker is None:
+                parts = build_engine(config, on_kv_event, kv_event_tokens)
+            else:
+                parts = worker.submit(build_engine, config, on_kv_event, kv_event_tokens, worker).result()
         except BaseException:
             if worker is not None:
                 worker.close()
@@ -63,14 +65,16 @@ class LLMEngine:
         self._assemble(parts, worker)
 
     def _assemble(self, parts: EngineParts, worker: ForwardWorker | None) -> None:
-        m = self.parts = parts
-        self.model, self.tokenizer, self.model_config, self.model_id = m.model.model, m.model.tokenizer, \
-            m.model.model_config, m.model.model_id
-        self.max_model_len, self.device, self.quantization, self.ep = m.model.max_model_len, m.model.device, \
-            m.model.quantization, m.model.ep
+        """The parts as attributes (tests, benchmarks and the serving layers read them), and the objects that
+        run them: executor, admission, coalescer, request table, core."""
+        self.parts = m = parts
+        model = parts.model
+        self.model, self.tokenizer, self.model_config = model.model, model.tokenizer, model.model_config
+        self.model_id, self.max_model_len, self.device = model.model_id, model.max_model_len, model.device
+        self.quantization, self.ep = model.quantization, model.ep
         self.pool, self.kv, self.cache, self.scheduler, self.tiers = m.pool, m.kv, m.cache, m.scheduler, m.tiers
-        self.ledger, self.mover, self.runner, self.spec, self.kv_control = m.ledger, m.mover, m.runner, m.spec, \
-            m.kv_control
+        self.ledger, self.mover, self.runner, self.spec = m.ledger, m.mover, m.runner, m.spec
+        self.kv_control = m.kv_control
         self.backend_name, self.attention_desc, self.active_kernels = m.backend_name, m.attention_desc, m.active_kernels
         self.window_layers, self.speculative = m.window_layers, m.spec.mode
         self.executor = Executor(m.runner, m.spec, worker, self.max_model_len, self.config.close_constrained_outputs)
