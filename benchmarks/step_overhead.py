@@ -268,13 +268,14 @@ class StepClock:
         engine.runner.model = self.timer
         self.wait = self.task = 0.0
         if engine.overlap:
-            commit, forward = engine._commit_launched, engine._forward
+            result, forward = engine.executor.result, engine.executor.forward
 
-            def timed_commit(step):
+            def timed_result(step):
                 t = time.perf_counter()
-                step.future.result()
-                self.wait += time.perf_counter() - t
-                return commit(step)
+                try:
+                    return result(step)
+                finally:
+                    self.wait += time.perf_counter() - t
 
             def timed_forward(step, prev=None):
                 t = time.perf_counter()
@@ -282,7 +283,7 @@ class StepClock:
                     return forward(step, prev)
                 finally:
                     self.task += time.perf_counter() - t
-            engine._commit_launched, engine._forward = timed_commit, timed_forward
+            engine.executor.result, engine.executor.forward = timed_result, timed_forward
 
     def totals(self) -> tuple[float, float, float]:
         return self.timer.seconds, self.wait, self.task

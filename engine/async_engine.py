@@ -220,12 +220,12 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self.engine.step()   # applies pin/unpin commands and expires pins
                     continue
-            hold = self.engine.coalescer.delay()
+            hold = self.engine.step_hold()
             if hold > 0:  # a session turn just ended: give its agent a moment to come back
                 t = time.monotonic()
                 self._wake.wait(timeout=hold)
                 self._wake.clear()
-                self.engine.coalescer.note_wait(time.monotonic() - t)
+                self.engine.held(time.monotonic() - t)
                 continue
             try:
                 outputs = self.engine.step()
@@ -261,5 +261,5 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
-        if self.engine.tiers is not None:   # a disk tier's files go now, unless kv_disk_keep
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.tiers.close)
+        # a disk tier's files go now, unless kv_disk_keep
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close_tiers)

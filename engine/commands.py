@@ -2,9 +2,11 @@
 
 Every change to the engine's state comes from its own thread: other threads (the server's event loop,
 a worker's KV-move endpoint, the KV-event publisher) put a message in the engine's inbox, and the engine
-thread handles the messages between steps (``LLMEngine._drain_inbox``). A message is a frozen dataclass
-naming what it carries; ``Dispatcher`` maps each type to one handler (SGLang's ``TypeBasedDispatcher``)
-and refuses a type it has no handler for, so a new message cannot be dropped silently.
+thread handles the messages between steps (``EngineCore._drain_inbox``, engine/core.py). A message is a
+frozen dataclass naming what it carries; ``Dispatcher`` maps each type to one handler (SGLang's
+``TypeBasedDispatcher``): the request table's (engine/request_table.py) and the KV control operations'
+(engine/kv_control.py). It refuses a type it has no handler for, so a new message cannot be dropped
+silently.
 """
 
 from __future__ import annotations

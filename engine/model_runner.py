@@ -8,26 +8,13 @@ thread. A token that previous step is still sampling is a ``PLACEHOLDER`` in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from engine.attention import BatchLayout
 from engine.request import Request
-from engine.scheduler import ScheduledBatch
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs, built without touching the model or the attention backend."""
-
-    ids: torch.Tensor                # (T,) int64 token ids (placeholder rows hold -1 until ``execute``)
-    positions: torch.Tensor          # (T,) int64
-    layout: BatchLayout              # page tables are copies: the scheduler may change the requests' lists
-    sample_rows: list[int]           # rows whose logits are sampled
-    samplers: list[int]              # batch indices of the requests that sample, in logits-row order
-    futures: list[tuple[int, int]]   # (row of ids, index into the previous step's sampled tokens)
+from engine.plan import ScheduledBatch, StepInputs
 
 
 class ModelRunner:

@@ -37,7 +37,7 @@ class OutputProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._stops = list(params.stop)
         self._longest = max(map(len, self._stops), default=0)
-        # the tokens that end a request in the engine and write no text (LLMEngine._append_token's rule)
+        # the tokens that end a request in the engine and write no text (engine/stop_checks.py's rule)
         self._textless = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.text = ""     # all text so far (cut at a stop string)
         self._sent = 0     # how much of it was handed out

@@ -1,12 +1,13 @@
 """Overlap scheduling: the engine thread prepares step n+1 while step n's forward runs, and commits
 step n's tokens one step behind (SGLang's overlap scheduler; ``EngineConfig.overlap_schedule``).
 
-One overlapped ``LLMEngine.step()``:
+One overlapped step (``EngineCore._step_overlapped``, engine/core.py):
 
     commit step n first if it may not be run ahead of (below)
     apply commands (add, abort, pins)
-    schedule step n+1; prepare its inputs; launch it on the forward thread
-    commit step n: write in its tokens, stop checks, detokenize, emit
+    schedule step n+1; prepare its inputs (Executor.prepare); count it in flight
+    (Scheduler.launched); launch it on the forward thread (Executor.launch)
+    commit step n: Scheduler.update_from_output (tokens written in, stop checks), emit
 
 The forward thread (``ForwardWorker``, one thread, steps in launch order) loads the model (so one
 thread runs the model's parallel torch operations: one OpenMP thread team, see AsyncEngine) and runs
@@ -42,57 +43,11 @@ forward thread, but nothing is prepared during it.
 from __future__ import annotations
 
 import concurrent.futures
-import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.model_runner import StepInputs
-from engine.request import Request
-from engine.scheduler import ScheduledBatch
-from engine.types import TokenLogprob
+from engine.plan import Step, StepResult
 
-
-@dataclass
-class StepResult:
-    """What a step's forward thread returns: per sampling request (``Step.reqs`` order) its token
-    (its first one with a draft), logprob, and for a draft (committed tokens, drafted tokens accepted)."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
-    verified: list[tuple[list[int], int] | None] | None
-    forward_s: float
-
-
-@dataclass(eq=False)
-class Step:
-    """One launched (or, without overlap, running) step: its batch, inputs and sampling requests."""
-
-    batch: ScheduledBatch
-    inputs: StepInputs
-    reqs: list[Request]                       # the requests that sample, in logits-row order
-    drafts: list[list[int]]                   # their drafts ([] for none)
-    budgets: list[int | None] | None          # tokens each constrained request may still emit
-    prefill_tokens: int
-    run_ahead: bool = False                   # the next step may be scheduled before this one commits
-    overlapped: bool = False                  # launched ahead of its commit (num_inflight counted)
-    # id(request) -> (rows computed for it, its num_preemptions at launch): a preempted request's rows
-    # belong to pages it gave back
-    rows: dict[int, tuple[int, int]] = field(default_factory=dict)
-    slots: dict[int, int] = field(default_factory=dict)   # id(request) -> index of its token in the result
-    future: concurrent.futures.Future | None = None
-    launched_at: float = field(default_factory=time.monotonic)
-
-    def live(self, req: Request) -> bool:
-        """Whether ``req``'s rows in this step still count: it has not ended or been preempted since."""
-        row = self.rows.get(id(req))
-        return row is not None and not req.finished and req.num_preemptions == row[1]
-
-    def source(self, req: Request) -> int:
-        """Where ``req``'s token is among this step's sampled tokens (``ModelRunner.prepare``)."""
-        slot = self.slots.get(id(req))
-        if slot is None:
-            raise RuntimeError(f"request {req.request_id} waits for a token its last step does not sample")
-        return slot
+__all__ = ["ForwardWorker", "Step", "StepResult"]
 
 
 class ForwardWorker:

@@ -8,15 +8,43 @@ token of a request is a function of its n-th uniform and its distribution alone
 (speculative verification, engine/speculative.py, relies on that). A constrained row
 closing within its token budget may then have its token replaced by the constraint's
 closing (``fit_budget``). Log-probabilities are of the model's distribution, for the
-token emitted.
+token emitted. The sampler reads a ``SamplingBatch`` (each row's parameters, generator and
+constraint), never a request.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
 import torch
 
-from engine.request import Request
+from engine.constraints import TokenConstraint
 from engine.types import SamplingParams, TokenLogprob
+
+
+class Sampled(Protocol):
+    """What a row's sampling state is read from (an engine ``Request`` is one)."""
+    params: SamplingParams
+    generator: torch.Generator | None
+    constraint: TokenConstraint | None
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The sampling state of a step's logits rows, one entry per row: the sampling parameters, the
+    generator a sampled row draws from (None for greedy rows), the constraint that masks it (or None)."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    constraints: list[TokenConstraint | None]
+
+    @classmethod
+    def of(cls, rows: Sequence[Sampled]) -> SamplingBatch:
+        return cls([r.params for r in rows], [r.generator for r in rows], [r.constraint for r in rows])
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -50,38 +78,37 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return i
 
 
-def sample(logits: torch.Tensor, requests: list[Request], budgets: list[int | None] | None = None
+def sample(logits: torch.Tensor, batch: SamplingBatch, budgets: list[int | None] | None = None
            ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: (B, V) float32, one row per request -> (token ids, logprobs or None).
+    """logits: (B, V) float32, one row per entry of ``batch`` -> (token ids, logprobs or None).
 
-    ``budgets[i]``: the tokens request ``i`` may still emit, this one included, when its
+    ``budgets[i]``: the tokens row ``i`` may still emit, this one included, when its
     constraint is to close its output within them (``TokenConstraint.fit_budget`` may then
     replace the sampled token); None for the rows (or all of them) without closing."""
-    want_lp = [r.params.logprobs is not None for r in requests]
+    params, constraints = batch.params, batch.constraints
+    want_lp = [p.logprobs is not None for p in params]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-    for i, r in enumerate(requests):
-        if r.constraint is not None:
-            r.constraint.apply_to_logits(logits[i])
-    tokens: list[int] = [0] * len(requests)
-    greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+    for i, c in enumerate(constraints):
+        if c is not None:
+            c.apply_to_logits(logits[i])
+    tokens: list[int] = [0] * len(batch)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         ids = torch.argmax(logits[greedy], dim=-1).tolist()
         for i, t in zip(greedy, ids):
             tokens[i] = t
-    for i, r in enumerate(requests):
-        if r.params.greedy:
-            continue
-        tokens[i] = draw(probabilities(logits[i], r.params), r.generator)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = draw(probabilities(logits[i], p), batch.generators[i])
     if budgets is not None:
-        for i, r in enumerate(requests):
+        for i, c in enumerate(constraints):
             if budgets[i] is not None:
-                tokens[i] = r.constraint.fit_budget(tokens[i], budgets[i])
-    lps: list[TokenLogprob | None] = [None] * len(requests)
-    for i, r in enumerate(requests):
+                tokens[i] = c.fit_budget(tokens[i], budgets[i])
+    lps: list[TokenLogprob | None] = [None] * len(batch)
+    for i, p in enumerate(params):
         if want_lp[i]:
             row = raw_logprobs[i]
-            k = r.params.logprobs
-            top = torch.topk(row, k) if k else None
+            top = torch.topk(row, p.logprobs) if p.logprobs else None
             lps[i] = TokenLogprob(tokens[i], float(row[tokens[i]]),
                                   list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
     return tokens, lps

@@ -11,8 +11,8 @@ Each step, under a token budget (``max_batched_tokens``):
 Then, with ``propose`` set (speculative decoding, engine/speculative.py), decoding
 requests in the batch may add draft tokens to verify, within what is left of the budget
 and of the free pages: a draft never evicts, unpins or preempts, so everything else is
-scheduled as without speculation. After verification the engine calls ``rollback``,
-which frees the pages of rejected draft slots.
+scheduled as without speculation. After verification ``update_from_output`` calls
+``rollback``, which frees the pages of rejected draft slots.
 With KV tiers (``tiers``, engine/kv_tier.py) a request's match continues past the device
 pool: the block hashes after the device match that a tier holds are loaded into fresh pages
 and inserted in the radix cache, so the request computes only what no tier has. A request
@@ -27,6 +27,12 @@ computed pages go into the cache (so resuming is
 cheap if they survive) and it returns to the front of the waiting queue. A
 request that cannot fit even alone is finished with an error. So every request
 finishes: nothing waits on memory that no one will free.
+
+After each step the engine core hands the step and its result to ``update_from_output``, the one
+place where a step's result changes state: rows counted as computed and prefill progress cached,
+sampled tokens appended with the stop checks (engine/stop_checks.py), verified drafts committed and
+their rejected pages freed, finished requests freed (a session turn's sequence pinned) and withdrawn
+from the step launched after theirs (overlap scheduling, ``launched`` / ``launched_step``).
 
 ``waiting_tokens`` is the KV demand of the waiting queue: each request counts its
 tokens as of entering it (the prompt when new; prompt and output so far when
@@ -46,9 +52,12 @@ import torch
 from engine.hashing import block_hashes
 from engine.kv_pool import PagePool
 from engine.kv_tier import PENDING, KVTiers
+from engine.plan import ScheduledBatch, Step, StepResult
 from engine.radix_cache import Node, RadixCache
-from engine.request import Request, Status
-from engine.session_priority import SessionOrder
+from engine.request import PLACEHOLDER, Request, Status
+from engine.session_priority import ServiceLedger, SessionOrder, charge
+from engine.speculative import SpeculativeDecoder
+from engine.stop_checks import StopRule, append_token
 from engine.window_pool import usable_pages
 
 
@@ -59,14 +68,11 @@ class Pin:
 
 
 @dataclass
-class ScheduledBatch:
-    requests: list[Request]
-    num_new: list[int]      # tokens computed for each request this step
-    # batch index -> draft tokens computed after that (decoding) request's last token, to verify
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.requests)
+class StepUpdate:
+    """What ``update_from_output`` did: the requests whose output changed (to report, in step order) and
+    how many of them were session turns that ended (their agents are likely coming straight back)."""
+    requests: list[Request] = field(default_factory=list)
+    returning: int = 0
 
 
 class Scheduler:
@@ -95,6 +101,13 @@ class Scheduler:
         # the session policy's order of requests (LLMEngine sets it); None: first come, first served
         self.order: SessionOrder | None = None
         self.clock: Callable[[], float] = time.monotonic   # queueing times and aging (tests step it)
+        # after a step (``update_from_output``; the engine's builder sets them): the stop checks, the
+        # ledger charged with each step's tokens, the speculative decoder that commits verified drafts
+        self.stop = StopRule(frozenset(), 1 << 62)
+        self.ledger: ServiceLedger | None = None
+        self.spec: SpeculativeDecoder | None = None
+        self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+        self.launched_step: Step | None = None   # the step on the forward thread, not yet committed (overlap)
 
     # -- the waiting queue ----------------------------------------------------
     def enqueue(self, req: Request) -> None:
@@ -506,6 +519,112 @@ class Scheduler:
             self._unqueue(req)
         req.status = Status.FINISHED
         self.release(req)
+
+    # -- after a step ---------------------------------------------------------
+    def update_from_output(self, step: Step, result: StepResult) -> StepUpdate:
+        """Apply a step's result: its rows count as computed (``_settle``); each sampling request's token
+        is appended with the stop checks (a verified draft's tokens through the speculative decoder, the
+        rejected slots' pages freed); a request that ended is freed (a session turn's sequence pinned) and
+        withdrawn from the step launched after this one, if any (overlap scheduling)."""
+        if self.launched_step is step:
+            self.launched_step = None
+        self._settle(step)
+        update = StepUpdate()
+        now = time.monotonic()
+        for j, req in enumerate(step.reqs):
+            if req.finished:
+                continue   # aborted while its step was in flight: the token is dropped
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.prompt_tokens_total += len(req.prompt_ids)
+                self.cached_tokens_total += req.cached_tokens or 0
+            if step.drafts[j]:
+                self.spec.commit(req, step.drafts[j], *result.verified[j], append=self.append_token)
+                self.rollback(req)   # the pages of the rejected draft slots
+            else:
+                self.append_token(req, result.tokens[j], result.logprobs[j])
+            if req.finished:
+                update.returning += self.finish_committed(req)
+            update.requests.append(req)
+        return update
+
+    def append_token(self, req: Request, tok: int, lp, constraint_accepted: bool = False,
+                     check_complete: bool = True) -> None:
+        """Commit one sampled token to ``req`` and apply the token-level stop checks (engine/stop_checks.py)."""
+        append_token(req, tok, lp, self.stop, constraint_accepted, check_complete)
+        self.generation_tokens_total += 1
+
+    def _settle(self, step: Step) -> None:
+        """The step's forward is done: its rows count as computed, and prefill progress is shared with
+        other requests, the chunk that completes the prompt included (a decode step, one token completing
+        the sequence, waits for the request's end)."""
+        samplers = {id(req) for req in step.reqs}
+        now = time.monotonic()
+        for req, n in zip(step.batch.requests, step.batch.num_new):
+            if not step.live(req):
+                continue   # ended, withdrawn or preempted since the step was launched
+            if step.overlapped:
+                req.num_inflight -= n
+            else:
+                req.num_computed += n
+            if self.ledger is not None:
+                charge(self.ledger, req, n, now)
+            if (n > 1 or id(req) not in samplers) and req.num_cacheable // self.P > req.num_tree_pages:
+                self.cache_request(req)
+
+    def finish_committed(self, req: Request) -> int:
+        """Free a request that ended at commit (taken out of the launched step first); 1 when it is a
+        session turn whose agent is likely coming straight back (the engine's coalescer counts those)."""
+        self._withdraw(req)
+        self.finish(req)
+        if self.spec is not None:
+            self.spec.finished(req)
+        return int(bool(req.pin_ttl_s) and req.finish_reason in ("stop", "length"))
+
+    def _withdraw(self, req: Request) -> None:
+        """A request ended at a step launched ahead of: take it out of the step launched after (its row
+        there is not counted, its token there is dropped)."""
+        nxt = self.launched_step
+        row = nxt.rows.pop(id(req), None) if nxt is not None else None
+        if row is not None and row[1] == req.num_preemptions:
+            req.num_computed -= row[0]
+            req.num_inflight -= row[0]
+        req.drop_placeholders()
+
+    def abort(self, req: Request) -> None:
+        """End a request early (finish reason ``abort``): a launched step's token for it is dropped at its
+        commit."""
+        req.drop_placeholders()
+        req.finish_reason = "abort"
+        self.finish(req)
+
+    # -- overlap scheduling (engine/overlap.py) -------------------------------
+    def launched(self, step: Step) -> None:
+        """``step`` goes to the forward thread ahead of its commit: its rows count as computed but in
+        flight, and when the next step may run ahead of it each request that samples gets a placeholder
+        for its token, ``finishing`` when that token is certainly its last (``max_tokens``, context)."""
+        step.overlapped = True
+        self.launched_step = step
+        for req, n in zip(step.batch.requests, step.batch.num_new):
+            req.num_computed += n
+            req.num_inflight += n
+        if step.run_ahead:
+            for j, req in enumerate(step.reqs):
+                step.slots[id(req)] = j
+                req.output_ids.append(PLACEHOLDER)
+                req.pending += 1
+                req.finishing = (len(req.output_ids) >= req.params.max_tokens
+                                 or req.num_tokens >= self.stop.max_model_len)
+
+    def abandon_launched(self) -> None:
+        """A step failed: every request goes back to its last committed step (placeholders dropped,
+        in-flight rows uncounted). The forward thread must be idle."""
+        self.launched_step = None
+        for req in list(self.running) + list(self.waiting):
+            req.num_computed -= req.num_inflight
+            req.num_inflight = 0
+            req.drop_placeholders()
+            req.finishing = False
 
 
 def _acceptance(req: Request) -> float:

@@ -44,7 +44,7 @@ import torch
 
 from engine.constraints import TokenConstraint
 from engine.drafting import SpeculativeState, TenantCorpora
-from engine.sampler import draw, probabilities, sample
+from engine.sampler import SamplingBatch, draw, probabilities, sample
 from engine.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class SpeculativeDecoder:
     setup's (FIXED, ROW) (engine/step_cost.py)."""
 
     def __init__(self, mode: str, num_tokens: int, step_cost: tuple[float, float], max_model_len: int) -> None:
-        self.num_tokens, self.step_cost, self.max_model_len = num_tokens, step_cost, max_model_len
+        self.mode, self.num_tokens, self.step_cost, self.max_model_len = mode, num_tokens, step_cost, max_model_len
         # the recent outputs of each tenant's requests, drafted from with speculative="suffix"
         self.corpora = TenantCorpora() if mode == "suffix" else None
         self.draft_tokens_total = self.accepted_tokens_total = self.verifications_total = 0
@@ -146,7 +146,7 @@ class SpeculativeDecoder:
         tokens: list[int] = [0] * len(reqs)
         lps: list = [None] * len(reqs)
         if plain:
-            toks, plps = sample(logits[[firsts[j] for j in plain]], [reqs[j] for j in plain],
+            toks, plps = sample(logits[[firsts[j] for j in plain]], SamplingBatch.of([reqs[j] for j in plain]),
                                 [budgets[j] for j in plain] if budgets else None)
             for j, t, lp in zip(plain, toks, plps):
                 tokens[j], lps[j] = t, lp

@@ -79,7 +79,7 @@ def test_a_step_that_raises_fails_what_runs_and_the_loop_serves_on(monkeypatch):
     def faulty_step(self):
         if self.has_unfinished() and not faults:
             faults.append(1)
-            outputs = self._drain_inbox()   # the request is queued, then the step fails
+            outputs = self.core._drain_inbox()   # the request is queued, then the step fails
             assert not outputs
             raise RuntimeError("planted fault")
         return step(self)

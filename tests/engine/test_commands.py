@@ -28,7 +28,7 @@ def test_the_dispatcher_routes_by_type_and_refuses_an_unknown_one():
 
 def test_the_engine_handles_every_message_type(default_engine):
     assert len(MESSAGES) == 12
-    assert set(default_engine._dispatch._handlers) == MESSAGES
+    assert set(default_engine.core.dispatch._handlers) == MESSAGES
 
 
 def test_abort_pin_and_snapshot_through_the_inbox(default_engine):
@@ -54,4 +54,4 @@ def test_abort_pin_and_snapshot_through_the_inbox(default_engine):
     eng.demote("pin-b")   # no tiers here: a demotion is a release
     eng.prefetch("pin-b")
     assert eng.step() == []
-    assert not eng.pin_active("pin-b") and eng.prefetches == 0
+    assert not eng.pin_active("pin-b") and eng.kv_control.prefetches == 0

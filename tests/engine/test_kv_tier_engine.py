@@ -85,7 +85,7 @@ def test_restored_pages_give_the_recomputed_output(engine, prompts, recomputed):
 def test_a_damaged_disk_page_is_recomputed_not_served(engine, prompts, recomputed):
     evict_a_with_b(engine, prompts)
     settle(engine)
-    hashes = block_hashes(prompts[0][:2 * P], P, engine._seed(""))
+    hashes = block_hashes(prompts[0][:2 * P], P, engine.cache.seed_fn(""))
     disk = engine.tiers.disk
     media = [engine.tiers.holds(h) for h in hashes]
     assert sorted(media) == ["disk", "host"]
@@ -159,12 +159,12 @@ def test_a_demoted_pin_is_in_the_tiers_at_once_and_a_prefetch_reads_it_back_befo
     engine.pin("pause", a, 600.0)
     engine.step()
     assert "pause" in engine.scheduler.pins
-    hashes = block_hashes(a[:len(a) // P * P], P, engine._seed(""))
+    hashes = block_hashes(a[:len(a) // P * P], P, engine.cache.seed_fn(""))
     assert not any(engine.tiers.holds(h) for h in hashes)   # nothing evicted yet: nothing in a tier
-    demotions, prefetches = engine.demotions, engine.prefetches
+    demotions, prefetches = engine.kv_control.demotions, engine.kv_control.prefetches
     engine.demote("pause")
     engine.step()
-    assert "pause" not in engine.scheduler.pins and engine.demotions == demotions + 1
+    assert "pause" not in engine.scheduler.pins and engine.kv_control.demotions == demotions + 1
     assert all(engine.tiers.holds(h) for h in hashes)       # copied at the demotion, not at an eviction
     settle(engine)
     assert engine.generate([b], GREEDY)[0].finish_reason == "length"   # b takes a's pool pages
@@ -174,12 +174,12 @@ def test_a_demoted_pin_is_in_the_tiers_at_once_and_a_prefetch_reads_it_back_befo
     engine.prefetch("never demoted")
     engine.prefetch("pause")
     engine.step()
-    assert engine.prefetches == prefetches + 1
+    assert engine.kv_control.prefetches == prefetches + 1
     with engine.tiers._loads_lock:
         assert all(h in engine.tiers._loads for h in on_disk)   # read before any request asked for them
     engine.prefetch("pause")   # read back once: the demotion is forgotten
     engine.step()
-    assert engine.prefetches == prefetches + 1
+    assert engine.kv_control.prefetches == prefetches + 1
     deadline = time.monotonic() + 20
     while engine.tiers.loading():
         assert time.monotonic() < deadline, "the prefetch's reads did not finish"

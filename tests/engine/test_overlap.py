@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+import engine.engine as engine_module
 from engine.chat import encode_chat
 from engine.grammar import constraint_for_request
 
@@ -52,23 +53,22 @@ class LaunchSpy:
     def __init__(self, engine: LLMEngine) -> None:
         self.run_ahead: list[bool] = []
         self.threads: set[str] = set()
-        launch, execute = engine._launch, engine.runner.execute
+        launch, execute = engine.executor.launch, engine.runner.execute
 
-        def spy_launch(batch, prev):
-            step = launch(batch, prev)
+        def spy_launch(step, prev):
             self.run_ahead.append(step.run_ahead)
-            return step
+            launch(step, prev)
 
         def spy_execute(inputs, previous=None):
             self.threads.add(threading.current_thread().name)
             return execute(inputs, previous)
-        engine._launch, engine.runner.execute = spy_launch, spy_execute
+        engine.executor.launch, engine.runner.execute = spy_launch, spy_execute
 
 
 def assert_idle(engine: LLMEngine) -> None:
     """Nothing left in flight, every page back in the pool or the cache."""
     st = engine.stats()
-    assert not engine.has_unfinished() and engine._inflight is None
+    assert not engine.has_unfinished() and engine.scheduler.launched_step is None
     assert st.running == 0 and st.waiting == 0 and st.pages_used == st.pages_cached
 
 
@@ -244,12 +244,12 @@ def test_streams_through_the_async_engine(default_engine, tokenizer, monkeypatch
     deltas are the plain engine's reply. The model is loaded on the forward thread, which runs it."""
     prompt = chat(tokenizer, ASKS[3])
     ref = default_engine.generate([prompt], greedy(24))[0]
-    setup, loaded_on = LLMEngine._setup, []
+    build, loaded_on = engine_module.build_engine, []
 
-    def recording_setup(self, *args):
+    def recording_build(*args):
         loaded_on.append(threading.current_thread().name)
-        setup(self, *args)
-    monkeypatch.setattr(LLMEngine, "_setup", recording_setup)
+        return build(*args)
+    monkeypatch.setattr(engine_module, "build_engine", recording_build)
 
     async def run():
         ae = AsyncEngine.from_config(EngineConfig(**BASE, overlap_schedule=True))

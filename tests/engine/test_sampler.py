@@ -39,12 +39,12 @@ def test_top_k_top_p_matches_reference():
 def test_tiny_temperature_is_greedy_not_nan():
     """A temperature like 5e-324 is valid input; dividing by it would give NaN probabilities."""
     from engine.request import Request
-    from engine.sampler import sample
+    from engine.sampler import SamplingBatch, sample
     from engine.types import SamplingParams
 
     logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
     for t in (5e-324, 1e-8):
         req = Request("r", [1], SamplingParams(temperature=t))
         req.generator = torch.Generator().manual_seed(0)
-        tokens, _ = sample(logits.clone(), [req])
+        tokens, _ = sample(logits.clone(), SamplingBatch.of([req]))
         assert tokens == [1]

@@ -59,7 +59,7 @@ def window_pages(window):
 
 
 def hashes_of(eng, tokens):
-    return block_hashes(tokens[:len(tokens) // P * P], P, eng._seed(""))
+    return block_hashes(tokens[:len(tokens) // P * P], P, eng.cache.seed_fn(""))
 
 
 @pytest.mark.parametrize("family,host", [("gemma3", True), ("gpt_oss", True), ("mistral", True),
