@@ -96,7 +96,7 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
         ae = AsyncEngine(engine)
         try:
             a = ae.submit(prompt_a, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "A",
-                          pin_ttl_s=30.0)
+                          lease_ttl_s=30.0)
             b = ae.submit(prompt_b, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "B")
             async for out in a:
                 assert out.finish_reason in (None, "length")

@@ -133,7 +133,7 @@ def test_the_stream_detokenizes_off_the_engine_thread_and_a_stop_string_pins_the
         ae = AsyncEngine(default_engine)
         try:
             outs = [o async for o in ae.submit(prompt, SamplingParams(max_tokens=48, temperature=0, stop=["7"]),
-                                               "turn-1", pin_ttl_s=60.0)]
+                                               "turn-1", lease_ttl_s=60.0)]
             for _ in range(200):   # the engine finishes it at its next step
                 if not default_engine.has_unfinished():
                     break
