@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from engine.client import StructuredOutput
@@ -79,11 +79,16 @@ class KVSource(BaseModel):
 
 
 class GenerateBody(BaseModel):
+    # an unknown field is refused (422 naming it), never dropped: a field this worker does not know is one
+    # it would not honour
+    model_config = ConfigDict(extra="forbid")
+
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: dict[str, Any] = Field(default_factory=dict)
     constraint: ConstraintSpec | None = None
-    lease_ttl_s: float | None = Field(default=None, gt=0)
+    # ``pin_ttl_s``: its name from routers before the lease was one method set; still honoured
+    lease_ttl_s: float | None = Field(default=None, gt=0, validation_alias=AliasChoices("lease_ttl_s", "pin_ttl_s"))
     cache_salt: str = ""
     key: KeySpec | None = None   # absent from an older router: the request is a session of its own
     kv_source: KVSource | None = None

@@ -173,3 +173,18 @@ def test_a_routers_lease_calls_reach_the_engine_client_of_the_worker_that_holds_
     # fire and forget: the calls run as tasks, in no promised order
     assert sorted(workers["w-1"].calls) == [("demote", "req-1", None), ("extend", "req-1", 90.0)]
     assert sorted(workers["w-2"].calls) == [("prefetch", "req-0", None), ("release", "req-0", None)]
+
+
+def test_a_generate_body_refuses_unknown_fields_and_reads_the_old_lease_name():
+    """A field the worker does not know is refused by name, not dropped; an older router's ``pin_ttl_s``
+    is the lease it always was."""
+    import pydantic
+
+    from router.worker_api import GenerateBody
+
+    base = {"request_id": "r1", "prompt_token_ids": [1, 2]}
+    assert GenerateBody(**base, lease_ttl_s=30.0).lease_ttl_s == 30.0
+    assert GenerateBody(**base, pin_ttl_s=45.0).lease_ttl_s == 45.0
+    assert GenerateBody(**base).lease_ttl_s is None
+    with pytest.raises(pydantic.ValidationError, match="lease_seconds"):
+        GenerateBody(**base, lease_seconds=30.0)
