@@ -8,26 +8,26 @@ thread. A token that previous step is still sampling is a ``PLACEHOLDER`` in the
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from engine.attention import BatchLayout
+from engine.attention import AttentionBackend, BatchLayout
 from engine.request import Request
 from engine.plan import ScheduledBatch, StepInputs
 
 
+@dataclass(eq=False)
 class ModelRunner:
-    def __init__(self, model, attn_backend, page_size: int, device: str, window_page: list[int] | None = None,
-                 window: int | None = None) -> None:
-        self.model = model
-        self.attn = attn_backend
-        self.P = page_size
-        self.device = device
-        # page id -> the sliding layers' page (engine/window_pool.py), read as each step is prepared, and
-        # their (largest) window: pages wholly before it are never read, and left 0 in their tables
-        self.window_page = window_page
-        self.window = window
+    model: Any
+    attn: AttentionBackend
+    P: int   # page size, in tokens
+    device: str
+    # page id -> the sliding layers' page (engine/window_pool.py), read as each step is prepared, and
+    # their (largest) window: pages wholly before it are never read, and left 0 in their tables
+    window_page: list[int] | None = None
+    window: int | None = None
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits (S, V) float32, indices into the batch of the requests that sample).

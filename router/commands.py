@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from agentrt.config import (KEEP_ALIVE_S, RouterServerConfig, ServerConfig, ServingSettings, add_flags,
                             configure_router_http, configure_serve)
@@ -52,6 +53,18 @@ def _stop_tracing() -> None:
     tracing.shutdown()  # the last spans go out
 
 
+def _run_server(config: ServingSettings, service: str, serve: Callable[[], None]) -> int:
+    """Logging and tracing (``service``: its default service.name) as ``config`` says, then ``serve()``,
+    which builds the app and serves until shutdown; tracing stops however it ends. Returns 0."""
+    _logging(config)
+    _tracing(config, service)
+    try:
+        serve()
+    finally:
+        _stop_tracing()
+    return 0
+
+
 # ------------------------------------------------------------ worker
 
 
@@ -71,13 +84,8 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"agentrt worker: {exc}", file=sys.stderr)
         return 2
-    _logging(config)
-    _tracing(config, "agentrt-worker")
-    try:
-        serve_worker(create_worker_app(config, rconfig, settings), config)
-    finally:
-        _stop_tracing()
-    return 0
+    return _run_server(config, "agentrt-worker", lambda: serve_worker(create_worker_app(config, rconfig, settings),
+                                                                      config))
 
 
 # ------------------------------------------------------------ router
@@ -102,13 +110,7 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"agentrt router: {exc}", file=sys.stderr)
         return 2
-    _logging(config)
-    _tracing(config, "agentrt-router")
-    try:
-        _serve(create_router_app(config, rconfig), config)
-    finally:
-        _stop_tracing()
-    return 0
+    return _run_server(config, "agentrt-router", lambda: _serve(create_router_app(config, rconfig), config))
 
 
 # ------------------------------------------------------------ up

@@ -38,6 +38,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from router.config import RouterConfig
+from router.vllm_wire import unpack_bounded
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +101,8 @@ def decode_event(data: bytes, max_bytes: int = 1 << 20, max_hashes: int = 65_536
     """Decode and validate one event; raises ``EventDecodeError`` on anything unexpected: over
     ``max_bytes``, not one msgpack object within msgpack's limits below (no bin or ext values anywhere,
     at most ``max_hashes`` items in an array, 32 keys in a map), or a field missing or off its type."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise EventDecodeError(f"event payload must be bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise EventDecodeError(f"event of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
-                              max_array_len=max_hashes, max_map_len=32, max_str_len=4096,
-                              max_bin_len=0, max_ext_len=0)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise EventDecodeError(f"not a msgpack event: {type(e).__name__}: {e}") from None
+    obj = unpack_bounded(data, "event", EventDecodeError, max_bytes, payload="event payload",
+                         max_array_len=max_hashes, max_map_len=32, max_bin_len=0)
     try:
         return msgspec.convert(obj, KVEvent)  # unknown keys are ignored: a newer worker may add fields
     except msgspec.ValidationError as e:

@@ -218,19 +218,28 @@ def _event(raw: Any, i: int) -> Event | None:
     return _convert(fields, wire, f"events[{i}] ({tag})").event()
 
 
+def unpack_bounded(data: bytes, what: str, error: type[ValueError], max_bytes: int, *, payload: str = "payload",
+                   max_array_len: int, max_map_len: int, max_bin_len: int) -> Any:
+    """``data`` as one msgpack object (``what``: an event, a batch) of at most ``max_bytes``, within msgpack's
+    limits (arrays, maps and bin values as given, strings of 4096 bytes, no ext values); ``error`` naming what
+    is wrong otherwise (this module's ``decode_batch`` and router/events.py's ``decode_event``)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise error(f"{payload} must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise error(f"{what} of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
+                               max_array_len=max_array_len, max_map_len=max_map_len, max_str_len=4096,
+                               max_bin_len=max_bin_len, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise error(f"not a msgpack {what}: {type(e).__name__}: {e}") from None
+
+
 def decode_batch(data: bytes, max_bytes: int = 16 << 20, max_items: int = 1 << 20) -> EventBatch:
     """Decode and validate one ``EventBatch`` payload (either encoding); ``VllmDecodeError`` otherwise,
     naming the field and what it must be."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise VllmDecodeError(f"payload must be bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise VllmDecodeError(f"batch of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
-                              max_array_len=max_items, max_map_len=64, max_str_len=4096,
-                              max_bin_len=_MAX_HASH_BYTES, max_ext_len=0)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise VllmDecodeError(f"not a msgpack batch: {type(e).__name__}: {e}") from None
+    obj = unpack_bounded(data, "batch", VllmDecodeError, max_bytes, max_array_len=max_items, max_map_len=64,
+                         max_bin_len=_MAX_HASH_BYTES)
     batch = _convert(obj, _ArrayBatch if isinstance(obj, list) else _MapBatch, "batch")
     decoded = [_event(e, i) for i, e in enumerate(batch.events)]
     known = tuple(e for e in decoded if e is not None)

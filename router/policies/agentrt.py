@@ -53,6 +53,7 @@ reading a few workers (docs/routing.md, "Scale"); ``select`` is its reference in
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from bisect import bisect_left, bisect_right, insort
 from operator import itemgetter
 from typing import Mapping, Sequence
@@ -72,48 +73,46 @@ def _units(x: float) -> int:
     return num << (1075 - den.bit_length())  # den is a power of two, at most 2**1074
 
 
+@dataclass(eq=False)
 class AgentrtPolicy(RoutingPolicy):
     name = "agentrt"
 
-    def __init__(self, load_weight: float = 0.1, overload_rel: float = 1.5,
-                 overload_abs_tokens: float = 131072.0, affinity_min_fraction: float = 0.9,
-                 min_match_tokens: int = 1024, tokens_per_queued_request: float = 4096.0,
-                 min_match_fraction: float = 0.25, recent_work_half_life: int = 2000,
-                 decode_token_weight: float = 10.0, host_load_weight: float = 0.01,
-                 disk_load_weight: float = 0.05, tentative_load_weight: float = 0.5) -> None:
-        if load_weight < 0 or overload_abs_tokens < 0 or min_match_tokens < 0 or tentative_load_weight < 0:
+    load_weight: float = 0.1
+    overload_rel: float = 1.5
+    overload_abs_tokens: float = 131072.0
+    affinity_min_fraction: float = 0.9
+    min_match_tokens: int = 1024
+    tokens_per_queued_request: float = 4096.0
+    min_match_fraction: float = 0.25
+    recent_work_half_life: int = 2000
+    decode_token_weight: float = 10.0
+    host_load_weight: float = 0.01
+    disk_load_weight: float = 0.05
+    tentative_load_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.load_weight < 0 or self.overload_abs_tokens < 0 or self.min_match_tokens < 0 or \
+                self.tentative_load_weight < 0:
             raise ValueError("load_weight, tentative_load_weight, overload_abs_tokens and min_match_tokens "
                              "must be >= 0")
-        self.tentative_load_weight = tentative_load_weight
-        if overload_rel < 1.0:
-            raise ValueError(f"overload_rel must be >= 1, got {overload_rel}")
-        if not 0.0 <= affinity_min_fraction <= 1.0:
-            raise ValueError(f"affinity_min_fraction must be in [0, 1], got {affinity_min_fraction}")
-        if not 0.0 <= host_load_weight <= disk_load_weight <= 1.0:
+        if self.overload_rel < 1.0:
+            raise ValueError(f"overload_rel must be >= 1, got {self.overload_rel}")
+        if not 0.0 <= self.affinity_min_fraction <= 1.0:
+            raise ValueError(f"affinity_min_fraction must be in [0, 1], got {self.affinity_min_fraction}")
+        if not 0.0 <= self.host_load_weight <= self.disk_load_weight <= 1.0:
             raise ValueError(f"need 0 <= host_load_weight <= disk_load_weight <= 1 (a load costs no more than a "
-                             f"recompute), got {host_load_weight} and {disk_load_weight}")
-        self.host_load_weight = host_load_weight
-        self.disk_load_weight = disk_load_weight
-        if tokens_per_queued_request < 0:
+                             f"recompute), got {self.host_load_weight} and {self.disk_load_weight}")
+        if self.tokens_per_queued_request < 0:
             raise ValueError("tokens_per_queued_request must be >= 0")
-        if not 0.0 <= min_match_fraction <= 1.0:
-            raise ValueError(f"min_match_fraction must be in [0, 1], got {min_match_fraction}")
-        if recent_work_half_life < 0 or decode_token_weight < 0:
+        if not 0.0 <= self.min_match_fraction <= 1.0:
+            raise ValueError(f"min_match_fraction must be in [0, 1], got {self.min_match_fraction}")
+        if self.recent_work_half_life < 0 or self.decode_token_weight < 0:
             raise ValueError("recent_work_half_life and decode_token_weight must be >= 0")
-        self.min_match_fraction = min_match_fraction
-        self.recent_work_half_life = recent_work_half_life
-        self.decode_token_weight = decode_token_weight
         # Work this policy dispatched to each worker, decayed per dispatch (half-life in dispatches),
         # kept in units of ``_scale``: a dispatch grows the scale instead of decaying every entry.
         self._work: dict[str, float] = {}
         self._scale = 1.0
-        self._decay = 0.5 ** (1.0 / recent_work_half_life) if recent_work_half_life else 1.0
-        self.load_weight = load_weight
-        self.overload_rel = overload_rel
-        self.overload_abs_tokens = overload_abs_tokens
-        self.affinity_min_fraction = affinity_min_fraction
-        self.min_match_tokens = min_match_tokens
-        self.tokens_per_queued_request = tokens_per_queued_request
+        self._decay = 0.5 ** (1.0 / self.recent_work_half_life) if self.recent_work_half_life else 1.0
         self._turn = 0  # rotates ties among equally loaded workers
         self._fleet: AgentrtFleet | None = None  # told when ``_work`` changes (its orderings use it)
 

@@ -137,6 +137,14 @@ def _tensors(checkpoint, arch: str, cfg):
         yield f"blk.{idx}.ffn_{proj.split('_')[0]}_exps.weight", stacked
 
 
+def write_out(w) -> None:
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(checkpoint, cfg, prefix: str, path, tokenizer_fields: dict) -> None:
     """The checkpoint directory's weights (transformers config ``cfg``) as a GGUF file at ``path``."""
     arch = ARCH[prefix]
@@ -153,10 +161,7 @@ def write_gguf(checkpoint, cfg, prefix: str, path, tokenizer_fields: dict) -> No
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for name, t in _tensors(checkpoint, arch, cfg):
         w.add_tensor(name, t.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
 
 
 # --- the sliding-window families: convert_hf_to_gguf.py's Gemma3Model and GptOssModel ---------------------
@@ -245,7 +250,4 @@ def write_family_gguf(checkpoint, cfg, path, tokenizer_fields: dict, mxfp4_exper
             w.add_tensor(name, gguf.quants.quantize(arr, mxfp4), raw_dtype=mxfp4)
         else:
             w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)

@@ -31,3 +31,11 @@ class KernelBuild:
         """Fail the calling test when a compiler was there but the build failed."""
         if self.error is not None:
             pytest.fail(f"the C kernel did not build although a compiler is on PATH: {self.error}", pytrace=False)
+
+    def autouse_require(self):
+        """An autouse fixture calling ``require``; assigned in a test module (``_built = BUILD.autouse_require()``),
+        a compile error fails every test there."""
+        @pytest.fixture(autouse=True)
+        def _built() -> None:
+            self.require()
+        return _built

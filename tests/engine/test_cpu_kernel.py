@@ -17,11 +17,7 @@ from kernel_build import KernelBuild
 BUILD = KernelBuild(lambda: DecodeKernel(build(SOURCE)))   # skipped only without a compiler on PATH
 kernel = BUILD.value
 pytestmark = BUILD.skip_mark()
-
-
-@pytest.fixture(autouse=True)
-def _built():
-    BUILD.require()   # a compile error fails every test here
+_built = BUILD.autouse_require()   # a compile error fails every test here
 
 
 def paged_rows(rng, lens, page_size, num_pages):

@@ -102,6 +102,8 @@ GGUF_ARCHITECTURES = {"deepseek2": "(MLA)", "glm4moe": "GLM"}
 
 def _write_gguf(path, arch, extra):
     gguf = pytest.importorskip("gguf")
+    from tests.engine.gguf_families import write_out
+
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in {**GGUF_BASE, **extra}.items():
         name = key[1:] if key.startswith("=") else f"{arch}.{key}"
@@ -111,10 +113,7 @@ def _write_gguf(path, arch, extra):
             w.add_float32(name, value)
         else:
             w.add_uint32(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return str(path)
 
 

@@ -54,9 +54,7 @@ def variant_lib(request):
     return built
 
 
-@pytest.fixture(autouse=True)
-def _built():
-    BUILD.require()   # a compile error fails every test here
+_built = BUILD.autouse_require()   # a compile error fails every test here
 
 
 def random_q4(n: int, k: int, gen: torch.Generator, q4_0: bool = False) -> Q4Blocks:

@@ -84,15 +84,11 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory):
-    group = c.procs(tmp_path_factory.mktemp("reliability"))
-    try:
-        server = group.redis(appendonly=True)
+    with c.redis_group(tmp_path_factory.mktemp("reliability"), appendonly=True, stop_timeout_s=60.0) as (group, server):
         up = c.up(group, server.url)
         cluster = Cluster(group, server, up)
         cluster.start_router("r1")
         yield cluster
-    finally:
-        group.stop(timeout_s=60.0)
 
 
 def test_router_restart_keeps_sessions_on_their_workers(cl):

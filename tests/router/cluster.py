@@ -9,7 +9,9 @@ limits, and a short heartbeat so expiry tests do not wait long.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -22,6 +24,17 @@ HEARTBEAT = ("--heartbeat-ttl-s", "3", "--heartbeat-interval-s", "0.5")
 def procs(tmp_dir: Path) -> Procs:
     """A group with its logs in ``tmp_dir``, run from the repository root."""
     return Procs(tmp_dir, cwd=ROOT)
+
+
+@contextmanager
+def redis_group(tmp_dir: Path, appendonly: bool = False, stop_timeout_s: float = 30.0) -> Iterator[tuple[Procs, Proc]]:
+    """``procs(tmp_dir)`` and a Redis server started in it (``appendonly``: with AOF, so it can be restarted);
+    the whole group stops on exit (``Procs.stop(stop_timeout_s)``)."""
+    group = procs(tmp_dir)
+    try:
+        yield group, group.redis(appendonly=appendonly)
+    finally:
+        group.stop(timeout_s=stop_timeout_s)
 
 
 def worker(group: Procs, redis_url: str, worker_id: str, *flags: str) -> Proc:

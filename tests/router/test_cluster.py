@@ -32,10 +32,7 @@ SYSTEM = "You are a careful build engineer. Answer in one short sentence. " * 12
 
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cluster")
-    group = c.procs(tmp)
-    try:
-        server = group.redis(appendonly=True)
+    with c.redis_group(tmp_path_factory.mktemp("cluster"), appendonly=True) as (group, server):
         procs = {name: c.worker(group, server.url, name) for name in ("w0", "w1")}
         procs["w0"].wait_ready()
         procs["w1"].wait_ready()
@@ -43,8 +40,6 @@ def cl(tmp_path_factory):
         procs["r0"].wait_ready()
         procs["r1"].wait_ready()
         yield Cluster(server, procs, group)
-    finally:
-        group.stop()
 
 
 class Cluster:

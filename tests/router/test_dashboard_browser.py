@@ -37,17 +37,13 @@ WORKERS = ("worker-0", "worker-1")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    group = c.procs(tmp_path_factory.mktemp("dashboard"))
-    try:
-        server = group.redis(appendonly=False)
+    with c.redis_group(tmp_path_factory.mktemp("dashboard"), stop_timeout_s=60.0) as (group, server):
         up = c.up(group, server.url)
         client = redis.Redis.from_url(server.url)
         cfg = RouterConfig(redis_url=server.url)
         urls = {w: client.hget(cfg.worker_key(w), "url").decode() for w in WORKERS}
         client.close()
         yield up.url, urls
-    finally:
-        group.stop(timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")

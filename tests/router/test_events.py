@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import time
 
@@ -56,6 +57,17 @@ def _cfg(url):
     return RouterConfig(redis_url=url)
 
 
+@contextlib.asynccontextmanager
+async def _consumer(url, cfg=None, snapshot_source=None):
+    """A ``KVEventConsumer`` of ``url``'s stream (``cfg``: default ``_cfg(url)``) into a fresh ``PrefixIndex``
+    (``consumer.index``); its Redis client closes on exit."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        yield KVEventConsumer(client, cfg or _cfg(url), PrefixIndex(), snapshot_source=snapshot_source)
+    finally:
+        await client.aclose()
+
+
 async def _drain(consumer):
     while await consumer.poll(block_ms=50):
         pass
@@ -76,12 +88,9 @@ def test_events_reach_index(redis_url):
     pub.flush()
 
     async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
-        consumer = KVEventConsumer(client, _cfg(redis_url), index)
-        await _drain(consumer)
-        await client.aclose()
-        return index, consumer.stats
+        async with _consumer(redis_url) as consumer:
+            await _drain(consumer)
+        return consumer.index, consumer.stats
     index, stats = asyncio.run(body())
     pub.close()
     assert index.match([10, 11, 12, 13]) == {"w1": 3}
@@ -99,16 +108,13 @@ def test_events_apply_one_by_one_after_baseline(redis_url):
         sync.xadd(cfg.events_stream_key, {"e": encode_event(ev)})
     sync.close()
 
-    async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
+    async def empty(wid):
+        return Snapshot(-1, ())
 
-        async def empty(wid):
-            return Snapshot(-1, ())
-        consumer = KVEventConsumer(client, cfg, index, snapshot_source=empty)
-        await _drain(consumer)
-        await client.aclose()
-        return index, consumer.stats
+    async def body():
+        async with _consumer(redis_url, cfg, snapshot_source=empty) as consumer:
+            await _drain(consumer)
+        return consumer.index, consumer.stats
     index, stats = asyncio.run(body())
     assert index.match([1, 2]) == {"w1": 1, "w2": 1}
     assert stats.per_kind == {"cleared": 2, "stored": 2, "removed": 1} and stats.gaps == 0
@@ -121,20 +127,17 @@ def test_seq_gap_triggers_resync_from_snapshot(redis_url):
     pub.flush()
 
     async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
-        consumer = KVEventConsumer(client, cfg, index)
-        await _drain(consumer)
-        # Lose one event on the wire: the snapshot has it, the stream does not.
-        sync = redis.Redis.from_url(redis_url)
-        sync.sadd(cfg.snapshot_key("w1"), (3).to_bytes(8, "little"))
-        sync.set(cfg.snapshot_seq_key("w1"), 2)
-        sync.xadd(cfg.events_stream_key,
-                  {"e": encode_event(KVEvent("w1", 3, "stored", (4,), 3, 0))})
-        sync.close()
-        await _drain(consumer)
-        await client.aclose()
-        return index, consumer.stats
+        async with _consumer(redis_url, cfg) as consumer:
+            await _drain(consumer)
+            # Lose one event on the wire: the snapshot has it, the stream does not.
+            sync = redis.Redis.from_url(redis_url)
+            sync.sadd(cfg.snapshot_key("w1"), (3).to_bytes(8, "little"))
+            sync.set(cfg.snapshot_seq_key("w1"), 2)
+            sync.xadd(cfg.events_stream_key,
+                      {"e": encode_event(KVEvent("w1", 3, "stored", (4,), 3, 0))})
+            sync.close()
+            await _drain(consumer)
+        return consumer.index, consumer.stats
     index, stats = asyncio.run(body())
     pub.close()
     assert stats.gaps == 1
@@ -149,18 +152,15 @@ def test_cleared_drops_stale_entries_of_returning_worker(redis_url):
     pub.close()
 
     async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
-        consumer = KVEventConsumer(client, _cfg(redis_url), index)
-        await _drain(consumer)
-        before = index.match([1, 2, 3])
-        again = _publisher(redis_url)  # the worker restarts: seq starts over with `cleared`
-        again.publish("stored", [7], None)
-        again.flush()
-        again.close()
-        await _drain(consumer)
-        await client.aclose()
-        return before, index, consumer.stats
+        async with _consumer(redis_url) as consumer:
+            await _drain(consumer)
+            before = consumer.index.match([1, 2, 3])
+            again = _publisher(redis_url)  # the worker restarts: seq starts over with `cleared`
+            again.publish("stored", [7], None)
+            again.flush()
+            again.close()
+            await _drain(consumer)
+        return before, consumer.index, consumer.stats
     before, index, stats = asyncio.run(body())
     assert before == {"w1": 3}
     assert index.match([1, 2, 3]) == {}
@@ -180,18 +180,16 @@ def test_malformed_events_counted_and_skipped(redis_url):
     sync.xadd(cfg.events_stream_key, {"e": encode_event(good[1])})
     sync.close()
 
-    async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
-        resyncs = []
+    resyncs = []
 
-        async def snapshot(wid):
-            resyncs.append(wid)
-            return Snapshot(-1, ())
-        consumer = KVEventConsumer(client, cfg, index, snapshot_source=snapshot)
-        await _drain(consumer)
-        await client.aclose()
-        return index, consumer.stats, resyncs
+    async def snapshot(wid):
+        resyncs.append(wid)
+        return Snapshot(-1, ())
+
+    async def body():
+        async with _consumer(redis_url, cfg, snapshot_source=snapshot) as consumer:
+            await _drain(consumer)
+        return consumer.index, consumer.stats, resyncs
     index, stats, resyncs = asyncio.run(body())
     assert stats.malformed == 4
     assert stats.applied == 2
@@ -206,17 +204,14 @@ def test_bootstrap_loads_snapshots_and_skips_older_events(redis_url):
     pub.flush()
 
     async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
-        consumer = KVEventConsumer(client, _cfg(redis_url), index)
-        await consumer.bootstrap(["w1"])
-        pub.publish("stored", [9], None)
-        pub.flush()
-        await _drain(consumer)
-        consumer.forget_worker("w1")
-        forgotten = len(index)
-        await client.aclose()
-        return index, consumer.stats, forgotten
+        async with _consumer(redis_url) as consumer:
+            await consumer.bootstrap(["w1"])
+            pub.publish("stored", [9], None)
+            pub.flush()
+            await _drain(consumer)
+            consumer.forget_worker("w1")
+            forgotten = len(consumer.index)
+        return consumer.index, consumer.stats, forgotten
     index, stats, forgotten = asyncio.run(body())
     pub.close()
     assert stats.resyncs == 1 and stats.gaps == 0
@@ -228,19 +223,16 @@ def test_consumer_task_runs_until_stopped(redis_url):
     pub = _publisher(redis_url)
 
     async def body():
-        client = aioredis.Redis.from_url(redis_url)
-        index = PrefixIndex()
-        consumer = KVEventConsumer(client, _cfg(redis_url), index)
-        consumer.start()
-        pub.publish("stored", [42], None)
-        pub.flush()
-        for _ in range(200):
-            if index.holders(42):
-                break
-            await asyncio.sleep(0.02)
-        await consumer.stop()
-        await client.aclose()
-        return index
+        async with _consumer(redis_url) as consumer:
+            consumer.start()
+            pub.publish("stored", [42], None)
+            pub.flush()
+            for _ in range(200):
+                if consumer.index.holders(42):
+                    break
+                await asyncio.sleep(0.02)
+            await consumer.stop()
+        return consumer.index
     index = asyncio.run(body())
     pub.close()
     assert index.holders(42) == {"w1"}
@@ -284,12 +276,9 @@ def test_publisher_keeps_events_through_a_redis_restart(redis_server_factory):
     assert pub.dropped == 0 and not pub.lost and pub.written == 5
 
     async def body():  # a consumer that started before the outage sees no gap
-        aclient = aioredis.Redis.from_url(server.url)
-        index = PrefixIndex()
-        consumer = KVEventConsumer(aclient, cfg, index)
-        await _drain(consumer)
-        await aclient.aclose()
-        return index, consumer.stats
+        async with _consumer(server.url, cfg) as consumer:
+            await _drain(consumer)
+        return consumer.index, consumer.stats
     index, stats = asyncio.run(body())
     assert stats.gaps == 0 and index.match([2, 3, 4, 5]) == {"w1": 4}
 

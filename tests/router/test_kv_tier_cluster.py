@@ -17,9 +17,7 @@ OTHER = "Summarise the flaky network errors seen by the payments integration job
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiers")
-    group = c.procs(tmp)
-    try:
-        redis_server = group.redis(appendonly=False)
+    with c.redis_group(tmp) as (group, redis_server):
         # wa's pool holds one of these prompts at a time (5 usable pages); wb has the usual pool
         wa = c.worker(group, redis_server.url, "wa", "--kv-cache-tokens", "96", "--kv-disk-tokens", "4096",
                       "--kv-disk-path", str(tmp / "wa-tier"))
@@ -29,8 +27,6 @@ def cl(tmp_path_factory):
         router = c.router(group, redis_server.url, "r0")
         router.wait_ready()
         yield {"wa": wa, "wb": wb, "r0": router}
-    finally:
-        group.stop()
 
 
 def chat(http: httpx.Client, url: str, text: str) -> httpx.Response:
