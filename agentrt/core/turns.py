@@ -103,7 +103,7 @@ class TurnPlan:
     options: StructuredOutput
     describe: Callable[[Result], dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
-    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/core/pin_ttl.py)
+    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/core/leases.py)
 
 
 class SessionManager:
