@@ -35,9 +35,8 @@ from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServingSettings
 from agentrt.core.errors import APIError, bad_request, not_found
-from agentrt.core.generation import Generation, Generator, Result
+from agentrt.core.generation import Generation, Generator, Result, message_dicts, tool_call_dicts
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
-from agentrt.core.convert import message_dicts, tool_call_dicts
 from agentrt.core.store import (SessionDecodeError, SessionLimitReached, SessionNotFound, SessionRecord, SessionStore,
                            TurnLock, TurnRecord)
 from agentrt.core.tenants import Tenant
