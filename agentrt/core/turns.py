@@ -23,6 +23,7 @@ whose chains of responses are sessions and which makes its own prompt (a ``TurnP
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -197,6 +198,15 @@ class SessionManager:
         turn = record.last_turn
         if turn is not None and turn.pin_id is not None and turn.pin_expires_at > time.time():
             self.release(turn.pin_id, record.last_worker)
+
+    async def sweep_forever(self, interval_s: float) -> None:
+        """:meth:`sweep` every ``interval_s`` seconds until cancelled (the app's lifespan runs it)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sweep()
+            except Exception:  # a failed sweep must not end sweeping
+                log.exception("session sweep failed")
 
     async def sweep(self) -> int:
         """Read back demoted leases that are due, forget expired ones and delete sessions idle past their
