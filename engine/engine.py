@@ -77,6 +77,8 @@ class LLMEngine:
         self.kv_control = m.kv_control
         self.backend_name, self.attention_desc, self.active_kernels = m.backend_name, m.attention_desc, m.active_kernels
         self.window_layers, self.speculative = m.window_layers, m.spec.mode
+        # the most tokens a prompt may have: what the KV pool holds (fixed at start)
+        self.pool_tokens = self.pool.capacity * self.config.page_size
         self.executor = Executor(m.runner, m.spec, worker, self.max_model_len, self.config.close_constrained_outputs)
         self.admission = Admission(self.config, m.scheduler, m.waiting_tokens_limit)
         # how long a serving loop holds its next step for agents coming back (engine/coalesce.py)
@@ -119,15 +121,13 @@ class LLMEngine:
             raise InvalidRequest(f"key must be a SchedulingKey, got {type(key).__name__}")
         prompt = check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
                                vocab_size=self.model_config.vocab_size)
-        pool_tokens = self.pool.capacity * self.config.page_size
-        if len(prompt) > pool_tokens:
+        if len(prompt) > self.pool_tokens:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens but the KV cache holds only "
-                                 f"{pool_tokens} tokens; send a shorter prompt")
+                                 f"{self.pool_tokens} tokens; send a shorter prompt")
         if constraint is not None and constraint.closes_outputs and self.config.close_constrained_outputs:
             check_closing(constraint, params.max_tokens, self.max_model_len - len(prompt))
         started = key.continuing or self.ledger.started(key.session)
         self.admission.admit(len(prompt), started)   # or EngineOverloaded (429)
-        self.coalescer.on_arrival()
         req = Request(request_id or uuid.uuid4().hex, prompt, params, constraint, cache_salt, pin_ttl_s,
                       trace=trace, key=key, started=started)
         if not params.greedy:
@@ -217,11 +217,12 @@ class LLMEngine:
         return request_id in self.requests
 
     def step_hold(self) -> float:
-        """How long a serving loop should hold its next step for agents coming back (engine/coalesce.py)."""
-        return self.coalescer.delay()
+        """How long a serving loop should hold its next step for agents coming back (engine/coalesce.py):
+        the engine thread asks between steps (``EngineCore.hold``)."""
+        return self.core.hold()
 
     def held(self, waited_s: float) -> None:
-        """A serving loop held its next step ``waited_s`` seconds (``step_hold``)."""
+        """A serving loop held its next step ``waited_s`` seconds (``step_hold``; the engine thread)."""
         self.coalescer.note_wait(waited_s)
 
     def has_pins(self) -> bool:
