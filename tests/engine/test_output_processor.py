@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from engine import SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.engine import AsyncEngine
 from engine.chat import encode_chat
 from engine.output_processor import OutputProcessor
 from engine.parsers import OutputParser, parse_output
