@@ -58,7 +58,7 @@ def _engine_config(args):
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    from engine.chat import encode_chat
+    from engine.tokenizer import encode_chat
     return encode_chat(tokenizer, [{"role": "user", "content": text}])
 
 

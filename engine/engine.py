@@ -25,7 +25,7 @@ threads, and a request without ``trace`` costs nothing.
 
 ``AsyncEngine``: each request gets an asyncio queue on the submitting loop; the engine thread
 hands outputs over with ``call_soon_threadsafe``, in tokens. The stream turns them into text
-with the request's ``OutputProcessor`` (engine/output_processor.py) on the loop, off the engine
+with the request's ``OutputProcessor`` (engine/tokenizer.py) on the loop, off the engine
 thread: detokenizing, stop strings, held-back text; a stop string it finds ends the stream and asks
 the engine to finish the request as stopped. Closing a stream (or cancelling
 its consumer) aborts the request, which frees its pages at the next step. After a
@@ -56,7 +56,7 @@ from engine.config import EngineConfig
 from engine.constraints import TokenConstraint
 from engine.core import EngineCore
 from engine.executor import Executor
-from engine.output_processor import OutputProcessor
+from engine.tokenizer import OutputProcessor
 from engine.overlap import ForwardWorker
 from engine.request import Request
 from engine.request_table import RequestTable

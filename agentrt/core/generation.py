@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine.chat import ToolCall, content_text, render_chat_prompt
+from engine.tokenizer import ToolCall, content_text, render_chat_prompt
 from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
 from engine.parsers import (OutputParser, constrained_call_format, control_token_texts, detect,
                             needs_special_tokens)

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from engine.chat import template_handles_tools
+from engine.tokenizer import template_handles_tools
 from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServingSettings
