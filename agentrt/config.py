@@ -291,7 +291,7 @@ class ServingSettings(Settings):
     max_pin_ttl_s: float = Field(600.0, gt=0, description="the longest pin a session may ask for, in seconds")
     pin_ttl_policy: Literal["fixed", "cost"] = Field(
         "cost", description="the pin after a tool call: fixed (pin_ttl_tool_s) or cost (from the session's measured "
-        "tool pauses, the pool's pressure and the recompute cost, agentrt/core/pin_ttl.py; pin_ttl_tool_s until three "
+        "tool pauses, the pool's pressure and the recompute cost, agentrt/core/leases.py; pin_ttl_tool_s until three "
         "pauses were measured)")
     affinity_turns: bool = Field(True, description="treat a request that names its conversation (prompt_cache_key, "
                                  "a session header) as a session turn: its prefix stays pinned for pin_ttl_s until "

@@ -11,7 +11,7 @@ as ``Authorization: Bearer`` on each poll, keeping it in the tab's ``sessionStor
 
 The JSON has one shape for both servers (docs/api.md, "Dashboard"): ``workers`` (one, the local
 engine, on ``agentrt serve``; every registered worker behind a router), ``sessions``, ``routing``
-(the router's last decisions; empty in one process) and ``series`` (``agentrt/timeline.py``). Each
+(the router's last decisions; empty in one process) and ``series`` (``agentrt/metrics.py``). Each
 worker's KV use is a ``kv`` object keyed by tier (``device`` today): a tier the engine adds to its
 stats only adds a key, and the page draws whatever tiers it finds.
 
@@ -35,7 +35,7 @@ from fastapi.responses import FileResponse
 
 from agentrt.core.store import SessionStore
 from agentrt.core.tenants import Tenant, TenantRegistry
-from agentrt.timeline import Timeline
+from agentrt.metrics import Timeline
 
 STATIC = Path(__file__).resolve().parent / "static"
 REFRESH_S = 2.0

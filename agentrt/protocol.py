@@ -202,7 +202,7 @@ class TurnRequest(_Request):
     response_format: dict[str, Any] | None = None
     # the agent's own estimate of its pause after this turn (a long tool run), in seconds: the server pins
     # the session's KV through it when that pays, else sends it to the KV tiers and reads it back before
-    # the pause ends (agentrt/core/pin_ttl.py)
+    # the pause ends (agentrt/core/leases.py)
     expected_pause_s: float | None = Field(default=None, ge=0.0, le=86_400.0)
 
 

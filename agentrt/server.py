@@ -11,16 +11,17 @@ client's affinity key (``agentrt/core/affinity.py``).
 
 With tracing on (``--otlp-endpoint``, ``agentrt/tracing.py``) every request but probes gets a server
 span (``TracingMiddleware``, outermost, so it times 413s and auth failures too) and the engine's
-requests their phase spans.
+requests their phase spans. Nothing here runs per request: the body limit every request passes is
+``agentrt/api/http.py``'s, with the rest of the HTTP plumbing, and the periodic sweep is the session
+manager's (``SessionManager.sweep_forever``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,12 +31,12 @@ from engine.client import EngineClient
 
 from agentrt import tracing
 from agentrt.api import messages, openai, responses, sessions as session_api
-from agentrt.api.http import authenticator
+from agentrt.api.http import BodyLimitMiddleware, authenticator
 from agentrt.api.messages import AnthropicService
 from agentrt.api.openai import OpenAIService
 from agentrt.api.responses import ResponsesService
 from agentrt.config import ServerConfig, ServingSettings
-from agentrt.core.errors import APIError, install_handlers
+from agentrt.core.errors import install_handlers
 from agentrt.core.generation import Generator
 from agentrt.core.store import InMemorySessionStore, SessionStore
 from agentrt.core.tenants import TenantLimiter, TenantRegistry
@@ -44,9 +45,6 @@ from agentrt.dashboard import LocalStatus, dashboard_routes
 from agentrt.debug import install_task_dump
 from agentrt.metrics import CONTENT_TYPE, Metrics
 from agentrt.protocol import ErrorResponse
-
-log = logging.getLogger("agentrt.server")
-
 
 @dataclass
 class Services:
@@ -70,66 +68,6 @@ class Services:
 def services(request: Request) -> Services:
     """The app's :class:`Services` (a FastAPI dependency)."""
     return request.app.state.services
-
-
-class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes`` (checked on Content-Length, then while reading), and request counts."""
-
-    def __init__(self, app: Any, max_bytes: int, metrics: Metrics) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.metrics = metrics
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = {"code": 500}
-
-        async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            body = await self._read_body(scope, receive)
-            if body is None:
-                too_big = APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes",
-                                   code="request_too_large")
-                return await too_big.response(scope.get("path", ""))(scope, receive, counting_send)
-            await self.app(scope, _replay(body, receive), counting_send)
-        finally:
-            route = scope.get("route")
-            self.metrics.count_request(getattr(route, "path", "unmatched"), status["code"])
-
-    async def _read_body(self, scope: dict, receive: Callable) -> bytes | None:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                return None
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b""
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return None
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
-    sent = False
-
-    async def replay() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # later calls: wait for the client to disconnect
-
-    return replay
 
 
 # ------------------------------------------------------------ routes
@@ -187,7 +125,7 @@ def assemble_app(config: ServingSettings, backend: EngineClient, model: Any, sto
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         install_task_dump()
-        sweeper = asyncio.create_task(_sweep_forever(sessions, config.sweep_interval_s))
+        sweeper = asyncio.create_task(sessions.sweep_forever(config.sweep_interval_s))
         try:
             yield
         finally:
@@ -214,12 +152,3 @@ def assemble_app(config: ServingSettings, backend: EngineClient, model: Any, sto
     if tracing.enabled():
         app.add_middleware(tracing.TracingMiddleware, role=role)
     return app
-
-
-async def _sweep_forever(sessions: SessionManager, interval_s: float) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await sessions.sweep()
-        except Exception:  # a failed sweep must not end sweeping
-            log.exception("session sweep failed")

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.grammar import XGrammarConstraint, constraint_for_request

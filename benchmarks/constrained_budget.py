@@ -31,11 +31,10 @@ from pathlib import Path
 
 import jsonschema
 
-from engine.chat import encode_chat, parse_tool_calls
+from engine.tokenizer import OutputProcessor, encode_chat, parse_tool_calls
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.grammar import XGrammarConstraint, constraint_for_request
-from engine.output_processor import OutputProcessor
 from engine.types import CLOSED_BY_BUDGET, InvalidRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: benchmarks/ importable

@@ -8,7 +8,7 @@ two OpenMP thread teams against each other):
 
 - ``engine``: ``LLMEngine.step()`` in a loop, the engine alone (engine/engine.py);
 - ``async``: ``AsyncEngine.submit``, the engine thread and an asyncio consumer in one process, as a
-  server runs them (engine/async_engine.py);
+  server runs them (``AsyncEngine``, engine/engine.py);
 - ``http``: ``agentrt serve --speculative off``, streamed Chat Completions read through httpx-sse.
 
 A side's rate is ``(tokens - 1) / (last token - first token)`` per prompt, the median over its
@@ -58,7 +58,7 @@ def _engine_config(args):
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    from engine.chat import encode_chat
+    from engine.tokenizer import encode_chat
     return encode_chat(tokenizer, [{"role": "user", "content": text}])
 
 

@@ -32,7 +32,7 @@ from benchmarks.workload import AgenticWorkload, finished_turns  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SPECULATIVE  # noqa: E402
 from engine.types import SchedulingKey  # noqa: E402
-from engine.chat import encode_chat  # noqa: E402
+from engine.tokenizer import encode_chat  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -31,7 +31,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.attention import BatchLayout  # noqa: E402
-from engine.chat import encode_chat  # noqa: E402
+from engine.tokenizer import encode_chat  # noqa: E402
 from engine.kv_pool import KVCache, quantize_int8  # noqa: E402
 
 CHUNK = 256   # teacher-forced prefill chunk (what max_batched_tokens cuts a long prompt into)

@@ -35,7 +35,7 @@ from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.workload import AgenticWorkload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.chat import encode_chat  # noqa: E402
+from engine.tokenizer import encode_chat  # noqa: E402
 from engine.kv_pool import kv_bytes_per_token  # noqa: E402
 
 SIDES = ("int8", "bfloat16")

@@ -46,7 +46,7 @@ from agentrt.bench.text import system_prompt  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.workload import AgenticWorkload, finished_turns  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.chat import encode_chat  # noqa: E402
+from engine.tokenizer import encode_chat  # noqa: E402
 from engine.loader import load_tokenizer  # noqa: E402
 
 PAGE = 16

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SPECULATIVE  # noqa: E402
-from engine.chat import encode_chat  # noqa: E402
+from engine.tokenizer import encode_chat  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["engine/kv_pool.py", "engine/sampler.py", "engine/hashing.py", "engine/coalesce.py",

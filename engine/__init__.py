@@ -11,7 +11,7 @@ def __getattr__(name):
         from engine.engine import LLMEngine
         return LLMEngine
     if name == "AsyncEngine":
-        from engine.async_engine import AsyncEngine
+        from engine.engine import AsyncEngine
         return AsyncEngine
     raise AttributeError(name)
 

@@ -13,17 +13,22 @@ window is a fraction of the recent prefill step time, capped: worth it on slow s
 seconds, so up to the cap), next to nothing on fast ones (GPU: tens of milliseconds, so a
 few milliseconds at most). Every wait is bounded by the window after the oldest finish it
 waits for, so running requests are delayed by at most the window once per finished turn.
+
+Everything here runs on the engine thread: finishes are counted as a step's result is applied,
+arrivals as the engine takes a new request from its inbox (``RequestTable.add``; the loop's hold,
+``EngineCore.hold``, applies what came while it waits), each at the time it was submitted, so a
+request submitted before a turn ended settles nothing that turn owes. The submitting thread never
+touches it.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
 import time
 
 
 class TurnCoalescer:
-    """How long the engine's loop should hold its next step (thread-safe; clock injectable)."""
+    """How long the engine's loop should hold its next step (the engine thread's; clock injectable)."""
 
     def __init__(self, max_s: float, fraction: float, clock=time.monotonic) -> None:
         self.max_s = max_s
@@ -31,7 +36,6 @@ class TurnCoalescer:
         self.clock = clock
         self._finished: collections.deque[float] = collections.deque()  # finish times owed an arrival
         self._prefill_step_s: float | None = None   # moving average of steps that prefilled
-        self._lock = threading.Lock()
         self.waits = 0            # holds started (for stats and tests)
         self.waited_s = 0.0
 
@@ -45,9 +49,8 @@ class TurnCoalescer:
         """A step ran; ``prefill_tokens``: prompt tokens it computed (0 for a decode-only step)."""
         if prefill_tokens <= 0:
             return
-        with self._lock:
-            prev = self._prefill_step_s
-            self._prefill_step_s = duration_s if prev is None else 0.7 * prev + 0.3 * duration_s
+        prev = self._prefill_step_s
+        self._prefill_step_s = duration_s if prev is None else 0.7 * prev + 0.3 * duration_s
 
     def on_finish(self, count: int = 1) -> None:
         """``count`` requests ended naturally: their clients may come straight back."""
@@ -55,29 +58,26 @@ class TurnCoalescer:
         if window <= 0:
             return
         now = self.clock()
-        with self._lock:
-            while self._finished and self._finished[0] + window <= now:
-                self._finished.popleft()   # bounded even where nobody asks for delay()
-            self._finished.extend([now] * count)
+        while self._finished and self._finished[0] + window <= now:
+            self._finished.popleft()   # bounded even where nobody asks for delay()
+        self._finished.extend([now] * count)
 
-    def on_arrival(self) -> None:
-        """A new request arrived: it settles the oldest finish still owed one."""
-        with self._lock:
-            if self._finished:
-                self._finished.popleft()
+    def on_arrival(self, at: float | None = None) -> None:
+        """A new request arrived (``at``: when it was submitted; None: now): it settles the oldest finish
+        still owed one, if that finish came before it."""
+        if self._finished and (at is None or self._finished[0] <= at):
+            self._finished.popleft()
 
     def delay(self) -> float:
         """Seconds to hold the next step (0: go now)."""
         window = self.window_s
         now = self.clock()
-        with self._lock:
-            while self._finished and self._finished[0] + window <= now:
-                self._finished.popleft()   # that client did not come back in time
-            if not self._finished:
-                return 0.0
-            return self._finished[0] + window - now
+        while self._finished and self._finished[0] + window <= now:
+            self._finished.popleft()   # that client did not come back in time
+        if not self._finished:
+            return 0.0
+        return self._finished[0] + window - now
 
     def note_wait(self, seconds: float) -> None:
-        with self._lock:
-            self.waits += 1
-            self.waited_s += seconds
+        self.waits += 1
+        self.waited_s += seconds

@@ -34,7 +34,7 @@ class Abort:
 @dataclass(frozen=True)
 class StopRequest:
     """Finish a request as stopped by stop string ``stop``, which the output processor found in its text
-    (engine/output_processor.py); unknown or finished ids are ignored."""
+    (engine/tokenizer.py); unknown or finished ids are ignored."""
     request_id: str
     stop: str
 

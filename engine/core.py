@@ -37,6 +37,7 @@ class EngineCore:
         self.scheduler, self.tiers = parts.scheduler, parts.tiers
         self.admission, self.requests, self.coalescer = admission, requests, coalescer
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # control messages, engine/commands.py
+        self._applied: list[RequestOutput] = []   # outputs of the messages a hold applied, for the next step
         self.dispatch = Dispatcher({**requests.handlers(), **parts.kv_control.handlers()})
         self.publish()
 
@@ -80,9 +81,22 @@ class EngineCore:
         self.publish()
         return outputs
 
+    def hold(self) -> float:
+        """Seconds a serving loop should hold the next step for agents coming back (engine/coalesce.py),
+        asked between steps. While a finished turn is owed one, the messages waiting are applied first (as
+        the next step would; not while a launched step that may not be run ahead of is in flight), so a
+        request that came settles it; their outputs go out with the next step's."""
+        if self.coalescer.delay() <= 0:
+            return 0.0
+        launched = self.scheduler.launched_step
+        if launched is None or launched.run_ahead:
+            self._applied.extend(self._drain_inbox())
+        return self.coalescer.delay()
+
     def _drain_inbox(self) -> list[RequestOutput]:
-        """Handle every control message waiting; the outputs of the requests they finished."""
-        outputs = []
+        """Handle every control message waiting; the outputs of the requests they finished (with those of
+        the messages a hold applied)."""
+        outputs, self._applied = self._applied, []
         while True:
             try:
                 out = self.dispatch(self.inbox.get_nowait())

@@ -1,6 +1,6 @@
 """Offline generation over the engine's public API: ``generate`` runs prompts together to completion
 (tests, benchmarks, offline use), their text through an output processor each
-(engine/output_processor.py), as a server's streams have it."""
+(engine/tokenizer.py), as a server's streams have it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from typing import Any, Protocol, Sequence
 
 from engine.constraints import TokenConstraint
-from engine.output_processor import OutputProcessor
+from engine.tokenizer import OutputProcessor
 from engine.types import EngineOverloaded, GenerationResult, RequestOutput, SamplingParams
 
 

@@ -1,5 +1,5 @@
 """A request's state inside the engine: tokens, pages, progress (its text is the output processor's,
-engine/output_processor.py)."""
+engine/tokenizer.py)."""
 
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ class RequestTable:
         req = msg.req
         self._requests[req.request_id] = req
         self.admission.enqueue(req)
+        self.coalescer.on_arrival(req.arrival)   # it may be a finished turn's agent coming back
         self.kv_control.prefetch_request(req)
 
     def abort(self, msg: Abort) -> RequestOutput | None:

@@ -4,7 +4,7 @@ A sampled token is written into the request (``Request.place_token``) and queued
 then, in order: a constraint that rejects it ends the request with an error; EOS (unless
 ``ignore_eos``) or one of ``stop_token_ids`` stops it; a constraint that completed stops it; reaching
 ``max_tokens`` or the context window ends it at ``length``. Stop strings are text, and so the output
-processor's (engine/output_processor.py), never checked here.
+processor's (engine/tokenizer.py), never checked here.
 """
 
 from __future__ import annotations

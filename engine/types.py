@@ -109,7 +109,7 @@ class TokenLogprob:
 class RequestOutput:
     """One streamed update of a request: the text and tokens new since the last update. ``LLMEngine.step``
     leaves ``text`` empty (the engine speaks tokens); the request's output processor fills it
-    (engine/output_processor.py, run by ``AsyncEngine``'s streams and ``LLMEngine.generate``).
+    (engine/tokenizer.py, run by ``AsyncEngine``'s streams and ``LLMEngine.generate``).
 
     ``finish_reason`` is one of ``"stop"`` (EOS, stop token or stop string, or constrained
     output complete), ``"length"`` (max_tokens or the context window), ``"abort"`` or ``"error"``.

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.attention import BatchLayout, backend_class, create_backend  # noqa: E402
 from engine.attention.reference import reference_attention  # noqa: E402
-from engine.chat import encode_chat  # noqa: E402
+from engine.tokenizer import encode_chat  # noqa: E402
 from engine.kv_pool import KVCache  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about GPUs.",

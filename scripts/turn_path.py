@@ -8,7 +8,9 @@ later one, with history); then ``sys.setprofile`` records every function entered
 The engine's own thread (scheduling, the model's forward) is not traced: the count is "from the route
 to the engine and back". Store calls are counted at the store's public methods, outermost calls only.
 
-    python scripts/turn_path.py [--json OUT]
+    python scripts/turn_path.py [--json OUT] [--verbose]
+
+``--verbose`` lists, under each file, the functions entered in it and how many times.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _StoreCalls:
 
 async def _measure(app) -> dict:
     files: collections.Counter = collections.Counter()
+    functions: collections.Counter = collections.Counter()
 
     def profile(frame, event, arg):
         if event == "call":
@@ -64,6 +67,7 @@ async def _measure(app) -> dict:
                 rel = path[len(str(ROOT)) + 1:]
                 if rel.startswith(PACKAGES):
                     files[rel] += 1
+                    functions[(rel, frame.f_code.co_qualname)] += 1
 
     async with app.router.lifespan_context(app):
         store = _StoreCalls(app.state.services.sessions.store)
@@ -87,18 +91,26 @@ async def _measure(app) -> dict:
             if turn.status_code != 200:
                 raise SystemExit(f"the measured turn failed: {turn.status_code} {turn.text}")
     by_package = collections.Counter(f.split("/")[0] for f in files)
+    by_function: dict[str, dict[str, int]] = {}
+    for (path, name), calls in sorted(functions.items()):
+        by_function.setdefault(path, {})[name] = calls
     return {"files": len(files), "by_package": dict(by_package), "calls_by_file": dict(sorted(files.items())),
+            "calls_by_function": by_function,
             "store_calls": sum(store.counts.values()), "store_calls_by_method": dict(store.counts)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write the counts here as JSON")
+    ap.add_argument("--verbose", action="store_true", help="list the functions entered in each file")
     args = ap.parse_args(argv)
     app = create_app(ServerConfig(kv_cache_tokens=4096, default_max_tokens=4, log_level="warning"))
     result = asyncio.run(_measure(app))
     for path, calls in result["calls_by_file"].items():
         print(f"{calls:6d}  {path}")
+        if args.verbose:
+            for name, n in result["calls_by_function"][path].items():
+                print(f"{n:14d}  {name}")
     print(f"{result['files']} files ({result['by_package']}), {result['store_calls']} store calls "
           f"({result['store_calls_by_method']})")
     if args.json:

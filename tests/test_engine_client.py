@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.engine import AsyncEngine
 from engine.client import EngineClient, StructuredOutput, check_request
 from engine.types import InvalidRequest, SamplingParams
 from router.remote import RemoteEngine
@@ -58,7 +58,7 @@ def test_structured_output_is_given_when_any_option_is_set():
 
 
 def test_both_output_streams_say_where_they_run():
-    from engine.async_engine import RequestStream
+    from engine.engine import RequestStream
     from router.remote import RemoteStream
 
     for cls in (RequestStream, RemoteStream):

@@ -1,4 +1,5 @@
-"""The surfaces' HTTP plumbing (``agentrt/api``): the API-key check, replies that start once a generation
+"""The surfaces' HTTP plumbing (``agentrt/api``): the body limit every request passes
+(:class:`BodyLimitMiddleware`: 413 past ``max_body_bytes``, and the request counts), the API-key check, replies that start once a generation
 is placed (JSON, or a server-sent event stream that ends with ``data: [DONE]``, a ``: ping`` comment
 every 15 s; the Responses API's typed events named by their type, the Anthropic Messages API's too with
 ``ping`` events), and a client that disconnects cancelling its request. Each surface module builds its
@@ -20,6 +21,7 @@ from starlette.background import BackgroundTask
 from agentrt.core.errors import APIError, from_exception
 from agentrt.core.generation import Generation
 from agentrt.core.tenants import Tenant, TenantRegistry
+from agentrt.metrics import Metrics
 from agentrt.protocol import ErrorResponse
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -148,3 +150,63 @@ async def reply(request: Request, response: Response, generation: Generation, st
     if stream:
         return await sse_reply(request, generation, chunks(), generation.close, retry_after_s, anthropic=anthropic)
     return await json_reply(request, response, generation, whole(), generation.close)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes`` (checked on Content-Length, then while reading), and request counts."""
+
+    def __init__(self, app: Any, max_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            body = await self._read_body(scope, receive)
+            if body is None:
+                too_big = APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes",
+                                   code="request_too_large")
+                return await too_big.response(scope.get("path", ""))(scope, receive, counting_send)
+            await self.app(scope, _replay(body, receive), counting_send)
+        finally:
+            route = scope.get("route")
+            self.metrics.count_request(getattr(route, "path", "unmatched"), status["code"])
+
+    async def _read_body(self, scope: dict, receive: Callable) -> bytes | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b""
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls: wait for the client to disconnect
+
+    return replay

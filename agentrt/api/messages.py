@@ -45,7 +45,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from engine.chat import ToolCall, format_tool_call
+from engine.tokenizer import ToolCall, format_tool_call
 from engine.client import StructuredOutput
 
 from agentrt.api.http import Auth, reply

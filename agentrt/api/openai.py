@@ -19,9 +19,8 @@ from engine.types import CLOSED_BY_BUDGET
 
 from agentrt.api.http import ERRORS, Auth, reply
 from agentrt.core.affinity import affinity_hint, affinity_key
-from agentrt.core.convert import message_dicts, template_kwargs, tool_call_dicts
 from agentrt.core.errors import bad_request
-from agentrt.core.generation import Generation, Generator, Result
+from agentrt.core.generation import Generation, Generator, Result, message_dicts, template_kwargs, tool_call_dicts
 from agentrt.core.tenants import Tenant
 from agentrt.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelList, TokenizeRequest
 

@@ -11,7 +11,7 @@ import copy
 import uuid
 from typing import Any
 
-from engine.chat import ToolCall
+from engine.tokenizer import ToolCall
 
 from agentrt.core.generation import Delta
 

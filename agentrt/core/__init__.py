@@ -1,3 +1,3 @@
 """What every surface builds on: the one generation path (``generation``), session turns
-(``turns``), the session store (``store``), tenants, KV pins and their TTLs (``affinity``, ``pin_ttl``),
-message conversion (``convert``) and the API errors. Nothing here imports a surface (``agentrt.api``)."""
+(``turns``), the session store (``store``), tenants, KV leases and their TTLs (``leases``, ``affinity``)
+and the API errors; the message conversion every surface shares is part of the generation path. Nothing here imports a surface (``agentrt.api``)."""

@@ -8,7 +8,9 @@ process, or the router's fleet of workers), where the request is checked
 (``agentrt/tracing.py``). :class:`Generation` turns the engine's outputs into
 content deltas and parsed tool calls (or hands them on as they are, for a worker's wire),
 records TTFT and TPOT, and releases its admission slot exactly once, however it ends
-(finished, failed, or abandoned by a client that went away).
+(finished, failed, or abandoned by a client that went away). The conversions every surface shares are
+here too: request messages to the chat template's dicts (:func:`message_dicts`), the template switches a
+request may set (:func:`template_kwargs`), parsed tool calls back to OpenAI's dicts (:func:`tool_call_dicts`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine.chat import ToolCall, render_chat_prompt
+from engine.tokenizer import ToolCall, content_text, render_chat_prompt
 from engine.client import EngineClient, OutputStream, SessionHint, StructuredOutput
 from engine.parsers import (OutputParser, constrained_call_format, control_token_texts, detect,
                             needs_special_tokens)
@@ -33,6 +35,7 @@ from agentrt.core.errors import APIError, bad_request, draining, from_exception,
 from agentrt.metrics import Metrics
 from agentrt.core.leases import KVLeases, LeasePolicy
 from agentrt.core.tenants import Tenant, TenantLimiter, TenantLimits, retry_after
+from agentrt.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +247,47 @@ class Generation:
             stop_sequence=out.stop_reason if isinstance(out.stop_reason, str) and not closed else None,
             closed_by_budget=closed, ttft_s=ttft, tpot_s=tpot,
             in_slo=self.gen.meets_slo(ttft, tpot))
+
+
+# ------------------------------------------------------------ messages in, tool calls out
+# the conversions every surface shares: request messages to the chat template's dicts (``message_dicts``),
+# parsed tool calls back to OpenAI's dicts (``tool_call_dicts``), and the template switches a request may
+# set (``template_kwargs``)
+
+# what the server itself passes to the chat template: a request's chat_template_kwargs may not set them
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated messages as the plain dicts the chat template renders."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if m.role == "developer":
+            d["role"] = "system"
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
+        try:
+            content_text(m.content)
+        except ValueError as exc:
+            raise bad_request(f"messages[{i}].content: {exc}", param=f"messages.{i}.content") from None
+        d.setdefault("content", None)
+        out.append(d)
+    return out
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+    """A request's ``chat_template_kwargs``: 400 for names the server itself passes to the template."""
+    clash = sorted(set(kwargs or {}) & set(_TEMPLATE_VARIABLES))
+    if clash:
+        raise bad_request(f"{param} may not set {', '.join(clash)} (the server passes them to the chat template)",
+                          param=param)
+    return kwargs or None
+
+
+def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
 
 
 class Generator:

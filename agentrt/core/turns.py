@@ -23,6 +23,7 @@ whose chains of responses are sessions and which makes its own prompt (a ``TurnP
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -30,14 +31,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from engine.chat import template_handles_tools
+from engine.tokenizer import template_handles_tools
 from engine.client import SessionHint, StructuredOutput
 
 from agentrt.config import ServingSettings
 from agentrt.core.errors import APIError, bad_request, not_found
-from agentrt.core.generation import Generation, Generator, Result
+from agentrt.core.generation import Generation, Generator, Result, message_dicts, tool_call_dicts
 from agentrt.protocol import ForkRequest, SessionCreateRequest, TurnRequest
-from agentrt.core.convert import message_dicts, tool_call_dicts
 from agentrt.core.store import (SessionDecodeError, SessionLimitReached, SessionNotFound, SessionRecord, SessionStore,
                            TurnLock, TurnRecord)
 from agentrt.core.tenants import Tenant
@@ -103,7 +103,7 @@ class TurnPlan:
     options: StructuredOutput
     describe: Callable[[Result], dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
-    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/core/pin_ttl.py)
+    expected_pause_s: float | None = None  # the agent's hint: its pause after this turn (agentrt/core/leases.py)
 
 
 class SessionManager:
@@ -198,6 +198,15 @@ class SessionManager:
         turn = record.last_turn
         if turn is not None and turn.pin_id is not None and turn.pin_expires_at > time.time():
             self.release(turn.pin_id, record.last_worker)
+
+    async def sweep_forever(self, interval_s: float) -> None:
+        """:meth:`sweep` every ``interval_s`` seconds until cancelled (the app's lifespan runs it)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sweep()
+            except Exception:  # a failed sweep must not end sweeping
+                log.exception("session sweep failed")
 
     async def sweep(self) -> int:
         """Read back demoted leases that are due, forget expired ones and delete sessions idle past their

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, TagFormat
 
-from engine.chat import TOOL_CALL_END, TOOL_CALL_START
+from engine.tokenizer import TOOL_CALL_END, TOOL_CALL_START
 
 # (tool name, its parameters schema, json_ebnf(schema) -> EBNF of compact JSON) -> one call's tag
 TagBuilder = Callable[[str, Any, Callable[[Any], str]], TagFormat]

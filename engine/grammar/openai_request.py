@@ -14,7 +14,7 @@ Supported (chat completions):
 
 A tool call is written in the syntax ``call_format`` names (engine/grammar/call_syntax.py: the
 model family's own where it is plain text, else Hermes, the text ``format_tool_call`` writes in
-engine/chat.py)::
+engine/tokenizer.py)::
 
     <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>
 

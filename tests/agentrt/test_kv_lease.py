@@ -17,8 +17,7 @@ from agentrt_test_helpers import OneReply
 from engine.types import EngineStats, RequestOutput
 
 from agentrt.config import ServerConfig
-from agentrt.core.leases import LeasePolicy
-from agentrt.core.pin_ttl import PausePlan
+from agentrt.core.leases import LeasePolicy, PausePlan
 from agentrt.server import assemble_app
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

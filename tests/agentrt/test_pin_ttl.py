@@ -1,4 +1,4 @@
-"""The pin-TTL cost model (agentrt/core/pin_ttl.py) against a from-scratch reference: the expected net saving
+"""The pin-TTL cost model (agentrt/core/leases.py) against a from-scratch reference: the expected net saving
 of a pin of every TTL on a fine grid, computed by brute force from its definition (a returning session
 saves its recompute; a pin holds its share of a pressed pool while the session is away, however it ends).
 """
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from agentrt.core.pin_ttl import MIN_PAUSES, ToolPinTTL, best_pause, pin_net, pool_pressure
+from agentrt.core.leases import MIN_PAUSES, ToolPinTTL, best_pause, pin_net, pool_pressure
 
 
 def reference_net(tau: float, pauses: list[float], c: float, p: float, pool: int) -> float:
@@ -141,7 +141,7 @@ def test_the_ttl_is_capped_and_the_history_bounded():
 
 
 def test_a_hinted_pause_is_pinned_through_when_it_fits_and_pays_else_demoted_and_read_back_before_it_ends():
-    from agentrt.core.pin_ttl import PREFETCH_LEAD_S, PausePlan, prefetch_after
+    from agentrt.core.leases import PREFETCH_LEAD_S, PausePlan, prefetch_after
 
     model = ToolPinTTL(fallback_ttl_s=120.0, max_ttl_s=600.0, min_ttl_s=1.0, slack=0.25)
     idle, full = (lambda: stats(used=0)), (lambda: stats(used=100))   # noqa: E731
@@ -160,7 +160,7 @@ def test_a_hinted_pause_is_pinned_through_when_it_fits_and_pays_else_demoted_and
 
 
 def test_without_a_hint_a_pause_not_worth_a_pin_is_demoted_and_read_back_at_the_likely_return():
-    from agentrt.core.pin_ttl import PausePlan, prefetch_after
+    from agentrt.core.leases import PausePlan, prefetch_after
 
     model = ToolPinTTL(fallback_ttl_s=120.0, max_ttl_s=600.0, min_ttl_s=1.0, slack=0.25)
     full = lambda: stats(used=100)   # noqa: E731

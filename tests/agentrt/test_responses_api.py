@@ -25,7 +25,7 @@ from pydantic import BaseModel, TypeAdapter
 from agentrt.core.errors import APIError
 from agentrt.core.generation import Delta
 from agentrt.api.responses import OutputBuilder, convert_input, parse_response_id, replay_events, response_id
-from engine.chat import ToolCall
+from engine.tokenizer import ToolCall
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 

@@ -7,7 +7,7 @@ once, and at most 96 tokens of queued prompts.
 import pytest
 
 from engine import EngineConfig, EngineOverloaded, InvalidRequest, LLMEngine, SamplingParams
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 
 LIMIT = 96
 POOL_TOKENS = 24 * 16

@@ -1,4 +1,4 @@
-"""engine.chat's tool-call parsers: a partial call at the end of a reply is never content."""
+"""engine.tokenizer's tool-call parsers: a partial call at the end of a reply is never content."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.chat import format_tool_call, parse_tool_calls
+from engine.tokenizer import format_tool_call, parse_tool_calls
 from engine.parsers import OutputParser
 
 CALL = format_tool_call("get_weather", {"city": "Oslo"})

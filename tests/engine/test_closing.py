@@ -14,7 +14,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.chat import format_tool_call, parse_tool_calls
+from engine.tokenizer import format_tool_call, parse_tool_calls
 from engine.grammar import constraint_for_request
 from engine.grammar.closing import closing_text
 from engine.loader import load_tokenizer

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.engine import AsyncEngine
 from engine.coalesce import TurnCoalescer
 
 

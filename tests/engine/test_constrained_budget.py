@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from engine.chat import encode_chat, parse_tool_calls
+from engine.tokenizer import encode_chat, parse_tool_calls
 from engine.grammar import constraint_for_request
 from engine.types import CLOSED_BY_BUDGET, InvalidRequest, SamplingParams
 

@@ -17,7 +17,7 @@ import json
 import jsonschema
 
 from engine import EngineConfig, LLMEngine
-from engine.chat import TOOL_CALL_END, encode_chat, parse_tool_calls
+from engine.tokenizer import TOOL_CALL_END, encode_chat, parse_tool_calls
 from engine.grammar import constraint_for_request
 from engine.types import SamplingParams
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 from engine.cpu_build import build
 from engine.models.cpu_ops import SOURCE, LayerOps
 from kernel_build import KernelBuild

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine.chat import format_tool_call, parse_tool_calls
+from engine.tokenizer import format_tool_call, parse_tool_calls
 from engine.constraints import TokenConstraint
 from engine.grammar import (TOOL_CALL_SUFFIX, GrammarCompilerCache, XGrammarConstraint, apply_constraints,
                             compiler_cache_for, constraint_for_request, tool_call_prefix)

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.moe_checkpoint import save_tokenizer
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ from agentrt.bench.text import system_prompt
 from benchmarks.kv_accuracy import compare, pool_attention, teacher_forced
 from benchmarks.workload import AgenticWorkload
 from engine import EngineConfig, LLMEngine
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 
 # int8 pages against float32 pages (float32 activations): measured 0.979 / 0.024 / 0.14 on this session
 TOP1_MIN, MEAN_MAX, P99_MAX = 0.96, 0.04, 0.3

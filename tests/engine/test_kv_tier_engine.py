@@ -148,7 +148,7 @@ def test_a_turn_waits_for_room_to_load_its_tier_pages_instead_of_recomputing(eng
 
 def test_a_demoted_pin_is_in_the_tiers_at_once_and_a_prefetch_reads_it_back_before_the_turn(
         engine, prompts, recomputed):
-    """A long pause ahead (agentrt/core/pin_ttl.py's plan): ``demote`` copies the pinned prefix into the tiers
+    """A long pause ahead (agentrt/core/leases.py's plan): ``demote`` copies the pinned prefix into the tiers
     and releases the pin, so another prompt takes its pool pages with nothing left to write; ``prefetch``
     starts the disk reads before the session's next turn arrives, which then loads every page from the
     tiers and continues exactly as recomputing would. A second prefetch, or one of a pin never demoted,

@@ -1,4 +1,4 @@
-"""The output processor (engine/output_processor.py): the engine emits token ids, the serving side turns
+"""The output processor (engine/tokenizer.py): the engine emits token ids, the serving side turns
 them into text off the engine thread (detokenizing, stop strings, held-back text), and a stop string it
 finds ends the request in the engine as an EOS would (cached, a session turn pinned)."""
 
@@ -11,11 +11,9 @@ import threading
 import pytest
 
 from engine import SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.chat import encode_chat
-from engine.output_processor import OutputProcessor
+from engine.engine import AsyncEngine
+from engine.tokenizer import IncrementalDetokenizer, OutputProcessor, encode_chat
 from engine.parsers import OutputParser, parse_output
-from engine.tokenizer import IncrementalDetokenizer
 from engine.types import RequestOutput
 
 REPLY = ("Let me check the weather in Zürich first. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": "

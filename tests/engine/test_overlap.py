@@ -17,7 +17,7 @@ import pytest
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 import engine.engine as engine_module
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 from engine.grammar import constraint_for_request
 
 BASE = dict(kv_cache_tokens=8192, max_batched_tokens=256)   # default_engine's settings, a quarter of its pool (1.5 GB less a side)

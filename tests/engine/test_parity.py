@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 from engine.loader.gguf_loader import default_model_path
 
 PROMPTS = [

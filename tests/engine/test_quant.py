@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import BatchLayout
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 from engine.loader import gguf_weight_types
 from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks
 from engine.loader.gguf_loader import _unpermute_qk, _unpermute_rows, default_model_path

@@ -3,8 +3,7 @@
 import pytest
 
 from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
-from engine.chat import encode_chat
-from engine.output_processor import OutputProcessor
+from engine.tokenizer import OutputProcessor, encode_chat
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

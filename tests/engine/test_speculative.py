@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.chat import encode_chat
+from engine.tokenizer import encode_chat
 from engine.grammar import constraint_for_request
 from engine.kv_pool import PagePool
 from engine.request import Request

@@ -2,7 +2,7 @@
 
 For every model family whose template llama.cpp ships (read from the cached llama-cpp-python sdist,
 tests/llamacpp_templates.py), a conversation with a system prompt, tools, two turns of parallel
-tool calls with their results and reasoning renders to the same text through engine.chat as
+tool calls with their results and reasoning renders to the same text through engine.tokenizer as
 through transformers' ``apply_chat_template`` on the same template. agentrt gets the messages as
 an OpenAI client sends them (arguments as JSON strings, ``content: null`` beside calls,
 ``reasoning_content``); transformers gets them as its docs ask (arguments as objects).
@@ -17,9 +17,8 @@ import jinja2
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.chat import encode_chat, render_chat_prompt, template_handles_tools
+from engine.tokenizer import Tokenizer, encode_chat, render_chat_prompt, template_handles_tools
 from engine.parsers import detect
-from engine.tokenizer import Tokenizer
 from tests.llamacpp_templates import templates_dir
 
 # family -> (template file in llama.cpp's models/templates, template switches to try, expected parsers)
@@ -70,7 +69,7 @@ def as_transformers_expects(messages: list[dict]) -> list[dict]:
     out = []
     for m in copy.deepcopy(messages):
         if m["role"] == "assistant" and m.get("content") is None:
-            m["content"] = ""  # what engine.chat passes for an OpenAI client's null
+            m["content"] = ""  # what engine.tokenizer passes for an OpenAI client's null
         for call in m.get("tool_calls") or []:
             call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         out.append({k: v for k, v in m.items() if v is not None})

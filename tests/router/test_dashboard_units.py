@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agentrt.core.tenants import Tenant, TenantRegistry, hash_key
-from agentrt.timeline import Timeline, quantile
+from agentrt.metrics import Timeline, quantile
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.dashboard import RouterStatus
