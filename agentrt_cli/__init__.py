@@ -35,7 +35,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from agentrt import tracing
-    from agentrt.server import create_app
+    from agentrt.server import create_app, freeze_startup_heap
 
     try:
         config = ServerConfig.from_args(args)
@@ -52,6 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:  # a model the settings cannot serve (e.g. --ep-size with a dense model)
             print(f"agentrt serve: {exc}", file=sys.stderr)
             return 2
+        freeze_startup_heap()
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                     timeout_graceful_shutdown=int(config.shutdown_timeout_s) or 1, timeout_keep_alive=KEEP_ALIVE_S)
     finally:

@@ -293,6 +293,10 @@ def serve_worker(app: FastAPI, config: ServerConfig) -> None:
     """Run the worker under uvicorn; the first SIGTERM drains it before the usual shutdown."""
     import uvicorn
 
+    from agentrt.server import freeze_startup_heap
+
+    freeze_startup_heap()
+
     class DrainingServer(uvicorn.Server):
         draining = False
 
