@@ -100,10 +100,22 @@ def _default_model_files_read_once():
     files.clear()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, transformers, the client SDKs, every test module: over half a million
+    objects) lives for the whole session: move it into the permanent generation, out of the collector's walk,
+    so that a full collection (the one below after each module, and the interpreter's own) walks only what
+    the tests made. A full collection of the collected heap took 0.3-0.45 s, about 150 of them a run."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _collect_engines_between_modules():
     """An engine sits in reference cycles (its parts hold its bound methods), which only the cyclic
     collector frees, and it runs its oldest generation rarely: collect when each module ends, so that
-    the session holds one module's engines (GBs of weights and KV pages) at a time, not every module's."""
+    the session holds one module's engines (GBs of weights and KV pages) at a time, not every module's.
+    A test that unfreezes the heap (tests/router/test_gc_freeze.py) has what is alive then frozen again."""
     yield
     gc.collect()
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
