@@ -111,6 +111,7 @@ def surfaces(engine) -> dict:
     return asyncio.run(every_family())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(TEXTS))
 def test_one_reply_through_every_surface(surfaces, family):
     seen = surfaces[family]
@@ -181,6 +182,7 @@ def forced_calls(engine) -> dict:
     return asyncio.run(every_parser())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parser", sorted(IN_FORMAT))
 def test_a_forced_call_is_written_in_the_familys_syntax(forced_calls, parser):
     """The generator constrains a forced call in the family's own syntax where its markers are text (Mistral's
