@@ -373,6 +373,7 @@ def test_probes_get_routes_the_apps_serve_on_the_port_they_listen_on(variant, ap
             assert resp.status_code == 200, f"{role} {kind}: GET {get['path']} answered {resp.status_code}"
 
 
+@pytest.mark.slow
 def test_a_draining_worker_fails_its_readiness_probe(apps):
     """``WorkerRuntime.drain`` (a worker's first SIGTERM) turns the probed path to 503."""
     app = apps["worker"]

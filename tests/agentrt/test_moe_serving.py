@@ -62,6 +62,7 @@ def test_ep2_over_http_equals_single_process(checkpoint, start_agentrt_server, t
     assert not any(map(_alive, children)), children
 
 
+@pytest.mark.slow
 def test_ep_that_does_not_divide_the_experts_fails_at_start(checkpoint):
     proc = subprocess.run([sys.executable, "-m", "agentrt_cli", "serve", "--model", checkpoint, "--ep-size", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 from agentrt_test_helpers import MODEL
-from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
 from httpx_sse import connect_sse
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
@@ -284,6 +283,10 @@ class Verdict(BaseModel):
 def test_openai_agents_sdk_runs_a_function_tool(agentrt_server):
     """The OpenAI Agents SDK's default model (OpenAIResponsesModel) against this server: a run that calls a
     function tool, a run on the history the SDK keeps itself, and a streamed run continuing a response."""
+    # imported here, not at the top: the SDK takes over a second to import, and collecting this module (make
+    # test-fast collects it too, then leaves it out as a server test) would pay it on every run
+    from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+
     calls: list[str] = []
 
     @function_tool

@@ -217,6 +217,7 @@ def test_turns_within_the_latency_slo_and_goodput_are_exported(model):
         assert last["requests_in_slo_ratio"] == (1.0 if outcome == "met" else 0.0)
 
 
+@pytest.mark.slow
 def test_an_announced_long_pause_demotes_the_turns_kv_and_reads_it_back_before_the_pause_ends(model):
     """``expected_pause_s`` past what max_pin_ttl_s can pin through: the turn's pin is demoted (to the KV
     tiers) when the turn is recorded and read back by the sweep once the pause is near its end (2 s

@@ -34,6 +34,7 @@ def test_presets_are_seeded_and_text_round_trips(tokenizer):
     assert [p.arrival_s for p in a] == sorted(p.arrival_s for p in a) and a[0].arrival_s == 0.0
 
 
+@pytest.mark.slow
 def test_toolagent_mix(tokenizer):
     plans = plan_sessions(preset("toolagent"), 80, tokenizer, seed=1)
     share = {name: sum(p.agent == name for p in plans) / len(plans) for name in ("tool-6k", "tool-2.5k", "chat")}

@@ -54,6 +54,7 @@ def track(*ids: str) -> dict[str, dict]:
     return {rid: {"tokens": [], "reason": None} for rid in ids}
 
 
+@pytest.mark.slow
 def test_waiting_tokens_past_the_limit_are_refused_and_admitted_ones_finish(engine):
     prompts = [prompt(engine, i, 32) for i in range(4)]
     alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
@@ -79,6 +80,7 @@ def test_waiting_tokens_past_the_limit_are_refused_and_admitted_ones_finish(engi
     assert (st.waiting, st.waiting_tokens, st.running) == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_a_request_over_the_limit_runs_when_nothing_waits(engine):
     big, small = prompt(engine, 7, 150), prompt(engine, 8, 10)
     rid = engine.add_request(big, GREEDY)  # 150 > 96, but the queue is empty
@@ -91,6 +93,7 @@ def test_a_request_over_the_limit_runs_when_nothing_waits(engine):
     assert engine.generate([small], GREEDY)[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_a_prompt_the_pool_cannot_hold_is_invalid(engine):
     with pytest.raises(InvalidRequest, match=f"the prompt has {POOL_TOKENS + 1} tokens but the KV cache holds "
                                              f"only {POOL_TOKENS} tokens"):
@@ -121,6 +124,7 @@ def test_abort_while_queued_or_running_returns_the_count_to_zero(engine):
     assert st.pages_used == st.pages_cached  # nothing leaked: what is left is evictable cache
 
 
+@pytest.mark.slow
 def test_a_preempted_request_counts_its_tokens_until_it_resumes(engine):
     params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     engine.flush_cache()
@@ -141,6 +145,7 @@ def test_a_preempted_request_counts_its_tokens_until_it_resumes(engine):
     assert engine.stats().waiting_tokens == 0
 
 
+@pytest.mark.slow
 def test_generate_waits_for_room_instead_of_failing(engine):
     prompts = [prompt(engine, 30 + i, 40) for i in range(5)]  # 200 tokens: over the limit at once
     res = engine.generate(prompts, GREEDY)

@@ -198,6 +198,7 @@ def test_plan_reused_after_an_accepted_token_is_a_valid_closing(tokenizer):
     assert not c.closed_by_budget
 
 
+@pytest.mark.slow
 def test_too_long_a_minimum_gives_no_plan(tokenizer):
     schema = {"type": "array", "items": {"type": "string", "minLength": 8}, "minItems": 1000}
     c = constraint_for_request(tokenizer, response_format={"type": "json_schema", "json_schema": {

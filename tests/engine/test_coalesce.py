@@ -72,6 +72,7 @@ def test_config_rejects_bad_coalescing_settings():
         EngineConfig(turn_coalesce_fraction=2)
 
 
+@pytest.mark.slow
 def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
     """A's reply ends (a session turn: it carries a pin TTL) while B is still decoding. C, the
     agent's next turn, comes 50 ms after A's end reached the client (a quick tool call): the

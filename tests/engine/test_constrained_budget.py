@@ -66,6 +66,7 @@ def _validate(kind: str, text: str) -> None:
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
 
 
+@pytest.mark.slow
 def test_mixed_requests_with_small_max_tokens_all_parse_and_validate(default_engine):
     tok, rng = default_engine.tokenizer, random.Random(7)
     prompts, params, cons, kinds, refused = [], [], [], [], 0
@@ -96,6 +97,7 @@ def engine_without_closing():
     return LLMEngine(EngineConfig(kv_cache_tokens=32768, max_batched_tokens=256, close_constrained_outputs=False))
 
 
+@pytest.mark.slow
 def test_closing_off_is_the_old_cut_off_and_room_to_spare_changes_nothing(default_engine, engine_without_closing):
     """Free requests (greedy and sampled) and constrained ones with ample max_tokens come out the
     same token for token with closing on and off; a tight one is cut (off) or closed (on)."""

@@ -15,6 +15,7 @@ import dataclasses
 import json
 
 import jsonschema
+import pytest
 
 from engine import EngineConfig, LLMEngine
 from engine.tokenizer import TOOL_CALL_END, encode_chat, parse_tool_calls
@@ -101,6 +102,7 @@ def _params(i, max_tokens):
     return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1000 + i)
 
 
+@pytest.mark.slow
 def test_json_schema_and_required_tool_calls_mixed_with_free_requests(default_engine):
     tok = default_engine.tokenizer
     prompts, params, cons = [], [], []
@@ -127,6 +129,7 @@ def test_json_schema_and_required_tool_calls_mixed_with_free_requests(default_en
         assert r.finish_reason in ("stop", "length") and r.text
 
 
+@pytest.mark.slow
 def test_constrained_requests_alone(default_engine):
     """JSON, required / named / parallel tool calls, without free requests in the batch."""
     tok = default_engine.tokenizer
@@ -150,6 +153,7 @@ def test_constrained_requests_alone(default_engine):
         _check_tool_calls(dataclasses.replace(r, text=complete, finish_reason="stop"))
 
 
+@pytest.mark.slow
 def test_auto_tool_choice_constrains_a_started_call(default_engine):
     """With "auto" the model writes free text; once it has written <tool_call> the call is constrained.
 
@@ -169,6 +173,7 @@ def test_auto_tool_choice_constrains_a_started_call(default_engine):
         _check_tool_calls(dataclasses.replace(r, text="<tool_call>" + r.text), max_calls=1)
 
 
+@pytest.mark.slow
 def test_constraint_state_survives_preemption():
     """A KV pool too small for the batch forces recompute preemption mid-output."""
     engine = LLMEngine(EngineConfig(kv_cache_tokens=512, page_size=16, max_batched_tokens=256,

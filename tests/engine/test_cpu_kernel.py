@@ -251,6 +251,7 @@ def test_backend_stores_in_c_only_where_every_slot_is_in_the_pool():
     assert off.rotate_and_store(0, qkv, table) is None
 
 
+@pytest.mark.slow
 def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
     first = build(SOURCE)
@@ -325,6 +326,7 @@ def _zmm_instructions(lib) -> int:
     return sum("%zmm" in line for line in text.splitlines())
 
 
+@pytest.mark.slow
 def test_kernel_march_builds_for_the_named_target(tmp_path, monkeypatch):
     """``AGENTRT_KERNEL_MARCH=x86-64-v3``: the kernels built for AVX2 only (what most users' CPUs run), on
     a machine that may have more: no AVX-512 instruction in the library, its own cache entry, and it

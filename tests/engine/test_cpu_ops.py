@@ -140,6 +140,7 @@ def _within_bfloat16_noise(engine: LLMEngine, what: str) -> None:
     assert worst <= 0.35
 
 
+@pytest.mark.slow
 def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     """The default model in bfloat16, fused and plain. Per operation the two agree but for a rare last-bit
     difference of a norm's output (float32 sums of squares in another order); through 30 bfloat16 layers
@@ -153,6 +154,7 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     _within_bfloat16_noise(engine, "fused vs plain")
 
 
+@pytest.mark.slow
 def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
     """float32 on dense weights (``quantization`` off) is the transformers-exact configuration: the engine
     keeps torch's ops there. Turned on by hand, the ops differ from torch's by a few float32 steps, so the
@@ -169,6 +171,7 @@ def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
     assert worst <= 1e-3
 
 
+@pytest.mark.slow
 def test_model_in_float32_on_gguf_blocks_with_the_c_layer_ops_scores_as_the_plain_layers():
     """float32 on the GGUF's blocks (what ``auto`` runs on an AVX2-only CPU): there each projection
     quantizes its input to 8 bits, and a last-bit change of a norm's output moves an activation across a

@@ -249,6 +249,7 @@ def test_families_windows_gguf_greedy_matches_transformers(case, tmp_path, token
     assert_greedy_as_transformers(ours, ref)
 
 
+@pytest.mark.slow
 def test_families_windows_gguf_mxfp4_experts_match_transformers(tmp_path, tokenizer):
     """gpt-oss's released GGUF files keep the experts as MXFP4 blocks: loaded (decoded to float), they give the
     greedy tokens of transformers' model holding the same decoded experts (decoded by the gguf package's

@@ -21,6 +21,7 @@ def both():
     return GGUFFile(path), GGUFReader(path)
 
 
+@pytest.mark.slow
 def test_metadata_and_tensor_infos_match_the_reference_reader(both):
     ours, ref = both
     ref_fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}
@@ -41,6 +42,7 @@ def test_metadata_and_tensor_infos_match_the_reference_reader(both):
         assert bytes(t.data[:64]) == bytes(np.asarray(r.data).reshape(-1).view(np.uint8)[:64])
 
 
+@pytest.mark.slow
 def test_every_tensor_dequantizes_to_the_reference_floats(both):
     ours, ref = both
     seen = set()

@@ -32,6 +32,7 @@ def agent_session(tok) -> list[int]:
     return encode_chat(tok, history)
 
 
+@pytest.mark.slow
 def test_int8_pages_track_float32_teacher_forced(engine):
     ids = agent_session(engine.tokenizer)
     assert 1000 <= len(ids) <= 2000

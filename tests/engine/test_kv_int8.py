@@ -87,6 +87,7 @@ def reference_rows(q, kv, tables, lens, P):
     return out, lse
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("variant", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1), (20, 2, 64, 4), (4, 2, 40, 8)])

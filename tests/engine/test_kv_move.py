@@ -55,6 +55,7 @@ def test_layouts_agree_between_engines_of_one_model(holder, target):
                               holder.model_config.head_dim)
 
 
+@pytest.mark.slow
 def test_pages_from_the_device_pool_give_the_holders_tokens(holder, target):
     ids = prompt(holder, "The agent lists the failing tests of the payments service. ")
     holder.flush_cache()
@@ -70,6 +71,7 @@ def test_pages_from_the_device_pool_give_the_holders_tokens(holder, target):
     assert moved.token_ids == ref.token_ids, (moved.token_ids, ref.token_ids)
 
 
+@pytest.mark.slow
 def test_pages_from_the_host_and_disk_tiers_are_the_device_pages(holder):
     ids = prompt(holder, "A subagent reads the design notes about cache eviction. ")
     other = prompt(holder, "Meanwhile a second session summarises yesterday's build logs. ")

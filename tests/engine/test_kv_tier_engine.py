@@ -68,6 +68,7 @@ def same_output(r, ref) -> None:
     assert max(abs(x.logprob - y.logprob) for x, y in zip(r.logprobs, ref.logprobs)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_restored_pages_give_the_recomputed_output(engine, prompts, recomputed):
     evict_a_with_b(engine, prompts)
     before = engine.stats().kv_tiers
@@ -82,6 +83,7 @@ def test_restored_pages_give_the_recomputed_output(engine, prompts, recomputed):
     assert after["disk"]["bytes_written"] > 0 and after["disk"]["bytes_read"] > before["disk"]["bytes_read"]
 
 
+@pytest.mark.slow
 def test_a_damaged_disk_page_is_recomputed_not_served(engine, prompts, recomputed):
     evict_a_with_b(engine, prompts)
     settle(engine)
@@ -102,6 +104,7 @@ def test_a_damaged_disk_page_is_recomputed_not_served(engine, prompts, recompute
     same_output(r, recomputed)
 
 
+@pytest.mark.slow
 def test_a_turn_whose_pin_expired_resumes_from_the_tiers(engine, prompts, recomputed):
     engine.flush_cache()
     engine.step()
@@ -120,6 +123,7 @@ def test_a_turn_whose_pin_expired_resumes_from_the_tiers(engine, prompts, recomp
     same_output(r, recomputed)
 
 
+@pytest.mark.slow
 def test_a_turn_waits_for_room_to_load_its_tier_pages_instead_of_recomputing(engine, prompts, recomputed):
     """The pool has room for a's continuation's first chunk computed from scratch (2 pages) but not for its
     2 tier pages and the chunk after them (3 pages) while another request runs: the turn waits for that
@@ -146,6 +150,7 @@ def test_a_turn_waits_for_room_to_load_its_tier_pages_instead_of_recomputing(eng
     assert ids[rid] == recomputed.token_ids
 
 
+@pytest.mark.slow
 def test_a_demoted_pin_is_in_the_tiers_at_once_and_a_prefetch_reads_it_back_before_the_turn(
         engine, prompts, recomputed):
     """A long pause ahead (agentrt/core/leases.py's plan): ``demote`` copies the pinned prefix into the tiers
@@ -189,6 +194,7 @@ def test_a_demoted_pin_is_in_the_tiers_at_once_and_a_prefetch_reads_it_back_befo
     same_output(r, recomputed)
 
 
+@pytest.mark.slow
 def test_a_full_disk_turns_the_tier_off_and_fails_no_request(engine, prompts, recomputed):
     """Last in this module: the disk tier stays off. RLIMIT_FSIZE stands in for a full filesystem."""
     engine.flush_cache()

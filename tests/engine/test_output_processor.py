@@ -110,6 +110,7 @@ def test_the_parser_reads_the_processed_stream_once_in_any_chunking(tokenizer):
         assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
 
 
+@pytest.mark.slow
 def test_the_stream_detokenizes_off_the_engine_thread_and_a_stop_string_pins_the_turn(default_engine, tokenizer,
                                                                                          monkeypatch):
     """Through AsyncEngine: every detokenization runs on the consumer's thread, never the engine's; a
@@ -154,6 +155,7 @@ def test_the_stream_detokenizes_off_the_engine_thread_and_a_stop_string_pins_the
     assert not default_engine.pin_active("turn-1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [["7"], []])
 def test_generate_ends_at_the_stop_string_and_leaves_nothing_running(default_engine, tokenizer, stop):
     prompt = encode_chat(tokenizer, [{"role": "user", "content": "Count from 1 to 20, separated by commas."}])

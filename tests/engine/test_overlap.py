@@ -79,6 +79,7 @@ def overlapped():
     engine.close()
 
 
+@pytest.mark.slow
 def test_concurrent_requests_and_max_tokens(default_engine, overlapped, tokenizer):
     """Six requests of different lengths (1 to 48 tokens, ending at max_tokens or EOS) and a seeded
     sampled one: the same tokens; requests ending at max_tokens are never scheduled past it."""
@@ -107,6 +108,7 @@ def test_concurrent_requests_and_max_tokens(default_engine, overlapped, tokenize
     assert_idle(overlapped)
 
 
+@pytest.mark.slow
 def test_stop_strings_and_stop_tokens(default_engine, overlapped, tokenizer):
     """Stops found one step behind: the token computed after the stop is dropped, text cut as before."""
     prompt = chat(tokenizer, QUOTE + COPY)
@@ -138,6 +140,7 @@ def run_with_abort(engine, prompts, params, victim, after_steps):
     return [tokens[r] for r in ids], [finish[r] for r in ids]
 
 
+@pytest.mark.slow
 def test_abort_mid_run(default_engine, overlapped, tokenizer):
     """An abort while the request's step is in flight: its placeholders go, its pages come back, the
     others are unchanged and its streamed tokens are the start of its reply."""
@@ -152,6 +155,7 @@ def test_abort_mid_run(default_engine, overlapped, tokenizer):
         assert_idle(engine)
 
 
+@pytest.mark.slow
 def test_speculative_decoding(default_engine, tokenizer):
     """Speculation on: steps whose requests may draft are committed before the next is scheduled; a
     request with logprobs (it never drafts) runs ahead. Tokens as without speculation or overlap."""
@@ -169,6 +173,7 @@ def test_speculative_decoding(default_engine, tokenizer):
     engine.close()
 
 
+@pytest.mark.slow
 def test_constrained_request_among_free_ones(default_engine, overlapped, tokenizer):
     """A JSON-schema request runs its steps in sync (its mask needs its last token), the free requests
     beside it too while it samples; alone they run ahead. Same tokens, valid JSON."""
@@ -186,6 +191,7 @@ def test_constrained_request_among_free_ones(default_engine, overlapped, tokeniz
     assert_idle(overlapped)
 
 
+@pytest.mark.slow
 def test_preemption_with_a_tiny_pool():
     """A pool of 24 pages for six 40-token replies: requests are preempted while their tokens are in
     flight (their placeholders travel with them back to the queue) and resume; same tokens."""
@@ -203,6 +209,7 @@ def test_preemption_with_a_tiny_pool():
     on.close()
 
 
+@pytest.mark.slow
 def test_a_failed_step_leaves_requests_at_their_last_commit(default_engine, overlapped, tokenizer):
     """A forward that raises: step() raises, the launched steps are forgotten (no placeholder, no row in
     flight left) and stepping on recomputes from the last commit, to the reference's tokens."""
@@ -239,6 +246,7 @@ def test_a_failed_step_leaves_requests_at_their_last_commit(default_engine, over
     assert_idle(overlapped)
 
 
+@pytest.mark.slow
 def test_streams_through_the_async_engine(default_engine, tokenizer, monkeypatch):
     """The serving loop: AsyncEngine steps an overlapped engine until nothing is in flight; the streamed
     deltas are the plain engine's reply. The model is loaded on the forward thread, which runs it."""

@@ -38,6 +38,7 @@ def hf_greedy(model, prompt_ids, n):
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_parity_batched_with_transformers(default_engine, hf_model):
     prompts = [encode_chat(default_engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     assert len({len(p) for p in prompts}) > 3  # different lengths in one batch
@@ -49,6 +50,7 @@ def test_greedy_parity_batched_with_transformers(default_engine, hf_model):
                                       default_engine.tokenizer.decode(ref))
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(default_engine, hf_model):
     """Last-position logits of one prompt agree closely (fp32)."""
     prompt = encode_chat(default_engine.tokenizer, [{"role": "user", "content": PROMPTS[2]}])

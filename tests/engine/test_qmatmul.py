@@ -171,6 +171,7 @@ def test_activation_quantization_is_the_kernels():
     assert xq.abs().max() == 127 and torch.all(xq[0, 32:64] == 0) and xd[0, 1] == 0
 
 
+@pytest.mark.slow
 def test_default_models_layers(variant_lib):
     """Layer 0's Q4_1 projections and the Q8_0 token_embd (the tied LM head) as stored in the file:
     the repacked blocks dequantize bit for bit as the reader does, and the kernel matches its reference."""

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(load() is None, reason="no C compiler: the kerne
 SCORED = 60
 
 
+@pytest.mark.slow
 def test_gguf_engine_agrees_with_float32(default_engine):
     """Measured over 360 positions with the float32 layer ops fused: top-1 agreement 352/360 natively and
     340/360 with the kernels built for AVX2 only (torch and oneDNN capped at AVX2), mean KL 0.0028 /
@@ -113,6 +114,7 @@ def test_the_pick_is_measured_again_for_another_kernel_target(tmp_path, monkeypa
     assert len(keys) == 4
 
 
+@pytest.mark.slow
 def test_gguf_engine_in_bfloat16_agrees_with_float32(default_engine):
     """bfloat16 activations (what ``auto`` runs where the CPU has native bf16 and the kernel is measured
     fastest), read and written by the kernel as they are. Measured when this test was written: top-1

@@ -191,6 +191,7 @@ def assert_close_to(reference: LLMEngine, engine: LLMEngine, label: str, scored:
     assert worst <= top_change, f"largest change of the reference's top-token log-prob {worst:.3f}"
 
 
+@pytest.mark.slow
 def test_int4_engine_stays_as_close_to_float32_as_bf16_does(default_engine):
     """The default model in 4 bits (its own Q4_1 blocks, bf16 activations, 8-bit LM head) against the
     same file dequantized in float32 (the transformers-exact path), over 240 teacher-forced positions.

@@ -18,6 +18,7 @@ def small_engine():
     return LLMEngine(EngineConfig(kv_cache_tokens=24 * 16 + 16, max_batched_tokens=64, max_num_seqs=8))
 
 
+@pytest.mark.slow
 def test_cached_prefix_gives_identical_output(default_engine, tokenizer):
     default_engine.flush_cache()
     prompt = chat(tokenizer, "Name a large animal that lives in the ocean.") * 3  # > several pages
@@ -28,6 +29,7 @@ def test_cached_prefix_gives_identical_output(default_engine, tokenizer):
     assert warm.token_ids == cold.token_ids
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_served_from_cache_while_batched(default_engine, tokenizer):
     default_engine.flush_cache()
     system = "You are an agent with tools. " * 30
@@ -39,6 +41,7 @@ def test_shared_system_prompt_served_from_cache_while_batched(default_engine, to
     assert alone == [r.token_ids for r in res[:2]]
 
 
+@pytest.mark.slow
 def test_concurrent_prompts_compute_a_shared_prefix_once(default_engine, tokenizer):
     """Four agent sessions on one system prompt, submitted together: the first computes the prompt,
     the others wait for its pages instead of prefilling them alongside (so each hits every full
@@ -56,6 +59,7 @@ def test_concurrent_prompts_compute_a_shared_prefix_once(default_engine, tokeniz
     assert [default_engine.generate([p], GREEDY)[0].token_ids for p in prompts[1:3]] == [r.token_ids for r in res[1:3]]
 
 
+@pytest.mark.slow
 def test_page_pressure_every_request_finishes(small_engine, tokenizer):
     prompts = [chat(tokenizer, f"Tell me a fact about the number {i}.") for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -80,6 +84,7 @@ def test_request_larger_than_pool_is_refused_at_once(small_engine, tokenizer):
     assert res[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_pin_survives_pressure_until_released(small_engine, tokenizer):
     small_engine.flush_cache()
     prompt = chat(tokenizer, "Remember this sentence about pinning.")
@@ -126,6 +131,7 @@ def test_pin_ttl_on_request(default_engine, tokenizer):
     assert rid not in default_engine.scheduler.pins
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_batch_independent(default_engine, tokenizer):
     p = chat(tokenizer, "Write one sentence about cats.")
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
@@ -136,6 +142,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(default_engine, t
     assert c.token_ids != a.token_ids
 
 
+@pytest.mark.slow
 def test_stop_strings_and_tokens(default_engine, tokenizer):
     p = chat(tokenizer, "Count from 1 to 10, separated by commas.")
     full = default_engine.generate([p], SamplingParams(max_tokens=40, temperature=0))[0]
@@ -149,6 +156,7 @@ def test_stop_strings_and_tokens(default_engine, tokenizer):
     assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == first
 
 
+@pytest.mark.slow
 def test_streamed_deltas_reassemble_the_text(default_engine, tokenizer):
     """The engine emits tokens only; its output processor's deltas split no character and add up to the
     decoded reply."""

@@ -266,6 +266,7 @@ def test_sampled_verify_commits_tokens_distributed_as_the_model():
 
 # -- the engine: speculation off is the reference ---------------------------------------------------
 
+@pytest.mark.slow
 def test_greedy_batch_is_token_for_token_the_same(default_engine, spec_engine, tokenizer):
     """Requests that quote their context (drafts accepted) batched with ones that do not."""
     prompts = [quote(tokenizer, QUOTED), chat(tokenizer, "Name three animals that live in the ocean."),
@@ -289,6 +290,7 @@ def test_greedy_batch_is_token_for_token_the_same(default_engine, spec_engine, t
     assert spec_counts(spec_engine) == before
 
 
+@pytest.mark.slow
 def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
     """max_tokens at every length, stop strings and a stop token from the middle of a reply that
     copies its prompt: tokens after a stop are dropped exactly as without speculation."""
@@ -310,6 +312,7 @@ def test_stops_inside_a_verified_draft(default_engine, spec_engine, tokenizer):
     assert spec_counts(spec_engine)[1] > before[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_preemption_with_a_tiny_pool(kv_cache_dtype):
     """Rolled-back drafts and preemptions, with pages of the activation dtype and 8-bit pages. float32
@@ -338,6 +341,7 @@ def test_preemption_with_a_tiny_pool(kv_cache_dtype):
     assert st.running == 0 and st.pages_used == st.pages_cached
 
 
+@pytest.mark.slow
 def test_rollback_leaves_cache_and_pool_as_without_speculation(default_engine, spec_engine, tokenizer):
     prompts = [quote(tokenizer, QUOTED), quote(tokenizer, QUOTED_2), chat(tokenizer, "Tell me about owls.")]
     params = [greedy(70), greedy(50, stop=["limits"]), greedy(33)]
@@ -355,6 +359,7 @@ def test_rollback_leaves_cache_and_pool_as_without_speculation(default_engine, s
     assert states[0][0] and states[0][3] == 0           # pages went to the cache; nothing else held
 
 
+@pytest.mark.slow
 def test_sampled_output_keeps_its_distribution(default_engine, spec_engine, tokenizer):
     """Seeded sampled runs with and without speculation: the token frequencies match (chi-square), and
     since a verification draws one uniform per committed token, as sampling does, seeded requests
@@ -457,6 +462,7 @@ def run_one(engine, prompt, params, cache_salt="", constraint=None):
     return ids, out
 
 
+@pytest.mark.slow
 def test_suffix_drafts_from_the_tenants_earlier_replies(default_engine, spec_engine, tokenizer):
     """A question another session of the same tenant asked before (another system prompt, so
     nothing of the reply is in the prompt): drafts come from the earlier reply, the output is
@@ -484,6 +490,7 @@ def test_suffix_drafts_from_the_tenants_earlier_replies(default_engine, spec_eng
     assert results["suffix", "tenant-b"][1] == results["ngram", "tenant-b"][1]
 
 
+@pytest.mark.slow
 def test_draft_rows_cap_bounds_every_step(default_engine, spec_engine, tokenizer):
     """With a cap on a step's rows (what quantized weights set), no step with drafts passes it
     and the output is unchanged."""
@@ -513,6 +520,7 @@ QUOTE_SCHEMA = {"type": "json_schema", "json_schema": {"name": "quote", "strict"
     "additionalProperties": False}}}
 
 
+@pytest.mark.slow
 def test_constrained_requests_draft_and_match_decoding_without_drafts(default_engine, spec_engine, tokenizer):
     """A JSON reply quoting its prompt: drafts the grammar accepts are verified under the grammar's
     mask at every position; the output is token for token the output without speculation, with
@@ -540,6 +548,7 @@ def test_constrained_requests_draft_and_match_decoding_without_drafts(default_en
     assert c.valid_prefix(open_obj) == len(open_obj) and c.accept(open_obj[0])   # the state was not moved
 
 
+@pytest.mark.slow
 def test_a_draft_that_completes_a_tool_call_ends_it(default_engine, spec_engine, tokenizer):
     """A named tool call asked twice: the second drafts the whole call from the first's reply
     (the corpus), tokens past the call's end included; the output stops where the call

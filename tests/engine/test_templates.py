@@ -95,6 +95,7 @@ def _reference(theirs, messages, template, kwargs, tokenize=False):
                                       add_generation_prompt=True, tokenize=tokenize, return_dict=False, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_templates_render_tools_calls_results_and_reasoning_as_transformers_does(family, base_tokenizer):
     filename, switches, parsers = FAMILIES[family]

@@ -71,6 +71,7 @@ def test_event_decoder_on_arbitrary_bytes(data):
     assert isinstance(event, KVEvent) and encode_event(event)  # anything accepted is a valid event
 
 
+@pytest.mark.slow
 @FUZZ
 @given(values)
 def test_event_decoder_on_arbitrary_msgpack(value):
@@ -80,6 +81,7 @@ def test_event_decoder_on_arbitrary_msgpack(value):
         pass
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from(sorted(good_event())), values)
 def test_event_decoder_on_one_bad_field(name, value):
@@ -128,6 +130,7 @@ def test_session_decoder_on_arbitrary_bytes(data):
         pass
 
 
+@pytest.mark.slow
 @FUZZ
 @given(values)
 def test_session_decoder_on_arbitrary_msgpack(value):
@@ -137,6 +140,7 @@ def test_session_decoder_on_arbitrary_msgpack(value):
         pass
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_session_decoder_on_one_bad_field(data):

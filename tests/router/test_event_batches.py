@@ -297,6 +297,7 @@ def test_ordinary_event_refuses_each_bad_field():
             agrees(fields[b"e"])
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from(sorted(GOOD) + ["medium"]), values)
 def test_ordinary_event_on_one_bad_field(name, value):
@@ -318,6 +319,7 @@ def test_ordinary_event_on_mutated_events(data):
     agrees(bytes(body[: data.draw(st.integers(1, len(body)))]))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(values)
 def test_ordinary_event_on_arbitrary_msgpack(value):

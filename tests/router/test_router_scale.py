@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -16,6 +18,7 @@ ARGS = ["--workers", "2,6", "--blocks-per-worker", "1200", "--decisions", "40", 
         "--churn-blocks", "3000", "--tokenize", "0"]
 
 
+@pytest.mark.slow
 def test_tiny_fleet_json_and_reference_agree(tmp_path):
     runs = {}
     for index in ("bitset", "reference"):

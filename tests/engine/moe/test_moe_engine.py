@@ -74,6 +74,7 @@ def _transformers_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_matches_transformers(family, checkpoints, prompts, single_process_tokens):
     assert single_process_tokens[family] == _transformers_greedy(checkpoints[family], prompts)
@@ -88,6 +89,7 @@ def test_moe_layers_follow_the_checkpoint(checkpoints):
     assert kinds == [MoEBlock, MLP]  # mlp_only_layers = [1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, settings", [
     ("mixtral", dict(ep_placement="contiguous")),
     ("qwen2_moe", dict(ep_placement="balanced", ep_redundant=2)),
@@ -111,6 +113,7 @@ def test_expert_parallel_engine_equals_single_process(family, settings, checkpoi
     engine.close()  # idempotent
 
 
+@pytest.mark.slow
 def test_expert_parallel_rank_exits_when_the_engine_process_is_killed(checkpoints, tmp_path):
     """SIGKILL leaves no chance to clean up: the worker sees EOF on its pipe and exits."""
     script = tmp_path / "ep_engine.py"

@@ -21,6 +21,7 @@ def checkpoint_dirs(tmp_path_factory):
     return [str(write_tiny_checkpoint(root / f, f, seed=11)) for f in FAMILIES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", [Topology(1, 2), Topology(2, 2)], ids=["2ranks", "4ranks_2x2"])
 def test_ep_equals_dense_reference(topology, checkpoint_dirs):
     results = run_distributed(ep_matches_reference, topology, checkpoint_dirs, PLACEMENTS, topology.world_size,

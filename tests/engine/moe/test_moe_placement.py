@@ -30,7 +30,7 @@ def _fit(name, trace, redundant=4, **kw):
     return get_placement(name, num_redundant=redundant, **kw).fit_layer(fit.stats()[0], TOPO), measured
 
 
-@pytest.mark.parametrize("name", ["contiguous", "balanced", "locality"])
+@pytest.mark.parametrize("name", ["contiguous", "balanced", pytest.param("locality", marks=pytest.mark.slow)])
 def test_plan_invariants(name, structured):
     layer, _ = _fit(name, structured)
     assert layer.phy2log.numel() == 20 and layer.slots_per_rank == 5
@@ -56,7 +56,7 @@ def test_contiguous_is_id_order(structured):
     assert layer.phy2log.tolist() == list(range(16)) + [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("name", ["balanced", "locality"])
+@pytest.mark.parametrize("name", ["balanced", pytest.param("locality", marks=pytest.mark.slow)])
 def test_load_within_cap(name, structured):
     layer, measured = _fit(name, structured)
     fit_load = expected_load(layer, structured.halves()[0].stats()[0])
@@ -100,6 +100,7 @@ def _bytes(layer, trace):
     return sim["rows_off_rank"] / sim["tokens"]
 
 
+@pytest.mark.slow
 def test_locality_sends_fewer_rows_on_structured_trace(structured, control):
     for trace, margin in ((structured, 0.85), (control, 1.03)):
         bal, measured = _fit("balanced", trace)
@@ -107,6 +108,7 @@ def test_locality_sends_fewer_rows_on_structured_trace(structured, control):
         assert _bytes(loc, measured) <= margin * _bytes(bal, measured), trace.name
 
 
+@pytest.mark.slow
 def test_locality_is_deterministic(structured):
     a, _ = _fit("locality", structured)
     b, _ = _fit("locality", structured)

@@ -62,6 +62,7 @@ def test_align_slots_keeps_resident_experts_in_place():
     assert aligned.phy2log.tolist() == [0, 5, 2, 3, 4, 1, 6, 7]
 
 
+@pytest.mark.slow
 def test_rebalancer_validates_candidates_before_adopting():
     trace = structured_trace("s", 1, 4096, 16, 4, 4, seed=9)
     first, second = (t.stats() for t in trace.halves())
