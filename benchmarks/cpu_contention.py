@@ -6,8 +6,9 @@
 An agent's tools (a compiler, a test run, a linter) often run on the machine that serves its model. Torch
 runs its parallel operations on an OpenMP team (libgomp); between operations its idle workers spin
 (libgomp's default: ``GOMP_SPINCOUNT`` 300,000 turns, then sleep) or sleep at once (``OMP_WAIT_POLICY=
-PASSIVE``). Spinning wins a little on an idle machine; on a busy one a spinning worker holds a core the
-worker it waits for needs, and a decode step of ~70 parallel regions pays that every region.
+PASSIVE``). On an idle machine spinning wins (a sleeping worker's wake-up costs every parallel region
+of a step); on a busy one a spinning worker holds a core that the worker it waits for, or the other
+process, needs. Measured on 2 cores (docs/benchmarking.md, "Beside a busy process"): neither wins both.
 
 Sides, each on a fresh ``agentrt serve --speculative off`` (a warm-up request first, then ``--decode-runs``
 batch-1 decode runs of ``--decode-tokens`` tokens, each its own prompt, the same on every side):
