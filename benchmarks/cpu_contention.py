@@ -15,6 +15,7 @@ batch-1 decode runs of ``--decode-tokens`` tokens, each its own prompt, the same
 
 - ``spin``: ``GOMP_SPINCOUNT=300000``, libgomp's own default, named (agentrt then sets no wait policy);
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE``;
+- ``spin_N`` for each ``--spincount N``: workers that spin N turns, then sleep;
 - ``llama_server`` with ``--llama-server PATH``: the peer, its own thread pool, defaults.
 
 Conditions: ``quiet``, and ``busy``: ``--busy N`` processes (default 1, one of two cores) each running a
@@ -43,13 +44,18 @@ POLICY_ENV = {"spin": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY
 BURNER = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
+def policies(args) -> dict[str, dict[str, str]]:
+    """Each agentrt side's OpenMP environment."""
+    return {**POLICY_ENV, **{f"spin_{n}": {"GOMP_SPINCOUNT": str(n)} for n in args.spincount}}
+
+
 def side_command(side: str, args) -> list[str]:
     """The server command of ``side`` (``{port}`` filled in at start), its wait policy set by ``env``."""
     if side == "llama_server":
         from engine.loader import resolve_model
         return [args.llama_server, "-m", resolve_model(None)[0], "--port", "{port}", "-np", "1", "-c", "8192"]
     clear = [f"-u{name}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")]
-    setting = [f"{k}={v}" for k, v in POLICY_ENV[side].items()]
+    setting = [f"{k}={v}" for k, v in policies(args)[side].items()]
     return ["env", *clear, *setting, sys.executable, "-m", "agentrt_cli", "serve", "--port", "{port}",
             "--speculative", "off"]
 
@@ -79,7 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu", choices=tuple(CPU_TARGETS), default="native",
                    help="native, or x86-64-v3: agentrt's kernels and torch held to AVX2 (as vs_llamacpp.py)")
     p.add_argument("--llama-server", default=None, help="a llama-server binary: add it as a side")
+    p.add_argument("--spincount", type=int, action="append", default=[],
+                   help="add an agentrt side whose workers spin this many turns, then sleep (repeatable)")
     args = p.parse_args(argv)
+    if any(n < 0 for n in args.spincount):
+        p.error("--spincount must be >= 0")
     for name in ("decode_tokens", "decode_runs", "busy"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -94,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.update(CPU_TARGETS[args.cpu][0])
     run = harness.Run(args, __file__, argv)
-    sides = [*POLICY_ENV, *(["llama_server"] if args.llama_server else [])]
+    env = policies(args)
+    sides = [*env, *(["llama_server"] if args.llama_server else [])]
     cmds = {side: side_command(side, args) for side in sides}
     for side, cmd in cmds.items():
-        run.add_server(side, cmd, {"env": POLICY_ENV.get(side, {})})
+        run.add_server(side, cmd, {"env": env.get(side, {})})
     rates: dict[str, dict[str, list[float]]] = {c: {s: [] for s in sides} for c in CONDITIONS}
     for r in range(args.repeats):
         for c, condition in enumerate(CONDITIONS):
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in CONDITIONS:
         print(f"{c:5s} " + "  ".join(f"{s} {figures[c][s]['median']:.1f}" for s in sides))
     print("busy / quiet: " + "  ".join(f"{s} {v:.2f}" for s, v in busy_over_quiet.items() if v is not None))
-    run.write({"figures": figures, "busy_over_quiet": busy_over_quiet, "policy_env": POLICY_ENV,
+    run.write({"figures": figures, "busy_over_quiet": busy_over_quiet, "policy_env": env,
                "busy_processes": args.busy, "decode_tokens": args.decode_tokens, "cpu_target": args.cpu})
     return 0
 
