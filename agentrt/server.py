@@ -19,8 +19,8 @@ manager's (``SessionManager.sweep_forever``).
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
