@@ -185,11 +185,11 @@ class FakeVllmWorker:
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
-        self.events = f"tcp://127.0.0.1:{free_port()}"
-        self.pub.bind(self.events)
+        # bound to a port the OS picks in the bind itself: a port probed free and bound later can be taken
+        # between the two by another process (seen once: "Address already in use")
+        self.events = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.replay_sock = self.ctx.socket(zmq.ROUTER)
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
-        self.replay_sock.bind(self.replay)
+        self.replay = f"tcp://127.0.0.1:{self.replay_sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.buffer: list[tuple[int, bytes]] = []
         self.seq = 0  # the next batch's seq
         self.requests: list[int] = []
