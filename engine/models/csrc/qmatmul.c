@@ -22,6 +22,18 @@
  * either. One code path per build, fixed by the compiler's target (-march); qmm_variant() says which.
  * engine/models/qmatmul.py holds the plain references.
  */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QMM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QMM_AVX2 1
+#else
+/* The portable path's float sums in the order written. Reassociated (-fassociative-math, which the vector
+ * paths' intrinsics do not depend on), GCC ordered a row's block sums differently by how many rows shared
+ * the pass (a Sapphire Rapids -march=native with -mno-avx2), so a row's values depended on its batch.
+ * Before every function, kernel_math.h's included, so all of them are compiled with the same options. */
+#pragma GCC optimize("no-associative-math")
+#endif
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,12 +41,6 @@
 #include "kernel_math.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define QMM_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QMM_AVX2 1
 #endif
 
 #define QK 32
