@@ -7,6 +7,10 @@ PIP := $(VENV)/bin/pip
 # on a machine where plain PyPI would pick a CUDA build you do not want.
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist). Each takes whole modules (--dist loadscope), so a module's server or engine
+# fixture is built once; while one process waits on a server it started, the other runs its tests.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope
 
 .PHONY: setup demo test test-fast bench clean
 
@@ -25,11 +29,11 @@ demo: setup
 	$(PY) -m agentrt.demo
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: no server processes, no clusters, no slow end-to-end tests (make test runs them all).
 test-fast: setup
-	$(PY) -m pytest -q -m "not server and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not server and not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/engine_sessions.py --quick --json out/engine_sessions.json
