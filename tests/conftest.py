@@ -19,12 +19,6 @@ import os
 # 2-core machine: engine start 20.2 s -> 3.6 s, a 500-token prefill 17.3 s -> 4.8 s, 32 decode steps
 # 29.2 s -> 3.7 s. A user's explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# make test runs the suite in TEST_WORKERS pytest-xdist processes (Makefile): each process, and every server it
-# starts, gets its share of the cores as its OpenMP (torch) threads, so the processes do not take turns on
-# oversubscribed cores at every parallel region. The C kernel tests run on every core (tests/engine/kernel_build.py).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 from pathlib import Path  # noqa: E402
 

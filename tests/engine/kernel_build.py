@@ -4,7 +4,6 @@ file with the compiler's message; the product's ``load()`` would quietly fall ba
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import pytest
@@ -35,14 +34,8 @@ class KernelBuild:
 
     def autouse_require(self):
         """An autouse fixture calling ``require``; assigned in a test module (``_built = BUILD.autouse_require()``),
-        a compile error fails every test there. Each test runs on every core of the process's CPU set, also where
-        make test gave its process fewer threads (tests/conftest.py), so the kernels' threaded splits are tested."""
+        a compile error fails every test there."""
         @pytest.fixture(autouse=True)
-        def _built():
+        def _built() -> None:
             self.require()
-            import torch
-            threads = torch.get_num_threads()
-            torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
-            yield
-            torch.set_num_threads(threads)
         return _built
