@@ -7,8 +7,10 @@ PIP := $(VENV)/bin/pip
 # on a machine where plain PyPI would pick a CUDA build you do not want.
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist). Each takes whole modules (--dist loadscope), so a module's server or engine
-# fixture is built once; while one process waits on a server it started, the other runs its tests.
+# make test-fast's processes (pytest-xdist). Each takes whole modules (--dist loadscope), so a module's engine
+# fixture is built once. make test stays one process: two took it from 17:00 to 9:17 on 2 cores, but a process
+# of the full suite peaks near 9 GB (engines, transformers references) and two of them beside their servers
+# ran a 24 GB machine out of memory.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope
 
@@ -29,7 +31,7 @@ demo: setup
 	$(PY) -m agentrt.demo
 
 test: setup
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The inner loop: no server processes, no clusters, no slow end-to-end tests (make test runs them all).
 test-fast: setup
