@@ -8,9 +8,8 @@ PIP := $(VENV)/bin/pip
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 # make test-fast's processes (pytest-xdist). Each takes whole modules (--dist loadscope), so a module's engine
-# fixture is built once. make test stays one process: two took it from 17:00 to 9:17 on 2 cores, but a process
-# of the full suite peaks near 9 GB (engines, transformers references) and two of them beside their servers
-# ran a 24 GB machine out of memory.
+# fixture is built once. make test stays one process: two took it from 17:00 to 9:17 on 2 cores, but in a fresh
+# clone two of them beside their servers ran a 24 GB machine out of memory (the OOM killer took one holding 9.0 GB).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope
 
