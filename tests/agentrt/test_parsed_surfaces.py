@@ -46,9 +46,12 @@ REASONING = {"qwen3": "\nNeed the weather.", "mistral": None, "gpt-oss": "Need t
 @pytest.fixture(scope="module")
 def engine():
     """One engine thread for the module (one AsyncEngine per engine: each steps it in its own thread); no
-    closing within max_tokens, so that the cut reply ends inside its second call."""
-    return AsyncEngine.from_config(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256,
-                                                close_constrained_outputs=False))
+    closing within max_tokens, so that the cut reply ends inside its second call. Shut down at the end: a
+    running engine thread keeps the engine (its weights and pool) alive for the rest of the session."""
+    engine = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256,
+                                                  close_constrained_outputs=False))
+    yield engine
+    asyncio.run(engine.shutdown())
 
 
 async def _generation(engine: AsyncEngine, family: str, max_tokens: int = 400):
