@@ -7,9 +7,10 @@ PIP := $(VENV)/bin/pip
 # on a machine where plain PyPI would pick a CUDA build you do not want.
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
-# make test-fast's processes (pytest-xdist). Each takes whole modules (--dist loadscope), so a module's engine
-# fixture is built once. make test stays one process: two took it from 17:00 to 9:17 on 2 cores, but in a fresh
-# clone two of them beside their servers ran a 24 GB machine out of memory (the OOM killer took one holding 9.0 GB).
+# make test and make test-fast run in TEST_WORKERS pytest-xdist processes, each taking whole modules
+# (--dist loadscope), so a module's engine fixture is built once. Two on 2 cores: the suite took 11:03 in a fresh
+# clone against 19:19 in one (not on a quiet machine); each process returns a module's memory when the module ends (tests/conftest.py),
+# so two of them beside their servers left at least 8 GB of a 24 GB machine free.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope
 
@@ -30,7 +31,7 @@ demo: setup
 	$(PY) -m agentrt.demo
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: no server processes, no clusters, no slow end-to-end tests (make test runs them all).
 test-fast: setup
