@@ -9,6 +9,8 @@ and the benchmarks use); a server is an ``agentrt.procs.Proc``.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import os
 
@@ -114,19 +116,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.set_threshold(g0, g1, 10 * g2)
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` from the process's own symbols (None elsewhere: musl, macOS)."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
 def _release_heap() -> None:
     """Hand the C heap's free pages back to the OS. Freed tensors that were not big enough for their own
     mapping stay in glibc's arenas (one per thread that allocated: the engine, forward and tier threads), so
     a process that built and dropped engines keeps their bytes: after tests/engine/test_cpu_ops.py (run after two
     other engine modules) the process held 7.65 GB, 4.13 GB once trimmed."""
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    libc = ctypes.CDLL(name)
-    if hasattr(libc, "malloc_trim"):   # glibc only
-        libc.malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @pytest.hookimpl(wrapper=True)
