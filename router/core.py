@@ -130,6 +130,9 @@ class RouterCore:
         self.fleet = self.policy.new_fleet()
         self.inflight = InFlightTracker(decode_token_weight)
         self.workers: dict[str, WorkerInfo] = {}
+        # The URL of every worker this replica has seen live: a KV lease call to one it has since marked
+        # dead (a failed connection under load, or a restart it has not seen yet) still goes out there.
+        self.last_urls: dict[str, str] = {}
         self.loads: dict[str, LoadReport] = {}
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
         self.decision_log = DecisionLog()  # the last decisions and their kinds, for the dashboard
@@ -222,6 +225,7 @@ class RouterCore:
         joined = [wid for wid in live if not self.consumer.has_baseline(wid)  # retried until a resync lands
                   and (self.vllm is None or wid not in self.vllm)]
         self.workers = live
+        self.last_urls.update((wid, info.url) for wid, info in live.items())
         self._sync_fleet()
         self.loads = await self.registry.loads([wid for wid in live if self.vllm is None or wid not in self.vllm])
         self._sync_fleet()

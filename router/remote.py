@@ -58,6 +58,11 @@ from router.policy import NoWorkerAvailable
 from router.worker_api import key_to_wire, lease_body, output_from_wire, sampling_to_wire, structured_to_wire
 
 log = logging.getLogger("router.remote")
+# A KV lease call (extend, release, demote, prefetch): tries, each one's timeout, and the pause before the
+# next try (times the try's number). A release lost holds the worker's KV until the lease's TTL runs out.
+LEASE_ATTEMPTS = 3
+LEASE_TIMEOUT_S = 5.0
+LEASE_RETRY_S = 0.5
 
 class WorkerUnavailable(httpx.TransportError):
     """The worker cannot take this request: it is draining (503 ``worker_draining``), or it sent no
@@ -310,26 +315,42 @@ class RemoteEngine:
     def _lease(self, op: str, lease_id: str, worker_id: str | None, ttl_s: float | None = None) -> None:
         """``POST /internal/lease/{op}`` on the worker that holds the lease: ``worker_id`` (the session
         record's last worker, so any replica reaches a lease another one made), else the worker this
-        replica sent the request to. Workers hold leases by id, so the call is exact; a lease whose worker
-        is unknown or gone simply expires there."""
+        replica sent the request to. Workers hold leases by id, so the call is exact. A worker this replica
+        no longer counts as live still gets the call at its last URL: it may only have been marked dead
+        after a failed connection under load, and a lost release holds its KV for the lease's whole TTL.
+        Only a worker never seen here is skipped (its lease expires there)."""
         wid = worker_id or self.worker_of(lease_id)
-        if wid is not None and self._is_vllm(wid):  # vllm-kind workers hold no leases; their caches evict by LRU
+        if wid is None or self._is_vllm(wid):  # vllm-kind workers hold no leases; their caches evict by LRU
             return
-        worker = self.core.workers.get(wid or "")
-        if worker is None:
-            if wid is not None:
-                log.info("lease %s %s: worker %s is not live; the lease expires there", op, lease_id, wid)
+        worker = self.core.workers.get(wid)
+        url = worker.url if worker is not None else self.core.last_urls.get(wid)
+        if url is None:
+            log.info("lease %s %s: worker %s was never seen by this router; the lease expires there",
+                     op, lease_id, wid)
             return
         body = lease_body(lease_id, ttl_s)
-        task = asyncio.get_running_loop().create_task(self._post_quietly(f"{worker.url}/internal/lease/{op}", body))
+        task = asyncio.get_running_loop().create_task(self._post_quietly(f"{url}/internal/lease/{op}", body))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _post_quietly(self, url: str, body: dict) -> None:
-        try:
-            await self.http.post(url, json=body, timeout=5.0)
-        except httpx.HTTPError as exc:  # a lease is a hint: losing one costs recomputation, never a failure
-            log.info("lease call %s failed: %s", url, exc)
+        """A lease call, tried ``LEASE_ATTEMPTS`` times (each op is idempotent: an extend of a lease that is
+        gone does not bring it back); losing it costs recomputation or a held lease until its TTL, never a
+        failure, so the last error is logged and dropped."""
+        for attempt in range(1, LEASE_ATTEMPTS + 1):
+            try:
+                resp = await self.http.post(url, json=body, timeout=LEASE_TIMEOUT_S)
+            except httpx.TransportError as exc:   # unreachable, or too slow under load: worth another try
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code < 500:
+                    if resp.status_code >= 400:   # a refused call: the same body would be refused again
+                        log.warning("lease call %s refused (%d): %s", url, resp.status_code, resp.text[:200])
+                    return
+                error = f"HTTP {resp.status_code}"
+            if attempt < LEASE_ATTEMPTS:
+                await asyncio.sleep(LEASE_RETRY_S * attempt)
+        log.warning("lease call %s failed %d times, last: %s", url, LEASE_ATTEMPTS, error)
 
     # ------------------------------------------------------------ the rest of the EngineClient
 

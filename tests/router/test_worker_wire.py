@@ -132,32 +132,45 @@ def test_the_lease_routes_reach_the_workers_engine_client_and_check_the_body():
                             ("prefetch", "req-1", None)]
 
 
-def test_a_routers_lease_calls_reach_the_engine_client_of_the_worker_that_holds_the_lease():
+def test_a_routers_lease_calls_reach_the_engine_client_of_the_worker_that_holds_the_lease(monkeypatch):
     """``RemoteEngine``'s lease methods post to the worker named (a session record's last worker) or, with
-    none, the worker the request ran on, and that worker's route calls its own engine client; a lease
-    whose worker is unknown or not live is left to expire (nothing is sent)."""
+    none, the worker the request ran on, and that worker's route calls its own engine client. A worker this
+    replica has marked dead still gets the call at its last URL; one it never saw is left to expire (nothing
+    is sent). A call that does not get through (a connection error, a 5xx) is tried again, up to
+    ``LEASE_ATTEMPTS`` times; a refused one (4xx) is not."""
     import asyncio
     import types
 
     import httpx
 
-    from router.remote import RemoteEngine
+    import router.remote as remote_module
+    from router.remote import LEASE_ATTEMPTS, RemoteEngine
 
-    workers = {name: _LeaseEngine() for name in ("w-1", "w-2")}
+    monkeypatch.setattr(remote_module, "LEASE_RETRY_S", 0.0)
+    workers = {name: _LeaseEngine() for name in ("w-1", "w-2", "w-dead", "w-flaky", "w-down")}
+    live = ("w-1", "w-2", "w-flaky", "w-down")
     core = types.SimpleNamespace(config=types.SimpleNamespace(heartbeat_interval_s=1.0), refresh_interval_s=1.0,
-                                 vllm=None, workers={name: types.SimpleNamespace(url=f"http://{name}")
-                                                     for name in workers})
+                                 vllm=None, workers={name: types.SimpleNamespace(url=f"http://{name}") for name in live},
+                                 last_urls={name: f"http://{name}" for name in workers})
+    tries: dict[str, int] = {}
+
+    async def route(request: httpx.Request) -> httpx.Response:   # each worker's own app, by host
+        host = request.url.host
+        tries[host] = tries.get(host, 0) + 1
+        if host == "w-flaky" and tries[host] == 1:
+            raise httpx.ConnectError("connection refused", request=request)
+        if host == "w-flaky" and tries[host] == 2:
+            return httpx.Response(503, content=b"busy")
+        if host == "w-down":
+            raise httpx.ReadTimeout("no answer", request=request)
+        app = _lease_app(workers[host])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
+            answer = await http.post(request.url.path, content=request.content,
+                                     headers={"content-type": "application/json"})
+        return httpx.Response(answer.status_code, content=answer.content)
 
     async def body():
         remote = RemoteEngine(core, max_model_len=64)
-
-        async def route(request: httpx.Request) -> httpx.Response:   # each worker's own app, by host
-            app = _lease_app(workers[request.url.host])
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as http:
-                answer = await http.post(request.url.path, content=request.content,
-                                         headers={"content-type": "application/json"})
-            return httpx.Response(answer.status_code, content=answer.content)
-
         remote.http = httpx.AsyncClient(transport=httpx.MockTransport(route))
         remote._remember("req-1", "w-1")
         remote.extend_lease("req-1", 90.0)                    # where it ran
@@ -165,7 +178,11 @@ def test_a_routers_lease_calls_reach_the_engine_client_of_the_worker_that_holds_
         remote.release_lease("req-0", worker="w-2")           # a lease another replica made, on w-2
         remote.prefetch_lease("req-0", worker="w-2")
         remote.release_lease("req-unknown")                   # never ran here: nothing to send
-        remote.release_lease("req-1", worker="w-gone")        # its worker is not live: it expires there
+        remote.release_lease("req-1", worker="w-gone")        # a worker this replica never saw: it expires there
+        remote.release_lease("req-5", worker="w-dead")        # marked dead here, maybe only slow: still sent
+        remote.release_lease("req-6", worker="w-flaky")       # refused connection, then a 503, then through
+        remote.release_lease("req-7", worker="w-down")        # never answers: tried, then dropped
+        remote._lease("pin", "req-8", "w-2")                  # refused (404): not tried again
         await asyncio.gather(*remote._background)
         await remote.http.aclose()
 
@@ -173,6 +190,9 @@ def test_a_routers_lease_calls_reach_the_engine_client_of_the_worker_that_holds_
     # fire and forget: the calls run as tasks, in no promised order
     assert sorted(workers["w-1"].calls) == [("demote", "req-1", None), ("extend", "req-1", 90.0)]
     assert sorted(workers["w-2"].calls) == [("prefetch", "req-0", None), ("release", "req-0", None)]
+    assert workers["w-dead"].calls == [("release", "req-5", None)]
+    assert workers["w-flaky"].calls == [("release", "req-6", None)]
+    assert tries == {"w-1": 2, "w-2": 3, "w-dead": 1, "w-flaky": 3, "w-down": LEASE_ATTEMPTS}
 
 
 def test_a_generate_body_refuses_unknown_fields_and_reads_the_old_lease_name():
