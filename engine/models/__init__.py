@@ -22,6 +22,28 @@ def _quantize(model, quantization: str, int4_groups: dict | None) -> None:
         quantize_model(model, quantization, int4_groups)
 
 
+def materialize(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """``model.to_empty(device=device)``: every parameter and buffer of a model built on the meta device
+    allocated (uninitialized) on ``device``, shared ones shared still. Not torch's own: its first call imports
+    torch's symbolic-shapes module and sympy (0.2-0.4 s of every server's start on two cores, for nothing
+    else the engine uses)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return made[id(t)]
+
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = empty(b)
+    return model
+
+
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: str, quantization: str = "off", int4_groups: dict | None = None) -> LlamaModel:
     """Instantiate the decoder for ``cfg`` and load ``state`` (HF names) into it; ``quantization``
@@ -39,8 +61,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
         _quantize(model, quantization, int4_groups)
         return model
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaModel(cfg).to(dtype)   # in the target dtype before any memory is allocated
+    model = materialize(model, device)
     model.rope = model.rope.__class__(cfg).to(device)
     model.load_hf_state_dict(state)
     keep_float32_norms(model)
