@@ -16,6 +16,7 @@ import pytest
 import xgrammar as xgr
 
 from engine import AsyncEngine, EngineConfig
+from tests.engine.served import SERVED
 from engine.client import StructuredOutput
 from engine.grammar.compiler import compiler_cache_for
 from engine.grammar.constraint import XGrammarConstraint
@@ -49,7 +50,7 @@ def engine():
     closing within max_tokens, so that the cut reply ends inside its second call. Shut down at the end: a
     running engine thread keeps the engine (its weights and pool) alive for the rest of the session."""
     engine = AsyncEngine.from_config(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256,
-                                                  close_constrained_outputs=False))
+                                                  close_constrained_outputs=False, **SERVED))
     yield engine
     asyncio.run(engine.shutdown())
 

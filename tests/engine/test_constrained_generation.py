@@ -1,4 +1,5 @@
-"""Constrained decoding end to end with the real default model, in the continuous batch.
+"""Constrained decoding end to end with the real default model, in the continuous batch, as a server
+runs it (``served_engine``: its assertions parse and validate, they compare no two engines' tokens).
 
 One ``generate`` call runs 50 ``json_schema`` requests, 50 ``tool_choice: required``
 requests and 16 free ones together (sampled, seeded); others run constrained
@@ -18,6 +19,7 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine
+from tests.engine.served import SERVED
 from engine.tokenizer import TOOL_CALL_END, encode_chat, parse_tool_calls
 from engine.grammar import constraint_for_request
 from engine.types import SamplingParams
@@ -103,8 +105,8 @@ def _params(i, max_tokens):
 
 
 @pytest.mark.slow
-def test_json_schema_and_required_tool_calls_mixed_with_free_requests(default_engine):
-    tok = default_engine.tokenizer
+def test_json_schema_and_required_tool_calls_mixed_with_free_requests(served_engine):
+    tok = served_engine.tokenizer
     prompts, params, cons = [], [], []
     for i in range(N):
         prompts.append(_json_prompt(tok, i))
@@ -119,7 +121,7 @@ def test_json_schema_and_required_tool_calls_mixed_with_free_requests(default_en
         params.append(_params(i, 24))
         cons.append(None)
 
-    results = default_engine.generate(prompts, params, cons)
+    results = served_engine.generate(prompts, params, cons)
 
     for r in results[:N]:
         _check_json(r)
@@ -130,9 +132,9 @@ def test_json_schema_and_required_tool_calls_mixed_with_free_requests(default_en
 
 
 @pytest.mark.slow
-def test_constrained_requests_alone(default_engine):
+def test_constrained_requests_alone(served_engine):
     """JSON, required / named / parallel tool calls, without free requests in the batch."""
-    tok = default_engine.tokenizer
+    tok = served_engine.tokenizer
     named = {"type": "function", "function": {"name": "book_flight"}}
     prompts = [_json_prompt(tok, i) for i in range(6)] + [_tool_prompt(tok, i) for i in range(10)]
     cons = ([constraint_for_request(tok, response_format=PROFILE_FORMAT) for _ in range(6)]
@@ -140,7 +142,7 @@ def test_constrained_requests_alone(default_engine):
                for _ in range(6)]
             + [constraint_for_request(tok, tools=TOOLS, tool_choice=named) for _ in range(2)]
             + [constraint_for_request(tok, tools=TOOLS, tool_choice="required") for _ in range(2)])
-    results = default_engine.generate(prompts, [_params(i, 384 if i < 14 else 96) for i in range(16)], cons)
+    results = served_engine.generate(prompts, [_params(i, 384 if i < 14 else 96) for i in range(16)], cons)
     for r in results[:6]:
         _check_json(r)
     for r in results[6:14]:
@@ -154,13 +156,13 @@ def test_constrained_requests_alone(default_engine):
 
 
 @pytest.mark.slow
-def test_auto_tool_choice_constrains_a_started_call(default_engine):
+def test_auto_tool_choice_constrains_a_started_call(served_engine):
     """With "auto" the model writes free text; once it has written <tool_call> the call is constrained.
 
     SmolLM2 rarely starts a call on its own, so the assistant turn is begun for it
     (prompt and constraint both get "Let me check. <tool_call>").
     """
-    tok = default_engine.tokenizer
+    tok = served_engine.tokenizer
     started = tok.encode("Let me check. " + "<tool_call>")
     prompts, cons = [], []
     for i in range(4):
@@ -168,7 +170,7 @@ def test_auto_tool_choice_constrains_a_started_call(default_engine):
         c = constraint_for_request(tok, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False)
         assert all(c.accept(t) for t in started)
         cons.append(c)
-    results = default_engine.generate(prompts, [_params(i, 256) for i in range(4)], cons)
+    results = served_engine.generate(prompts, [_params(i, 256) for i in range(4)], cons)
     for r in results:
         _check_tool_calls(dataclasses.replace(r, text="<tool_call>" + r.text), max_calls=1)
 
@@ -177,7 +179,7 @@ def test_auto_tool_choice_constrains_a_started_call(default_engine):
 def test_constraint_state_survives_preemption():
     """A KV pool too small for the batch forces recompute preemption mid-output."""
     engine = LLMEngine(EngineConfig(kv_cache_tokens=512, page_size=16, max_batched_tokens=256,
-                                    enable_prefix_cache=False))
+                                    enable_prefix_cache=False, **SERVED))
     tok = engine.tokenizer
     prompts = [_json_prompt(tok, i) for i in range(6)]
     cons = [constraint_for_request(tok, response_format=PROFILE_FORMAT) for _ in prompts]
