@@ -473,21 +473,24 @@ def test_suffix_drafts_from_the_tenants_earlier_replies(default_engine, spec_eng
     again = encode_chat(tokenizer, [{"role": "system", "content": "You are a helpful assistant for a school."},
                                     {"role": "user", "content": q}])
     params = greedy(64)
+
+    def measured(engine, salt):
+        before = spec_counts(engine)
+        ids, _ = run_one(engine, again, params, cache_salt=salt)
+        return ids, [a - b for a, b in zip(spec_counts(engine), before)]
+
+    run_one(spec_engine, first, params, cache_salt="tenant-a")
+    results = {("suffix", salt): measured(spec_engine, salt) for salt in ("tenant-a", "tenant-b")}
+    # prompt lookup alone: drafts from the request's own context, whatever ran before and whatever its salt
     ngram = LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=256, speculative="ngram"))
-    results = {}
-    for name, engine in (("suffix", spec_engine), ("ngram", ngram)):
-        run_one(engine, first, params, cache_salt="tenant-a")
-        for salt in ("tenant-a", "tenant-b"):
-            before = spec_counts(engine)
-            ids, out = run_one(engine, again, params, cache_salt=salt)
-            results[name, salt] = ids, [a - b for a, b in zip(spec_counts(engine), before)]
+    results["ngram"] = measured(ngram, "tenant-a")
     ref = default_engine.generate([again], params)[0].token_ids
     assert all(ids == ref for ids, _ in results.values())
     accepted = {key: counts[1] for key, (_, counts) in results.items()}
     # the same tenant drafts from its earlier reply; without the corpus that reply is not there
-    assert accepted["suffix", "tenant-a"] > accepted["ngram", "tenant-a"] + 16
+    assert accepted["suffix", "tenant-a"] > accepted["ngram"] + 16
     # another tenant drafts exactly as prompt lookup alone does
-    assert results["suffix", "tenant-b"][1] == results["ngram", "tenant-b"][1]
+    assert results["suffix", "tenant-b"][1] == results["ngram"][1]
 
 
 @pytest.mark.slow
