@@ -7,11 +7,9 @@ PIP := $(VENV)/bin/pip
 # on a machine where plain PyPI would pick a CUDA build you do not want.
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
-# make test-fast runs in TEST_WORKERS pytest-xdist processes, each taking whole modules (--dist loadscope), so a
-# module's engine fixture is built once. make test stays one process: two took the suite to 11:03 in a fresh clone on
-# 2 cores (memory is no longer the limit: each process returns a module's memory, tests/conftest.py, and 8 GB of 24
-# stayed free), but under that load two cluster tests failed in three runs (a drain's 5 s bound, fixed; a pin release
-# on session delete, not yet explained). `make test PYTEST_ARGS="-n 2 --dist loadscope"` runs it that way.
+# make test and make test-fast run in TEST_WORKERS pytest-xdist processes, each taking whole modules (--dist
+# loadscope), so a module's engine fixture is built once; each process gets its share of the cores as threads
+# (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope
 
@@ -32,7 +30,7 @@ demo: setup
 	$(PY) -m agentrt.demo
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: no server processes, no clusters, no slow end-to-end tests (make test runs them all).
 test-fast: setup
