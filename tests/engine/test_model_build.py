@@ -1,0 +1,67 @@
+"""Building a model on the meta device and allocating it (engine/models/__init__.py ``materialize``),
+against torch's ``Module.to_empty`` and the build it replaced."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from engine.loader import load_model_files
+from engine.models import build_model, materialize
+from engine.models.llama import LlamaModel, keep_float32_norms
+
+
+def _described(module: nn.Module) -> list[tuple]:
+    params = [(n, tuple(p.shape), p.dtype, p.device.type, p.requires_grad)
+              for n, p in module.named_parameters(remove_duplicate=False)]
+    buffers = [(n, tuple(b.shape), b.dtype, b.device.type) for n, b in module.named_buffers(remove_duplicate=False)]
+    return params + buffers
+
+
+def test_materialize_allocates_what_to_empty_does_and_keeps_a_shared_weight_shared():
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4, bias=False)).to(torch.bfloat16)
+        net.register_buffer("scale", torch.ones(3))
+        net[2].weight = net[0].weight   # tied, as an embedding and an LM head can be
+        net[1].weight.requires_grad_(False)
+    reference = copy.deepcopy(net).to_empty(device="cpu")
+    got = materialize(net, "cpu")
+    assert _described(got) == _described(reference)
+    assert all(p.device.type == "cpu" for p in got.parameters())
+    assert got[2].weight.data_ptr() == got[0].weight.data_ptr()
+    assert got[0].weight.data_ptr() != got[0].bias.data_ptr()
+
+
+def test_the_default_model_builds_as_it_did_through_to_empty():
+    """The weights, buffers and dtypes of the build through ``materialize`` equal the old build's: allocated in
+    float32 by ``to_empty``, then converted to the target dtype, then loaded."""
+    files = load_model_files(None, torch.bfloat16)
+    got = build_model(files.config, files.state, torch.bfloat16, "cpu")
+    with torch.device("meta"):
+        reference = LlamaModel(files.config)
+    reference = reference.to_empty(device="cpu").to(torch.bfloat16)
+    reference.rope = reference.rope.__class__(files.config)
+    reference.load_hf_state_dict(files.state)
+    keep_float32_norms(reference)
+    theirs = reference.state_dict()
+    ours = got.state_dict()
+    assert list(ours) == list(theirs)
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+
+
+def test_a_model_build_does_not_import_sympy():
+    """What ``materialize`` is for: torch's ``to_empty`` imports its symbolic-shapes module and sympy, 0.2-0.4 s
+    of every server's start."""
+    code = ("import sys, torch\n"
+            "from engine.loader import load_model_files\n"
+            "from engine.models import build_model\n"
+            "files = load_model_files(None, torch.bfloat16)\n"
+            "build_model(files.config, files.state, torch.bfloat16, 'cpu')\n"
+            "print('sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
