@@ -36,6 +36,7 @@ import gc
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -57,6 +58,7 @@ from router.registry import LoadReport, WorkerInfo, WorkerRegistry
 from router.tentative import TentativeIndex
 
 log = logging.getLogger("router.core")
+LAST_URLS_KEPT = 4096   # workers whose last URL a replica keeps for KV lease calls (RouterCore.last_urls)
 _NO_LOAD = LoadReport()
 
 
@@ -130,9 +132,10 @@ class RouterCore:
         self.fleet = self.policy.new_fleet()
         self.inflight = InFlightTracker(decode_token_weight)
         self.workers: dict[str, WorkerInfo] = {}
-        # The URL of every worker this replica has seen live: a KV lease call to one it has since marked
-        # dead (a failed connection under load, or a restart it has not seen yet) still goes out there.
-        self.last_urls: dict[str, str] = {}
+        # The URL of the workers this replica has seen live, the LAST_URLS_KEPT latest: a KV lease call to one
+        # it has since marked dead (a failed connection under load, or a restart it has not seen yet) still
+        # goes out there.
+        self.last_urls: OrderedDict[str, str] = OrderedDict()
         self.loads: dict[str, LoadReport] = {}
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/state
         self.decision_log = DecisionLog()  # the last decisions and their kinds, for the dashboard
@@ -225,7 +228,11 @@ class RouterCore:
         joined = [wid for wid in live if not self.consumer.has_baseline(wid)  # retried until a resync lands
                   and (self.vllm is None or wid not in self.vllm)]
         self.workers = live
-        self.last_urls.update((wid, info.url) for wid, info in live.items())
+        for wid, info in live.items():
+            self.last_urls[wid] = info.url
+            self.last_urls.move_to_end(wid)
+        while len(self.last_urls) > LAST_URLS_KEPT:   # workers that left long ago (a fleet whose ids churn)
+            self.last_urls.popitem(last=False)
         self._sync_fleet()
         self.loads = await self.registry.loads([wid for wid in live if self.vllm is None or wid not in self.vllm])
         self._sync_fleet()

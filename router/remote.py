@@ -64,6 +64,7 @@ LEASE_ATTEMPTS = 3
 LEASE_TIMEOUT_S = 5.0
 LEASE_RETRY_S = 0.5
 
+
 class WorkerUnavailable(httpx.TransportError):
     """The worker cannot take this request: it is draining (503 ``worker_draining``), or it sent no
     response headers within ``header_timeout_s`` (hung: a worker answers with headers at once and

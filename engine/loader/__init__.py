@@ -48,8 +48,9 @@ class ModelFiles(NamedTuple):
 
 
 def load_model_files(path: str | None, dtype: torch.dtype | None = None, int4_groups: bool = False) -> ModelFiles:
-    """A path's model (None = default), its weights in ``dtype`` (None: float32). ``int4_groups``: also keep a GGUF file's Q4_0 / Q4_1 blocks as
-    they are (``ModelFiles.int4_groups``), for 4-bit serving without requantizing."""
+    """A path's model (None = default), its weights in ``dtype`` (None: float32). ``int4_groups``: also keep a
+    GGUF file's Q4_0 / Q4_1 blocks as they are (``ModelFiles.int4_groups``), for 4-bit serving without
+    requantizing."""
     import torch
 
     from engine.loader.gguf_loader import load_gguf

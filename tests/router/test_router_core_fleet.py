@@ -131,3 +131,19 @@ def test_tier_blocks_count_over_what_the_index_alone_says():
     seen = {s.worker_id: s for s in route.candidates}
     assert seen["a"] == next(s for s in full.candidates if s.worker_id == "a")
     assert (seen["a"].cached_blocks, seen["a"].disk_blocks, route.known_blocks) == (8, 0, 4)
+
+
+def test_a_replica_keeps_the_last_urls_of_workers_that_left_up_to_its_bound(monkeypatch):
+    """``last_urls`` (where KV lease calls go, live or not): a worker that left or was marked dead keeps its URL;
+    past ``LAST_URLS_KEPT`` the workers seen longest ago go first."""
+    import router.core as core_module
+
+    monkeypatch.setattr(core_module, "LAST_URLS_KEPT", 3)
+    core, rng = _core(), random.Random(3)
+    _refresh(core, ["a", "b"], rng)
+    asyncio.run(core.mark_dead("a"))
+    assert set(core.workers) == {"b"} and core.last_urls == {"a": "http://a", "b": "http://b"}
+    _refresh(core, ["c", "d"], rng)   # a and b gone; a was seen longest ago
+    assert set(core.workers) == {"c", "d"} and list(core.last_urls) == ["b", "c", "d"]
+    _refresh(core, ["b", "d"], rng)   # b back: the most recently seen with d
+    assert list(core.last_urls) == ["c", "b", "d"]
