@@ -19,10 +19,10 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from tests.engine.served import SERVED
 from engine.tokenizer import TOOL_CALL_END, encode_chat, parse_tool_calls
 from engine.grammar import constraint_for_request
 from engine.types import SamplingParams
+from tests.engine.served import SERVED
 
 PROFILE = {
     "type": "object",
