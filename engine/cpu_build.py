@@ -7,8 +7,9 @@ most users have, on a machine that has more, to measure or to ship one build to 
 ``$AGENTRT_KERNEL_CACHE`` (default ``~/.cache/agentrt/kernels``), keyed by the source, the headers
 it may include (``engine/csrc/*.h``, on the include path), the flags, the compiler's version and the
 CPU's feature flags (a library built with -march=native for one CPU can crash on another that shares
-the cache). Builds go to a temporary file renamed into place, so
-processes that build at once are safe. OpenMP in these libraries binds to the libgomp torch has
+the cache). Builds go to a temporary file renamed into place, under a lock file per library
+(``fcntl.flock``): processes that need one library at once build it once, the others wait for it and load
+it (the test suite's processes and servers all start on an empty cache on a fresh machine). OpenMP in these libraries binds to the libgomp torch has
 already loaded: one thread pool.
 
 Users: engine/attention/cpu_kernel.py (decode attention; RoPE and the K/V write), engine/models/cpu_ops.py
@@ -17,6 +18,7 @@ Users: engine/attention/cpu_kernel.py (decode attention; RoPE and the K/V write)
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -107,15 +109,19 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: concurrent builds are safe
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, f"-I{INCLUDE_DIR}", str(source), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(out.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # released when the file closes, by the kernel if this process dies
+        if out.exists():                        # another process built it while this one waited
+            return out
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)   # built aside, renamed in: a reader never
+        os.close(fd)                                                # sees half a library
+        try:
+            proc = subprocess.run([cc, *flags, f"-I{INCLUDE_DIR}", str(source), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return out

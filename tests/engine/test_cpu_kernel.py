@@ -2,6 +2,7 @@
 
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -265,6 +266,36 @@ def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no-such-compiler' is not on PATH"):
         build(bad)
 
+
+
+def test_processes_that_need_one_library_at_once_compile_it_once(tmp_path, monkeypatch):
+    """On an empty cache (a fresh machine: the suite's processes and servers start at once) the first
+    builder holds the library's lock; the others wait and load its result instead of compiling it again.
+    The compiler here is a wrapper that records each compile and takes a second over it."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sys
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "slowcc"
+    wrapper.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] || {{ echo compile >> {log}; sleep 1; }}\nexec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    source = tmp_path / "tiny.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    cache = tmp_path / "cache"
+    code = ("import sys; from pathlib import Path; from engine.cpu_build import build; "
+            "print(build(Path(sys.argv[1])))")
+    env = {**__import__("os").environ, "CC": str(wrapper), "AGENTRT_KERNEL_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(source)], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(set(outs)) == 1 and outs[0].endswith(".so")
+    assert log.read_text().splitlines() == ["compile"]                  # one compile, not three
+    assert ctypes.CDLL(outs[0]).answer() == 42
+    assert [p.name for p in cache.iterdir() if p.suffix == ".so"] == [Path(outs[0]).name]   # no temp file left
 
 
 def test_the_shared_header_is_included_and_keys_the_cache(tmp_path, monkeypatch):
