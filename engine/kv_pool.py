@@ -12,6 +12,8 @@ Pages are handed out lowest id first, which keeps live KV compact in memory.
 from __future__ import annotations
 
 import heapq
+import math
+import mmap
 
 import torch
 
@@ -90,6 +92,21 @@ def pool_pages(config, bytes_per_token: int) -> int:
     return max(4, config.kv_cache_memory_bytes // (bytes_per_token * config.page_size))
 
 
+def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zero tensor for a pool. On the CPU it lives in an anonymous memory mapping of its own: the OS maps
+    every page to its zero page and gives it memory when it is first written, so a pool costs time and memory
+    for the pages that get used, not its whole size at start-up (``torch.zeros`` writes every byte: the
+    default model's 32,768-token float32 pool took 1.1 of an engine build's 1.4 CPU-s on a 2-core EPYC). The
+    mapping lives as long as the tensor (``torch.frombuffer`` holds it) and is unmapped with it. Elsewhere
+    ``torch.zeros``."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVCache:
     """The K and V tensors of every layer, in the layout the attention backend asked for.
 
@@ -126,8 +143,8 @@ class KVCache:
         self.dtype = dtype
         self.num_slots = num_pages * page_size     # slots of a full layer: the range of ``slot_mapping``
         self.window_layers = frozenset(window_layers)
-        self.k = [torch.zeros(s, dtype=self.kv_dtype, device=device) for s in shapes]
-        self.v = [torch.zeros(s, dtype=self.kv_dtype, device=device) for s in shapes]
+        self.k = [zeros_on_first_write(s, self.kv_dtype, device) for s in shapes]
+        self.v = [zeros_on_first_write(s, self.kv_dtype, device) for s in shapes]
         self.k_scale = self.v_scale = None
         if self.quantized:
             self.k_scale = [torch.ones(s[:2], device=device) for s in shapes]   # (Hkv, S) float32

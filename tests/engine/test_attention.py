@@ -7,7 +7,7 @@ import torch
 
 from engine.attention import BatchLayout, create_backend
 from engine.attention.reference import reference_attention
-from engine.kv_pool import KVCache
+from engine.kv_pool import KVCache, zeros_on_first_write
 
 HQ, HKV, D, P = 6, 2, 16, 4
 
@@ -156,6 +156,32 @@ def test_write_then_gather_roundtrip_both_layouts():
         gk, gv = kv.gather(0, slots)
         torch.testing.assert_close(gk, k.transpose(0, 1))
         torch.testing.assert_close(gv, v.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_cpu_pool_reads_zero_and_takes_memory_only_where_written(dtype):
+    """The pool's CPU tensors (``zeros_on_first_write``) are zeros of their shape and dtype that take memory
+    only for the pages written: 512 MiB of them leave the process's resident set as it was (``torch.zeros``
+    grows it by all 512 MiB), one written row adds a page or so, and the tensor keeps its memory alive."""
+    import gc
+    import os
+
+    def resident_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+    rows = 2 ** 29 // (1024 * torch.empty((), dtype=dtype).element_size())
+    before = resident_mib()
+    pool = zeros_on_first_write((rows, 1024), dtype, "cpu")
+    assert pool.shape == (rows, 1024) and pool.dtype == dtype and pool.is_contiguous()
+    assert resident_mib() - before < 16
+    pool[rows // 2] = 3
+    gc.collect()
+    assert resident_mib() - before < 16
+    assert bool((pool[rows // 2] == 3).all()) and int(torch.count_nonzero(pool)) == 1024
+    dense = torch.zeros((rows, 1024), dtype=dtype)
+    assert resident_mib() - before > 400            # the measure sees what torch.zeros writes
+    del dense
 
 
 def test_unknown_backend_and_layout():
