@@ -11,7 +11,10 @@ turns so histories stay bounded; a 429 waits its ``Retry-After`` and counts as `
 
 Reported: requests and errors by kind (HTTP status, or the exception's name), p50/p99 TTFT
 per ``--window-s`` window, RSS per process per window, and RSS growth from the end of the
-warm-up (the first ``--warmup-frac`` of the run) to the end (target: under 10%).
+warm-up (the first ``--warmup-frac`` of the run) to the end (target: under 10%). A CPU worker's KV pool
+takes memory as its pages are first written (engine/kv_pool.py ``zeros_on_first_write``), so growth up to
+the pool's bytes (8,192 tokens x 46,080 bytes, 377 MB, for the default model in float32) is the pool filling
+when it was not yet full at the end of the warm-up; a leak goes on past that bound.
 """
 
 from __future__ import annotations
