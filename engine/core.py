@@ -91,6 +91,9 @@ class EngineCore:
         launched = self.scheduler.launched_step
         if launched is None or launched.run_ahead:
             self._applied.extend(self._drain_inbox())
+            # what they changed is visible now, not at the next step: a release applied here (the agent's
+            # session deleted during the hold) left the pin published as held while the idle loop slept
+            self.publish()
         return self.coalescer.delay()
 
     def _drain_inbox(self) -> list[RequestOutput]:

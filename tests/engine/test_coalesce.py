@@ -118,6 +118,25 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
     assert engine.coalescer.waits >= 1            # C came after the loop had begun to hold
 
 
+def test_a_release_applied_during_a_hold_is_published_at_once(tokenizer):
+    """A session turn ends and the loop holds its next step for the agent; the session is deleted meanwhile
+    and the release of its lease is applied by the hold. The published state (what ``pin_active`` and the
+    stats read from other threads) says so at once: with no pin left the serving loop then sleeps until the
+    next request, so a state published only by the next step stayed "held" (a router's delete, seen in
+    tests/router/test_cluster.py)."""
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, max_batched_tokens=512,
+                                    turn_coalesce_max_s=5.0, turn_coalesce_fraction=1.0))
+    engine.add_request(tokenizer.encode("You are a careful agent. " * 40),
+                       SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "A", pin_ttl_s=30.0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pin_active("A")
+    engine.unpin("A")
+    assert engine.step_hold() > 0          # the turn is owed a hold, and the hold applied the release
+    assert not engine.has_pins() and not engine.pin_active("A")
+    assert engine.stats().num_pins == 0
+
+
 def test_owed_finishes_stay_bounded_without_a_serving_loop():
     """LLMEngine.step() users never call delay(): expired finishes are dropped on the next finish."""
     clock = FakeClock()

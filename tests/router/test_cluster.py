@@ -13,6 +13,7 @@ killed mid-session.
 
 from __future__ import annotations
 
+import time
 
 import anthropic
 import httpx
@@ -163,8 +164,16 @@ def test_any_replica_releases_a_pin_another_made(cl):
     c.wait_for(lambda: not pinned(first), what="r1 to release r0's pin")
     c.wait_for(lambda: pinned(second), what="the second turn's pin")
     # Deleting the session through r0 releases r1's pin.
+    record = decode_record(cl.redis().get(CFG.session_key(sid)), CFG.session_max_bytes)
     assert cl.http.delete(cl.url("r0") + f"/v1/sessions/{sid}").status_code in (200, 204)
-    c.wait_for(lambda: not pinned(second), what="r0 to release r1's pin on delete")
+    try:
+        c.wait_for(lambda: not pinned(second), what="r0 to release r1's pin on delete")
+    except AssertionError as exc:   # say what r0 had to go on
+        turn = record.last_turn
+        raise AssertionError(f"{exc}; the record r0 deleted: last_worker {record.last_worker!r} ({worker}), last "
+                             f"turn's pin {turn.pin_id!r} (second {second!r}) expiring in "
+                             f"{turn.pin_expires_at - time.time():.0f} s; r0's log:\n"
+                             f"{cl.procs['r0'].log()[-3000:]}") from None
 
 
 def test_a_responses_chain_is_one_session_across_replicas(cl):
