@@ -321,13 +321,16 @@ class RemoteEngine:
         after a failed connection under load, and a lost release holds its KV for the lease's whole TTL.
         Only a worker never seen here is skipped (its lease expires there)."""
         wid = worker_id or self.worker_of(lease_id)
-        if wid is None or self._is_vllm(wid):  # vllm-kind workers hold no leases; their caches evict by LRU
+        if wid is None:   # a lost call: at warning, as a failed one is (the lease holds its KV until its TTL)
+            log.warning("lease %s %s: no worker is known for it here; it expires on its worker", op, lease_id)
+            return
+        if self._is_vllm(wid):  # vllm-kind workers hold no leases; their caches evict by LRU
             return
         worker = self.core.workers.get(wid)
         url = worker.url if worker is not None else self.core.last_urls.get(wid)
         if url is None:
-            log.info("lease %s %s: worker %s was never seen by this router; the lease expires there",
-                     op, lease_id, wid)
+            log.warning("lease %s %s: worker %s was never seen by this router; the lease expires there",
+                        op, lease_id, wid)
             return
         body = lease_body(lease_id, ttl_s)
         task = asyncio.get_running_loop().create_task(self._post_quietly(f"{url}/internal/lease/{op}", body))
