@@ -271,12 +271,12 @@ def test_build_is_cached_and_a_broken_source_says_why(tmp_path, monkeypatch):
         build(bad)
 
 
-
-def test_processes_that_need_one_library_at_once_compile_it_once(tmp_path, monkeypatch):
+def test_processes_that_need_one_library_at_once_compile_it_once(tmp_path):
     """On an empty cache (a fresh machine: the suite's processes and servers start at once) the first
     builder holds the library's lock; the others wait and load its result instead of compiling it again.
     The compiler here is a wrapper that records each compile and takes a second over it."""
     import ctypes
+    import os
     import shutil
     import subprocess
     import sys
@@ -291,7 +291,7 @@ def test_processes_that_need_one_library_at_once_compile_it_once(tmp_path, monke
     cache = tmp_path / "cache"
     code = ("import sys; from pathlib import Path; from engine.cpu_build import build; "
             "print(build(Path(sys.argv[1])))")
-    env = {**__import__("os").environ, "CC": str(wrapper), "AGENTRT_KERNEL_CACHE": str(cache)}
+    env = {**os.environ, "CC": str(wrapper), "AGENTRT_KERNEL_CACHE": str(cache)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(source)], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
