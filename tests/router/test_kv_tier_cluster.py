@@ -51,15 +51,24 @@ def test_a_prompt_held_only_in_a_disk_tier_is_routed_to_its_worker(cl):
     print("router state of wa:", seen)                        # e.g. {'device': 5, 'host': 0, 'disk': 3}
     assert media("wb") == {"device": 0, "host": 0, "disk": 0}
 
-    def idle() -> bool:   # a short prompt rightly goes to an idle worker: compare workers at equal load
-        return all(w["in_flight"] == 0 and w["load"] and w["load"]["running"] + w["load"]["waiting"] == 0
-                   for w in state()["workers"])
+    def ready() -> bool:
+        """Both workers live, idle (a short prompt rightly goes to an idle worker: compare workers at equal
+        load), and the router's index holding wa's copy of FIRST. A worker whose heartbeat lapsed (a
+        starved CI machine; the cluster's TTL is 3 s) is absent from the state until it beats again, and
+        its index entries come back from its snapshot: "all idle" over the rest alone would pass."""
+        workers = {w["id"]: w for w in state()["workers"]}
+        return workers.keys() == {"wa", "wb"} and all(
+            w["in_flight"] == 0 and w["load"] and w["load"]["running"] + w["load"]["waiting"] == 0
+            for w in workers.values()) and sum(workers["wa"]["indexed_blocks_by_medium"].values()) >= blocks
 
     before = state()["decisions"].get("prefix", 0)
     for _ in range(2):   # without the tier's blocks both would be fallbacks, and those alternate workers
-        c.wait_for(idle, what="both workers to report no running request")
+        c.wait_for(ready, what="both workers live and idle, wa's blocks indexed")
+        decided = state()["decisions"]
         resp = chat(http, cl["r0"].url, FIRST)
-        assert resp.headers["x-agentrt-worker"] == "wa"
+        assert resp.headers["x-agentrt-worker"] == "wa", (
+            f"decisions before {decided}, after {state()['decisions']}; router state {state()['workers']}; "
+            f"r0 log: {cl['r0'].log()[-3000:]}")
         usage = resp.json()["usage"]
         # every full block but the last token's (computed for its logits) came from the cache
         assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16, usage
