@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from engine.sampler import _top_k_top_p
+from engine.sampler import _top_k_top_p, top_k_top_p_full_sort
 
 
 def reference_filter(logits, top_k, top_p):
@@ -34,6 +34,44 @@ def test_top_k_top_p_matches_reference():
         assert kept == reference_filter(logits, top_k, top_p), (top_k, top_p)
         # kept logits are unchanged
         assert torch.equal(out[list(kept)], logits[list(kept)])
+
+
+def test_the_nucleus_found_among_candidates_is_the_full_sorts():
+    """Vocabulary-sized rows whose nucleus is a few tokens, past NUCLEUS_CANDIDATES, past 16x that, and
+    the whole row (uniform), with and without top-k, and ties at the k-th value: the same kept set and
+    values as sorting the whole row."""
+    from engine.sampler import NUCLEUS_CANDIDATES
+
+    g = torch.Generator().manual_seed(1)
+    vocab = 49152
+    rows = {"peaked": torch.randn(vocab, generator=g) * 8, "broad": torch.randn(vocab, generator=g) * 2,
+            "flat": torch.randn(vocab, generator=g) * 0.3, "uniform": torch.zeros(vocab)}
+    tied = torch.randn(vocab, generator=g) * 4
+    tied[torch.topk(tied, 60).indices[45:55]] = float(torch.topk(tied, 60).values[50])   # ties around the 50th
+    rows["tied"] = tied
+    sizes, exact = set(), 0
+    for name, logits in rows.items():
+        for top_k in (0, 1, 50, 5000):
+            for top_p in (1.0, 0.999, 0.9, 0.5, 0.01):
+                got = _top_k_top_p(logits.clone(), top_k, top_p)
+                want = top_k_top_p_full_sort(logits.clone(), top_k, top_p)
+                kept = got != float("-inf")
+                # as many, best first, values unchanged; where the boundary falls among equal logits
+                # ("uniform", "tied") either of them may be kept, elsewhere the very same tokens
+                assert int(kept.sum()) == int((want != float("-inf")).sum()), (name, top_k, top_p)
+                assert kept.all() or float(logits[kept].min()) >= float(logits[~kept].max()), (name, top_k, top_p)
+                assert torch.equal(got[kept], logits[kept])
+                if kept.all() or float(logits[kept].min()) > float(logits[~kept].max()):
+                    assert torch.equal(kept, want != float("-inf")), (name, top_k, top_p)
+                    exact += 1
+                if top_k == 0 and top_p < 1.0:
+                    sizes.add(int(kept.sum()))
+    # the paths were all taken: a nucleus inside the first candidates, past them, past 16x them
+    assert min(sizes) < NUCLEUS_CANDIDATES and max(sizes) > 16 * NUCLEUS_CANDIDATES, sorted(sizes)
+    assert any(NUCLEUS_CANDIDATES < n <= 16 * NUCLEUS_CANDIDATES for n in sizes), sorted(sizes)
+    assert exact >= 70, exact   # of 100 cases, those without a tie at the boundary
+    # ties at the k-th value are all kept, as the mask keeps them
+    assert int((_top_k_top_p(tied.clone(), 50, 0.9999) != float("-inf")).sum()) == 55
 
 
 def test_tiny_temperature_is_greedy_not_nan():
