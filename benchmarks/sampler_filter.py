@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8, help="sampled requests decoded together (default 8)")
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--temperature", type=float, default=0.8, help="of every request (default 0.8)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="of every request (default 0.95)")
     harness.add_common_args(parser, repeats=2)
     args = parser.parse_args(argv)
     if not 1 <= args.batch <= len(PROMPTS):
