@@ -24,7 +24,11 @@ def cl(tmp_path_factory):
         wb = c.worker(group, redis_server.url, "wb")
         wa.wait_ready()
         wb.wait_ready()
-        router = c.router(group, redis_server.url, "r0")
+        # Load weighs nothing here: this test is about the tier blocks' cost and index, and a worker's load
+        # report is ~0.5 s behind its queue (a CI run once saw wa report a waiting request at the decision,
+        # and the router rightly picked the idle wb; tests/router/test_policies.py tests the load terms).
+        router = c.router(group, redis_server.url, "r0", "--policy-option", "load_weight=0",
+                          "--policy-option", "tentative_load_weight=0")
         router.wait_ready()
         yield {"wa": wa, "wb": wb, "r0": router}
 
@@ -73,5 +77,8 @@ def test_a_prompt_held_only_in_a_disk_tier_is_routed_to_its_worker(cl):
         # every full block but the last token's (computed for its logits) came from the cache
         assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16, usage
     assert state()["decisions"].get("prefix", 0) >= before + 1
+    # every turn done, wa's queue is empty again (a request left in it would be a leak)
+    c.wait_for(lambda: (load := next(w for w in state()["workers"] if w["id"] == "wa")["load"]) is not None
+               and load["running"] + load["waiting"] == 0, 30, what="wa to report an empty queue after its turns")
     tiers = http.get(cl["wa"].url + "/get_load").json()[0]["kv_tiers"]
     assert tiers["disk"]["hit_tokens"] >= (blocks - 1) * 16 and tiers["disk"]["corrupt"] == 0, tiers
