@@ -37,7 +37,9 @@ async def _frozen_once_made(redis_url: str) -> None:
         core.index.stored("w1", range(1000, 2000))  # no new set: no collection, no freeze
         marker = [object()]  # made since: not frozen by a call that has nothing to do
         core.freeze_index()
-        assert gc.get_freeze_count() == frozen and _tracked(marker)
+        # no freeze: the marker is still tracked, and the permanent generation did not grow (it may shrink:
+        # the router's own tasks free frozen objects meanwhile; a fresh-clone suite run saw 2 go)
+        assert gc.get_freeze_count() <= frozen and _tracked(marker)
 
         core.index.stored("w2", [5])  # a new worker's set
         second = core.index._by_worker[1]
