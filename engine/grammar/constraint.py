@@ -280,7 +280,9 @@ class XGrammarConstraint(TokenConstraint):
         fork = self._matcher.fork()
         n = 0
         for t in tokens:
-            if not fork.accept_token(int(t)):
+            # once a stop token is in, nothing more is accepted: asking (a draft goes on past the stop)
+            # would only have xgrammar print a warning on the server's console
+            if fork.is_terminated() or not fork.accept_token(int(t)):
                 break
             n += 1
         return n

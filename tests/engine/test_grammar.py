@@ -214,6 +214,18 @@ def test_terminates_when_only_eos_can_follow(tokenizer):
     assert _feed(c, tokenizer, one_call) and not c.is_terminated()
 
 
+def test_a_draft_past_the_stop_token_counts_up_to_it_quietly(tokenizer, capfd):
+    """A speculative draft that ends the output and goes on (the stop token, then a newline: the demo's
+    tool calls drafted exactly that): ``valid_prefix`` counts up to the stop token, and asks xgrammar about
+    nothing after it, which would print "The matcher has terminated ..." on the server's console."""
+    eos, newline = tokenizer.eos_token_ids[0], tokenizer.encode("\n")
+    c = constraint_for_request(tokenizer, response_format=_schema_format({"type": "integer"}))
+    body = tokenizer.encode("12")
+    assert c.valid_prefix(body + [eos] + newline + body) == len(body) + 1
+    assert c.valid_prefix(body) == len(body) and not c.is_terminated()   # the state was not moved
+    assert "terminated" not in capfd.readouterr().err
+
+
 def test_clone_is_independent(tokenizer):
     V = tokenizer.vocab_size
     c = constraint_for_request(tokenizer, response_format=_schema_format(ORDER))
