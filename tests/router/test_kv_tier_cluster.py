@@ -78,7 +78,9 @@ def test_a_prompt_held_only_in_a_disk_tier_is_routed_to_its_worker(cl):
         assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16, usage
     assert state()["decisions"].get("prefix", 0) >= before + 1
     # every turn done, wa's queue is empty again (a request left in it would be a leak)
-    c.wait_for(lambda: (load := next(w for w in state()["workers"] if w["id"] == "wa")["load"]) is not None
-               and load["running"] + load["waiting"] == 0, 30, what="wa to report an empty queue after its turns")
+    def wa_empty() -> bool:   # (wa may be briefly absent from the state: a lapsed heartbeat, as above)
+        load = {w["id"]: w["load"] for w in state()["workers"]}.get("wa")
+        return load is not None and load["running"] + load["waiting"] == 0
+    c.wait_for(wa_empty, 30, what="wa to report an empty queue after its turns")
     tiers = http.get(cl["wa"].url + "/get_load").json()[0]["kv_tiers"]
     assert tiers["disk"]["hit_tokens"] >= (blocks - 1) * 16 and tiers["disk"]["corrupt"] == 0, tiers
