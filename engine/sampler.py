@@ -79,6 +79,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
         if tied > top_k:
             values, order = torch.topk(logits, tied)
         probs = torch.softmax(values, dim=-1, dtype=torch.float64)   # after top-k: the rest is -inf
+        keep = torch.cumsum(probs, dim=-1) - probs < top_p
     else:
         all_probs = torch.softmax(logits, dim=-1, dtype=torch.float64)
         m = min(vocab, NUCLEUS_CANDIDATES)
@@ -89,8 +90,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
             if m == vocab or not keep[-1]:   # the nucleus ends inside the candidates
                 break
             m = min(vocab, m * 16)
-    if top_k:
-        keep = torch.cumsum(probs, dim=-1) - probs < top_p
     kept = order[keep]
     return torch.full_like(logits, float("-inf")).index_copy_(0, kept, logits[kept])
 
