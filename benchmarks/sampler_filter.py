@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not 1 <= args.batch <= len(PROMPTS):
         parser.error(f"--batch must be 1..{len(PROMPTS)}, got {args.batch}")
+    if args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if not args.temperature > 0:   # 0 is greedy: no row would reach the filter
+        parser.error(f"--temperature must be > 0 (sampled replies), got {args.temperature}")
+    if not 0 < args.top_p < 1:     # 1 keeps every token: the filter returns at once on both sides
+        parser.error(f"--top-p must be in (0, 1), got {args.top_p}")
     run = harness.Run(args, __file__, argv)
 
     from engine import EngineConfig, LLMEngine, SamplingParams, sampler
