@@ -58,6 +58,7 @@ INLINE void prefetch_row(const char *k, const char *v, int64_t row_bytes) {
 /* A query's n scores in place -> exp(score - max), with *m = max and *l = their sum. */
 INLINE void exponentials(float *sg, int n, float *m, float *l) {
     float mx = sg[0];
+#pragma omp simd reduction(max:mx)
     for (int t = 1; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
     float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
@@ -156,16 +157,32 @@ INLINE void axpy_i8(float *a, float w, const int8_t *x, int D) {
 #define PREFETCH_PAGES_I8 2
 #endif
 /* While scoring key k0 + t of a row of row_len keys, the key and value rows PREFETCH_PAGES_I8 pages on
- * are asked into the cache (and at a page's start, that page's scales): pass 3 then finds the values
- * there too. The look-ahead runs past the chunk's end into the row's next chunk, which the same thread
- * usually takes next (tasks go out a few consecutive chunks of one row and head at a time). */
-INLINE void prefetch_i8(const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh, const int32_t *pages,
-                        int64_t k0, int t, int64_t row_len, int P, int D) {
-    int64_t a = k0 + t + PREFETCH_PAGES_I8 * P;
-    if (a >= row_len) return;
-    int64_t slot = (int64_t)pages[a / P] * P + a % P;
-    if (a % P == 0) prefetch_row((const char *)(ksh + slot), (const char *)(vsh + slot), 4 * P);
-    prefetch_row((const char *)(kh + slot * D), (const char *)(vh + slot * D), D);
+ * (their slot: ahead, -1 past the row's end) are asked into the cache: pass 3 then finds the values there
+ * too; chunk_slots asks for those pages' scales once a page. The look-ahead runs past the chunk's end into
+ * the row's next chunk, which the same thread usually takes next (tasks go out a few consecutive chunks of
+ * one row and head at a time). */
+INLINE void prefetch_i8(const int8_t *kh, const int8_t *vh, int64_t ahead, int D) {
+    if (ahead >= 0) prefetch_row((const char *)(kh + ahead * D), (const char *)(vh + ahead * D), D);
+}
+
+/* The pool slots of a chunk's keys k0 .. k0 + n (k0 a multiple of P) and of the keys PREFETCH_PAGES_I8 pages
+ * on (-1 past row_len), and the keys' scales copied in order (ksc, vsc), a page at a time: no division per
+ * key, and the passes read the scales from one short array (scattered, a page's scales are a run of P). */
+INLINE void chunk_slots(const int32_t *pages, int P, int64_t k0, int n, int64_t row_len, const float *ksh,
+                        const float *vsh, int64_t *slot, int64_t *ahead, float *ksc, float *vsc) {
+    for (int t = 0; t < n; t += P) {
+        int64_t pg = (k0 + t) / P, base = (int64_t)pages[pg] * P;
+        int64_t a0 = k0 + t + (int64_t)PREFETCH_PAGES_I8 * P;          /* the page's first key PREFETCH on */
+        int64_t abase = a0 < row_len ? (int64_t)pages[pg + PREFETCH_PAGES_I8] * P : -1;
+        if (abase >= 0) prefetch_row((const char *)(ksh + abase), (const char *)(vsh + abase), 4 * P);
+        int m = n - t < P ? n - t : P;
+        memcpy(ksc + t, ksh + base, sizeof(float) * m);
+        memcpy(vsc + t, vsh + base, sizeof(float) * m);
+        for (int i = 0; i < m; i++) {
+            slot[t + i] = base + i;
+            ahead[t + i] = abase >= 0 && a0 + i < row_len ? abase + i : -1;
+        }
+    }
 }
 
 /* Vectors of int8 -> float32 lanes for the int8 chunk: AVX-512 (16 lanes) or AVX2 (8) where the build
@@ -222,9 +239,8 @@ INLINE i8vec i8_sums(const i8vec *v) { return sums8(v); }
  * registers and multiplied with each of the G queries into one vector per (query, key); the vectors of
  * I8_LANES keys are then summed across lanes together (i8_sums: a transpose of adds), one vector of
  * scores per query, instead of a horizontal sum per key. */
-INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksh, const float *vsh,
-                          const int32_t *pages, int64_t k0, int64_t row_len, const int64_t *slot, int n, int G, int P,
-                          int D, float *s) {
+INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, const float *ksc, const int64_t *slot,
+                          const int64_t *ahead, int n, int G, int D, float *s) {
     int R = D / I8_LANES;
     for (int t0 = 0; t0 < n; t0 += I8_LANES) {
         i8vec part[MAX_G][I8_LANES];
@@ -235,7 +251,7 @@ INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, c
                 for (int g = 0; g < G; g++) part[g][i] = i8_zero();
                 continue;
             }
-            prefetch_i8(kh, vh, ksh, vsh, pages, k0, t, row_len, P, D);
+            prefetch_i8(kh, vh, ahead[t], D);
             const int8_t *kr = kh + slot[t] * D;
             i8vec k[MAX_D / 8];
             for (int r = 0; r < R; r++) k[r] = i8_load(kr + r * I8_LANES);
@@ -246,7 +262,7 @@ INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, c
             }
         }
         float sk[I8_LANES];
-        for (int i = 0; i < tn; i++) sk[i] = ksh[slot[t0 + i]];
+        for (int i = 0; i < tn; i++) sk[i] = ksc[t0 + i];
         for (int g = 0; g < G; g++) {
             float sums[I8_LANES];
             i8_store(sums, i8_sums(part[g]));
@@ -292,21 +308,21 @@ INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const 
                      float *l, float *acc) {
     float s[MAX_G * CHUNK];
     float row[MAX_D];
-    int64_t slot[CHUNK];
+    int64_t slot[CHUNK], ahead[CHUNK];
+    float ksc[CHUNK], vsc[CHUNK];
     int n = (int)(k1 - k0);
-    for (int t = 0; t < n; t++)                    /* k0 is a multiple of P: P divides CHUNK */
-        slot[t] = (int64_t)pages[(k0 + t) / P] * P + t % P;
+    chunk_slots(pages, P, k0, n, row_len, ksh, vsh, slot, ahead, ksc, vsc);   /* k0: a multiple of P */
 #if I8_LANES
     int vec = D % I8_LANES == 0;
-    if (vec) scores_i8_vec(qf, kh, vh, ksh, vsh, pages, k0, row_len, slot, n, G, P, D, s);
+    if (vec) scores_i8_vec(qf, kh, vh, ksc, slot, ahead, n, G, D, s);
 #else
     int vec = 0;
 #endif
     if (!vec) {
         for (int t = 0; t < n; t++) {
-            prefetch_i8(kh, vh, ksh, vsh, pages, k0, t, row_len, P, D);
+            prefetch_i8(kh, vh, ahead[t], D);
             widen_i8(kh + slot[t] * D, row, D);
-            float sk = ksh[slot[t]];
+            float sk = ksc[t];
             for (int g = 0; g < G; g++) {
                 const float *qg = qf + g * D;
                 float dot = 0.0f;
@@ -320,12 +336,12 @@ INLINE void chunk_i8(const float *qf, const int8_t *kh, const int8_t *vh, const 
         float *sg = s + g * CHUNK;
         exponentials(sg, n, m + g, l + g);
         if (vec) {
-            for (int t = 0; t < n; t++) sg[t] *= vsh[slot[t]];     /* the weights pass 3 adds with */
+            for (int t = 0; t < n; t++) sg[t] *= vsc[t];           /* the weights pass 3 adds with */
             continue;
         }
         float a[MAX_D];
         for (int d = 0; d < D; d++) a[d] = 0.0f;
-        for (int t = 0; t < n; t++) axpy_i8(a, sg[t] * vsh[slot[t]], vh + slot[t] * D, D);
+        for (int t = 0; t < n; t++) axpy_i8(a, sg[t] * vsc[t], vh + slot[t] * D, D);
         memcpy(acc + g * D, a, sizeof(float) * D);
     }
 #if I8_LANES
