@@ -243,16 +243,29 @@ class RouterCore:
 
     def _forget(self, worker_id: str) -> None:
         self.consumer.forget_worker(worker_id)
+        self.inflight.forget(worker_id)
         self.tentative.forget_worker(worker_id)
         self.policy.on_worker_removed(worker_id)
         self.workers.pop(worker_id, None)
         self.loads.pop(worker_id, None)
         self._sync_worker(worker_id)
 
+    def _queue(self, worker_id: str, load: LoadReport) -> tuple[int, int]:
+        """The report's (running, waiting) less this replica's requests it counts that have ended since it
+        was taken (``InFlightTracker.ended_since``), taken off the waiting ones first: a report trails its
+        worker by up to a heartbeat and a refresh, and would otherwise price the worker for a turn it has
+        finished (seen: the holder of a 67-token prompt charged 410 tokens of queue, and passed over)."""
+        ended = self.inflight.ended_since(worker_id, load.ts_ms / 1000) if load.ts_ms else 0
+        if not ended:
+            return load.running, load.waiting
+        waiting = max(0, load.waiting - ended)
+        return max(0, load.running - (ended - (load.waiting - waiting))), waiting
+
     def _state(self, worker_id: str) -> WorkerState:
         """The worker's load state as the policy sees it (no request-specific part)."""
         load = self.loads.get(worker_id, _NO_LOAD)
-        return WorkerState(worker_id, 0, load.running, load.waiting, load.pages_used, load.pages_free,
+        running, waiting = self._queue(worker_id, load)
+        return WorkerState(worker_id, 0, running, waiting, load.pages_used, load.pages_free,
                            self.inflight.count(worker_id), self.inflight.tokens(worker_id))
 
     def _sync_worker(self, worker_id: str | None) -> None:
@@ -331,9 +344,10 @@ class RouterCore:
             req = dataclasses.replace(req, known_blocks=max(known.values(), default=0))
         states = []
         for w in candidates:
-            load = self.loads.get(w.worker_id, LoadReport())
+            load = self.loads.get(w.worker_id, _NO_LOAD)
+            running, waiting = self._queue(w.worker_id, load)
             tiers = self.index.tier_blocks(w.worker_id, req.hashes[:known.get(w.worker_id, 0)])
-            states.append(WorkerState(w.worker_id, matched.get(w.worker_id, 0), load.running, load.waiting,
+            states.append(WorkerState(w.worker_id, matched.get(w.worker_id, 0), running, waiting,
                                       load.pages_used, load.pages_free, self.inflight.count(w.worker_id),
                                       self.inflight.tokens(w.worker_id), tiers.get("host", 0),
                                       tiers.get("disk", 0)))

@@ -6,17 +6,29 @@ one decoded token costs the worker, amortised over a batch; ~10 on a GPU whose p
 runs ~10x faster per token than a batched decode step). Per router replica, in memory:
 it is transient load, not state another replica needs to rebuild (contract 3), and
 workers' own load reports cover traffic from other replicas.
+
+It also remembers, for ``RECENT_S``, when each of its finished requests was sent and when it ended
+(wall-clock seconds, the clock a worker stamps its load report with): a report taken while such a
+request was queued or running counts it, and may reach the router after the request has ended (a report
+trails the worker by up to a heartbeat and a refresh). ``ended_since(worker, t)`` is how many of this
+replica's requests a report taken at ``t`` still counts though they have ended; the router takes them off
+that report's queue (``router/core.py``), so a worker is not priced for work it has finished.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
+
+RECENT_S = 30.0   # how long an ended request is remembered: far longer than a load report's age
 
 
 @dataclass
 class _Entry:
     worker_id: str
     tokens: float
+    sent_at: float
 
 
 class InFlightTracker:
@@ -27,29 +39,57 @@ class InFlightTracker:
         self._entries: dict[str, _Entry] = {}
         self._count: dict[str, int] = {}
         self._tokens: dict[str, float] = {}
+        self._ended: dict[str, deque[tuple[float, float]]] = {}   # worker -> (sent_at, ended_at), oldest first
 
     def work(self, uncached_tokens: int, est_output_tokens: int) -> float:
         return float(uncached_tokens) + self.decode_token_weight * est_output_tokens
 
     def dispatched(self, request_id: str, worker_id: str, uncached_tokens: int,
-                   est_output_tokens: int) -> None:
-        """Count a request sent to ``worker_id``. A repeated id replaces the earlier entry."""
-        self.completed(request_id)
-        entry = _Entry(worker_id, self.work(uncached_tokens, est_output_tokens))
+                   est_output_tokens: int, now: float | None = None) -> None:
+        """Count a request sent to ``worker_id`` (at ``now``, default the wall clock). A repeated id
+        replaces the earlier entry."""
+        self._drop(request_id)
+        entry = _Entry(worker_id, self.work(uncached_tokens, est_output_tokens), time.time() if now is None else now)
         self._entries[request_id] = entry
         self._count[worker_id] = self._count.get(worker_id, 0) + 1
         self._tokens[worker_id] = self._tokens.get(worker_id, 0.0) + entry.tokens
 
-    def completed(self, request_id: str) -> None:
-        """The request finished or failed; unknown ids are ignored."""
-        entry = self._entries.pop(request_id, None)
+    def completed(self, request_id: str, now: float | None = None) -> None:
+        """The request finished or failed (at ``now``, default the wall clock); unknown ids are ignored."""
+        entry = self._drop(request_id)
         if entry is None:
             return
+        now = time.time() if now is None else now
+        ended = self._ended.setdefault(entry.worker_id, deque())
+        ended.append((entry.sent_at, now))
+        while ended and ended[0][1] < now - RECENT_S:
+            ended.popleft()
+
+    def ended_since(self, worker_id: str, t: float) -> int:
+        """This replica's requests to ``worker_id`` sent before ``t`` and ended after it: a load report
+        the worker took at ``t`` counts each of them as running or waiting."""
+        n = 0
+        for sent, ended in reversed(self._ended.get(worker_id, ())):   # newest first: only those after t
+            if ended <= t:
+                break
+            n += sent < t
+        return n
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the live set: nothing of it is remembered (in-flight entries stay until
+        their requests end)."""
+        self._ended.pop(worker_id, None)
+
+    def _drop(self, request_id: str) -> _Entry | None:
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return None
         self._count[entry.worker_id] -= 1
         self._tokens[entry.worker_id] -= entry.tokens
         if self._count[entry.worker_id] == 0:
             del self._count[entry.worker_id]
             del self._tokens[entry.worker_id]
+        return entry
 
     def __len__(self) -> int:
         """Requests in flight on all workers."""

@@ -25,8 +25,9 @@ def cl(tmp_path_factory):
         wa.wait_ready()
         wb.wait_ready()
         # Load weighs nothing here: this test is about the tier blocks' cost and index, and a worker's load
-        # report is ~0.5 s behind its queue (a CI run once saw wa report a waiting request at the decision,
-        # and the router rightly picked the idle wb; tests/router/test_policies.py tests the load terms).
+        # report is ~0.5 s behind its queue (a CI run once saw wa report a waiting request at the decision
+        # and route to the idle wb: the router now takes the turns it saw end off such a report,
+        # tests/router/test_stale_load.py; tests/router/test_policies.py tests the load terms).
         router = c.router(group, redis_server.url, "r0", "--policy-option", "load_weight=0",
                           "--policy-option", "tentative_load_weight=0")
         router.wait_ready()
