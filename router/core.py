@@ -481,7 +481,9 @@ class RouterCore:
                          "load": None if (l := self.loads.get(wid)) is None else
                          {"running": l.running, "waiting": l.waiting, "waiting_tokens": l.waiting_tokens,
                           "waiting_new": l.waiting_new, "waiting_high": l.waiting_high, "pages_used": l.pages_used,
-                          "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None}}
+                          "pages_free": l.pages_free, "age_ms": max(0, now_ms - l.ts_ms) if l.ts_ms else None,
+                          # of its running + waiting, how many ended since (and are not priced: _queue)
+                          "ended_since_report": l.running + l.waiting - sum(self._queue(wid, l))}}
                         for wid, w in sorted(self.workers.items())],
             "vllm_workers": [] if self.vllm is None else self.vllm.state(),
         }

@@ -80,6 +80,8 @@ async def _turns() -> None:
     await _refresh(core, {"wa": during, "wb": LoadReport(ts_ms=_now_ms())})   # ...and read after it ended
 
     assert core._state("wa")[2:4] == (0, 0)          # (running, waiting): the ended turn taken off
+    load = next(w for w in core.state()["workers"] if w["id"] == "wa")["load"]
+    assert (load["waiting"], load["ended_since_report"]) == (1, 1)   # the report as sent, and what came off
     prompt = first + [7] * 20
     # the kept fleet view, and the path that builds every state per decision (a retry's: exclude set)
     second = await core.choose("turn-2", prompt, 16)
