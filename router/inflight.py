@@ -40,6 +40,7 @@ class InFlightTracker:
         self._count: dict[str, int] = {}
         self._tokens: dict[str, float] = {}
         self._ended: dict[str, deque[tuple[float, float]]] = {}   # worker -> (sent_at, ended_at), oldest first
+        self._ended_at: dict[str, tuple[float, int]] = {}   # worker -> (t, ended_since(t)) of its last query
 
     def work(self, uncached_tokens: int, est_output_tokens: int) -> float:
         return float(uncached_tokens) + self.decode_token_weight * est_output_tokens
@@ -64,21 +65,30 @@ class InFlightTracker:
         ended.append((entry.sent_at, now))
         while ended and ended[0][1] < now - RECENT_S:
             ended.popleft()
+        cached = self._ended_at.get(entry.worker_id)
+        if cached is not None and entry.sent_at < cached[0] < now:   # kept up to date: one count a completion
+            self._ended_at[entry.worker_id] = (cached[0], cached[1] + 1)
 
     def ended_since(self, worker_id: str, t: float) -> int:
         """This replica's requests to ``worker_id`` sent before ``t`` and ended after it: a load report
-        the worker took at ``t`` counts each of them as running or waiting."""
+        the worker took at ``t`` counts each of them as running or waiting. The answer for the worker's
+        latest ``t`` (its current report) is kept and counted on as requests end, so asking again is O(1)."""
+        cached = self._ended_at.get(worker_id)
+        if cached is not None and cached[0] == t:
+            return cached[1]
         n = 0
         for sent, ended in reversed(self._ended.get(worker_id, ())):   # newest first: only those after t
             if ended <= t:
                 break
             n += sent < t
+        self._ended_at[worker_id] = (t, n)
         return n
 
     def forget(self, worker_id: str) -> None:
         """The worker left the live set: nothing of it is remembered (in-flight entries stay until
         their requests end)."""
         self._ended.pop(worker_id, None)
+        self._ended_at.pop(worker_id, None)
 
     def _drop(self, request_id: str) -> _Entry | None:
         entry = self._entries.pop(request_id, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 
 from router.config import RouterConfig
@@ -37,6 +38,32 @@ def test_ended_since_counts_requests_sent_before_and_ended_after_the_report():
     t.forget("v")
     assert t.ended_since("v", 11.0) == 0
     assert t.count("w") == 1 and len(t) == 1         # d is still in flight
+
+
+def test_ended_since_kept_up_to_date_equals_a_fresh_count():
+    """The kept answer for a worker's latest report time, counted on as requests end, against a brute-force
+    count over every request sent and ended, on random traffic to two workers."""
+    rng = random.Random(4)
+    t = InFlightTracker()
+    log: list[tuple[str, float, float]] = []
+    sent: dict[str, tuple[str, float]] = {}
+    clock = 100.0
+    reports = {"a": 99.0, "b": 99.0}
+    for i in range(600):
+        clock += rng.random() * 0.05
+        if rng.random() < 0.55 or not sent:
+            w = rng.choice("ab")
+            t.dispatched(f"r{i}", w, 10, 1, now=clock)
+            sent[f"r{i}"] = (w, clock)
+        else:
+            rid = rng.choice(sorted(sent))
+            w, at = sent.pop(rid)
+            t.completed(rid, now=clock)
+            log.append((w, at, clock))
+        if rng.random() < 0.1:                       # a new report, taken a little while ago
+            reports[rng.choice("ab")] = clock - rng.random() * 1.5
+        w = rng.choice("ab")                          # asked again and again between reports (kept answer)
+        assert t.ended_since(w, reports[w]) == sum(1 for x, s0, e in log if x == w and s0 < reports[w] < e)
 
 
 def _core() -> RouterCore:
