@@ -256,10 +256,8 @@ class RouterCore:
         worker by up to a heartbeat and a refresh, and would otherwise price the worker for a turn it has
         finished (seen: the holder of a 67-token prompt charged 410 tokens of queue, and passed over)."""
         ended = self.inflight.ended_since(worker_id, load.ts_ms / 1000) if load.ts_ms else 0
-        if not ended:
-            return load.running, load.waiting
-        waiting = max(0, load.waiting - ended)
-        return max(0, load.running - (ended - (load.waiting - waiting))), waiting
+        off_waiting = min(ended, load.waiting)
+        return max(0, load.running - (ended - off_waiting)), load.waiting - off_waiting
 
     def _state(self, worker_id: str) -> WorkerState:
         """The worker's load state as the policy sees it (no request-specific part)."""
