@@ -1,8 +1,10 @@
 """Request and response models of the HTTP API: the OpenAI-compatible endpoints and sessions.
 
-Requests ignore fields they do not know (agent frameworks send many optional ones);
-fields they know are type-checked, and values the server cannot honour are rejected by
-the service with a clear message, never silently dropped.
+Fields a request model declares are type-checked, and values the server cannot honour are
+rejected by the service with a clear message, never silently dropped. Chat Completions and
+Completions also keep the fields they do not declare (``model_extra``): the service accepts the
+OpenAI and vLLM fields it does not implement only at their neutral values and refuses any other
+field (agentrt/core/request_fields.py). The other requests ignore fields they do not know.
 """
 
 from __future__ import annotations
@@ -70,9 +72,15 @@ class SamplingFields(_Request):
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     priority: StrictInt | None = None   # vLLM's: lower is scheduled earlier (--scheduling-policy session)
+    stop_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens end the reply too
+    # vLLM's: a salt for this request's prefix cache, within its tenant's (only requests that send the same
+    # salt share cached blocks); a router sends its tenant's salt so to a vllm-kind worker
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")   # checked by agentrt.core.request_fields
+
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -88,6 +96,8 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: str | None = None  # the conversation, for routing (agentrt/core/affinity.py)
     # vLLM's extension: the chat template's own switches (enable_thinking, reasoning_effort, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, for reasoning models: the chat template's reasoning_effort switch (gpt-oss's)
+    reasoning_effort: str | None = None
 
 
 class TokenizeRequest(_Request):
@@ -109,6 +119,8 @@ class DetokenizeRequest(_Request):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")   # checked by agentrt.core.request_fields
+
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     stream: bool = False
@@ -122,6 +134,8 @@ class CompletionRequest(SamplingFields):
     # vLLM's extension: each choice also carries the reply's token ids (a stream's chunks: the new ones).
     # A router reaching this server as a vllm-kind worker asks for them (router/openai_worker.py).
     return_token_ids: bool = False
+    # vLLM's: false keeps the special tokens in the reply's text
+    skip_special_tokens: bool = True
 
 
 class Usage(BaseModel):

@@ -146,6 +146,8 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, *, ma
         raise InvalidRequest("the prompt is empty; send at least one token")
     if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})")
     if len(prompt) >= max_model_len:
         raise InvalidRequest(f"the prompt has {len(prompt)} tokens but this model's context "
                              f"window is {max_model_len} tokens (including the reply)")

@@ -20,7 +20,9 @@ from engine.types import CLOSED_BY_BUDGET
 from agentrt.api.http import ERRORS, Auth, reply
 from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.errors import bad_request
-from agentrt.core.generation import Generation, Generator, Result, message_dicts, template_kwargs, tool_call_dicts
+from agentrt.core.generation import (Generation, Generator, Result, chat_switches, message_dicts, request_cache_salt,
+                                     template_kwargs, tool_call_dicts)
+from agentrt.core.request_fields import CHAT, COMPLETIONS, check_extra_fields
 from agentrt.core.tenants import Tenant
 from agentrt.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelList, TokenizeRequest
 
@@ -54,8 +56,10 @@ class OpenAIService:
         the tenant's session hint."""
         started = time.monotonic()
         self.gen.check_model(req.model)
+        check_extra_fields(req.model_extra, CHAT)
         if req.n != 1:
             raise bad_request("only n=1 is supported", param="n")
+        kwargs = chat_switches(req.chat_template_kwargs, req.reasoning_effort, self.gen.tokenizer.chat_template)
         messages = message_dicts(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         if req.tool_choice is not None and not tools and req.tool_choice != "none":
@@ -64,7 +68,8 @@ class OpenAIService:
         return await self.gen.start_chat(messages, req.model_dump(), options,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                          started_at=started, session=affinity_hint(tenant, affinity),
-                                         tenant=tenant, template_kwargs=template_kwargs(req.chat_template_kwargs))
+                                         tenant=tenant, template_kwargs=kwargs,
+                                         cache_salt=request_cache_salt(tenant, req.cache_salt))
 
     async def chat(self, req: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
         result = await generation.collect()
@@ -160,14 +165,16 @@ class OpenAIService:
         """As :meth:`start_chat`, for a completion."""
         started = time.monotonic()
         self.gen.check_model(req.model)
+        check_extra_fields(req.model_extra, COMPLETIONS)
         if req.n != 1:
             raise bad_request("only n=1 is supported", param="n")
         if req.echo or req.suffix:
             raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
         prompt = self._prompt_ids(req.prompt)
         params = self.gen.sampling_params(req.model_dump(), len(prompt), logprobs=req.logprobs)
+        params.skip_special_tokens = req.skip_special_tokens
         return await self.gen.start(prompt, params, started_at=started, session=affinity_hint(tenant, affinity),
-                                    tenant=tenant)
+                                    tenant=tenant, cache_salt=request_cache_salt(tenant, req.cache_salt))
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -40,7 +40,7 @@ from engine.client import SessionHint, StructuredOutput
 from agentrt.api.http import ERRORS, Auth, json_reply, placed, sse_response, unless_disconnected
 from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.errors import APIError, bad_request, from_exception, not_found
-from agentrt.core.generation import Delta, Generation, Result
+from agentrt.core.generation import Delta, Generation, Result, reasoning_effort
 from agentrt.protocol import ForkRequest, FunctionDef, SessionCreateRequest
 from agentrt.api.responses_output import OutputBuilder, content_part, hex_id, replay_events
 from agentrt.core.turns import SessionManager, TurnPlan, TurnRun
@@ -541,18 +541,8 @@ class ResponsesService:
         return await self._in_new_session(new_run(response_id(fork.id, key)), fork, plan_for)
 
     def _effort(self, reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
-        """``reasoning.effort`` as the chat template's ``reasoning_effort`` (gpt-oss's switch); 400 for a
-        model whose template has no such switch (only 'none' then)."""
-        effort = (reasoning or {}).get("effort")
-        if effort in (None, "none"):
-            return None
-        if "reasoning_effort" not in (self.gen.tokenizer.chat_template or ""):
-            raise bad_request(f"reasoning.effort {effort!r}: this model's chat template has no reasoning effort "
-                              "(only 'none')", param="reasoning.effort")
-        if effort not in ("minimal", "low", "medium", "high"):
-            raise bad_request(f"reasoning.effort must be minimal, low, medium or high, got {effort!r}",
-                              param="reasoning.effort")
-        return {"reasoning_effort": effort}
+        """``reasoning.effort`` as the chat template's ``reasoning_effort`` (``reasoning_effort``)."""
+        return reasoning_effort((reasoning or {}).get("effort"), self.gen.tokenizer.chat_template, "reasoning.effort")
 
     async def _in_new_session(self, run: ResponseRun, record: SessionRecord,
                               plan_for: Callable[[ResponseRun], Callable[[SessionRecord], TurnPlan]]) -> ResponseRun:

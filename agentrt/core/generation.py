@@ -285,6 +285,46 @@ def template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_k
     return kwargs or None
 
 
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def reasoning_effort(effort: str | None, chat_template: str | None, param: str) -> dict[str, Any] | None:
+    """A request's reasoning effort (Chat Completions' ``reasoning_effort``, Responses' ``reasoning.effort``)
+    as the chat template's ``reasoning_effort`` switch (gpt-oss's); None for none asked. 400 for a model whose
+    template has no such switch (only 'none' then), or for another value than ``REASONING_EFFORTS``."""
+    if effort in (None, "none"):
+        return None
+    if "reasoning_effort" not in (chat_template or ""):
+        raise bad_request(f"{param} {effort!r}: this model's chat template has no reasoning effort (only 'none')",
+                          param=param)
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be {', '.join(REASONING_EFFORTS[:-1])} or {REASONING_EFFORTS[-1]}, "
+                          f"got {effort!r}", param=param)
+    return {"reasoning_effort": effort}
+
+
+def chat_switches(kwargs: dict[str, Any] | None, effort: str | None, chat_template: str | None) -> dict[str, Any] | None:
+    """The chat template's switches of a chat completion: its ``chat_template_kwargs`` (:func:`template_kwargs`)
+    with its ``reasoning_effort`` (:func:`reasoning_effort`) added; 400 when the two name different efforts."""
+    kwargs = template_kwargs(kwargs)
+    switch = reasoning_effort(effort, chat_template, "reasoning_effort")
+    if switch is None:
+        return kwargs
+    if (kwargs or {}).get("reasoning_effort", switch["reasoning_effort"]) != switch["reasoning_effort"]:
+        raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort differ; send one",
+                          param="reasoning_effort")
+    return {**(kwargs or {}), **switch}
+
+
+def request_cache_salt(tenant: Tenant | None, salt: str | None) -> str | None:
+    """The engine cache salt of a request that names its own (vLLM's ``cache_salt``): the tenant's salt
+    narrowed by it, so a request shares cached blocks only with its tenant's requests of the same salt.
+    None when it names none (``Generator.start`` then salts by the tenant alone)."""
+    if salt is None:
+        return None
+    return (tenant.cache_salt if tenant is not None else "") + "\x1frequest:" + salt
+
+
 def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]
@@ -348,6 +388,7 @@ class Generator:
         priority = fields.get("priority")
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
                               top_p=1.0 if top_p is None else top_p, seed=fields.get("seed"), stop=stop,
+                              stop_token_ids=list(fields.get("stop_token_ids") or []),
                               logprobs=logprobs, top_k=fields.get("top_k") or 0,
                               ignore_eos=bool(fields.get("ignore_eos")), priority=0 if priority is None else priority)
 
@@ -370,11 +411,12 @@ class Generator:
     async def start_chat(self, messages: list[dict[str, Any]], fields: dict[str, Any], options: StructuredOutput, *,
                          logprobs: int | None = None, lease_ttl_s: float | None = None, started_at: float | None = None,
                          session: SessionHint | None = None, tenant: Tenant | None = None,
-                         template_kwargs: dict[str, Any] | None = None) -> Generation:
+                         template_kwargs: dict[str, Any] | None = None, cache_salt: str | None = None) -> Generation:
         """A chat request (a chat completion or a session turn): the messages rendered with
         ``options.tools`` (and the template's switches, ``template_kwargs``), sampled by the OpenAI-named
         ``fields``, constrained by ``options``; its tool calls are parsed unless ``tool_choice`` is
-        "none", and its reasoning split off when the model has a reasoning parser."""
+        "none", and its reasoning split off when the model has a reasoning parser. ``cache_salt``: as
+        :meth:`start` takes it."""
         text = self.chat_text(messages, options.tools, template_kwargs)
         prompt = self.tokenizer.encode(text)
         params = self.sampling_params(fields, len(prompt), logprobs=logprobs)
@@ -386,7 +428,7 @@ class Generator:
         constraint = self.constraint(options)
         return await self.start(prompt, params, constraint=constraint, parser=parser,
                                 parallel_tool_calls=options.parallel_tool_calls is not False, lease_ttl_s=lease_ttl_s,
-                                started_at=started_at, session=session, tenant=tenant)
+                                started_at=started_at, session=session, tenant=tenant, cache_salt=cache_salt)
 
     def _tool_format(self, options: StructuredOutput) -> tuple[StructuredOutput, str | None]:
         """(the constraint's options, the tool-call parser) for a request. Where the family's call syntax
@@ -430,7 +472,8 @@ class Generator:
                     cache_salt: str | None = None, key: SchedulingKey | None = None) -> Generation:
         """Admit and submit one request; raises 429 past the server's or the tenant's limits, 400 if the
         engine refuses, 503 ``worker_draining`` once draining. The tenant's cache salt keeps its
-        prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker).
+        prefix cache apart from other tenants' (``cache_salt``: given by a router for a worker, or
+        :func:`request_cache_salt`'s for a request that names its own).
 
         ``lease_ttl_s``: acquire a KV lease on the finished sequence (agentrt/core/leases.py). A request that
         names its conversation (``session.remember``: an affinity key) and asks for no lease of its own is
