@@ -4,7 +4,9 @@ Fields a request model declares are type-checked, and values the server cannot h
 rejected by the service with a clear message, never silently dropped. Chat Completions and
 Completions also keep the fields they do not declare (``model_extra``): the service accepts the
 OpenAI and vLLM fields it does not implement only at their neutral values and refuses any other
-field (agentrt/core/request_fields.py). The other requests ignore fields they do not know.
+field (agentrt/core/request_fields.py). The session API's requests (agentrt's own) refuse a field
+they do not declare. Parts of a request (a message, a tool) ignore fields they do not know: clients
+send back the assistant messages they were given, with fields such as ``refusal`` or ``annotations``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Strict(BaseModel):
+    """A request of agentrt's own API: a field it does not declare is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class FunctionDef(_Request):
@@ -172,7 +180,7 @@ class ErrorResponse(BaseModel):
 # ---------------------------------------------------------------- sessions
 
 
-class SessionSampling(_Request):
+class SessionSampling(_Strict):
     """Per-session sampling defaults; a turn may override any of them."""
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -189,7 +197,7 @@ class SessionSampling(_Request):
     response_format: dict[str, Any] | None = None
 
 
-class SessionCreateRequest(_Request):
+class SessionCreateRequest(_Strict):
     model: str | None = None
     system: str | None = None
     tools: list[Tool] | None = None
@@ -199,7 +207,7 @@ class SessionCreateRequest(_Request):
     pin_ttl_s: float | None = Field(default=None, gt=0)
 
 
-class TurnRequest(_Request):
+class TurnRequest(_Strict):
     """Messages to append (user messages or tool results) and how to generate the reply."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -220,7 +228,7 @@ class TurnRequest(_Request):
     expected_pause_s: float | None = Field(default=None, ge=0.0, le=86_400.0)
 
 
-class ForkRequest(_Request):
+class ForkRequest(_Strict):
     metadata: dict[str, str] | None = None
     idle_ttl_s: float | None = Field(default=None, gt=0)
 

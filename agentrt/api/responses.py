@@ -41,6 +41,7 @@ from agentrt.api.http import ERRORS, Auth, json_reply, placed, sse_response, unl
 from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.errors import APIError, bad_request, from_exception, not_found
 from agentrt.core.generation import Delta, Generation, Result, reasoning_effort
+from agentrt.core.request_fields import RESPONSES, check_extra_fields
 from agentrt.protocol import ForkRequest, FunctionDef, SessionCreateRequest
 from agentrt.api.responses_output import OutputBuilder, content_part, hex_id, replay_events
 from agentrt.core.turns import SessionManager, TurnPlan, TurnRun
@@ -57,9 +58,11 @@ SUPPORTED_INCLUDE = ("reasoning.encrypted_content",)
 class ResponseCreateRequest(BaseModel):
     """``POST /v1/responses``. Fields OpenAI defines that this server cannot honour are declared so that
     a request using them gets a 400 naming the field (:meth:`ResponsesService.start`) rather than
-    being silently ignored; fields nobody defined are ignored, as on the other endpoints."""
+    being silently ignored; fields it does not declare are checked as on Chat Completions
+    (agentrt/core/request_fields.py: vLLM's extensions it does not implement only at their neutral
+    values, unknown ones refused)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -113,6 +116,7 @@ class ResponseDeleted(BaseModel):
 
 def _refuse_unsupported(req: ResponseCreateRequest) -> None:
     """400 naming the first field set to something this server cannot do."""
+    check_extra_fields(req.model_extra, RESPONSES)
     reasoning = req.reasoning or {}
     if any(reasoning.get(k) is not None for k in ("summary", "generate_summary")):
         raise bad_request("reasoning summaries are not supported (the reasoning itself comes as a reasoning item)",

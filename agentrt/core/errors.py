@@ -105,6 +105,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None
+    if first.get("type") == "extra_forbidden":   # as OpenAI words it (agentrt/core/request_fields.py)
+        return f"Unrecognized request argument supplied: {param}", param
     where = f"'{param}'" if param else "request body"
     return f"{where}: {first.get('msg', 'invalid value')}", param
 

@@ -78,6 +78,13 @@ COMPLETIONS: dict[str, tuple[tuple[Any, ...], str, str]] = {
     "best_of": ((None, 1), "1", ""),
 }
 
+# Responses declares OpenAI's fields itself (those it cannot honour are refused by ResponsesService.start)
+RESPONSES: dict[str, tuple[tuple[Any, ...], str, str]] = {
+    **_BOTH,
+    "prompt_cache_retention": ((None, "in_memory", "in-memory"), "'in_memory'",
+                               "; cached prefixes are kept while the KV pool holds them (docs/kv_cache.md)"),
+}
+
 
 def check_extra_fields(extra: dict[str, Any] | None, known: dict[str, tuple[tuple[Any, ...], str, str]]) -> None:
     """400 for the first field of ``extra`` (a request model's ``model_extra``: the fields it does not declare)

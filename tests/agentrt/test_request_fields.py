@@ -154,3 +154,32 @@ def test_the_tables_refuse_what_they_list_and_nothing_neutral():
             check_extra_fields({"repetition_penalty": True}, table)   # true is not the number 1
     with pytest.raises(APIError, match="Unrecognized"):
         check_extra_fields({"audio": None}, COMPLETIONS)              # a chat-only field
+
+
+def test_responses_check_the_fields_they_do_not_declare(http):
+    base = {"model": MODEL, "input": "Name one colour.", "max_output_tokens": 2}
+    r = http.post("/v1/responses", json={**base, "max_output_token": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_token", r.text
+    assert "Unrecognized request argument supplied" in r.json()["error"]["message"]
+    for name, value in (("min_p", 0.2), ("prompt_cache_retention", "24h")):
+        r = http.post("/v1/responses", json={**base, name: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    r = http.post("/v1/responses", json={**base, "min_p": 0, "prompt_cache_retention": "in_memory", "store": False})
+    assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"], r.text
+
+
+def test_the_session_api_refuses_a_field_it_does_not_declare(http):
+    for path, body in (("/v1/sessions", {"sytem": "Be brief."}),
+                       ("/v1/sessions", {"sampling": {"temprature": 0.5}})):
+        r = http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("Unrecognized request argument supplied: ")
+    sid = http.post("/v1/sessions", json={"system": "Be brief."}).json()["id"]
+    turn = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = http.post(f"/v1/sessions/{sid}/turns", json={**turn, "max_token": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_token", r.text
+    # a message part keeps ignoring what it does not know: clients send back the messages they were given
+    r = http.post(f"/v1/sessions/{sid}/turns", json={"messages": [{"role": "user", "content": "Hi", "refusal": None}],
+                                                     "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    http.delete(f"/v1/sessions/{sid}")
