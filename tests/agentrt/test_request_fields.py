@@ -85,8 +85,9 @@ def test_stop_token_ids_end_the_reply(oai, http):
 
 def test_skip_special_tokens_false_keeps_them_in_the_text(oai):
     # a short greedy reply that ends at <|im_end|> (a special token); ignore_eos then writes it and goes on
-    for ask in ("Reply with the single word: yes.", "Say yes.", "What is 2 + 2? Answer with a number."):
-        prompt = f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+    for ask, start in (("Reply with the single word: yes.", "Yes."), ("Say yes.", ""),
+                       ("What is 2 + 2? Answer with a number.", "")):
+        prompt = f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n{start}"
         first = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                        extra_body={"return_token_ids": True}).choices[0]
         if first.finish_reason == "stop":
