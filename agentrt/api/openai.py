@@ -59,6 +59,8 @@ class OpenAIService:
         check_extra_fields(req.model_extra, CHAT)
         if req.n != 1:
             raise bad_request("only n=1 is supported", param="n")
+        if req.top_logprobs and not req.logprobs:   # as OpenAI and vLLM: not dropped without logprobs
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         kwargs = chat_switches(req.chat_template_kwargs, req.reasoning_effort, self.gen.tokenizer.chat_template)
         messages = message_dicts(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -184,3 +184,11 @@ def test_the_session_api_refuses_a_field_it_does_not_declare(http):
                                                      "max_tokens": 2})
     assert r.status_code == 200, r.text
     http.delete(f"/v1/sessions/{sid}")
+
+
+def test_top_logprobs_without_logprobs_is_refused(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, top_logprobs=3)
+    assert err.value.body["param"] == "top_logprobs"
+    reply = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, logprobs=True, top_logprobs=3)
+    assert [len(t.top_logprobs) for t in reply.choices[0].logprobs.content] == [3, 3]
