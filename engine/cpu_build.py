@@ -13,12 +13,14 @@ it (the test suite's processes and servers all start on an empty cache on a fres
 already loaded: one thread pool.
 
 Users: engine/attention/cpu_kernel.py (decode attention; RoPE and the K/V write), engine/models/cpu_ops.py
-(residual add and RMSNorm; SiLU-multiply).
+(residual add and RMSNorm; SiLU-multiply), engine/models/qmatmul.py (matmuls on GGUF blocks),
+engine/loader/gguf_file.py (GGUF blocks to float32 at load).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -87,6 +89,7 @@ def no_compiler_reason() -> str | None:
 KERNELS = ("decode_attention", "layer_ops", "qmatmul")
 
 
+@functools.cache   # once a process: every kernel library's cache key asks for it
 def _version(cc: str) -> str:
     try:
         return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

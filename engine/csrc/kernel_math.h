@@ -1,5 +1,6 @@
 /* Scalar helpers every CPU kernel shares (engine/attention/csrc/decode_attention.c,
- * engine/models/csrc/layer_ops.c, engine/models/csrc/qmatmul.c): bfloat16 <-> float32 as torch converts, and exp(x) for x <= 0 as
+ * engine/models/csrc/layer_ops.c, engine/models/csrc/qmatmul.c, engine/loader/csrc/gguf_dequant.c): bfloat16 <-> float32
+ * as torch converts, float16 -> float32, and exp(x) for x <= 0 as
  * exp2 of a polynomial, so that the loops around it vectorise. engine/cpu_build.py compiles every kernel
  * with this folder on the include path and keys its cache by these headers too. */
 #ifndef AGENTRT_KERNEL_MATH_H
@@ -23,6 +24,19 @@ INLINE uint16_t f32_to_bf16(float f) {
     c.f = f;
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);  /* NaN stays NaN */
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                   /* nearest even */
+}
+
+/* IEEE half -> float, exactly (every half is a float) */
+INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    bits32 c;
+    if (exp == 0x1F) c.u = sign | 0x7F800000u | (man << 13);                /* inf, NaN */
+    else if (exp) c.u = sign | ((exp + 112) << 23) | (man << 13);           /* normal */
+    else {                                                                  /* zero, subnormal */
+        c.f = (float)man * 5.9604644775390625e-8f;                          /* man * 2^-24 */
+        c.u |= sign;
+    }
+    return c.f;
 }
 
 /* exp(x) for x <= 0 (clamped at -87, where it is below float32's smallest normal anyway): 2^t with

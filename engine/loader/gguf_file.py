@@ -1,4 +1,5 @@
-"""A GGUF file's metadata and tensors, read fast; and dequantization of its common block types in torch.
+"""A GGUF file's metadata and tensors, read fast; and dequantization of its common block types (csrc/gguf_dequant.c,
+numpy where that cannot be built).
 
 ``gguf.GGUFReader`` (the ``gguf`` package, kept as the reference these are tested against in
 tests/engine/test_gguf_file.py) builds a numpy view for every part of every metadata value: the
@@ -16,6 +17,7 @@ into the data section, which starts at the next multiple of ``general.alignment`
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -223,7 +225,45 @@ def q8_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(b[:, 2:]).view(np.int8)), torch.from_numpy(_f16(b, 0))
 
 
+_C_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the block types csrc/gguf_dequant.c decodes
+
+
+@functools.cache
+def _c_dequant():
+    """csrc/gguf_dequant.c's ``gguf_dequant``, built on first use (engine/cpu_build.py); None where it cannot
+    be built: dequantize() then decodes in numpy (the reason is logged once)."""
+    import ctypes
+    import logging
+    import subprocess
+    from pathlib import Path
+
+    from engine.cpu_build import build
+    try:
+        lib = ctypes.CDLL(str(build(Path(__file__).parent / "csrc" / "gguf_dequant.c")))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        logging.getLogger("engine.loader").warning("GGUF block decoding in numpy (no C kernel: %s)", exc)
+        return None
+    fn = lib.gguf_dequant
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
 def dequantize(t: GGUFTensor) -> torch.Tensor:
+    """The tensor as float32 (see :func:`dequantize_numpy`); Q4_0, Q4_1 and Q8_0 blocks through
+    csrc/gguf_dequant.c where it builds, the same values bit for bit in one pass over every thread."""
+    import torch
+
+    fn = _c_dequant() if t.type_name in _C_TYPES else None
+    if fn is None:
+        return dequantize_numpy(t)
+    raw = np.ascontiguousarray(np.asarray(t.data).reshape(-1))
+    out = torch.empty(tuple(reversed(t.shape)), dtype=torch.float32)
+    fn(raw.ctypes.data, raw.size // GGML_TYPES[t.ggml_type][2], _C_TYPES[t.type_name], out.data_ptr())
+    return out
+
+
+def dequantize_numpy(t: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, shaped as its row-major array (``reversed(t.shape)``). F32/F16/BF16, Q4_0,
     Q4_1 and Q8_0 are decoded here in torch, exactly as ``gguf.quants.dequantize`` computes them (float32,
     the same operations in the same order); other types go through ``gguf.quants``."""

@@ -57,18 +57,7 @@ INLINE void prefetch_record(const uint8_t *rec, int bytes) {
     for (int j = 0; j < bytes; j += 64) __builtin_prefetch(rec + PREFETCH_AHEAD + j, 0, 3);
 }
 
-/* IEEE half -> float (the portable path's; the vector paths convert with vcvtph2ps) */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    bits32 c;
-    if (exp == 0x1F) c.u = sign | 0x7F800000u | (man << 13);                /* inf, NaN */
-    else if (exp) c.u = sign | ((exp + 112) << 23) | (man << 13);           /* normal */
-    else {                                                                  /* zero, subnormal */
-        c.f = (float)man * 5.9604644775390625e-8f;                          /* man * 2^-24 */
-        c.u |= sign;
-    }
-    return c.f;
-}
+/* f16_to_f32 (kernel_math.h): the portable path's half -> float; the vector paths convert with vcvtph2ps */
 
 const char *qmm_variant(void) {
 #if defined(QMM_VNNI)
