@@ -11,11 +11,13 @@ To add one, write ``configure(parser)`` and ``run(args) -> int`` functions and a
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
-from agentrt.config import KEEP_ALIVE_S, ServerConfig, configure_serve
+from agentrt.config import ENV_PREFIX, KEEP_ALIVE_S, ServerConfig, Settings, configure_serve
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,32 @@ def build_parser(subcommands: Sequence[Subcommand] = SUBCOMMANDS) -> argparse.Ar
     return parser
 
 
+# AGENTRT_* variables read elsewhere than the settings models: the client's key (agentrt chat, agentrt.Client)
+# and the kernels' build (engine/cpu_build.py, engine/attention/flashinfer_backend.py)
+OTHER_ENV = frozenset({"AGENTRT_API_KEY", "AGENTRT_KERNEL_MARCH", "AGENTRT_KERNEL_CACHE",
+                       "AGENTRT_FLASHINFER_PREFILL_BACKEND"})
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """The ``AGENTRT_*`` variables of ``environ`` that no setting of any command reads (``Settings`` and its
+    subclasses: serve's, the router's, the worker's) and nothing else does (:data:`OTHER_ENV`), each with
+    the nearest name that is read, as vLLM warns of unknown ``VLLM_*`` variables: a misspelt variable is
+    otherwise ignored without a word."""
+    known, stack = set(OTHER_ENV), [Settings]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        known.update(Settings.env_name(name) for name in cls.model_fields)
+    out, cut = [], len(ENV_PREFIX)
+    names = sorted(k[cut:] for k in known)
+    for key in sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known):
+        near = difflib.get_close_matches(key.upper()[cut:], names, n=1, cutoff=0.75)   # by the part after the prefix
+        out.append(key + (f" (did you mean {ENV_PREFIX}{near[0]}?)" if near else ""))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for name in unknown_env(os.environ):
+        print(f"agentrt: warning: {name} is set, but no agentrt setting reads it", file=sys.stderr)
     args = build_parser().parse_args(argv)
     return args._run(args)
