@@ -291,10 +291,15 @@ REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 def reasoning_effort(effort: str | None, chat_template: str | None, param: str) -> dict[str, Any] | None:
     """A request's reasoning effort (Chat Completions' ``reasoning_effort``, Responses' ``reasoning.effort``)
     as the chat template's ``reasoning_effort`` switch (gpt-oss's); None for none asked. 400 for a model whose
-    template has no such switch (only 'none' then), or for another value than ``REASONING_EFFORTS``."""
-    if effort in (None, "none"):
+    template has no such switch (only 'none' then), for 'none' where it has one (such a model always reasons:
+    its template's default is not 'none'), or for another value than ``REASONING_EFFORTS``."""
+    has_switch = "reasoning_effort" in (chat_template or "")
+    if effort is None or (effort == "none" and not has_switch):
         return None
-    if "reasoning_effort" not in (chat_template or ""):
+    if effort == "none":
+        raise bad_request(f"{param} 'none': this model always reasons; its efforts are "
+                          f"{', '.join(REASONING_EFFORTS)}", param=param)
+    if not has_switch:
         raise bad_request(f"{param} {effort!r}: this model's chat template has no reasoning effort (only 'none')",
                           param=param)
     if effort not in REASONING_EFFORTS:

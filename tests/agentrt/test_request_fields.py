@@ -144,6 +144,8 @@ def test_reasoning_effort_renders_into_a_template_that_has_the_switch():
         chat_switches({"reasoning_effort": "low"}, "high", template)
     with pytest.raises(APIError, match="must be minimal, low, medium or high"):
         chat_switches(None, "extreme", template)
+    with pytest.raises(APIError, match="always reasons"):      # not the template's default in its place
+        chat_switches(None, "none", template)
 
 
 def test_the_tables_refuse_what_they_list_and_nothing_neutral():
