@@ -545,7 +545,7 @@ class ResponsesService:
         return await self._in_new_session(new_run(response_id(fork.id, key)), fork, plan_for)
 
     def _effort(self, reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
-        """``reasoning.effort`` as the chat template's ``reasoning_effort`` (``reasoning_effort``)."""
+        """``reasoning.effort`` as the chat template's switches (``reasoning_effort``)."""
         return reasoning_effort((reasoning or {}).get("effort"), self.gen.tokenizer.chat_template, "reasoning.effort")
 
     async def _in_new_session(self, run: ResponseRun, record: SessionRecord,

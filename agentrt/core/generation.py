@@ -290,22 +290,33 @@ REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 
 def reasoning_effort(effort: str | None, chat_template: str | None, param: str) -> dict[str, Any] | None:
     """A request's reasoning effort (Chat Completions' ``reasoning_effort``, Responses' ``reasoning.effort``)
-    as the chat template's ``reasoning_effort`` switch (gpt-oss's); None for none asked. 400 for a model whose
-    template has no such switch (only 'none' then), for 'none' where it has one (such a model always reasons:
-    its template's default is not 'none'), or for another value than ``REASONING_EFFORTS``."""
-    has_switch = "reasoning_effort" in (chat_template or "")
-    if effort is None or (effort == "none" and not has_switch):
+    as the chat template's switches; None for none asked.
+
+    * A template with a ``reasoning_effort`` switch (gpt-oss): one of ``REASONING_EFFORTS``; 'none' is a 400
+      (such a model always reasons: its template's default is not 'none').
+    * A template with an ``enable_thinking`` switch (Qwen3, GLM): 'none' turns reasoning off
+      (``enable_thinking: false``); an effort level is a 400 (the switch is on or off).
+    * Any other template: 'none' asks for nothing (the model has no switch to turn); a level is a 400."""
+    template = chat_template or ""
+    if effort is None:
         return None
+    if "reasoning_effort" in template:
+        if effort == "none":
+            raise bad_request(f"{param} 'none': this model always reasons; its efforts are "
+                              f"{', '.join(REASONING_EFFORTS)}", param=param)
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"{param} must be {', '.join(REASONING_EFFORTS[:-1])} or {REASONING_EFFORTS[-1]}, "
+                              f"got {effort!r}", param=param)
+        return {"reasoning_effort": effort}
+    if "enable_thinking" in template:
+        if effort == "none":
+            return {"enable_thinking": False}
+        raise bad_request(f"{param} {effort!r}: this model's chat template switches reasoning on or off "
+                          "(enable_thinking), with no effort levels: send 'none' to turn it off", param=param)
     if effort == "none":
-        raise bad_request(f"{param} 'none': this model always reasons; its efforts are "
-                          f"{', '.join(REASONING_EFFORTS)}", param=param)
-    if not has_switch:
-        raise bad_request(f"{param} {effort!r}: this model's chat template has no reasoning effort (only 'none')",
-                          param=param)
-    if effort not in REASONING_EFFORTS:
-        raise bad_request(f"{param} must be {', '.join(REASONING_EFFORTS[:-1])} or {REASONING_EFFORTS[-1]}, "
-                          f"got {effort!r}", param=param)
-    return {"reasoning_effort": effort}
+        return None
+    raise bad_request(f"{param} {effort!r}: this model's chat template has no reasoning effort (only 'none')",
+                      param=param)
 
 
 def chat_switches(kwargs: dict[str, Any] | None, effort: str | None, chat_template: str | None) -> dict[str, Any] | None:
@@ -315,9 +326,10 @@ def chat_switches(kwargs: dict[str, Any] | None, effort: str | None, chat_templa
     switch = reasoning_effort(effort, chat_template, "reasoning_effort")
     if switch is None:
         return kwargs
-    if (kwargs or {}).get("reasoning_effort", switch["reasoning_effort"]) != switch["reasoning_effort"]:
-        raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort differ; send one",
-                          param="reasoning_effort")
+    for name, value in switch.items():
+        if (kwargs or {}).get(name, value) != value:
+            raise bad_request(f"reasoning_effort and chat_template_kwargs.{name} differ; send one",
+                              param="reasoning_effort")
     return {**(kwargs or {}), **switch}
 
 

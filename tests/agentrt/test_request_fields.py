@@ -128,13 +128,32 @@ def test_reasoning_effort_is_the_templates_switch(oai):
     oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body={"reasoning_effort": "none"})
 
 
-def test_reasoning_effort_renders_into_a_template_that_has_the_switch():
+def _template_and_tokenizer(filename: str) -> tuple[str, Tokenizer]:
     from engine.loader import load_tokenizer
     from tests.llamacpp_templates import templates_dir
-    template = (templates_dir() / "openai-gpt-oss-120b.jinja").read_text()
+    template = (templates_dir() / filename).read_text()
     base = load_tokenizer(None)[0]
-    tok = Tokenizer(hf=base.hf, chat_template=template, bos_token_id=base.bos_token_id,
-                    eos_token_ids=base.eos_token_ids)
+    return template, Tokenizer(hf=base.hf, chat_template=template, bos_token_id=base.bos_token_id,
+                               eos_token_ids=base.eos_token_ids)
+
+
+def test_reasoning_effort_none_turns_an_on_off_switch_off():
+    """Qwen3's template switches reasoning on or off (enable_thinking): 'none' is the off position,
+    rendered as the template renders it off (an empty think block); an effort level has no meaning there."""
+    template, tok = _template_and_tokenizer("Qwen-Qwen3-0.6B.jinja")
+    kwargs = chat_switches(None, "none", template)
+    assert kwargs == {"enable_thinking": False}
+    assert render_chat_prompt(tok, USER, template_kwargs=kwargs) == \
+        render_chat_prompt(tok, USER, template_kwargs={"enable_thinking": False})
+    assert render_chat_prompt(tok, USER, template_kwargs=kwargs) != render_chat_prompt(tok, USER)
+    with pytest.raises(APIError, match="on or off"):
+        chat_switches(None, "high", template)
+    with pytest.raises(APIError, match="differ"):
+        chat_switches({"enable_thinking": True}, "none", template)
+
+
+def test_reasoning_effort_renders_into_a_template_that_has_the_switch():
+    template, tok = _template_and_tokenizer("openai-gpt-oss-120b.jinja")
     kwargs = chat_switches(None, "high", template)
     assert kwargs == {"reasoning_effort": "high"}
     assert "Reasoning: high" in render_chat_prompt(tok, USER, template_kwargs=kwargs)
