@@ -111,6 +111,8 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(_Request):
     """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` (+ ``tools``) through the chat template."""
 
+    model_config = ConfigDict(extra="allow")   # checked by agentrt.core.request_fields
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -121,7 +123,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
 

@@ -22,7 +22,7 @@ from agentrt.core.affinity import affinity_hint, affinity_key
 from agentrt.core.errors import bad_request
 from agentrt.core.generation import (Generation, Generator, Result, chat_switches, message_dicts, request_cache_salt,
                                      template_kwargs, tool_call_dicts)
-from agentrt.core.request_fields import CHAT, COMPLETIONS, check_extra_fields
+from agentrt.core.request_fields import CHAT, COMPLETIONS, TOKENIZE, check_extra_fields
 from agentrt.core.tenants import Tenant
 from agentrt.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelList, TokenizeRequest
 
@@ -137,6 +137,7 @@ class OpenAIService:
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """The token ids of a prompt, or of messages rendered as a chat request renders them."""
         self.gen.check_model(req.model)
+        check_extra_fields(req.model_extra, TOKENIZE)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
         tok = self.gen.tokenizer

@@ -85,6 +85,13 @@ RESPONSES: dict[str, tuple[tuple[Any, ...], str, str]] = {
                                "; cached prefixes are kept while the KV pool holds them (docs/kv_cache.md)"),
 }
 
+# vLLM's /tokenize fields agentrt does not implement
+TOKENIZE: dict[str, tuple[tuple[Any, ...], str, str]] = {
+    "continue_final_message": CHAT["continue_final_message"],
+    "chat_template": CHAT["chat_template"],
+    "mm_processor_kwargs": CHAT["mm_processor_kwargs"],
+}
+
 
 def check_extra_fields(extra: dict[str, Any] | None, known: dict[str, tuple[tuple[Any, ...], str, str]]) -> None:
     """400 for the first field of ``extra`` (a request model's ``model_extra``: the fields it does not declare)

@@ -213,3 +213,14 @@ def test_top_logprobs_without_logprobs_is_refused(oai):
     assert err.value.body["param"] == "top_logprobs"
     reply = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, logprobs=True, top_logprobs=3)
     assert [len(t.top_logprobs) for t in reply.choices[0].logprobs.content] == [3, 3]
+
+
+def test_tokenize_and_detokenize_check_their_fields(http):
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hi", "add_special_token": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_token", r.text
+    r = http.post("/tokenize", json={"model": MODEL, "messages": USER, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    ok = http.post("/tokenize", json={"model": MODEL, "messages": USER, "continue_final_message": False})
+    assert ok.status_code == 200 and ok.json()["count"] > 0, ok.text
+    r = http.post("/detokenize", json={"model": MODEL, "tokens": [1, 2], "skip_special": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special", r.text
