@@ -225,7 +225,7 @@ def q8_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(b[:, 2:]).view(np.int8)), torch.from_numpy(_f16(b, 0))
 
 
-_C_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the block types csrc/gguf_dequant.c decodes
+_C_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}   # what csrc/gguf_dequant.c decodes
 
 
 @functools.cache
@@ -250,8 +250,9 @@ def _c_dequant():
 
 
 def dequantize(t: GGUFTensor) -> torch.Tensor:
-    """The tensor as float32 (see :func:`dequantize_numpy`); Q4_0, Q4_1 and Q8_0 blocks through
-    csrc/gguf_dequant.c where it builds, the same values bit for bit in one pass over every thread."""
+    """The tensor as float32 (see :func:`dequantize_numpy`); Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks
+    through csrc/gguf_dequant.c where it builds, the same values bit for bit in one pass over every thread
+    (the K types' numpy path is gguf-py's reference, many passes over each tensor)."""
     import torch
 
     fn = _c_dequant() if t.type_name in _C_TYPES else None

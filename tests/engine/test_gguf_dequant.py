@@ -1,6 +1,7 @@
-"""engine/loader/csrc/gguf_dequant.c against the numpy decoder it replaces at load (``dequantize_numpy``)
-and against gguf-py's ``gguf.quants.dequantize``: the same float32 values bit for bit, on every block
-tensor of the default model and on random blocks of each type (negative, zero and subnormal scales)."""
+"""engine/loader/csrc/gguf_dequant.c against the numpy decoder it replaces at load (``dequantize_numpy``:
+its own for Q4_0 / Q4_1 / Q8_0, gguf-py's for the K types) and against gguf-py's ``gguf.quants.dequantize``:
+the same float32 values bit for bit, on every block tensor of the default model and on random blocks of each
+type (negative, zero and subnormal scales; the K types' packed 6-bit scales and high bits all random)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from gguf.quants import dequantize as gguf_reference
 from engine.loader import resolve_model
 from engine.loader.gguf_file import GGML_TYPES, GGUFFile, GGUFTensor, _c_dequant, dequantize, dequantize_numpy
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -34,10 +36,9 @@ def random_tensor(name: str, rows: int, cols: int, seed: int) -> GGUFTensor:
     rng = np.random.default_rng(seed)
     n = rows * cols // per
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    scales = np.concatenate([rng.normal(0, 0.05, n - 4), [0.0, -0.0, 3e-8, -0.02]]).astype(np.float16)
-    raw[:, 0:2] = scales.view(np.uint8).reshape(n, 2)
-    if name == "Q4_1":
-        raw[:, 2:4] = rng.normal(0, 0.1, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    for at in SCALE_AT[name]:   # finite float16 scales (random bytes would hold NaNs), some zero or subnormal
+        scales = np.concatenate([rng.normal(0, 0.05, n - 4), [0.0, -0.0, 3e-8, -0.02]]).astype(np.float16)
+        raw[:, at:at + 2] = rng.permutation(scales).view(np.uint8).reshape(n, 2)
     return GGUFTensor(name, (cols, rows), ggml_type, 0, raw.size, raw.reshape(-1))
 
 

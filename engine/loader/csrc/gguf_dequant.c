@@ -1,4 +1,5 @@
-/* A GGUF file's Q4_0, Q4_1 and Q8_0 blocks -> float32, in one pass over the blocks and over the threads.
+/* A GGUF file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks -> float32, in one pass over the blocks and
+ * over the threads.
  *
  * engine/loader/gguf_file.py's dequantize_numpy() decodes these types exactly as gguf-py's
  * gguf.quants.dequantize computes them; this does the same arithmetic in the same order (a multiply, then
@@ -10,16 +11,77 @@
  *
  * Blocks of 32 weights: Q4_0 (18 bytes: float16 d, 16 bytes of nibbles; w = d * (q - 8)), Q4_1 (20 bytes:
  * float16 d and m, 16 bytes of nibbles; w = d * q + m), Q8_0 (34 bytes: float16 d, 32 int8; w = d * q).
- * Byte j of the nibbles holds element j in its low half and element j + 16 in its high half. */
+ * Byte j of the nibbles holds element j in its low half and element j + 16 in its high half. The K types
+ * (the blocks of Q4_K_M and Q5_K_M files) are super-blocks of 256, decoded as gguf-py decodes them (their
+ * numpy path, many passes over each tensor, took 11-14 ms for a 1,024 x 1,024 Q4_K / Q5_K tensor here,
+ * against 0.3-0.4 ms: benchmarks/gguf_dequant.py). */
 #include <stdint.h>
 #include <string.h>
 
 #include "kernel_math.h"   /* engine/csrc: f16_to_f32 */
 
 #define QK 32
+#define QK_K 256
 
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the super-block's 12 packed bytes
+ * (llama.cpp's get_scale_min_k4; gguf-py's Q4_K.get_scale_min). */
+INLINE void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 0x3F;
+        *mn = s[j + 4] & 0x3F;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+/* One super-block of 256 (type 3: Q4_K, 144 bytes: d, dmin, 12 bytes of scales, 128 of nibbles; 4: Q5_K,
+ * 176 bytes: the same with 32 bytes of fifth bits before the nibbles; 5: Q6_K, 210 bytes: 128 bytes of low
+ * nibbles, 64 of high pairs, 16 int8 scales, d). The products are gguf-py's: d * sc and dmin * m first
+ * (exact in float32), then (d * sc) * q and the min subtracted (Q4_K, Q5_K: the product is exact, one
+ * rounding at the subtraction; Q6_K: one rounding at the product, as there). */
+INLINE void super_block(const uint8_t *blk, int type, float *o) {
+    uint16_t h;
+    if (type == 5) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        memcpy(&h, blk + 208, 2);
+        float d = f16_to_f32(h);
+        for (int e = 0; e < QK_K; e++) {
+            int g = e / 128, r = e % 128, s = r / 64, j = r % 64, k = r / 32, i = r % 32;
+            int lo = (ql[g * 64 + j] >> (4 * s)) & 0x0F, hi = (qh[g * 32 + i] >> (2 * k)) & 0x03;
+            float ds = d * (float)sc[e / 16];
+            o[e] = ds * (float)((lo | (hi << 4)) - 32);
+        }
+        return;
+    }
+    memcpy(&h, blk, 2);
+    float d = f16_to_f32(h);
+    memcpy(&h, blk + 2, 2);
+    float dmin = f16_to_f32(h);
+    const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + (type == 4 ? 48 : 16);
+    for (int sub = 0; sub < 8; sub++) {
+        int sc, mn;
+        scale_min_k4(scales, sub, &sc, &mn);
+        float dl = d * (float)sc, ml = dmin * (float)mn;
+        int g = sub / 2, s = sub % 2;
+        for (int i = 0; i < 32; i++) {
+            int q = (qs[g * 32 + i] >> (4 * s)) & 0x0F;
+            if (type == 4) q |= ((qh[i] >> sub) & 1) << 4;
+            o[sub * 32 + i] = dl * (float)q - ml;
+        }
+    }
+}
+
+/* type: 0 Q4_0, 1 Q4_1, 2 Q8_0 (blocks of 32), 3 Q4_K, 4 Q5_K, 5 Q6_K (super-blocks of 256). */
 void gguf_dequant(const uint8_t *raw, int64_t nblocks, int type, float *out) {
-    int bytes = type == 0 ? 18 : type == 1 ? 20 : 34;
+    static const int bytes_of[] = {18, 20, 34, 144, 176, 210};
+    int bytes = bytes_of[type];
+    if (type >= 3) {
+#pragma omp parallel for schedule(static) if (nblocks >= 512)
+        for (int64_t b = 0; b < nblocks; b++) super_block(raw + b * bytes, type, out + b * QK_K);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (nblocks >= 4096)
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *blk = raw + b * bytes;
