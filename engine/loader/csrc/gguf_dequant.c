@@ -13,8 +13,8 @@
  * float16 d and m, 16 bytes of nibbles; w = d * q + m), Q8_0 (34 bytes: float16 d, 32 int8; w = d * q).
  * Byte j of the nibbles holds element j in its low half and element j + 16 in its high half. The K types
  * (the blocks of Q4_K_M and Q5_K_M files) are super-blocks of 256, decoded as gguf-py decodes them (their
- * numpy path, many passes over each tensor, took 189 / 231 ms for a 4,096 x 4,096 Q4_K / Q5_K tensor on a
- * 2-core Xeon, this 18 / 19 ms: benchmarks/results/gguf_dequant-xeon-cpu.json). */
+ * numpy path makes many passes over each tensor: about 10x this decoder's time for Q4_K and Q5_K,
+ * benchmarks/gguf_dequant.py and docs/benchmarking.md). */
 #include <stdint.h>
 #include <string.h>
 
@@ -42,16 +42,20 @@ INLINE void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
  * rounding at the subtraction; Q6_K: one rounding at the product, as there). */
 INLINE void super_block(const uint8_t *blk, int type, float *o) {
     uint16_t h;
-    if (type == 5) {
-        const uint8_t *ql = blk, *qh = blk + 128;
-        const int8_t *sc = (const int8_t *)(blk + 192);
+    if (type == 5) {   /* each half of 128: byte l of its ql and qh gives elements l, 32 + l, 64 + l, 96 + l */
         memcpy(&h, blk + 208, 2);
         float d = f16_to_f32(h);
-        for (int e = 0; e < QK_K; e++) {
-            int g = e / 128, r = e % 128, s = r / 64, j = r % 64, k = r / 32, i = r % 32;
-            int lo = (ql[g * 64 + j] >> (4 * s)) & 0x0F, hi = (qh[g * 32 + i] >> (2 * k)) & 0x03;
-            float ds = d * (float)sc[e / 16];
-            o[e] = ds * (float)((lo | (hi << 4)) - 32);
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *ql = blk + 64 * g, *qh = blk + 128 + 32 * g;
+            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * g;
+            float *y = o + 128 * g;
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                y[l] = (d * (float)sc[is]) * (float)(((ql[l] & 0x0F) | ((qh[l] & 0x03) << 4)) - 32);
+                y[l + 32] = (d * (float)sc[is + 2]) * (float)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 0x03) << 4)) - 32);
+                y[l + 64] = (d * (float)sc[is + 4]) * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 0x03) << 4)) - 32);
+                y[l + 96] = (d * (float)sc[is + 6]) * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 0x03) << 4)) - 32);
+            }
         }
         return;
     }
