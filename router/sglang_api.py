@@ -18,9 +18,10 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentrt.core.errors import bad_request
+from agentrt.core.request_fields import check_extra_fields
 from agentrt.api.http import sse_response
 from agentrt.server import services
 
@@ -68,7 +69,11 @@ async def flush_cache(request: Request) -> JSONResponse:
 
 
 class NativeGenerateRequest(BaseModel):
-    """SGLang's ``/generate`` body (one prompt): ``text`` or ``input_ids``, ``sampling_params``, ``stream``."""
+    """SGLang's ``/generate`` body (one prompt): ``text`` or ``input_ids``, ``sampling_params``, ``stream``.
+    Its other fields, and sampling parameters agentrt does not implement, pass only at their neutral
+    values (``GENERATE_FIELDS``, ``SAMPLING_FIELDS``; agentrt/core/request_fields.py)."""
+
+    model_config = ConfigDict(extra="allow")
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -77,10 +82,51 @@ class NativeGenerateRequest(BaseModel):
     rid: str | None = None
 
 
+_NONE = ((None,), "null", "")
+# SGLang's GenerateReqInput fields agentrt does not implement (one prompt, text out)
+GENERATE_FIELDS = {
+    **{name: _NONE for name in ("image_data", "audio_data", "video_data", "lora_path", "lora_id", "session_params",
+                                "custom_logit_processor", "token_ids_logprob", "bootstrap_host", "bootstrap_port",
+                                "bootstrap_room", "data_parallel_rank", "modalities")},
+    "return_logprob": ((None, False), "false", ""),
+    "logprob_start_len": ((None, -1), "-1", ""),
+    "top_logprobs_num": ((None, 0), "0", ""),
+    "return_text_in_logprobs": ((None, False), "false", ""),
+    "return_hidden_states": ((None, False), "false", ""),
+    "log_metrics": ((), "", ""),   # any: whether SGLang logs the request's metrics
+}
+# SGLang's sampling parameters: those read here, and those agentrt does not implement (at their neutral values)
+SAMPLING_READ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+                 "sampling_seed", "skip_special_tokens")
+SAMPLING_FIELDS = {
+    "min_p": ((None, 0, 0.0), "0", ""),
+    "frequency_penalty": ((None, 0, 0.0), "0", ""),
+    "presence_penalty": ((None, 0, 0.0), "0", ""),
+    "repetition_penalty": ((None, 1, 1.0), "1", ""),
+    "min_new_tokens": ((None, 0), "0", ""),
+    "n": ((None, 1), "1", ""),
+    "no_stop_trim": ((None, False), "false", ""),
+    "spaces_between_special_tokens": ((None, True), "true", ""),
+    "logit_bias": ((None, {}), "an empty map", ""),
+    **{name: ((None,), "null", "; use /v1/chat/completions with response_format or tools")
+       for name in ("json_schema", "regex", "ebnf", "structural_tag")},
+    "custom_params": _NONE,
+    "stream_interval": ((), "", ""),   # any: how often SGLang sends a streamed event
+}
+
+
 def _native_params(gen, sp: dict[str, Any], prompt_len: int):
+    check_extra_fields({k: v for k, v in sp.items() if k not in SAMPLING_READ}, SAMPLING_FIELDS, "sampling_params.")
     fields = {"max_tokens": sp.get("max_new_tokens"), "temperature": sp.get("temperature"),
-              "top_p": sp.get("top_p"), "stop": sp.get("stop"), "seed": sp.get("sampling_seed")}
-    return gen.sampling_params(fields, prompt_len)
+              "top_p": sp.get("top_p"), "top_k": sp.get("top_k"), "stop": sp.get("stop"),
+              "stop_token_ids": sp.get("stop_token_ids"), "ignore_eos": sp.get("ignore_eos"),
+              "seed": sp.get("sampling_seed")}
+    if fields["top_k"] == -1:   # SGLang's "no top-k"
+        fields["top_k"] = 0
+    params = gen.sampling_params(fields, prompt_len)
+    if sp.get("skip_special_tokens") is False:
+        params.skip_special_tokens = False
+    return params
 
 
 def _meta(request_id: str, result) -> dict[str, Any]:
@@ -92,6 +138,7 @@ def _meta(request_id: str, result) -> dict[str, Any]:
 @sglang_routes.post("/generate")
 async def native_generate(body: NativeGenerateRequest, request: Request) -> Any:
     gen = services(request).generator
+    check_extra_fields(body.model_extra, GENERATE_FIELDS)
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text and input_ids", param="text")
     ids = gen.tokenizer.encode(body.text) if body.text is not None else list(body.input_ids)

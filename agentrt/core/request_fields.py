@@ -93,13 +93,16 @@ TOKENIZE: dict[str, tuple[tuple[Any, ...], str, str]] = {
 }
 
 
-def check_extra_fields(extra: dict[str, Any] | None, known: dict[str, tuple[tuple[Any, ...], str, str]]) -> None:
+def check_extra_fields(extra: dict[str, Any] | None, known: dict[str, tuple[tuple[Any, ...], str, str]],
+                       prefix: str = "") -> None:
     """400 for the first field of ``extra`` (a request model's ``model_extra``: the fields it does not declare)
-    that ``known`` lists at a value other than its neutral ones, or that ``known`` does not list."""
+    that ``known`` lists at a value other than its neutral ones, or that ``known`` does not list. ``prefix``:
+    where the fields sit in the body (``sampling_params.``), for the message and ``param``."""
     for name, value in (extra or {}).items():
+        where = prefix + name
         if name not in known:
-            raise bad_request(f"Unrecognized request argument supplied: {name} (the fields this endpoint takes "
-                              "are in /openapi.json)", param=name)
+            raise bad_request(f"Unrecognized request argument supplied: {where} (the fields this endpoint takes "
+                              "are in /openapi.json)", param=where)
         neutral, words, hint = known[name]
         if neutral and not any(type(value) is type(v) and value == v for v in neutral):
-            raise bad_request(f"{name} is not supported by this server (only {words}){hint}", param=name)
+            raise bad_request(f"{where} is not supported by this server (only {words}){hint}", param=where)

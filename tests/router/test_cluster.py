@@ -273,6 +273,42 @@ def test_a_worker_streams_sglang_generate_as_server_sent_events(cl):
     assert final["finish_reason"]["type"] in ("stop", "length") and 1 <= final["completion_tokens"] <= 6
 
 
+def test_sglang_generate_honours_or_refuses_each_field(cl):
+    """``/generate``'s sampling parameters agentrt implements change the reply (top_k, stop_token_ids,
+    ignore_eos); the ones it does not, and SGLang's other fields, pass only at their neutral values, and an
+    unknown one is refused by name."""
+    url = cl.url("w0") + "/generate"
+
+    def gen(prompt: str, **sp):
+        resp = cl.http.post(url, json={"text": prompt, "sampling_params": {"temperature": 0, **sp}})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    for extra, param in (({"sampling_params": {"max_new_tokens": 4, "min_p": 0.1}}, "sampling_params.min_p"),
+                         ({"sampling_params": {"max_new_token": 4}}, "sampling_params.max_new_token"),
+                         ({"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+                         ({"return_logprob": True}, "return_logprob"), ({"lora_path": "a"}, "lora_path")):
+        resp = cl.http.post(url, json={"text": "Hi", **extra})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    neutral = cl.http.post(url, json={"text": "Count: 1, 2, 3,", "return_logprob": False, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "min_p": 0, "n": 1, "repetition_penalty": 1.0, "top_k": -1}})
+    assert neutral.status_code == 200, neutral.text
+    ids = gen("Count: 1, 2, 3,", max_new_tokens=6)["output_ids"]
+    assert neutral.json()["output_ids"] == ids[:4]
+    stopped = gen("Count: 1, 2, 3,", max_new_tokens=6, stop_token_ids=[ids[2]])
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop" and len(stopped["output_ids"]) <= 3
+    assert stopped["output_ids"] == ids[:len(stopped["output_ids"])]
+    yes = "<|im_start|>user\nReply with the single word: yes.<|im_end|>\n<|im_start|>assistant\nYes."
+    short = gen(yes, max_new_tokens=12)
+    assert short["meta_info"]["finish_reason"]["type"] == "stop" and short["meta_info"]["completion_tokens"] < 12
+    assert gen(yes, max_new_tokens=12, ignore_eos=True)["meta_info"]["completion_tokens"] == 12
+    story = "Once upon a time, in a"
+    greedy = gen(story, max_new_tokens=8)["output_ids"]
+    # temperature 2 with top_k 1 is greedy; without the top_k it samples away (seeded, so the same every run)
+    assert gen(story, max_new_tokens=8, temperature=2.0, top_k=1, sampling_seed=7)["output_ids"] == greedy
+    assert gen(story, max_new_tokens=8, temperature=2.0, sampling_seed=7)["output_ids"] != greedy
+
+
 def test_the_anthropic_messages_api_through_a_router(cl):
     """A router serves ``/v1/messages`` with the same app: the stop string that ended a reply comes
     back from the worker (``stop_sequence``), streams parse in the official SDK, and ``count_tokens``
