@@ -1,7 +1,8 @@
 """Request fields of the OpenAI and vLLM APIs that this server does not implement, and unknown ones.
 
-A Chat Completions or Completions body may carry fields from OpenAI's API reference or from vLLM's
-extensions that agentrt does not implement (``logit_bias``, ``min_p``, ``guided_json``, ...). Dropping one
+A Chat Completions, Completions, Responses or ``/tokenize`` body (and a worker's SGLang ``/generate``,
+router/sglang_api.py) may carry fields from OpenAI's API reference or from vLLM's (SGLang's) extensions
+that agentrt does not implement (``logit_bias``, ``min_p``, ``guided_json``, ...). Dropping one
 silently gives output that looks right and is not what was asked, so each is accepted only at the value
 that asks for nothing (its neutral value: absent, ``null``, or the API's default) and refused with a 400
 naming it otherwise. A field that neither API defines is refused as OpenAI refuses it ("Unrecognized
