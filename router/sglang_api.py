@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from agentrt.core.errors import bad_request
 from agentrt.core.request_fields import check_extra_fields
@@ -68,6 +68,23 @@ async def flush_cache(request: Request) -> JSONResponse:
     return JSONResponse({"flushed": True})
 
 
+class NativeSampling(BaseModel):
+    """SGLang's ``sampling_params``: the ones read here, typed (a wrong type is a 400 naming it); the others
+    pass only at their neutral values (``SAMPLING_FIELDS``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_new_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None          # -1: none, as SGLang
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool | None = None
+    sampling_seed: StrictInt | None = None
+    skip_special_tokens: bool | None = None
+
+
 class NativeGenerateRequest(BaseModel):
     """SGLang's ``/generate`` body (one prompt): ``text`` or ``input_ids``, ``sampling_params``, ``stream``.
     Its other fields, and sampling parameters agentrt does not implement, pass only at their neutral
@@ -77,7 +94,7 @@ class NativeGenerateRequest(BaseModel):
 
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     rid: str | None = None
 
@@ -95,9 +112,7 @@ GENERATE_FIELDS = {
     "return_hidden_states": ((None, False), "false", ""),
     "log_metrics": ((), "", ""),   # any: whether SGLang logs the request's metrics
 }
-# SGLang's sampling parameters: those read here, and those agentrt does not implement (at their neutral values)
-SAMPLING_READ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-                 "sampling_seed", "skip_special_tokens")
+# SGLang's sampling parameters agentrt does not implement (at their neutral values)
 SAMPLING_FIELDS = {
     "min_p": ((None, 0, 0.0), "0", ""),
     "frequency_penalty": ((None, 0, 0.0), "0", ""),
@@ -115,17 +130,13 @@ SAMPLING_FIELDS = {
 }
 
 
-def _native_params(gen, sp: dict[str, Any], prompt_len: int):
-    check_extra_fields({k: v for k, v in sp.items() if k not in SAMPLING_READ}, SAMPLING_FIELDS, "sampling_params.")
-    fields = {"max_tokens": sp.get("max_new_tokens"), "temperature": sp.get("temperature"),
-              "top_p": sp.get("top_p"), "top_k": sp.get("top_k"), "stop": sp.get("stop"),
-              "stop_token_ids": sp.get("stop_token_ids"), "ignore_eos": sp.get("ignore_eos"),
-              "seed": sp.get("sampling_seed")}
-    if fields["top_k"] == -1:   # SGLang's "no top-k"
-        fields["top_k"] = 0
+def _native_params(gen, sp: NativeSampling, prompt_len: int):
+    check_extra_fields(sp.model_extra, SAMPLING_FIELDS, "sampling_params.")
+    fields = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+              "top_k": 0 if sp.top_k == -1 else sp.top_k, "stop": sp.stop, "stop_token_ids": sp.stop_token_ids,
+              "ignore_eos": sp.ignore_eos, "seed": sp.sampling_seed}
     params = gen.sampling_params(fields, prompt_len)
-    if sp.get("skip_special_tokens") is False:
-        params.skip_special_tokens = False
+    params.skip_special_tokens = sp.skip_special_tokens is not False
     return params
 
 

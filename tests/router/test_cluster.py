@@ -287,7 +287,9 @@ def test_sglang_generate_honours_or_refuses_each_field(cl):
     for extra, param in (({"sampling_params": {"max_new_tokens": 4, "min_p": 0.1}}, "sampling_params.min_p"),
                          ({"sampling_params": {"max_new_token": 4}}, "sampling_params.max_new_token"),
                          ({"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
-                         ({"return_logprob": True}, "return_logprob"), ({"lora_path": "a"}, "lora_path")):
+                         ({"return_logprob": True}, "return_logprob"), ({"lora_path": "a"}, "lora_path"),
+                         ({"sampling_params": {"top_k": "a"}}, "sampling_params.top_k"),      # a wrong type:
+                         ({"sampling_params": {"temperature": "hot"}}, "sampling_params.temperature")):  # 400, not 500
         resp = cl.http.post(url, json={"text": "Hi", **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     neutral = cl.http.post(url, json={"text": "Count: 1, 2, 3,", "return_logprob": False, "sampling_params": {
