@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from agentrt.core.errors import bad_request
-from agentrt.core.request_fields import check_extra_fields
+from agentrt.core.request_fields import COMPLETIONS, check_extra_fields
 from agentrt.api.http import sse_response
 from agentrt.server import services
 
@@ -114,15 +114,13 @@ GENERATE_FIELDS = {
 }
 # SGLang's sampling parameters agentrt does not implement (at their neutral values)
 SAMPLING_FIELDS = {
-    "min_p": ((None, 0, 0.0), "0", ""),
+    **{name: COMPLETIONS[name] for name in ("min_p", "repetition_penalty", "spaces_between_special_tokens",
+                                            "logit_bias")},   # vLLM's names and neutral values are SGLang's
     "frequency_penalty": ((None, 0, 0.0), "0", ""),
     "presence_penalty": ((None, 0, 0.0), "0", ""),
-    "repetition_penalty": ((None, 1, 1.0), "1", ""),
     "min_new_tokens": ((None, 0), "0", ""),
     "n": ((None, 1), "1", ""),
     "no_stop_trim": ((None, False), "false", ""),
-    "spaces_between_special_tokens": ((None, True), "true", ""),
-    "logit_bias": ((None, {}), "an empty map", ""),
     **{name: ((None,), "null", "; use /v1/chat/completions with response_format or tools")
        for name in ("json_schema", "regex", "ebnf", "structural_tag")},
     "custom_params": _NONE,
