@@ -275,8 +275,16 @@ INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, c
  * scale), keys outer: each value row is widened once, RB vectors of D at a time, and added into all G
  * queries' accumulators, G x RB vectors that stay in registers (G and D are constants where run_i8
  * inlines this: RB is the most of D's vectors that fit beside them). Per lane and query the sum runs
- * over keys in order, as the per-query loop it replaces did. */
+ * over keys in order, as the per-query loop it replaces did. AVX2 has 16 vector registers, AVX-512 32: at 24
+ * accumulators an AVX2 build kept some on the stack (3 queries x 8 vectors for a head dim of 64), at 12 it
+ * runs two passes of 4 vectors over the chunk's rows, which are in L1 by then (one layer's b64_ctx2048 call,
+ * x86-64-v3 build: 4.068 -> 3.989-4.005 ms in benchmarks/decode_kernel_ab.py, the same output bit for bit;
+ * 8 and 16 were slower than 12). */
+#if I8_LANES == 8
+#define I8_ACC_REGS 12
+#else
 #define I8_ACC_REGS 24
+#endif
 INLINE void values_i8_vec(const float *w, const int8_t *vh, const int64_t *slot, int n, int G, int D, float *acc) {
     int R = D / I8_LANES, RB = I8_ACC_REGS / G < 1 ? 1 : I8_ACC_REGS / G;
     if (RB > R) RB = R;
