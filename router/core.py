@@ -30,7 +30,6 @@ is unreachable the replica keeps routing on the last worker list it read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -55,6 +54,7 @@ from router.inflight import InFlightTracker
 from router.move_cost import MoveEstimate, plan_move
 from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, WorkerState, make_policy
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+from router.tasks import cancel_and_wait
 from router.tentative import TentativeIndex
 
 log = logging.getLogger("router.core")
@@ -180,10 +180,7 @@ class RouterCore:
         self._frozen_sets = self.index.sets_made
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)   # the refresh loop: a cancel redis-py swallowed would leave it polling on
         await self.consumer.stop()
         if self.vllm is not None:
             await self.vllm.stop()

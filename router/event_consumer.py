@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from router.config import RouterConfig
 from router.events import MEDIA, EventDecodeError, EventReader, KVEvent, decode_event, unpack_hash
 from router.index import PrefixIndex
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +271,4 @@ class KVEventConsumer:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        while task is not None and not task.done():
-            # Again until it ends: a cancel that lands while redis-py is setting up a connection can be
-            # swallowed there, and the loop polls on (a router's stop then waited for whoever cancelled it).
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.1)
+        await cancel_and_wait(task)   # a cancel redis-py swallowed would leave it polling on

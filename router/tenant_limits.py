@@ -45,7 +45,6 @@ releases and unanswered admissions under way: after it, what Redis holds is fina
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -58,6 +57,7 @@ from agentrt.core.errors import APIError
 from agentrt.core.tenants import WINDOW_S, Tenant, TenantLimiter
 from router.config import RouterConfig
 from router.core import retry_for
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.tenant_limits")
 
@@ -346,10 +346,7 @@ class RedisTenantLimits(TenantLimiter):
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Stop renewing and finish the releases and withdrawals under way, for at most ``grace_s`` (call
         before closing the Redis client). What is not done by then expires with its lease."""
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        await cancel_and_wait(self._renewer)
         if not await self.settle(grace_s):
             pending = list(self._releases)
             for task in pending:

@@ -28,7 +28,6 @@ Sequence numbers (per worker, counting batches from 0):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -37,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from router.index import PrefixIndex
+from router.tasks import cancel_and_wait
 from router.vllm_hashmap import ChainMapper
 from router.vllm_wire import (BlockRemoved, BlockStored, END_SEQ, VllmDecodeError,
                               decode_batch, pack_seq, unpack_seq)
@@ -104,11 +104,8 @@ class VllmEventFollower:
         return self._task
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None

@@ -43,6 +43,7 @@ from router.config import RouterConfig, WorkerSettings
 from router.core import redis_client
 from router.events import KVEventPublisher, cache_snapshot
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.worker")
 
@@ -175,11 +176,8 @@ class WorkerRuntime:
         return await self.moves.hand_over(self.settings.advertise_url, [w.url for w in live], timeout_s)
 
     async def _stop_heartbeat(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _unregister(self) -> None:
         try:
@@ -188,10 +186,7 @@ class WorkerRuntime:
             log.warning("could not unregister %s: %s", self.settings.worker_id, exc)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)   # the heartbeat
         try:
             await self.registry.unregister(self.settings.worker_id)
         except (aioredis.RedisError, OSError) as exc:
