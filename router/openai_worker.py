@@ -39,6 +39,7 @@ from engine.types import RequestOutput, SamplingParams
 from router.config import RouterConfig, VllmWorkerSpec
 from router.index import PrefixIndex
 from router.registry import WorkerInfo
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,7 @@ class VllmWorkers:
                        for wid in self.states]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in self._tasks))   # the health probes
         for follower in self.followers.values():
             await follower.stop()
         await self._http.aclose()

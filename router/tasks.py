@@ -1,6 +1,7 @@
-"""Stopping the router's background loops (registry refresh, KV event readers, heartbeats, lease renewers).
+"""Stopping the router's background loops (registry refresh, KV event readers, vLLM health probes, heartbeats,
+lease renewers).
 
-Each of those loops runs until it is cancelled, and each awaits Redis. On Python 3.11 a cancellation that
+Each of those loops runs until it is cancelled, and most await Redis. On Python 3.11 a cancellation that
 lands while redis-py sets up a connection, or as a command completes inside ``asyncio.wait_for``, can be
 swallowed there: the loop goes round again, and whoever did ``task.cancel(); await task`` waits for it
 forever (seen: a router's stop hung with its refresh loop still polling a live Redis). ``cancel_and_wait``
