@@ -11,14 +11,17 @@ cancels again until the task has ended.
 from __future__ import annotations
 
 import asyncio
+import logging
+
+log = logging.getLogger("router.tasks")
 
 
 async def cancel_and_wait(task: asyncio.Task | None, poll_s: float = 0.1) -> None:
     """Cancel ``task`` and return once it has ended, cancelling it again every ``poll_s`` while it runs on
-    (a cancellation it swallowed). What it ended with (cancelled, an exception, a result) is not raised:
-    the caller is stopping it. The caller's own cancellation still propagates."""
+    (a cancellation it swallowed). What it ended with is not raised, since the caller is stopping it; an
+    exception is logged (a loop that died before its stop). The caller's own cancellation still propagates."""
     while task is not None and not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=poll_s)
-    if task is not None and not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+    if task is not None and not task.cancelled() and task.exception() is not None:
+        log.warning("background task %s had ended with %r before it was stopped", task.get_name(), task.exception())

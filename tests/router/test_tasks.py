@@ -59,15 +59,18 @@ def test_cancel_and_wait_ends_a_loop_that_lost_its_cancellation():
     asyncio.run(body())
 
 
-def test_cancel_and_wait_does_not_raise_what_the_task_ended_with():
+def test_cancel_and_wait_logs_and_does_not_raise_what_the_task_ended_with(caplog):
     async def body():
         async def fails():
             raise RuntimeError("boom")
-        task = asyncio.create_task(fails())
+        task = asyncio.create_task(fails(), name="refresh")
         await asyncio.sleep(0)
         await cancel_and_wait(task)                  # stopping it: its error is not the caller's
         assert isinstance(task.exception(), RuntimeError)
-    asyncio.run(body())
+    with caplog.at_level("WARNING", logger="router.tasks"):
+        asyncio.run(body())
+    assert [r.getMessage() for r in caplog.records] == [
+        "background task refresh had ended with RuntimeError('boom') before it was stopped"]
 
 
 def test_router_stop_ends_even_if_its_refresh_loop_lost_a_cancellation(redis_url):
