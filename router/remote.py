@@ -243,14 +243,22 @@ class RemoteEngine:
                     raise APIError(503, why, type="server_error", code="no_worker_available") from None
             await asyncio.sleep(0.05)
 
+    async def _response(self, request: httpx.Request, wid: str) -> httpx.Response:
+        """The worker's response (status and headers; the body streams) within ``header_timeout_s``, else
+        ``WorkerUnavailable`` (hung). ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for``
+        returns the response when the caller's cancellation (a client that went away) lands as it arrives,
+        and the request then ran on for nobody, its turn recorded (tests/router/test_remote_cancel.py)."""
+        try:
+            async with asyncio.timeout(self.header_timeout_s):
+                return await self.http.send(request, stream=True)
+        except TimeoutError:
+            raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
+
     async def _send(self, route: Route, body: dict, trace: Any = None) -> AsyncIterator[RequestOutput]:
         url = route.worker.url + "/internal/generate"
         wid = route.worker.worker_id
         request = self.http.build_request("POST", url, json=body, headers=tracing.inject(trace))
-        try:
-            resp = await asyncio.wait_for(self.http.send(request, stream=True), self.header_timeout_s)
-        except asyncio.TimeoutError:
-            raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
+        resp = await self._response(request, wid)
         async with contextlib.aclosing(resp):
             if resp.status_code != 200:
                 error = await _worker_error(resp, wid)
@@ -275,12 +283,8 @@ class RemoteEngine:
         wid = route.worker.worker_id
         model = self.core.vllm.states[wid].served_model or self.core.model_id
         request = completion_body(model, body["prompt_token_ids"], params, body["cache_salt"])
-        try:
-            resp = await asyncio.wait_for(self.http.send(self.http.build_request(
-                "POST", route.worker.url + "/v1/completions", json=request, headers=tracing.inject(trace)),
-                stream=True), self.header_timeout_s)
-        except asyncio.TimeoutError:
-            raise WorkerUnavailable(f"worker {wid} sent no response in {self.header_timeout_s} s (hung)") from None
+        resp = await self._response(self.http.build_request(
+            "POST", route.worker.url + "/v1/completions", json=request, headers=tracing.inject(trace)), wid)
         async with contextlib.aclosing(resp):
             if resp.status_code != 200:
                 error = await _worker_error(resp, wid)
