@@ -44,6 +44,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from agentrt.core.tasks import cancel_and_wait
 from engine.hashing import block_hashes, make_seed
 from router.affinity import AffinityMap
 from router.config import RouterConfig
@@ -54,7 +55,6 @@ from router.inflight import InFlightTracker
 from router.move_cost import MoveEstimate, plan_move
 from router.policy import NoWorkerAvailable, RouteDecision, RouteRequest, WorkerState, make_policy
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
-from router.tasks import cancel_and_wait
 from router.tentative import TentativeIndex
 
 log = logging.getLogger("router.core")

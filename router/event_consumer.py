@@ -22,10 +22,10 @@ from typing import Awaitable, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
+from agentrt.core.tasks import cancel_and_wait
 from router.config import RouterConfig
 from router.events import MEDIA, EventDecodeError, EventReader, KVEvent, decode_event, unpack_hash
 from router.index import PrefixIndex
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ from typing import AsyncIterator, Callable
 import httpx
 from httpx_sse import EventSource
 
+from agentrt.core.tasks import cancel_and_wait
 from engine.hashing import make_seed
 from engine.types import RequestOutput, SamplingParams
 from router.config import RouterConfig, VllmWorkerSpec
 from router.index import PrefixIndex
 from router.registry import WorkerInfo
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -54,10 +54,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from agentrt.core.errors import APIError
+from agentrt.core.tasks import cancel_and_wait
 from agentrt.core.tenants import WINDOW_S, Tenant, TenantLimiter
 from router.config import RouterConfig
 from router.core import retry_for
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.tenant_limits")
 

@@ -35,8 +35,8 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from agentrt.core.tasks import cancel_and_wait
 from router.index import PrefixIndex
-from router.tasks import cancel_and_wait
 from router.vllm_hashmap import ChainMapper
 from router.vllm_wire import (BlockRemoved, BlockStored, END_SEQ, VllmDecodeError,
                               decode_batch, pack_seq, unpack_seq)

@@ -39,11 +39,11 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from agentrt.config import KEEP_ALIVE_S, ServerConfig
+from agentrt.core.tasks import cancel_and_wait
 from router.config import RouterConfig, WorkerSettings
 from router.core import redis_client
 from router.events import KVEventPublisher, cache_snapshot
 from router.registry import LoadReport, WorkerInfo, WorkerRegistry
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.worker")
 

@@ -30,10 +30,12 @@ PACKAGES = ("engine", "agentrt", "router", "agentrt_cli")
 OURS = PACKAGES + ("benchmarks", "tests")
 # agentrt's modules router/ may import: the app it assembles (server), its settings and instrumentation,
 # the contracts it implements or reuses (the session store, tenants, errors and the request-field checks of
-# its SGLang /generate), the SSE plumbing, the dashboard's status shape and the process launcher
+# its SGLang /generate), the SSE plumbing, the dashboard's status shape, the process launcher and the way
+# a task is stopped (agentrt.core.tasks)
 ROUTER_USES = frozenset({"agentrt", "agentrt.server", "agentrt.config", "agentrt.tracing", "agentrt.metrics",
                          "agentrt.procs", "agentrt.dashboard", "agentrt.api.http", "agentrt.core.errors",
-                         "agentrt.core.request_fields", "agentrt.core.tenants", "agentrt.core.store"})
+                         "agentrt.core.request_fields", "agentrt.core.tasks", "agentrt.core.tenants",
+                         "agentrt.core.store"})
 
 
 def module_files() -> dict[str, Path]:

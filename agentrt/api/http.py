@@ -9,7 +9,6 @@ surface: it imports none."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -20,6 +19,7 @@ from starlette.background import BackgroundTask
 
 from agentrt.core.errors import APIError, from_exception
 from agentrt.core.generation import Generation
+from agentrt.core.tasks import cancel_and_wait
 from agentrt.core.tenants import Tenant, TenantRegistry
 from agentrt.metrics import Metrics
 from agentrt.protocol import ErrorResponse
@@ -66,9 +66,9 @@ async def unless_disconnected(request: Request, work: Awaitable[Any], cleanup: C
     finally:
         watcher.cancel()
     if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        # again until it ends: with a cancellation lost inside it (Python 3.11, agentrt/core/tasks.py) the
+        # request ran on to its end for nobody, its turn recorded; what it ended with has nobody to go to
+        await cancel_and_wait(task, log_exception=False)
         await cleanup()
         return Response(status_code=499)
     return task.result()

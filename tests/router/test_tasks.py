@@ -1,4 +1,4 @@
-"""Stopping a background loop that swallowed a cancellation (router/tasks.py).
+"""Stopping a background loop that lost a cancellation (agentrt/core/tasks.py).
 
 On Python 3.11 redis-py can lose a cancellation (one landing while it sets up a connection, or as a command
 completes inside ``asyncio.wait_for``); a loop that polls Redis then goes round again. A make test run with
@@ -12,7 +12,7 @@ import asyncio
 
 from router.config import RouterConfig
 from router.core import RouterCore
-from router.tasks import cancel_and_wait
+from agentrt.core.tasks import cancel_and_wait
 
 
 def swallowing_loop(inside: asyncio.Event, lost: list[int]):
@@ -67,15 +67,15 @@ def test_cancel_and_wait_logs_and_does_not_raise_what_the_task_ended_with(caplog
         await asyncio.sleep(0)
         await cancel_and_wait(task)                  # stopping it: its error is not the caller's
         assert isinstance(task.exception(), RuntimeError)
-    with caplog.at_level("WARNING", logger="router.tasks"):
+    with caplog.at_level("WARNING", logger="agentrt.tasks"):
         asyncio.run(body())
     assert [r.getMessage() for r in caplog.records] == [
-        "background task refresh had ended with RuntimeError('boom') before it was stopped"]
+        "task refresh had ended with RuntimeError('boom') before it was stopped"]
 
 
 def test_router_stop_ends_even_if_its_refresh_loop_lost_a_cancellation(redis_url):
     """A real RouterCore over a real redis-server; its refresh (every 0.1 s) loses the first cancellation
-    that lands in it. Before router/tasks.py, stop() waited for that loop forever."""
+    that lands in it. Before cancel_and_wait, stop() waited for that loop forever."""
     async def body():
         core = RouterCore(RouterConfig(redis_url=redis_url, deployment="stop-swallow"), "m", refresh_interval_s=0.1)
         await core.start()
