@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
+from agentrt.core.tasks import cancel_and_wait
 from router.config import RouterConfig
 from router.core import RouterCore
-from agentrt.core.tasks import cancel_and_wait
 
 
 def swallowing_loop(inside: asyncio.Event, lost: list[int]):
