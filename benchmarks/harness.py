@@ -222,5 +222,7 @@ def loaded_kernels() -> dict[str, bool]:
     (``LLMEngine.active_kernels``)."""
     from engine.attention import cpu_kernel
     from engine.models import cpu_ops, qmatmul
-    return {"decode_attention": cpu_kernel.load() is not None, "layer_ops": cpu_ops.load() is not None,
-            "qmatmul": qmatmul.load() is not None}
+    prefill = cpu_kernel.load_prefill()
+    return {"decode_attention": cpu_kernel.load() is not None,
+            "prefill_attention": prefill is not None and prefill.dpbf16,   # run only on vdpbf16ps
+            "layer_ops": cpu_ops.load() is not None, "qmatmul": qmatmul.load() is not None}

@@ -4,7 +4,8 @@ The agent workload's turn (benchmarks/vs_llamacpp.py): ~750 new tokens over a 2-
 builds an engine on the default model, caches ``--prefix`` tokens, then times requests that add ``--extend``
 new tokens each (one output token), splitting every step into the weight matmuls, attention, RoPE + K/V
 write, the C layer ops and the rest. ``--ab`` alternates (ABBA, one process) the paths from before the
-blocks' prefill and the split extend attention (A) with the ones picked now (B). ``--cpu x86-64-v3`` caps torch, oneDNN and our kernels at AVX2 as
+blocks' prefill and the split extend attention (A) with the ones picked now (B); ``--ab-prefill-kernel``
+alternates torch's attention (A) with the C bfloat16 prefill kernel (B). ``--cpu x86-64-v3`` caps torch, oneDNN and our kernels at AVX2 as
 vs_llamacpp.py does (set before torch is imported).
 """
 
@@ -27,6 +28,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quantization", default="gguf", help="EngineConfig.quantization")
     p.add_argument("--dtype", default="float32", help="EngineConfig.dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--ab-prefill-kernel", action="store_true",
+                   help="alternate (ABBA) A, torch's attention for the prefill chunks, with B, the C bfloat16 prefill "
+                        "kernel (engine/attention/csrc/prefill_attention.c; bfloat16 on vdpbf16ps only)")
     p.add_argument("--ab", action="store_true",
                    help="alternate (ABBA) A, the dense prefill matmuls and the masked SDPA extend (the paths "
                         "before prefill on the blocks and extend_attention), with B, the paths picked now")
@@ -91,12 +95,19 @@ def main() -> None:
     from engine.models.qlinear import prefill_on_blocks
 
     flash, blocks = torch_backend._FLASH_CPU, getattr(eng, "prefill_on_blocks", False)
+    prefill_kernel = eng.runner.attn.prefill_kernel
+    if args.ab_prefill_kernel and prefill_kernel is None:
+        raise SystemExit("--ab-prefill-kernel: this engine runs no C prefill kernel (bfloat16 on vdpbf16ps only)")
 
     def config(side: str) -> None:
+        if args.ab_prefill_kernel:
+            eng.runner.attn.prefill_kernel = prefill_kernel if side == "B" else None
+            return
         torch_backend._FLASH_CPU = flash if side == "B" else None
         prefill_on_blocks(eng.model, blocks and side == "B")
 
-    sides = ["A", "B", "B", "A"] if args.ab else ["B"]
+    ab = args.ab or args.ab_prefill_kernel
+    sides = ["A", "B", "B", "A"] if ab else ["B"]
     by_side: dict[str, list[dict]] = {}
     for r in range(args.repeats + 1):
         for side in sides if r % 2 == 0 else sides[::-1]:
@@ -108,7 +119,7 @@ def main() -> None:
                 by_side.setdefault(side, []).append({"wall": wall, **times})
     config("B")
     for side, rows in sorted(by_side.items()):
-        if args.ab:
+        if ab:
             print(f"-- {side} ({'before' if side == 'A' else 'after'}): {len(rows)} runs")
         report(rows)
     eng.close()

@@ -232,10 +232,11 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
     fused = m.device == "cpu" and hasattr(m.model, "use_cpu_ops") and \
         (m.dtype == torch.bfloat16 or (m.dtype == torch.float32 and m.quantization != "off")) and \
         m.model.use_cpu_ops(config.cpu_kernels)
-    decode_kernel = getattr(attn, "kernel", None)
-    kernels = {"decode_attention": decode_kernel is not None, "layer_ops": bool(fused),
-               "qmatmul": m.quantization == "gguf"}
+    decode_kernel, prefill_kernel = getattr(attn, "kernel", None), getattr(attn, "prefill_kernel", None)
+    kernels = {"decode_attention": decode_kernel is not None, "prefill_attention": prefill_kernel is not None,
+               "layer_ops": bool(fused), "qmatmul": m.quantization == "gguf"}
     desc = (backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
+            + (" + CPU bfloat16 prefill kernel" if prefill_kernel else "")
             + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
     return runner, kernels, desc
 

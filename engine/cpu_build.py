@@ -85,8 +85,9 @@ def no_compiler_reason() -> str | None:
     return f"no C compiler: {where} (shutil.which found none)"
 
 
-# the C libraries: engine/attention/cpu_kernel.py, engine/models/cpu_ops.py, engine/models/qmatmul.py
-KERNELS = ("decode_attention", "layer_ops", "qmatmul")
+# the C libraries: engine/attention/cpu_kernel.py (decode and prefill attention), engine/models/cpu_ops.py,
+# engine/models/qmatmul.py
+KERNELS = ("decode_attention", "prefill_attention", "layer_ops", "qmatmul")
 
 
 @functools.cache   # once a process: every kernel library's cache key asks for it

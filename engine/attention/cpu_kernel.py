@@ -173,3 +173,61 @@ def load() -> DecodeKernel | None:
         return None
     log.info("CPU decode-attention kernel: %s", kernel.path)
     return kernel
+
+
+PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
+
+
+class PrefillKernel:
+    """ctypes binding of ``csrc/prefill_attention.c``: a bfloat16 prefill chunk over its sequence's keys,
+    read in place from the pool."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.fn = lib.prefill_attention_bf16
+        self.fn.restype = i32
+        self.fn.argtypes = [p, p, p, i64, p, i64, i64, i32, i32, i32, ctypes.c_float, p]
+        self.dpbf16 = bool(lib.prefill_attention_dpbf16())   # vdpbf16ps (AVX512-BF16), else portable C
+
+    @staticmethod
+    def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP and head_dim % 64 == 0 \
+            and head_dim <= MAX_HEAD_DIM
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (Q, Hq, D) bfloat16, the chunk's queries; k, v: one layer's pool (Hkv, S, D) bfloat16; slots:
+        (L,) int64, the sequence's keys in order, the chunk's own last (L >= Q) -> (Q, Hq, D) bfloat16,
+        written into ``out`` when given (contiguous, of q's shape)."""
+        Q, Hq, D = q.shape
+        Hkv, S, _ = k.shape
+        L = slots.numel()
+        if not all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (q, k, v)) or k.shape != v.shape \
+                or k.shape[2] != D or slots.dtype != torch.int64 or not slots.is_contiguous() or L < Q:
+            raise ValueError("prefill kernel: contiguous bfloat16 q (Q, Hq, D), k and v (Hkv, S, D), int64 slots "
+                             "(L,) with L >= Q")
+        if L and (int(slots.min()) < 0 or int(slots.max()) >= S):   # the C side reads slots unchecked
+            raise ValueError(f"prefill kernel: a slot lies outside the pool of {S} slots")
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError("prefill kernel: out must be contiguous and of q's shape and dtype")
+        rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), S, slots.data_ptr(), L, Q, Hq, Hkv, D,
+                     1.0 / D ** 0.5, out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"prefill kernel returned {rc} (Q={Q}, L={L}, Hq={Hq}, Hkv={Hkv}, D={D})")
+        return out
+
+
+@functools.cache
+def load_prefill() -> PrefillKernel | None:
+    """The prefill kernel for this process, built on first use; ``None`` when it cannot be built (logged once)."""
+    try:
+        kernel = PrefillKernel(build(PREFILL_SOURCE))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU prefill-attention kernel unavailable, using torch's attention: %s", exc)
+        return None
+    log.info("CPU prefill-attention kernel: %s", kernel.path)
+    return kernel

@@ -140,6 +140,14 @@ def _within_bfloat16_noise(engine: LLMEngine, what: str) -> None:
     assert worst <= 0.35
 
 
+def _prefill_in_c() -> bool:
+    """Whether a bfloat16 pool's prefill chunks run in the C prefill kernel here (only on vdpbf16ps)."""
+    from engine.attention.cpu_kernel import load_prefill
+
+    kernel = load_prefill()
+    return kernel is not None and kernel.dpbf16
+
+
 @pytest.mark.slow
 def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     """The default model in bfloat16, fused and plain. Per operation the two agree but for a rare last-bit
@@ -150,7 +158,8 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is not None
     # logged, in /metrics; the weights are not gguf blocks here (quantization auto in explicit bfloat16)
-    assert engine.active_kernels == {"decode_attention": True, "layer_ops": True, "qmatmul": False}
+    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": _prefill_in_c(),
+                                     "layer_ops": True, "qmatmul": False}
     _within_bfloat16_noise(engine, "fused vs plain")
 
 
@@ -162,7 +171,8 @@ def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
     top-token change 1e-5 nats. Tolerances: every top-1 equal, mean KL <= 1e-6, <= 1e-3 nats."""
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is None
-    assert engine.active_kernels == {"decode_attention": True, "layer_ops": False, "qmatmul": False}
+    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": False,
+                                     "qmatmul": False}
     assert engine.model.use_cpu_ops(True)
     agree, n, kl, worst = _fused_against_plain(engine)
     print(f"float32, fused vs plain: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
@@ -181,7 +191,8 @@ def test_model_in_float32_on_gguf_blocks_with_the_c_layer_ops_scores_as_the_plai
     the blocks against float32 weights, 0.0033 and 0.20). Tolerances: top-1 >= 90%, mean KL <= 0.005,
     <= 0.35 nats."""
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="gguf", kv_cache_tokens=4096))
-    assert engine.active_kernels == {"decode_attention": True, "layer_ops": True, "qmatmul": True}
+    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": True,
+                                     "qmatmul": True}
     _within_bfloat16_noise(engine, "float32 gguf, fused vs plain")
 
 
@@ -189,5 +200,6 @@ def test_engines_without_the_c_kernels_count_none_active():
     """``cpu_kernels=False``: the plain layers, and every kernel reported off."""
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_tokens=1024, cpu_kernels=False))
     assert engine.model.cpu_ops is None
-    assert engine.active_kernels == {"decode_attention": False, "layer_ops": False, "qmatmul": False}
+    assert engine.active_kernels == {"decode_attention": False, "prefill_attention": False, "layer_ops": False,
+                                     "qmatmul": False}
     assert engine.stats().cpu_kernels == engine.active_kernels

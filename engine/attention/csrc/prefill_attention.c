@@ -1,0 +1,302 @@
+/* Prefill attention for the CPU in bfloat16: a chunk of Q new queries of one sequence over its L keys,
+ * the first L - Q of them cached before the chunk (L == Q: nothing cached). Query i of the chunk sees
+ * keys 0 .. L - Q + i (the bottom-right causal mask).
+ *
+ * The keys and values are read in place from one layer of the KV pool (engine/kv_pool.py's head-major
+ * "HSD" layout, [Hkv, S, D]) at the sequence's slots, and repacked once per call into the layouts the
+ * vdpbf16ps instruction multiplies (products of bfloat16 pairs summed into float32 lanes):
+ *   keys:   per block of KB keys, [D / 2][KB] pairs: pair p of key j is its elements 2p and 2p + 1
+ *           (a 32-bit word of the key row), so one register holds pair p of 16 keys;
+ *   values: per block, [KB / 2][D] pairs: element d of keys 2j and 2j + 1, so one register holds
+ *           16 dims of a pair of keys.
+ * Then each task, one KV head and up to QT queries (times the G query heads that share the KV head:
+ * the task's rows), runs flash attention over the blocks its queries see: scores of 4 rows x 64 keys
+ * in 16 registers, an online softmax in float32 (exp as exp2 of a polynomial, kernel_math.h), the
+ * probabilities rounded to bfloat16 (as torch's bfloat16 matmul rounds them, and the decode kernel
+ * does) and multiplied with the values into float32 accumulators. The softmax's sum stays float32;
+ * the output is rounded to bfloat16, to nearest even as torch rounds.
+ *
+ * Without AVX512-BF16 the same loops run in portable C on the widened values (every bfloat16 is a
+ * float32 exactly): the path the tests compare the vector one with; engine/attention/torch_backend.py
+ * calls this kernel only where it runs vdpbf16ps and keeps torch's fused attention elsewhere.
+ * Threads: OpenMP, in the process's one libgomp pool, as engine/attention/csrc/decode_attention.c.
+ *
+ * engine/attention/cpu_kernel.py builds and calls this; engine/attention/reference.py is the oracle
+ * (tests/engine/test_prefill_kernel.py).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernel_math.h"   /* engine/csrc: bf16 <-> f32, exp_nonpos, INLINE */
+
+#define KB 64              /* keys per block */
+#define QT 32              /* queries per task */
+#define RB 4               /* rows per microkernel call */
+#define MAX_G 16
+#define MAX_D 256
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+/* Scores of RB rows against one block: s[r][j] = sum_p q[r] pair p . k[j] pair p (unscaled).
+ * qp: [RB][D2] pairs; kp: [D2][KB] pairs; s: [RB][KB]. */
+static void scores_block(const uint32_t *qp, const uint32_t *kp, int D2, float *s) {
+#if HAVE_DPBF16
+    __m512 acc[RB][KB / 16];
+    for (int r = 0; r < RB; r++)
+        for (int c = 0; c < KB / 16; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int p = 0; p < D2; p++) {
+        __m512bh k[KB / 16];
+        for (int c = 0; c < KB / 16; c++) k[c] = (__m512bh)_mm512_loadu_si512(kp + p * KB + 16 * c);
+        for (int r = 0; r < RB; r++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)qp[r * D2 + p]);
+            for (int c = 0; c < KB / 16; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, k[c]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int c = 0; c < KB / 16; c++) _mm512_storeu_ps(s + r * KB + 16 * c, acc[r][c]);
+#else
+    for (int r = 0; r < RB; r++) {
+        float a[KB];
+        for (int j = 0; j < KB; j++) a[j] = 0.0f;
+        for (int p = 0; p < D2; p++) {
+            uint32_t w = qp[r * D2 + p];
+            float q0 = bf16_to_f32((uint16_t)w), q1 = bf16_to_f32((uint16_t)(w >> 16));
+            const uint32_t *kr = kp + p * KB;
+#pragma omp simd
+            for (int j = 0; j < KB; j++)
+                a[j] += q0 * bf16_to_f32((uint16_t)kr[j]) + q1 * bf16_to_f32((uint16_t)(kr[j] >> 16));
+        }
+        memcpy(s + r * KB, a, sizeof a);
+    }
+#endif
+}
+
+/* o[r] = o[r] * alpha[r] + sum_j P[r][j] v[j] for RB rows and one block.
+ * pp: [RB][KB / 2] pairs of bfloat16 probabilities; vp: [KB / 2][D] pairs; o: [RB][D] float32. */
+static void values_block(const uint32_t *pp, const uint32_t *vp, int D, const float *alpha, float *o) {
+#if HAVE_DPBF16
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 acc[RB][4];
+        for (int r = 0; r < RB; r++) {
+            __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * c), a);
+        }
+        for (int j = 0; j < KB / 2; j++) {
+            __m512bh v[4];
+            for (int c = 0; c < 4; c++) v[c] = (__m512bh)_mm512_loadu_si512(vp + j * D + d0 + 16 * c);
+            for (int r = 0; r < RB; r++) {
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r * (KB / 2) + j]);
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, v[c]);
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
+    }
+#else
+    for (int r = 0; r < RB; r++) {
+        float *orow = o + r * D;
+        for (int d = 0; d < D; d++) orow[d] *= alpha[r];
+        for (int j = 0; j < KB / 2; j++) {
+            uint32_t w = pp[r * (KB / 2) + j];
+            float p0 = bf16_to_f32((uint16_t)w), p1 = bf16_to_f32((uint16_t)(w >> 16));
+            if (p0 == 0.0f && p1 == 0.0f) continue;
+            const uint32_t *vr = vp + j * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++)
+                orow[d] += p0 * bf16_to_f32((uint16_t)vr[d]) + p1 * bf16_to_f32((uint16_t)(vr[d] >> 16));
+        }
+    }
+#endif
+}
+
+#if HAVE_DPBF16
+/* exp(x) for x <= 0, exp_nonpos's polynomial on 16 lanes (2^n applied by vscalefps). */
+INLINE __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(2.1877504861477862e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2387821452754277e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6845804549791600e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5480426324716045e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023050204510465e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314692869304260e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000025868887f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* One row's scores of a block (the first n of KB visible) -> its probabilities as bfloat16 pairs in pr,
+ * with the running max *m and sum *l updated; returns the factor the row's output is rescaled by. */
+INLINE float softmax_row(float *sr, int n, float scale, float *m, float *l, uint32_t *pr) {
+#if HAVE_DPBF16
+    __mmask16 mk[KB / 16];
+    __m512 x[KB / 16];
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < KB / 16; c++) {
+        int left = n - 16 * c;
+        mk[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        x[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), _mm512_set1_ps(scale));
+        vmax = _mm512_mask_max_ps(vmax, mk[c], vmax, x[c]);
+    }
+    float bmax = _mm512_reduce_max_ps(vmax);
+    float mx = bmax > *m ? bmax : *m;
+    __m512 vm = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps(), e[KB / 16];
+    for (int c = 0; c < KB / 16; c++) {
+        e[c] = _mm512_maskz_mov_ps(mk[c], exp_nonpos16(_mm512_sub_ps(x[c], vm)));
+        vsum = _mm512_add_ps(vsum, e[c]);
+    }
+    for (int c = 0; c < KB / 16; c += 2)   /* rounded to nearest even, 32 in order */
+        _mm512_storeu_si512(pr + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(e[c + 1], e[c]));
+    float a = exp_nonpos(*m - mx);           /* *m = -inf at first: a = exp(-87), and l, o are 0 */
+    *l = *l * a + _mm512_reduce_add_ps(vsum);
+    *m = mx;
+    return a;
+#else
+    float mx = *m;
+    for (int j = 0; j < n; j++) {
+        sr[j] *= scale;
+        mx = sr[j] > mx ? sr[j] : mx;
+    }
+    float sum = 0.0f;
+    uint16_t *p16 = (uint16_t *)pr;
+    for (int j = 0; j < KB; j++) {
+        float e = j < n ? exp_nonpos(sr[j] - mx) : 0.0f;
+        sum += e;
+        p16[j] = f32_to_bf16(e);
+    }
+    float a = exp_nonpos(*m - mx);
+    *l = *l * a + sum;
+    *m = mx;
+    return a;
+#endif
+}
+
+/* Block b of KV head h into the two layouts; keys past L are zeros. */
+static void repack_block(const uint16_t *kh, const uint16_t *vh, const int64_t *slots, int64_t L, int D,
+                         int64_t b, uint32_t *kp, uint32_t *vp) {
+    int D2 = D / 2;
+    for (int j = 0; j < KB; j++) {
+        int64_t key = b * KB + j;
+        if (key < L) {
+            const uint32_t *kr = (const uint32_t *)(kh + slots[key] * D);
+            for (int p = 0; p < D2; p++) kp[p * KB + j] = kr[p];
+        } else {
+            for (int p = 0; p < D2; p++) kp[p * KB + j] = 0;
+        }
+    }
+    for (int j = 0; j < KB / 2; j++) {
+        int64_t k0 = b * KB + 2 * j, k1 = k0 + 1;
+        const uint16_t *v0 = k0 < L ? vh + slots[k0] * D : NULL, *v1 = k1 < L ? vh + slots[k1] * D : NULL;
+        for (int d = 0; d < D; d++)
+            vp[j * D + d] = (uint32_t)(v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
+    }
+}
+
+/* One task: KV head h, queries i0 .. i1 - 1 of the chunk. rows = (i1 - i0) * G, row r = (i - i0) * G + g;
+ * padded to a multiple of RB with copies of the last row (their output is not written). */
+static void run_task(const uint16_t *q, const uint32_t *kpack, const uint32_t *vpack, int64_t L, int64_t Q,
+                     int Hq, int Hkv, int D, float scale, int h, int64_t i0, int64_t i1, uint16_t *out,
+                     uint32_t *qp, float *s, uint32_t *pp, float *o, float *m, float *l, float *alpha) {
+    int G = Hq / Hkv, D2 = D / 2;
+    int rows = (int)(i1 - i0) * G, padded = (rows + RB - 1) / RB * RB;
+    int64_t n_cached = L - Q, block_words = (int64_t)KB * D2;
+    for (int r = 0; r < padded; r++) {
+        int rr = r < rows ? r : rows - 1;
+        int64_t i = i0 + rr / G;
+        int g = rr % G;
+        memcpy(qp + (int64_t)r * D2, q + (i * Hq + h * G + g) * D, sizeof(uint16_t) * D);
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * padded * D);
+    int64_t last_key = n_cached + i1 - 1;                 /* the last key any row of the task sees */
+    int64_t n_blocks = last_key / KB + 1;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint32_t *kp = kpack + (h * ((L + KB - 1) / KB) + b) * block_words;
+        const uint32_t *vp = vpack + (h * ((L + KB - 1) / KB) + b) * block_words;
+        for (int r0 = 0; r0 < padded; r0 += RB) {
+            scores_block(qp + (int64_t)r0 * D2, kp, D2, s);
+            for (int r = r0; r < r0 + RB; r++) {
+                int rr = r < rows ? r : rows - 1;
+                int64_t visible = n_cached + i0 + rr / G + 1 - b * KB;   /* keys of this block the row sees */
+                int n = visible >= KB ? KB : visible <= 0 ? 0 : (int)visible;
+                alpha[r - r0] = softmax_row(s + (r - r0) * KB, n, scale, m + r, l + r, pp + (r - r0) * (KB / 2));
+            }
+            values_block(pp, vp, D, alpha, o + (int64_t)r0 * D);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t i = i0 + r / G;
+        int g = r % G;
+        uint16_t *dst = out + (i * Hq + h * G + g) * D;
+        float inv = 1.0f / l[r];
+        for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[(int64_t)r * D + d] * inv);
+    }
+}
+
+/* q: (Q, Hq, D) bfloat16, contiguous; k, v: one layer of the pool, (Hkv, S, D) bfloat16; slots: the
+ * sequence's L slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) bfloat16.
+ * Returns 0, or -1 for shapes outside the kernel's limits, -2 when memory runs out. */
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int64_t *slots,
+                           int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
+    if (Q < 1 || L < Q || Hkv < 1 || Hq % Hkv || Hq / Hkv > MAX_G || D % 64 || D > MAX_D) return -1;
+    int G = Hq / Hkv, D2 = D / 2;
+    int64_t n_blocks = (L + KB - 1) / KB, block_words = (int64_t)KB * D2;
+    uint32_t *kpack = malloc(sizeof(uint32_t) * Hkv * n_blocks * block_words);
+    uint32_t *vpack = malloc(sizeof(uint32_t) * Hkv * n_blocks * block_words);
+    if (!kpack || !vpack) {
+        free(kpack);
+        free(vpack);
+        return -2;
+    }
+    int64_t n_tiles = (Q + QT - 1) / QT, n_tasks = Hkv * n_tiles;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < Hkv * n_blocks; t++) {
+            int64_t h = t / n_blocks, b = t % n_blocks;
+            repack_block(k + h * S * D, v + h * S * D, slots, L, D, b, kpack + t * block_words, vpack + t * block_words);
+        }
+        int max_rows = (QT * G + RB - 1) / RB * RB;
+        uint32_t *qp = malloc(sizeof(uint32_t) * max_rows * D2);
+        float *o = malloc(sizeof(float) * max_rows * D);
+        float *m = malloc(sizeof(float) * max_rows), *l = malloc(sizeof(float) * max_rows);
+        float s[RB * KB], alpha[RB];
+        uint32_t pp[RB * KB / 2];
+        if (!qp || !o || !m || !l) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            /* the tiles with the most keys (the last queries) first */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < n_tasks; t++) {
+                int64_t tile = n_tiles - 1 - t / Hkv;
+                int h = (int)(t % Hkv);
+                int64_t i0 = tile * QT, i1 = i0 + QT < Q ? i0 + QT : Q;
+                run_task(q, kpack, vpack, L, Q, Hq, Hkv, D, scale, h, i0, i1, out, qp, s, pp, o, m, l, alpha);
+            }
+        }
+        free(qp);
+        free(o);
+        free(m);
+        free(l);
+    }
+    free(kpack);
+    free(vpack);
+    return failed ? -2 : 0;
+}
+
+int prefill_attention_dpbf16(void) { return HAVE_DPBF16; }

@@ -1,0 +1,131 @@
+"""The compiled bfloat16 prefill-attention kernel (engine/attention/csrc/prefill_attention.c) against a float64
+reference, in its vdpbf16ps build and its portable one, and inside the torch backend."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.attention import create_backend
+from engine.attention.cpu_kernel import PREFILL_SOURCE, PrefillKernel
+from engine.attention.reference import reference_attention
+from engine.cpu_build import build
+from engine.kv_pool import KVCache
+from kernel_build import KernelBuild
+
+BUILD = KernelBuild(lambda: PrefillKernel(build(PREFILL_SOURCE)))   # skipped only without a compiler on PATH
+kernel = BUILD.value
+pytestmark = BUILD.skip_mark()
+_built = BUILD.autouse_require()   # a compile error fails every test here
+
+
+def portable_kernel():
+    """The portable C loops (the build without AVX512-BF16); the default build itself where it has no vdpbf16ps."""
+    if not kernel.dpbf16:
+        return kernel
+    return PrefillKernel(build(PREFILL_SOURCE, extra_flags=("-mno-avx512bf16",)))
+
+
+def reference(q, k, v, slots):
+    """Causal softmax attention in float64: query i of Q sees keys 0 .. L - Q + i of the L at ``slots``."""
+    Q, Hq, D = q.shape
+    G = Hq // k.shape[0]
+    L = slots.numel()
+    kk = k[:, slots].double().repeat_interleave(G, 0)                     # (Hq, L, D)
+    vv = v[:, slots].double().repeat_interleave(G, 0)
+    s = torch.einsum("qhd,hld->hql", q.double(), kk) / math.sqrt(D)
+    s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(L - Q, L)[:, None], -math.inf)
+    return torch.einsum("hql,hld->qhd", torch.softmax(s, -1), vv)        # (Q, Hq, D)
+
+
+def case(Q, n_cached, Hq, Hkv, D, seed):
+    torch.manual_seed(seed)
+    S = n_cached + Q + 37
+    k, v = torch.randn(Hkv, S, D).bfloat16(), torch.randn(Hkv, S, D).bfloat16()
+    slots = torch.randperm(S)[:n_cached + Q]                              # scattered over the pool
+    q = (torch.randn(Q, Hq, D) * 2).bfloat16()                            # peaked softmaxes as well as flat ones
+    return q, k, v, slots
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 1, 64)])
+@pytest.mark.parametrize("Q,n_cached", [(1, 0), (7, 0), (64, 0), (65, 63), (130, 70), (33, 1000), (40, 3)])
+def test_kernel_matches_reference(variant, Hq, Hkv, D, Q, n_cached):
+    """Chunks with and without a cached prefix, on both sides of the 64-key block and 32-query task edges,
+    GQA groups of 1-16: within the error of rounding the exact result to bfloat16 (and a planted
+    off-by-one in the causal mask or a wrong scale is far outside it)."""
+    kern = kernel if variant == "native" else portable_kernel()
+    if variant == "portable":
+        assert not kern.dpbf16
+    q, k, v, slots = case(Q, n_cached, Hq, Hkv, D, Q * 7 + n_cached + D)
+    out = kern(q, k, v, slots)
+    ref = reference(q, k, v, slots)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    err = (out.double() - ref).abs()
+    rounding = (ref.bfloat16().double() - ref).abs()
+    assert err.max().item() <= 2 * rounding.max().item() + 2e-3
+    assert err.mean().item() <= 2 * rounding.mean().item() + 2e-4
+
+
+def test_both_builds_agree():
+    q, k, v, slots = case(200, 900, 9, 3, 64, 3)
+    a, b = kernel(q, k, v, slots), portable_kernel()(q, k, v, slots)
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_output_written_in_place_and_inputs_checked():
+    q, k, v, slots = case(20, 30, 9, 3, 64, 4)
+    out = torch.full_like(q, float("nan"))
+    assert kernel(q, k, v, slots, out=out) is out and not out.isnan().any()
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernel(q, k, v, torch.cat([slots[:-1], torch.tensor([k.shape[1]])]))
+    with pytest.raises(ValueError, match="L >= Q"):
+        kernel(q, k, v, slots[:10])
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel(q.float(), k, v, slots)
+    assert not PrefillKernel.supports(9, 3, 48) and not PrefillKernel.supports(32, 1, 64)
+    assert PrefillKernel.supports(32, 8, 128)
+
+
+def _backend(dtype, num_pages, P=16, Hq=9, Hkv=3, D=64, cpu_kernel=True):
+    kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
+    for t in kv.k + kv.v:
+        t.normal_()
+    return kv, create_backend("torch", kv=kv, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, cpu_kernel=cpu_kernel)
+
+
+def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only():
+    """In a batch of a cold prefill, chunks over cached prefixes (short and long) and decode rows, a bfloat16
+    pool sends every prefill chunk through the kernel (where it runs vdpbf16ps) and matches the reference;
+    a float32 pool never takes it."""
+    from engine.attention import BatchLayout
+
+    specs = [(40, 40), (17, 300), (150, 700), (1, 90), (3, 50)]
+    P, rng = 16, random.Random(9)
+    num_pages = sum(-(-kl // P) for _, kl in specs) + 3
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-kl // P))] for _, kl in specs]
+    slots = [t[i // P] * P + i % P for (ql, kl), t in zip(specs, tables) for i in range(kl - ql, kl)]
+    layout = BatchLayout([q for q, _ in specs], [k for _, k in specs], tables, torch.tensor(slots))
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(1)
+        kv, backend = _backend(dtype, num_pages)
+        calls = []
+        if backend.prefill_kernel is not None:
+            real = backend.prefill_kernel
+            backend.prefill_kernel = lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+        T = layout.num_tokens
+        q = torch.randn(T, 9, 64).to(dtype)
+        backend.plan(layout)
+        out = backend.forward(0, q, torch.randn(T, 3, 64).to(dtype), torch.randn(T, 3, 64).to(dtype))
+        ref = reference_attention(kv, 0, layout, q)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        if dtype == torch.float32:
+            assert backend.prefill_kernel is None
+        elif kernel.dpbf16:
+            assert calls == [40, 17, 150]
+        else:
+            assert backend.prefill_kernel is None   # the portable loops never replace torch's fused kernel
