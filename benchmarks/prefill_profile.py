@@ -28,6 +28,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quantization", default="gguf", help="EngineConfig.quantization")
     p.add_argument("--dtype", default="float32", help="EngineConfig.dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, help="write the runs and their medians here (the harness's header)")
     p.add_argument("--ab-prefill-kernel", action="store_true",
                    help="alternate (ABBA) A, torch's attention for the prefill chunks, with B, the C bfloat16 prefill "
                         "kernel (engine/attention/csrc/prefill_attention.c; bfloat16 on vdpbf16ps only)")
@@ -51,6 +52,9 @@ def main() -> None:
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.models import qlinear
 
+    from benchmarks import harness
+
+    run_info = harness.Run(args, __file__)
     eng = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization,
                                  kv_cache_tokens=args.prefix + args.extend * 4 * (args.repeats + 2) + 1024))
     times: dict[str, float] = {}
@@ -122,11 +126,27 @@ def main() -> None:
         if ab:
             print(f"-- {side} ({'before' if side == 'A' else 'after'}): {len(rows)} runs")
         report(rows)
+    sides_desc = ({"A": "torch's attention for the prefill chunks", "B": "the C bfloat16 prefill kernel"}
+                  if args.ab_prefill_kernel else
+                  {"A": "dense prefill matmuls, masked SDPA extend", "B": "the paths picked now"})
+    body = {"prefix_tokens": args.prefix, "extend_tokens": args.extend, "cpu_target": args.cpu,
+            "sides": {side: {"what": sides_desc[side] if ab else "the paths picked now",
+                             "runs_ms": [{k: round(v * 1000, 1) for k, v in row.items()} for row in rows],
+                             "median_ms": {k: round(statistics.median(row.get(k, 0.0) for row in rows) * 1000, 1)
+                                           for k in KEYS}}
+                      for side, rows in sorted(by_side.items())}}
+    if ab:
+        a, b = body["sides"]["A"]["median_ms"], body["sides"]["B"]["median_ms"]
+        body["ratio_b_over_a"] = {k: round(b[k] / a[k], 3) for k in ("wall", "attention") if a[k]}
+    run_info.write(body, engine=eng)
     eng.close()
 
 
+KEYS = ["wall", "model", "matmul", "attention", "rope+kv write", "add+norm", "silu*mul"]
+
+
 def report(rows: list[dict]) -> None:
-    keys = ["wall", "model", "matmul", "attention", "rope+kv write", "add+norm", "silu*mul"]
+    keys = KEYS
     for k in keys:
         v = [row.get(k, 0.0) * 1000 for row in rows]
         print(f"{k:>14}: median {statistics.median(v):8.1f} ms  (min {min(v):.1f}, max {max(v):.1f})")
