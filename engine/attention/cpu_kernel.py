@@ -180,7 +180,7 @@ PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
 
 class PrefillKernel:
     """ctypes binding of ``csrc/prefill_attention.c``: a bfloat16 prefill chunk over its sequence's keys,
-    read in place from the pool."""
+    read in place from the pool (bfloat16 pages, or int8 pages with their scales)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -189,6 +189,9 @@ class PrefillKernel:
         self.fn = lib.prefill_attention_bf16
         self.fn.restype = i32
         self.fn.argtypes = [p, p, p, i64, p, i64, i64, i32, i32, i32, ctypes.c_float, p]
+        self.fn_i8 = lib.prefill_attention_i8
+        self.fn_i8.restype = i32
+        self.fn_i8.argtypes = [p, p, p, p, p, i64, p, i64, i64, i32, i32, i32, ctypes.c_float, p]
         self.dpbf16 = bool(lib.prefill_attention_dpbf16())   # vdpbf16ps (AVX512-BF16), else portable C
 
     @staticmethod
@@ -196,26 +199,44 @@ class PrefillKernel:
         return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP and head_dim % 64 == 0 \
             and head_dim <= MAX_HEAD_DIM
 
+    def paged(self, q: torch.Tensor, kv, layer: int, slots: torch.Tensor, out: torch.Tensor | None = None):
+        """:meth:`__call__` over one layer of a ``KVCache`` (engine/kv_pool.py): bfloat16 pages, or int8 pages with
+        their scales (dequantized to bfloat16 as read)."""
+        if kv.quantized:
+            return self(q, kv.k[layer], kv.v[layer], slots, out, kv.k_scale[layer], kv.v_scale[layer])
+        return self(q, kv.k[layer], kv.v[layer], slots, out)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """q: (Q, Hq, D) bfloat16, the chunk's queries; k, v: one layer's pool (Hkv, S, D) bfloat16; slots:
-        (L,) int64, the sequence's keys in order, the chunk's own last (L >= Q) -> (Q, Hq, D) bfloat16,
-        written into ``out`` when given (contiguous, of q's shape)."""
+                 out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (Q, Hq, D) bfloat16, the chunk's queries; k, v: one layer's pool (Hkv, S, D), bfloat16, or int8 with
+        ``k_scale``, ``v_scale`` (Hkv, S) float32; slots: (L,) int64, the sequence's keys in order, the chunk's
+        own last (L >= Q) -> (Q, Hq, D) bfloat16, written into ``out`` when given (contiguous, of q's shape)."""
         Q, Hq, D = q.shape
         Hkv, S, _ = k.shape
         L = slots.numel()
-        if not all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (q, k, v)) or k.shape != v.shape \
-                or k.shape[2] != D or slots.dtype != torch.int64 or not slots.is_contiguous() or L < Q:
-            raise ValueError("prefill kernel: contiguous bfloat16 q (Q, Hq, D), k and v (Hkv, S, D), int64 slots "
-                             "(L,) with L >= Q")
+        i8 = k.dtype == torch.int8
+        scales_ok = (not i8 and k_scale is None and v_scale is None) or (
+            i8 and k_scale is not None and v_scale is not None and all(
+                s.dtype == torch.float32 and s.is_contiguous() and s.shape == (Hkv, S) for s in (k_scale, v_scale)))
+        if not (q.dtype == torch.bfloat16 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+                and k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.int8) and scales_ok) \
+                or k.shape != v.shape or k.shape[2] != D or slots.dtype != torch.int64 or not slots.is_contiguous() \
+                or L < Q:
+            raise ValueError("prefill kernel: contiguous bfloat16 q (Q, Hq, D), k and v (Hkv, S, D) bfloat16 (or int8 "
+                             "with float32 scales (Hkv, S)), int64 slots (L,) with L >= Q")
         if L and (int(slots.min()) < 0 or int(slots.max()) >= S):   # the C side reads slots unchecked
             raise ValueError(f"prefill kernel: a slot lies outside the pool of {S} slots")
         if out is None:
             out = torch.empty_like(q)
         elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
             raise ValueError("prefill kernel: out must be contiguous and of q's shape and dtype")
-        rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), S, slots.data_ptr(), L, Q, Hq, Hkv, D,
-                     1.0 / D ** 0.5, out.data_ptr())
+        if i8:
+            rc = self.fn_i8(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), S,
+                            slots.data_ptr(), L, Q, Hq, Hkv, D, 1.0 / D ** 0.5, out.data_ptr())
+        else:
+            rc = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), S, slots.data_ptr(), L, Q, Hq, Hkv, D,
+                         1.0 / D ** 0.5, out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"prefill kernel returned {rc} (Q={Q}, L={L}, Hq={Hq}, Hkv={Hkv}, D={D})")
         return out

@@ -35,7 +35,7 @@ a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SD
 ``_SDPA_MIN_Q`` queries on takes no mask (``extend_attention``): the cached keys and the chunk's own
 are attended apart by torch's fused kernel and merged by log-sum-exp.
 
-On a bfloat16 pool where the compiled prefill kernel runs vdpbf16ps (AVX512-BF16; engine/attention/csrc/
+On a bfloat16 pool (bfloat16 pages, or int8 pages read as bfloat16) where the compiled prefill kernel runs vdpbf16ps (AVX512-BF16; engine/attention/csrc/
 prefill_attention.c), every prefill chunk, cold or over a cached prefix, goes through it instead: the
 sequence's keys read in place at its slots, bfloat16 products summed in float32, flash attention over blocks of
 64 keys. One turn of the agent workload (750 new tokens over 5,000 cached, bf16 on the GGUF blocks, 2 threads,
@@ -120,7 +120,8 @@ class TorchAttentionBackend(AttentionBackend):
             kernel = load()
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
-        if cpu_kernel and kv.k[0].device.type == "cpu" and kv.k[0].dtype == torch.bfloat16:
+        if cpu_kernel and kv.k[0].device.type == "cpu" and kv.dtype == torch.bfloat16 \
+                and kv.k[0].dtype in (torch.bfloat16, torch.int8):   # bfloat16 pages, or int8 ones read as bfloat16
             from engine.attention.cpu_kernel import PrefillKernel, load_prefill
             if PrefillKernel.supports(num_heads, num_kv_heads, head_dim):
                 prefill = load_prefill()
@@ -212,8 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
         in_c = self.prefill_kernel is not None and q.dtype == torch.bfloat16
         for start, end, idx, mask in self.prefills:
             if in_c:   # the bfloat16 pool read in place, whatever the chunk's length and its cached prefix
-                self.prefill_kernel(q[start:end].contiguous(), self.kv.k[layer], self.kv.v[layer], idx,
-                                    out=out[start:end])
+                self.prefill_kernel.paged(q[start:end].contiguous(), self.kv, layer, idx, out=out[start:end])
                 continue
             ks, vs = self.kv.gather(layer, idx)                       # (Hkv, kl, D)
             qs = q[start:end]                                         # (ql, Hq, D)

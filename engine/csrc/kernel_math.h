@@ -40,23 +40,48 @@ INLINE float f16_to_f32(uint16_t h) {
 }
 
 /* exp(x) for x <= 0 (clamped at -87, where it is below float32's smallest normal anyway): 2^t with
- * t = x log2(e) = n + f, 2^f by a least-squares polynomial of degree 6 (relative error below 1e-7). */
+ * t = x log2(e) = n + f, 2^f by a least-squares polynomial of degree 6 (relative error below 1e-7).
+ * EXP2_POLY(step) evaluates it by Horner's rule, one coefficient per step, so that the scalar form below and
+ * the 16-lane one share the coefficients. */
+#define EXP_LOG2E 1.4426950408889634f
+#define EXP2_POLY(step, p)                   \
+    p = step(p, 1.2387821452754277e-3f);     \
+    p = step(p, 9.6845804549791600e-3f);     \
+    p = step(p, 5.5480426324716045e-2f);     \
+    p = step(p, 2.4023050204510465e-1f);     \
+    p = step(p, 6.9314692869304260e-1f);     \
+    p = step(p, 1.0000000025868887f)
+#define EXP2_POLY_LEAD 2.1877504861477862e-4f
+
 INLINE float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.4426950408889634f;
+    float t = x * EXP_LOG2E;
     float n = floorf(t);
     float f = t - n;                            /* [0, 1) */
-    float p = 2.1877504861477862e-4f;
-    p = p * f + 1.2387821452754277e-3f;
-    p = p * f + 9.6845804549791600e-3f;
-    p = p * f + 5.5480426324716045e-2f;
-    p = p * f + 2.4023050204510465e-1f;
-    p = p * f + 6.9314692869304260e-1f;
-    p = p * f + 1.0000000025868887f;
+    float p = EXP2_POLY_LEAD;
+#define EXP2_SCALAR_STEP(p, c) ((p) * f + (c))
+    EXP2_POLY(EXP2_SCALAR_STEP, p);
+#undef EXP2_SCALAR_STEP
     bits32 c;
     c.u = (uint32_t)((int32_t)n + 127) << 23;   /* 2^n, n in [-126, 0] */
     return p * c.f;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* exp_nonpos on 16 lanes (2^n applied by vscalefps). */
+INLINE __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(EXP2_POLY_LEAD);
+#define EXP2_VEC_STEP(p, c) _mm512_fmadd_ps((p), f, _mm512_set1_ps(c))
+    EXP2_POLY(EXP2_VEC_STEP, p);
+#undef EXP2_VEC_STEP
+    return _mm512_scalef_ps(p, n);
+}
+#endif
 
 /* silu(x) = x / (1 + exp(-x)), with exp of -|x| only: x * e / (1 + e) for x < 0, e = exp(x); below -87 it is
  * 0 (torch's exp(-x) overflows there, or nearly: |silu(x)| < 1e-36). SwiGLU's activation in

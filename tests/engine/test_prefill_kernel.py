@@ -74,6 +74,29 @@ def test_both_builds_agree():
     torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_int8_pages_are_read_as_the_gather_dequantizes_them(variant):
+    """An int8 pool (values and a scale per token and KV head): the kernel dequantizes each row as it repacks it,
+    to the bfloat16 values ``KVCache.gather`` returns, so its output is bit for bit the bfloat16 kernel's over
+    the gathered copy, and within bfloat16 rounding of the float64 reference over those values."""
+    kern = kernel if variant == "native" else portable_kernel()
+    P, Hq, Hkv, D, Q, n_cached = 16, 9, 3, 64, 70, 300
+    torch.manual_seed(11)
+    kv = KVCache(1, 40, P, Hkv, D, torch.bfloat16, "cpu", layout="HSD", kv_dtype=torch.int8)
+    L = n_cached + Q
+    slots = torch.randperm(40 * P)[:L]
+    kv.write(0, slots, torch.randn(L, Hkv, D).bfloat16(), torch.randn(L, Hkv, D).bfloat16())
+    q = (torch.randn(Q, Hq, D) * 2).bfloat16()
+    out = kern.paged(q, kv, 0, slots)
+    k, v = kv.gather(0, slots)                                            # (Hkv, L, D) bfloat16
+    assert torch.equal(out, kern(q, k.contiguous(), v.contiguous(), torch.arange(L)))
+    ref = reference(q, k, v, torch.arange(L))
+    err, rounding = (out.double() - ref).abs(), (ref.bfloat16().double() - ref).abs()
+    assert err.max().item() <= 2 * rounding.max().item() + 2e-3
+    with pytest.raises(ValueError, match="int8 with float32 scales"):
+        kern(q, kv.k[0], kv.v[0], slots)                                  # int8 pages without their scales
+
+
 def test_output_written_in_place_and_inputs_checked():
     q, k, v, slots = case(20, 30, 9, 3, 64, 4)
     out = torch.full_like(q, float("nan"))
@@ -89,16 +112,33 @@ def test_output_written_in_place_and_inputs_checked():
 
 
 def _backend(dtype, num_pages, P=16, Hq=9, Hkv=3, D=64, cpu_kernel=True):
-    kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
-    for t in kv.k + kv.v:
-        t.normal_()
+    """A backend over a pool of random pages: ``dtype`` bfloat16 or float32, or int8 (pages of a bfloat16 model)."""
+    if dtype == torch.int8:
+        kv = KVCache(1, num_pages, P, Hkv, D, torch.bfloat16, "cpu", layout="HSD", kv_dtype=torch.int8)
+        slots = torch.arange(num_pages * P)
+        kv.write(0, slots, torch.randn(len(slots), Hkv, D).bfloat16(), torch.randn(len(slots), Hkv, D).bfloat16())
+    else:
+        kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
+        for t in kv.k + kv.v:
+            t.normal_()
     return kv, create_backend("torch", kv=kv, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, cpu_kernel=cpu_kernel)
+
+
+class _Counting:
+    """The kernel, recording each call's query count."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def paged(self, q, *args, **kwargs):
+        self.calls.append(q.shape[0])
+        return self.kernel.paged(q, *args, **kwargs)
 
 
 def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only():
     """In a batch of a cold prefill, chunks over cached prefixes (short and long) and decode rows, a bfloat16
-    pool sends every prefill chunk through the kernel (where it runs vdpbf16ps) and matches the reference;
-    a float32 pool never takes it."""
+    pool, or an int8 one of a bfloat16 model, sends every prefill chunk through the kernel (where it runs
+    vdpbf16ps) and matches the reference; a float32 pool never takes it."""
     from engine.attention import BatchLayout
 
     specs = [(40, 40), (17, 300), (150, 700), (1, 90), (3, 50)]
@@ -109,19 +149,19 @@ def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only():
     tables = [[free.pop() for _ in range(-(-kl // P))] for _, kl in specs]
     slots = [t[i // P] * P + i % P for (ql, kl), t in zip(specs, tables) for i in range(kl - ql, kl)]
     layout = BatchLayout([q for q, _ in specs], [k for _, k in specs], tables, torch.tensor(slots))
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.int8, torch.float32):
         torch.manual_seed(1)
         kv, backend = _backend(dtype, num_pages)
         calls = []
         if backend.prefill_kernel is not None:
-            real = backend.prefill_kernel
-            backend.prefill_kernel = lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+            backend.prefill_kernel = _Counting(backend.prefill_kernel, calls)
         T = layout.num_tokens
-        q = torch.randn(T, 9, 64).to(dtype)
+        act = kv.dtype
+        q = torch.randn(T, 9, 64).to(act)
         backend.plan(layout)
-        out = backend.forward(0, q, torch.randn(T, 3, 64).to(dtype), torch.randn(T, 3, 64).to(dtype))
-        ref = reference_attention(kv, 0, layout, q)
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        out = backend.forward(0, q, torch.randn(T, 3, 64).to(act), torch.randn(T, 3, 64).to(act))
+        ref = reference_attention(kv, 0, layout, q)   # over the pages as gathered (int8: dequantized)
+        tol = 2e-2 if act == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
         if dtype == torch.float32:
             assert backend.prefill_kernel is None

@@ -3,7 +3,8 @@
  * keys 0 .. L - Q + i (the bottom-right causal mask).
  *
  * The keys and values are read in place from one layer of the KV pool (engine/kv_pool.py's head-major
- * "HSD" layout, [Hkv, S, D]) at the sequence's slots, and repacked once per call into the layouts the
+ * "HSD" layout, [Hkv, S, D]; bfloat16 pages, or int8 pages dequantized to bfloat16 as they are read, the
+ * values KVCache.gather gives) at the sequence's slots, and repacked once per call into the layouts the
  * vdpbf16ps instruction multiplies (products of bfloat16 pairs summed into float32 lanes):
  *   keys:   per block of KB keys, [D / 2][KB] pairs: pair p of key j is its elements 2p and 2p + 1
  *           (a 32-bit word of the key row), so one register holds pair p of 16 keys;
@@ -30,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernel_math.h"   /* engine/csrc: bf16 <-> f32, exp_nonpos, INLINE */
+#include "kernel_math.h"   /* engine/csrc: bf16 <-> f32, exp_nonpos (and exp_nonpos16), INLINE */
 
 #define KB 64              /* keys per block */
 #define QT 32              /* queries per task */
@@ -117,24 +118,6 @@ static void values_block(const uint32_t *pp, const uint32_t *vp, int D, const fl
 #endif
 }
 
-#if HAVE_DPBF16
-/* exp(x) for x <= 0, exp_nonpos's polynomial on 16 lanes (2^n applied by vscalefps). */
-INLINE __m512 exp_nonpos16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(2.1877504861477862e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2387821452754277e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6845804549791600e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5480426324716045e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023050204510465e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314692869304260e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000025868887f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
 /* One row's scores of a block (the first n of KB visible) -> its probabilities as bfloat16 pairs in pr,
  * with the running max *m and sum *l updated; returns the factor the row's output is rescaled by. */
 INLINE float softmax_row(float *sr, int n, float scale, float *m, float *l, uint32_t *pr) {
@@ -181,14 +164,36 @@ INLINE float softmax_row(float *sr, int n, float scale, float *m, float *l, uint
 #endif
 }
 
+/* One layer of the pool: bfloat16 rows, or int8 rows with a float32 scale per token and KV head
+ * (engine/kv_pool.py's int8 pages), read as bfloat16 either way. */
+typedef struct {
+    const void *k, *v;
+    const float *ks, *vs;   /* int8 only: (Hkv, S) */
+    int i8;
+    int64_t S;
+    int D;
+} Pool;
+
+/* Row `slot` of KV head h of k (which = 0) or v (1) as bfloat16: in place, or for int8 pages dequantized into buf
+ * as KVCache.gather does (int8 times the scale in float32, rounded to bfloat16 to nearest even). */
+INLINE const uint16_t *pool_row(const Pool *p, int which, int64_t h, int64_t slot, uint16_t *buf) {
+    int64_t off = (h * p->S + slot) * p->D;
+    if (!p->i8) return (const uint16_t *)(which ? p->v : p->k) + off;
+    const int8_t *x = (const int8_t *)(which ? p->v : p->k) + off;
+    float sc = (which ? p->vs : p->ks)[h * p->S + slot];
+    for (int d = 0; d < p->D; d++) buf[d] = f32_to_bf16((float)x[d] * sc);
+    return buf;
+}
+
 /* Block b of KV head h into the two layouts; keys past L are zeros. */
-static void repack_block(const uint16_t *kh, const uint16_t *vh, const int64_t *slots, int64_t L, int D,
-                         int64_t b, uint32_t *kp, uint32_t *vp) {
-    int D2 = D / 2;
+static void repack_block(const Pool *pool, int64_t h, const int64_t *slots, int64_t L, int64_t b, uint32_t *kp,
+                         uint32_t *vp) {
+    int D = pool->D, D2 = D / 2;
+    uint16_t kb[MAX_D], vb0[MAX_D], vb1[MAX_D];
     for (int j = 0; j < KB; j++) {
         int64_t key = b * KB + j;
         if (key < L) {
-            const uint32_t *kr = (const uint32_t *)(kh + slots[key] * D);
+            const uint32_t *kr = (const uint32_t *)pool_row(pool, 0, h, slots[key], kb);
             for (int p = 0; p < D2; p++) kp[p * KB + j] = kr[p];
         } else {
             for (int p = 0; p < D2; p++) kp[p * KB + j] = 0;
@@ -196,7 +201,8 @@ static void repack_block(const uint16_t *kh, const uint16_t *vh, const int64_t *
     }
     for (int j = 0; j < KB / 2; j++) {
         int64_t k0 = b * KB + 2 * j, k1 = k0 + 1;
-        const uint16_t *v0 = k0 < L ? vh + slots[k0] * D : NULL, *v1 = k1 < L ? vh + slots[k1] * D : NULL;
+        const uint16_t *v0 = k0 < L ? pool_row(pool, 1, h, slots[k0], vb0) : NULL;
+        const uint16_t *v1 = k1 < L ? pool_row(pool, 1, h, slots[k1], vb1) : NULL;
         for (int d = 0; d < D; d++)
             vp[j * D + d] = (uint32_t)(v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
     }
@@ -244,11 +250,9 @@ static void run_task(const uint16_t *q, const uint32_t *kpack, const uint32_t *v
     }
 }
 
-/* q: (Q, Hq, D) bfloat16, contiguous; k, v: one layer of the pool, (Hkv, S, D) bfloat16; slots: the
- * sequence's L slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) bfloat16.
- * Returns 0, or -1 for shapes outside the kernel's limits, -2 when memory runs out. */
-int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int64_t *slots,
-                           int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
+static int prefill(const uint16_t *q, const Pool *pool, const int64_t *slots, int64_t L, int64_t Q, int Hq, int Hkv,
+                   float scale, uint16_t *out) {
+    int D = pool->D;
     if (Q < 1 || L < Q || Hkv < 1 || Hq % Hkv || Hq / Hkv > MAX_G || D % 64 || D > MAX_D) return -1;
     int G = Hq / Hkv, D2 = D / 2;
     int64_t n_blocks = (L + KB - 1) / KB, block_words = (int64_t)KB * D2;
@@ -266,7 +270,7 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < Hkv * n_blocks; t++) {
             int64_t h = t / n_blocks, b = t % n_blocks;
-            repack_block(k + h * S * D, v + h * S * D, slots, L, D, b, kpack + t * block_words, vpack + t * block_words);
+            repack_block(pool, h, slots, L, b, kpack + t * block_words, vpack + t * block_words);
         }
         int max_rows = (QT * G + RB - 1) / RB * RB;
         uint32_t *qp = malloc(sizeof(uint32_t) * max_rows * D2);
@@ -297,6 +301,22 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
     free(kpack);
     free(vpack);
     return failed ? -2 : 0;
+}
+
+/* q: (Q, Hq, D) bfloat16, contiguous; k, v: one layer of the pool, (Hkv, S, D) bfloat16; slots: the
+ * sequence's L slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) bfloat16.
+ * Returns 0, or -1 for shapes outside the kernel's limits, -2 when memory runs out. */
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int64_t *slots,
+                           int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
+    Pool pool = {k, v, NULL, NULL, 0, S, D};
+    return prefill(q, &pool, slots, L, Q, Hq, Hkv, scale, out);
+}
+
+/* The same over int8 pages: k, v (Hkv, S, D) int8 with ks, vs (Hkv, S) float32 scales. */
+int prefill_attention_i8(const uint16_t *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs, int64_t S,
+                         const int64_t *slots, int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
+    Pool pool = {k, v, ks, vs, 1, S, D};
+    return prefill(q, &pool, slots, L, Q, Hq, Hkv, scale, out);
 }
 
 int prefill_attention_dpbf16(void) { return HAVE_DPBF16; }
