@@ -216,6 +216,11 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _prefill_wins(prefill) -> bool:
+    from engine.attention.torch_backend import prefill_kernel_wins
+    return prefill_kernel_wins(prefill, 9, 3, 64)
+
+
 def loaded_kernels() -> dict[str, bool]:
     """Whether each C kernel library (engine/cpu_build.py KERNELS) builds and loads in this process (built
     now unless cached), for a result with no engine in-process; an engine reports the ones it runs
@@ -224,5 +229,6 @@ def loaded_kernels() -> dict[str, bool]:
     from engine.models import cpu_ops, qmatmul
     prefill = cpu_kernel.load_prefill()
     return {"decode_attention": cpu_kernel.load() is not None,
-            "prefill_attention": prefill is not None and prefill.dpbf16,   # run only on vdpbf16ps
+            # run only on vdpbf16ps, where it measures faster than torch (the default model's heads)
+            "prefill_attention": prefill is not None and prefill.dpbf16 and _prefill_wins(prefill),
             "layer_ops": cpu_ops.load() is not None, "qmatmul": qmatmul.load() is not None}

@@ -36,7 +36,8 @@ a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SD
 are attended apart by torch's fused kernel and merged by log-sum-exp.
 
 On a bfloat16 pool (bfloat16 pages, or int8 pages read as bfloat16) where the compiled prefill kernel runs vdpbf16ps (AVX512-BF16; engine/attention/csrc/
-prefill_attention.c), every prefill chunk, cold or over a cached prefix, goes through it instead: the
+prefill_attention.c) and measured faster than torch's path at start (``prefill_kernel_wins``: on a CPU with
+AMX tiles oneDNN's may win), every prefill chunk, cold or over a cached prefix, goes through it instead: the
 sequence's keys read in place at its slots, bfloat16 products summed in float32, flash attention over blocks of
 64 keys. One turn of the agent workload (750 new tokens over 5,000 cached, bf16 on the GGUF blocks, 2 threads,
 a 2-core AVX-512 EPYC; ``benchmarks/prefill_profile.py --dtype bfloat16 --ab-prefill-kernel``): attention
@@ -51,7 +52,9 @@ which dequantize the slots they read.
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 
 import numpy as np
 import torch
@@ -79,8 +82,10 @@ _SDPA_MIN_Q = 128
 # torch's fused CPU attention, which returns each query's log-sum-exp beside its output (None where this
 # torch lacks it: the masked SDPA path serves every long chunk then)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# the activations whose long chunks over a cached prefix take ``extend_attention`` (measured in float32 only)
-_EXTEND_DTYPES = (torch.float32,)
+# the activations whose long chunks over a cached prefix take ``extend_attention``: float32, and bfloat16 where
+# the C prefill kernel does not run (one layer, 9 / 3 heads of 64, 512 queries over 5,000 cached keys, a 2-core
+# AVX-512 EPYC: 83 against the masked SDPA's 98 ms on one thread, 42.5 against 51.1 ms on two)
+_EXTEND_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_cached: int) -> torch.Tensor:
@@ -104,11 +109,63 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_cached
     return o.transpose(0, 1).to(q.dtype)
 
 
+def chunk_attention(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One prefill chunk in torch: qs (ql, Hq, D) over its sequence's gathered keys ks, vs (Hkv, kl, D), the
+    chunk's own last; ``mask`` (ql, kl) bottom-right causal, or None when nothing was cached -> (ql, Hq, D)."""
+    ql = qs.shape[0]
+    if mask is None:
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks, vs, is_causal=True, enable_gqa=True)   # (Hq, ql, D)
+        return o.transpose(0, 1)
+    if ql >= _SDPA_MIN_Q and _FLASH_CPU is not None and qs.dtype in _EXTEND_DTYPES and qs.device.type == "cpu":
+        return extend_attention(qs, ks, vs, ks.shape[1] - ql)
+    if ql >= _SDPA_MIN_Q:  # a long chunk over a cached prefix: SDPA's fused kernel
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks[None], vs[None], attn_mask=mask,
+                                           enable_gqa=True)   # (1, Hq, ql, D)
+        return o[0].transpose(0, 1)
+    return grouped_attention(qs, ks, vs, mask)
+
+
+# the probe's chunk: this many queries over _PROBE_CACHED cached keys
+_PROBE_Q, _PROBE_CACHED = 128, 1024
+
+
+@functools.cache
+def prefill_kernel_wins(kernel, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the C prefill kernel is faster here than torch's path (``chunk_attention`` after the gather) on a
+    bfloat16 chunk of 128 queries over 1,024 cached keys: best of 3 each, alternating, once per process and
+    shape, logged. On a CPU whose oneDNN attention runs on AMX tiles torch's may be the faster one."""
+    g = torch.Generator().manual_seed(0)
+    L = _PROBE_CACHED + _PROBE_Q
+    q = torch.randn(_PROBE_Q, num_heads, head_dim, generator=g).bfloat16()
+    k = torch.randn(num_kv_heads, L, head_dim, generator=g).bfloat16()
+    v = torch.randn(num_kv_heads, L, head_dim, generator=g).bfloat16()
+    slots = torch.arange(L)
+    mask = torch.arange(L)[None, :] <= torch.arange(_PROBE_CACHED, L)[:, None]
+    out = torch.empty_like(q)
+    sides = {"C kernel": lambda: kernel(q, k, v, slots, out=out),
+             "torch": lambda: chunk_attention(q, k.index_select(1, slots), v.index_select(1, slots), mask)}
+    best = {name: math.inf for name in sides}
+    for r in range(4):   # the first round warms up
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    wins = best["C kernel"] < best["torch"]
+    log.info("bfloat16 prefill attention, %d queries over %d cached keys: C kernel %.2f ms, torch %.2f ms: %s",
+             _PROBE_Q, _PROBE_CACHED, best["C kernel"] * 1e3, best["torch"] * 1e3,
+             "the C kernel" if wins else "torch")
+    return wins
+
+
 class TorchAttentionBackend(AttentionBackend):
     kv_layout = "HSD"
     # None: the kernel where it loaded, else the cheaper torch plan each step; "torch": the cheaper torch
     # plan even with the kernel loaded; "union", "cascade" or "kernel": always that one (tests, benchmarks)
     force_decode_plan: str | None = None
+    # None: the C prefill kernel where it loaded and ``prefill_kernel_wins`` measured it faster; True / False:
+    # wherever it loaded / never (tests, benchmarks)
+    force_prefill_kernel: bool | None = None
 
     def __init__(self, kv, num_heads: int, num_kv_heads: int, head_dim: int, cpu_kernel: bool = True) -> None:
         super().__init__(kv, num_heads, num_kv_heads, head_dim)
@@ -125,8 +182,11 @@ class TorchAttentionBackend(AttentionBackend):
             from engine.attention.cpu_kernel import PrefillKernel, load_prefill
             if PrefillKernel.supports(num_heads, num_kv_heads, head_dim):
                 prefill = load_prefill()
-                # only on vdpbf16ps: elsewhere torch's fused attention is the faster one
-                self.prefill_kernel = prefill if prefill is not None and prefill.dpbf16 else None
+                # only on vdpbf16ps (the portable loops are the tests' reference, never faster than torch),
+                # and only where it measured faster than torch's path (or is forced)
+                if prefill is not None and prefill.dpbf16 and self.force_prefill_kernel is not False and (
+                        self.force_prefill_kernel or prefill_kernel_wins(prefill, num_heads, num_kv_heads, head_dim)):
+                    self.prefill_kernel = prefill
 
     def set_layer_attention(self, layers: list[LayerAttention]) -> None:
         """Every kind is supported: a non-plain layer (window, sinks, soft-cap, scale) is attended by
@@ -216,20 +276,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self.prefill_kernel.paged(q[start:end].contiguous(), self.kv, layer, idx, out=out[start:end])
                 continue
             ks, vs = self.kv.gather(layer, idx)                       # (Hkv, kl, D)
-            qs = q[start:end]                                         # (ql, Hq, D)
-            if mask is None:
-                o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks, vs, is_causal=True,
-                                                   enable_gqa=True)   # (Hq, ql, D)
-                out[start:end] = o.transpose(0, 1)
-            elif end - start >= _SDPA_MIN_Q and _FLASH_CPU is not None and qs.dtype in _EXTEND_DTYPES \
-                    and qs.device.type == "cpu":
-                out[start:end] = extend_attention(qs, ks, vs, ks.shape[1] - (end - start))
-            elif end - start >= _SDPA_MIN_Q:  # a long chunk over a cached prefix: SDPA's fused kernel
-                o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks[None], vs[None], attn_mask=mask,
-                                                   enable_gqa=True)   # (1, Hq, ql, D)
-                out[start:end] = o[0].transpose(0, 1)
-            else:
-                out[start:end] = grouped_attention(qs, ks, vs, mask)
+            out[start:end] = chunk_attention(q[start:end], ks, vs, mask)
         if self.decode is not None:
             rows, source, mask = self.decode
             if isinstance(source, tuple):

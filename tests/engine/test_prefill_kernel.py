@@ -135,7 +135,7 @@ class _Counting:
         return self.kernel.paged(q, *args, **kwargs)
 
 
-def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only():
+def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only(monkeypatch):
     """In a batch of a cold prefill, chunks over cached prefixes (short and long) and decode rows, a bfloat16
     pool, or an int8 one of a bfloat16 model, sends every prefill chunk through the kernel (where it runs
     vdpbf16ps) and matches the reference; a float32 pool never takes it."""
@@ -149,6 +149,9 @@ def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only():
     tables = [[free.pop() for _ in range(-(-kl // P))] for _, kl in specs]
     slots = [t[i // P] * P + i % P for (ql, kl), t in zip(specs, tables) for i in range(kl - ql, kl)]
     layout = BatchLayout([q for q, _ in specs], [k for _, k in specs], tables, torch.tensor(slots))
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setattr(TorchAttentionBackend, "force_prefill_kernel", True)   # wherever it loaded: no probe
     for dtype in (torch.bfloat16, torch.int8, torch.float32):
         torch.manual_seed(1)
         kv, backend = _backend(dtype, num_pages)
@@ -169,3 +172,23 @@ def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only():
             assert calls == [40, 17, 150]
         else:
             assert backend.prefill_kernel is None   # the portable loops never replace torch's fused kernel
+
+
+def test_the_probe_decides_and_forcing_overrides_it(monkeypatch):
+    """With ``force_prefill_kernel`` None the backend takes the kernel only where ``prefill_kernel_wins`` measured it
+    faster than torch's path; False keeps torch's path even then; the probe itself times both and answers once."""
+    from engine.attention import torch_backend
+
+    if not kernel.dpbf16:
+        pytest.skip("the kernel runs only on vdpbf16ps (AVX512-BF16), which this CPU lacks")
+    for verdict in (True, False):
+        monkeypatch.setattr(torch_backend, "prefill_kernel_wins", lambda *a, v=verdict: v)
+        assert (_backend(torch.bfloat16, 8)[1].prefill_kernel is not None) == verdict
+    monkeypatch.setattr(torch_backend, "prefill_kernel_wins", lambda *a: True)
+    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "force_prefill_kernel", False)
+    assert _backend(torch.bfloat16, 8)[1].prefill_kernel is None
+    monkeypatch.undo()
+    from engine.attention.cpu_kernel import load_prefill
+
+    first = torch_backend.prefill_kernel_wins(load_prefill(), 9, 3, 64)
+    assert isinstance(first, bool) and torch_backend.prefill_kernel_wins(load_prefill(), 9, 3, 64) is first
