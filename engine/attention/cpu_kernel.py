@@ -166,12 +166,17 @@ class KernelRows:
 def load() -> DecodeKernel | None:
     """The kernel for this process, built on first use; ``None`` when it cannot be built (logged once:
     the answer is cached)."""
+    return _load(DecodeKernel, SOURCE, "decode-attention", "the torch decode plans")
+
+
+def _load(cls, source: Path, what: str, instead: str):
+    """``cls`` over ``source`` built (cached) and loaded, or ``None`` with the reason logged."""
     try:
-        kernel = DecodeKernel(build(SOURCE))
+        kernel = cls(build(source))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode-attention kernel unavailable, using the torch decode plans: %s", exc)
+        log.warning("CPU %s kernel unavailable, using %s: %s", what, instead, exc)
         return None
-    log.info("CPU decode-attention kernel: %s", kernel.path)
+    log.info("CPU %s kernel: %s", what, kernel.path)
     return kernel
 
 
@@ -245,10 +250,4 @@ class PrefillKernel:
 @functools.cache
 def load_prefill() -> PrefillKernel | None:
     """The prefill kernel for this process, built on first use; ``None`` when it cannot be built (logged once)."""
-    try:
-        kernel = PrefillKernel(build(PREFILL_SOURCE))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("CPU prefill-attention kernel unavailable, using torch's attention: %s", exc)
-        return None
-    log.info("CPU prefill-attention kernel: %s", kernel.path)
-    return kernel
+    return _load(PrefillKernel, PREFILL_SOURCE, "prefill-attention", "torch's attention")
