@@ -35,13 +35,14 @@ a bottom-right causal mask (through SDPA from ``_SDPA_MIN_Q`` queries on), or SD
 ``_SDPA_MIN_Q`` queries on takes no mask (``extend_attention``): the cached keys and the chunk's own
 are attended apart by torch's fused kernel and merged by log-sum-exp.
 
-On a bfloat16 pool (bfloat16 pages, or int8 pages read as bfloat16) where the compiled prefill kernel runs vdpbf16ps (AVX512-BF16; engine/attention/csrc/
-prefill_attention.c) and measured faster than torch's path at start (``prefill_kernel_wins``: on a CPU with
-AMX tiles oneDNN's may win), every prefill chunk, cold or over a cached prefix, goes through it instead: the
-sequence's keys read in place at its slots, bfloat16 products summed in float32, flash attention over blocks of
-64 keys. One turn of the agent workload (750 new tokens over 5,000 cached, bf16 on the GGUF blocks, 2 threads,
-a 2-core AVX-512 EPYC; ``benchmarks/prefill_profile.py --dtype bfloat16 --ab-prefill-kernel``): attention
-2,327 -> 1,401 ms, the turn 2,731 -> 1,802 ms. Elsewhere the paths above stay.
+On a bfloat16 pool (bfloat16 pages, or int8 pages read as bfloat16) where the compiled prefill kernel
+(engine/attention/csrc/prefill_attention.c) runs vdpbf16ps (AVX512-BF16) and measured faster than torch's path
+at start (``prefill_kernel_wins``: on a CPU with AMX tiles oneDNN's may win), every prefill chunk, cold or over
+a cached prefix, goes through it instead: the sequence's keys read in place at its slots, bfloat16 products
+summed in float32, flash attention over blocks of 64 keys. One turn of the agent workload (750 new tokens over
+5,000 cached, bf16 on the GGUF blocks, 2 threads, a 2-core AVX-512 EPYC; ``benchmarks/prefill_profile.py
+--dtype bfloat16 --ab-prefill-kernel``, benchmarks/results/prefill_profile-prefill-kernel-epyc-cpu.json):
+attention 2,281 -> 1,268 ms, the turn 2,679 -> 1,663 ms. Elsewhere the paths above stay.
 
 On an int8 pool (``EngineConfig.kv_cache_dtype="int8"``) the kernel reads the int8 pages in place and
 ``rope_store`` writes them quantized; the torch paths read through ``KVCache.gather`` / ``slot_range``,
