@@ -35,7 +35,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ab", action="store_true",
                    help="alternate (ABBA) A, the dense prefill matmuls and the masked SDPA extend (the paths "
                         "before prefill on the blocks and extend_attention), with B, the paths picked now")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.ab and args.ab_prefill_kernel:
+        p.error("--ab and --ab-prefill-kernel each alternate their own pair of sides: give one of them")
+    return args
 
 
 def main() -> None:

@@ -69,6 +69,8 @@ def test_kernel_matches_reference(variant, Hq, Hkv, D, Q, n_cached):
 
 
 def test_both_builds_agree():
+    if not kernel.dpbf16:
+        pytest.skip("this CPU has no AVX512-BF16: its default build is the portable one, nothing to compare")
     q, k, v, slots = case(200, 900, 9, 3, 64, 3)
     a, b = kernel(q, k, v, slots), portable_kernel()(q, k, v, slots)
     torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
