@@ -226,9 +226,11 @@ def loaded_kernels() -> dict[str, bool]:
     now unless cached), for a result with no engine in-process; an engine reports the ones it runs
     (``LLMEngine.active_kernels``)."""
     from engine.attention import cpu_kernel
-    from engine.models import cpu_ops, qmatmul
+    from engine.models import cpu_ops, decode_step, qmatmul
     prefill = cpu_kernel.load_prefill()
     return {"decode_attention": cpu_kernel.load() is not None,
             # run only on vdpbf16ps, where it measures faster than torch (the default model's heads)
             "prefill_attention": prefill is not None and prefill.dpbf16 and _prefill_wins(prefill),
-            "layer_ops": cpu_ops.load() is not None, "qmatmul": qmatmul.load() is not None}
+            "layer_ops": cpu_ops.load() is not None, "qmatmul": qmatmul.load() is not None,
+            # run by a float32 engine on GGUF blocks (a CPU without native bf16, or --dtype float32)
+            "decode_step": decode_step._library() is not None}

@@ -26,11 +26,15 @@ and the LM head), measured on the default model with the default engine settings
   alternating blocks of steps, so that a noisy machine's slow minutes fall on both alike: medians
   and their ratio.
 
+* ``ab_decode_step`` (``--ab-decode-step``): a float32 engine on GGUF blocks with its decode steps' layers in
+  one C call (engine/models/decode_step.py) against the Python loop of the same calls, in alternating blocks
+  of steps as above: medians and their ratio (one_call / loop).
+
 * ``ab_quantization`` (``--ab-quantization MODE``): a second engine with ``quantization=MODE`` (e.g.
   ``gguf``) against this one, in alternating blocks of steps as above: medians and their ratio.
 
     python benchmarks/step_overhead.py --json out/step_overhead.json [--steps 5] [--profile b64_ctx2048] [--ab-kernels]
-        [--ab-quantization gguf] [--kv-cache-dtype int8] [--overlap]
+        [--ab-quantization gguf] [--ab-decode-step] [--kv-cache-dtype int8] [--overlap]
 
 * ``overlap`` (``--overlap``): whole engine steps (schedule, inputs, forward, sampling, stop checks,
   detokenizing, emitting) of ``batch`` decoding requests, on an engine without and one with
@@ -202,6 +206,41 @@ def ab_kernels(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3
     return out
 
 
+def ab_decode_step(engine: LLMEngine, shapes: list[str], steps: int, blocks: int = 3,
+                   order: str = "alternate") -> dict:
+    """The one-call decode step (engine/models/decode_step.py) against the Python layer loop it replaces (the
+    same kernel calls, the same logits) on the same batch, in alternating blocks as ``ab_kernels``: each side's
+    median of block medians and their ratio (one_call / loop). Raises ``SystemExit`` when this engine does
+    not run the one-call step (bfloat16 activations, dense weights)."""
+    model = engine.runner.model
+    step = getattr(model, "decode_step", None)
+    if step is None:
+        raise SystemExit("--ab-decode-step: this engine does not run the one-call decode step (it needs float32 "
+                         "activations on GGUF blocks: --dtype float32 --quantization gguf, or auto on a CPU "
+                         "without native bf16)")
+
+    def side(on: bool, batch) -> None:
+        model.decode_step = step if on else None
+        engine.runner.run(batch)
+
+    out = {}
+    try:
+        for name in shapes:
+            batch = decode_batch(engine, *SHAPES[name])
+            m = alternate({"one_call": lambda: side(True, batch), "loop": lambda: side(False, batch)},
+                          steps, blocks, order)
+            free_batch(engine, batch)
+            c, t = statistics.median(m["one_call"]), statistics.median(m["loop"])
+            out[name] = {"one_call_ms": round(c, 2), "loop_ms": round(t, 2), "ratio": round(c / t, 3),
+                         "one_call_blocks_ms": [round(x, 2) for x in m["one_call"]],
+                         "loop_blocks_ms": [round(x, 2) for x in m["loop"]]}
+            print(f"ab       {name:22s} one C call {c:9.2f} ms  Python loop {t:9.2f} ms  ratio {c / t:.3f}",
+                  flush=True)
+    finally:
+        model.decode_step = step
+    return out
+
+
 def ab_quantization(engine: LLMEngine, mode: str, shapes: list[str], steps: int, blocks: int = 3,
                     order: str = "alternate") -> dict:
     """This engine's weights against a second engine's with ``quantization=mode`` (same dtype), on the
@@ -364,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
                          "out b64_ctx2048, whose two float32 pools of 6 GB each beside this engine's overflow 24 GB)")
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
+    ap.add_argument("--ab-decode-step", action="store_true",
+                    help="also time the one-call decode step (float32 on GGUF blocks) against the Python layer "
+                         "loop, in alternating blocks")
     ap.add_argument("--ab-quantization", metavar="MODE",
                     help="also time a second engine with this quantization (e.g. gguf) against this one's, "
                          "in alternating blocks")
@@ -378,6 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_tokens=need + P,
                                     kv_cache_dtype=args.kv_cache_dtype))
     backend = engine.runner.attn
+    if args.ab_decode_step and getattr(engine.runner.model, "decode_step", None) is None:
+        ap.error("--ab-decode-step: this engine does not run the one-call decode step (it needs float32 activations "
+                 "on GGUF blocks: --dtype float32 --quantization gguf, or auto on a CPU without native bf16)")
     print(f"device {engine.device}, dtype {args.dtype}, KV pages {engine.config.resolved_kv_cache_dtype()}, "
           f"quantization {engine.quantization}, "
           f"backend {engine.backend_name}, torch threads "
@@ -410,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         backend.force_decode_plan = None
     ab = ab_kernels(engine, shapes, args.steps, args.repeats, args.order) if args.ab_kernels and hasattr(backend, "force_decode_plan") \
         and hasattr(engine.model, "use_cpu_ops") and engine.device == "cpu" else None
+    abd = ab_decode_step(engine, shapes, args.steps, args.repeats, args.order) if args.ab_decode_step else None
     abq = ab_quantization(engine, args.ab_quantization, shapes, args.steps, args.repeats, args.order) if args.ab_quantization else None
     kv_pages = ab_kv_pages(engine, args.kv_baseline, shapes, args.steps, args.repeats, args.order) \
         if args.kv_cache_dtype != "auto" else None
@@ -432,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
             for plan, r in results.items() if "b64_ctx2048" in r and "b64_ctx64" in r},
         "attention_floor": attention_floor(engine, auto),
         "ab_kernels": ab,
+        "ab_decode_step": abd,
         "ab_quantization": abq,
         "kv_cache_dtype": engine.config.resolved_kv_cache_dtype(),
         "kv_pages": kv_pages,

@@ -232,12 +232,15 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
     fused = m.device == "cpu" and hasattr(m.model, "use_cpu_ops") and \
         (m.dtype == torch.bfloat16 or (m.dtype == torch.float32 and m.quantization != "off")) and \
         m.model.use_cpu_ops(config.cpu_kernels)
+    # float32 decode steps on 4-bit blocks: the layers in one C call (engine/models/decode_step.py)
+    one_call = bool(fused) and m.quantization == "gguf" and m.model.use_decode_step(config.cpu_kernels, attn)
     decode_kernel, prefill_kernel = getattr(attn, "kernel", None), getattr(attn, "prefill_kernel", None)
     kernels = {"decode_attention": decode_kernel is not None, "prefill_attention": prefill_kernel is not None,
-               "layer_ops": bool(fused), "qmatmul": m.quantization == "gguf"}
+               "layer_ops": bool(fused), "qmatmul": m.quantization == "gguf", "decode_step": one_call}
     desc = (backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
             + (" + CPU bfloat16 prefill kernel" if prefill_kernel else "")
-            + (" + fused add/RMSNorm, SiLU-multiply" if fused else ""))
+            + (" + fused add/RMSNorm, SiLU-multiply" if fused else "")
+            + (" + decode layers in one C call" if one_call else ""))
     return runner, kernels, desc
 
 

@@ -37,7 +37,7 @@ class DecodeKernel:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
+        self.lib = lib = ctypes.CDLL(str(path))   # engine/models/decode_step.py calls its functions by address
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self.fns = {}
         for dtype, name in DTYPES.items():

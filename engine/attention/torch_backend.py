@@ -251,6 +251,16 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 self.decode = union.to_device(rows, dec_lens, dev)
 
+    def c_decode_rows(self):
+        """``(slots, rows)`` when this step is decode rows only, each over its own pages, read in place by the C
+        decode kernel with RoPE + the K/V write in C, on plain layers of a full pool: the step
+        engine/models/decode_step.py runs whole in C (``rows``: the kernel's ``KernelRows``); else None."""
+        kd = self.kernel_decode
+        if (kd is None or kd.rows is not None or kd.shared is not None or self.prefills or not self.store_in_c
+                or self.decode is not None or self.cascade is not None or self.kv.window_layers or self._windows):
+            return None
+        return self.slots, kd.own
+
     def rotate_and_store(self, layer, qkv, rope):
         """With the CPU kernel loaded: RoPE and the K/V write in one C call (the kernel library's
         ``rope_store``), the same values as the model's RoPE and ``KVCache.write``."""

@@ -80,7 +80,7 @@ class LayerOps:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
+        self.lib = lib = ctypes.CDLL(str(path))
         self.add_rms_norm = AddRMSNorm(lib)
         self.silu_mul = SiluMul(lib)
 

@@ -146,6 +146,9 @@ class LlamaModel(nn.Module):
     # each as one C call (engine/models/cpu_ops.py) when the activations are bfloat16 or float32 on the CPU;
     # None: the plain layers
     cpu_ops = None
+    # set by the engine (``use_decode_step``): float32 decode steps on 4-bit blocks run their layers in one C
+    # call (engine/models/decode_step.py), the same calls as ``_forward_fused``'s; None: that path
+    decode_step = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, d)."""
@@ -161,9 +164,14 @@ class LlamaModel(nn.Module):
         """The layers' ``x + f(norm(x))`` with each add and the norm after it in one call (x updated in
         place), and a plain MLP's ``silu(gate) * up`` in one: the same sums and roundings as the plain
         layers, in fewer operations."""
+        x = x.contiguous()
+        if self.decode_step is not None:                     # a decode step's layers in one C call
+            rows = attn.c_decode_rows()
+            h = None if rows is None else self.decode_step(x, rope, *rows, attn.kv)
+            if h is not None:
+                return h
         ops, layers = self.cpu_ops, self.layers
         norm = ops.add_rms_norm
-        x = x.contiguous()
         h = norm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
             post = layer.post_attention_layernorm
@@ -186,6 +194,17 @@ class LlamaModel(nn.Module):
             if self.cfg.hidden_size <= MAX_HIDDEN and self.embed_tokens.weight.device.type == "cpu":
                 self.cpu_ops = load()
         return self.cpu_ops is not None
+
+    def use_decode_step(self, enabled: bool, attn) -> bool:
+        """Run the decode steps ``decode_step.DecodeStep`` takes in one C call (the C layer ops on, float32
+        activations, 4-bit blocks, ``attn`` the torch backend with the C decode kernel); returns whether on."""
+        self.decode_step = None
+        plain = type(self) is LlamaModel and all(type(layer.mlp) is MLP for layer in self.layers)
+        if enabled and plain and self.cpu_ops is not None and hasattr(attn, "c_decode_rows"):
+            from engine.models.decode_step import load
+            step = load(self, attn)
+            self.decode_step = step if step is not None and step.supports(attn.kv) else None
+        return self.decode_step is not None
 
     def _norms(self):
         for layer in self.layers:

@@ -162,7 +162,7 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     assert engine.model.cpu_ops is not None
     # logged, in /metrics; the weights are not gguf blocks here (quantization auto in explicit bfloat16)
     assert engine.active_kernels == {"decode_attention": True, "prefill_attention": _prefill_in_c(),
-                                     "layer_ops": True, "qmatmul": False}
+                                     "layer_ops": True, "qmatmul": False, "decode_step": False}
     _within_bfloat16_noise(engine, "fused vs plain")
 
 
@@ -175,7 +175,7 @@ def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is None
     assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": False,
-                                     "qmatmul": False}
+                                     "qmatmul": False, "decode_step": False}
     assert engine.model.use_cpu_ops(True)
     agree, n, kl, worst = _fused_against_plain(engine)
     print(f"float32, fused vs plain: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
@@ -194,8 +194,9 @@ def test_model_in_float32_on_gguf_blocks_with_the_c_layer_ops_scores_as_the_plai
     the blocks against float32 weights, 0.0033 and 0.20). Tolerances: top-1 >= 90%, mean KL <= 0.005,
     <= 0.35 nats."""
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="gguf", kv_cache_tokens=4096))
+    # decode steps' layers in one C call (engine/models/decode_step.py), the same values as the loop
     assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": True,
-                                     "qmatmul": True}
+                                     "qmatmul": True, "decode_step": True}
     _within_bfloat16_noise(engine, "float32 gguf, fused vs plain")
 
 
@@ -204,5 +205,5 @@ def test_engines_without_the_c_kernels_count_none_active():
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_tokens=1024, cpu_kernels=False))
     assert engine.model.cpu_ops is None
     assert engine.active_kernels == {"decode_attention": False, "prefill_attention": False, "layer_ops": False,
-                                     "qmatmul": False}
+                                     "qmatmul": False, "decode_step": False}
     assert engine.stats().cpu_kernels == engine.active_kernels

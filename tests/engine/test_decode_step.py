@@ -1,0 +1,146 @@
+"""The one-call decode step (engine/models/decode_step.py) against the Python layer loop it replaces.
+
+Both make the same kernel calls on the same values, so the logits must be equal bit for bit, on float32
+and on int8 KV pages, at one row and at several rows of different context lengths; the steps it does not
+take (a prefill chunk, rows over a shared prefix, more rows than the blocks multiply) fall back to that loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.attention.cpu_kernel import load as load_attention
+from engine.models import decode_step
+from engine.models.qlinear import prefill_on_blocks
+from engine.models.qmatmul import load as load_qmatmul
+from engine.request import Request
+from engine.scheduler import ScheduledBatch
+
+pytestmark = pytest.mark.skipif(load_qmatmul() is None or load_attention() is None or decode_step._library() is None,
+                                reason="no C compiler: the kernels could not be built")
+
+
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def engine(request):
+    eng = LLMEngine(EngineConfig(dtype="float32", quantization="gguf", kv_cache_tokens=4096,
+                                 kv_cache_dtype=request.param))
+    yield eng
+    eng.close()
+
+
+class Counting:
+    """The model's DecodeStep, counting the steps it ran (returned hidden states) and declined."""
+
+    def __init__(self, step) -> None:
+        self.step, self.ran, self.declined = step, 0, 0
+
+    def __call__(self, *args):
+        out = self.step(*args)
+        if out is None:
+            self.declined += 1
+        else:
+            self.ran += 1
+        return out
+
+
+def batch_of(engine: LLMEngine, ctx_lens: list[int], new: list[int] | None = None, shared: int = 0,
+             seed: int = 0) -> ScheduledBatch:
+    """One sequence per context length, each with its last ``new`` tokens (default 1: decoding) to compute;
+    the first ``shared`` tokens (whole pages) on pages they all share."""
+    P = engine.config.page_size
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    common = torch.randint(0, vocab, (shared,), generator=gen).tolist()
+    common_pages = engine.pool.alloc(shared // P)
+    new = new or [1] * len(ctx_lens)
+    reqs = []
+    for i, (ctx, n) in enumerate(zip(ctx_lens, new)):
+        req = Request(f"r{i}", common + torch.randint(0, vocab, (ctx - shared,), generator=gen).tolist(),
+                      SamplingParams(max_tokens=1))
+        req.pages = common_pages + engine.pool.alloc(-(-(ctx - shared) // P))
+        req.num_computed = ctx - n
+        reqs.append(req)
+    return ScheduledBatch(reqs, new)
+
+
+def both_paths(engine: LLMEngine, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Counting]:
+    """The step's logits with the one-call step on (counted), then with the Python loop (the same KV
+    written again by the same RoPE + store)."""
+    model = engine.runner.model
+    step = model.decode_step
+    counting = Counting(step)
+    try:
+        model.decode_step = counting
+        fast = engine.runner.run(batch)[0].clone()
+        model.decode_step = None
+        ref = engine.runner.run(batch)[0].clone()
+    finally:
+        model.decode_step = step
+        engine.pool.free(sorted({p for req in batch.requests for p in req.pages}))
+    return fast, ref, counting
+
+
+def test_on_for_float32_steps_on_blocks(engine, default_engine):
+    assert engine.runner.model.decode_step is not None
+    assert engine.active_kernels["decode_step"]
+    assert engine.stats().cpu_kernels["decode_step"]
+    # the float32 dense reference engine keeps its torch layers
+    assert default_engine.runner.model.decode_step is None and not default_engine.active_kernels["decode_step"]
+    assert "the C layer ops are off" == decode_step.eligible(default_engine.runner.model)
+
+
+@pytest.mark.parametrize("ctx_lens", [[64], [300, 17, 129], [40, 80, 120, 160, 200, 240, 280, 33]],
+                         ids=["b1", "b3_mixed", "b8"])
+def test_same_logits_as_the_python_loop(engine, ctx_lens):
+    fast, ref, counting = both_paths(engine, batch_of(engine, ctx_lens))
+    assert counting.ran == 1 and counting.declined == 0
+    assert torch.equal(fast, ref), f"largest difference {(fast - ref).abs().max().item()}"
+    assert fast.shape == (len(ctx_lens), engine.model_config.vocab_size) and torch.isfinite(fast).all()
+
+
+def test_greedy_generation_unchanged(engine):
+    """A whole generation (prefill through the Python loop, decode steps in one call) gives the tokens it
+    gives with the Python loop alone."""
+    prompt = engine.tokenizer.encode("List three prime numbers and say why each is prime.")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    model = engine.runner.model
+    step = model.decode_step
+    counting = Counting(step)
+    try:
+        model.decode_step = counting
+        fast = engine.generate([prompt], params)[0].token_ids
+        model.decode_step = None
+        ref = engine.generate([prompt], params)[0].token_ids
+    finally:
+        model.decode_step = step
+    assert counting.ran >= 20
+    assert fast == ref and len(fast) == 24
+
+
+@pytest.mark.parametrize("case", ["prefill_beside_decode", "shared_prefix"])
+def test_other_steps_take_the_python_loop(engine, case):
+    if case == "prefill_beside_decode":
+        batch = batch_of(engine, [96, 50], new=[1, 50])
+    else:                                         # the cascade: the prefix's pages scored once for all rows
+        batch = batch_of(engine, [200, 210, 220], shared=128)
+    fast, ref, counting = both_paths(engine, batch)
+    assert counting.ran == 0 and counting.declined == 0    # the backend reports no C decode rows
+    assert torch.equal(fast, ref)
+
+
+@pytest.mark.parametrize("on_blocks", [False, True])
+def test_rows_past_the_blocks_limit_follow_the_projections(engine, on_blocks):
+    """9 rows: past MAX_QUANT_ROWS the Python loop's projections multiply the dense weights unless prefill
+    runs on the blocks (``prefill_on_blocks``, picked by measurement): the one-call step declines exactly
+    when they go dense."""
+    model = engine.runner.model
+    before = model.layers[0].self_attn.qkv_proj.max_rows
+    prefill_on_blocks(model, on_blocks)
+    try:
+        fast, ref, counting = both_paths(engine, batch_of(engine, [40 + 10 * i for i in range(9)]))
+    finally:
+        prefill_on_blocks(model, before is None)
+    assert (counting.ran, counting.declined) == ((1, 0) if on_blocks else (0, 1))
+    assert torch.equal(fast, ref)
