@@ -252,14 +252,16 @@ class TorchAttentionBackend(AttentionBackend):
                 self.decode = union.to_device(rows, dec_lens, dev)
 
     def c_decode_rows(self):
-        """``(slots, rows)`` when this step is decode rows only, each over its own pages, read in place by the C
-        decode kernel with RoPE + the K/V write in C, on plain layers of a full pool: the step
-        engine/models/decode_step.py runs whole in C (``rows``: the kernel's ``KernelRows``); else None."""
+        """``(slots, rows)`` when this step is decode rows only, with RoPE + the K/V write in C, on plain layers of
+        a full pool: the step engine/models/decode_step.py runs whole in C. ``rows`` is the kernel's
+        ``KernelRows`` where each row reads its own pages in place, None where the rows share a prefix (the
+        cascade scores it once, in torch: the C loop calls ``forward`` back for each layer's attention);
+        None for any other step."""
         kd = self.kernel_decode
-        if (kd is None or kd.rows is not None or kd.shared is not None or self.prefills or not self.store_in_c
-                or self.decode is not None or self.cascade is not None or self.kv.window_layers or self._windows):
+        if (kd is None or kd.rows is not None or self.prefills or not self.store_in_c or self.decode is not None
+                or self.cascade is not None or self.kv.window_layers or self._windows):
             return None
-        return self.slots, kd.own
+        return self.slots, (kd.own if kd.shared is None else None)
 
     def rotate_and_store(self, layer, qkv, rope):
         """With the CPU kernel loaded: RoPE and the K/V write in one C call (the kernel library's

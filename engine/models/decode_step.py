@@ -39,6 +39,9 @@ OPS = {1: "the first norm", 2: "the q/k/v projection", 3: "attention", 4: "the o
        5: "the post-attention norm", 6: "the MLP", 7: "the next norm"}
 
 
+_ATTEND = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for _, name in FNS]
 
@@ -62,7 +65,7 @@ class DecodeStep:
         self.fn = lib.decode_layers_f32
         p = ctypes.c_void_p
         self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [p] * 14
+        self.fn.argtypes = [p] * 15
         self.kernels = kernels
         layers, cfg = model.layers, model.cfg
         self.L, self.H, self.I = len(layers), cfg.hidden_size, layers[0].mlp.intermediate
@@ -96,10 +99,15 @@ class DecodeStep:
         return kv.layout == "HSD" and not kv.window_layers and kv.dtype == torch.float32 and \
             kv.kv_dtype in (torch.float32, torch.int8) and kv.k[0].shape[2] == self.D
 
-    def __call__(self, x: torch.Tensor, rope, slots: torch.Tensor, rows, kv) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, rope, attn) -> torch.Tensor | None:
         """x: (T, H) float32, the embedded tokens (updated in place as the Python path does); rope: the step's
-        ``RopeTable``; slots, rows: the decode rows' pool slots and pages (``c_decode_rows``) -> the final
-        norm's (T, H), or None when this step is not one it runs (the caller takes the Python path)."""
+        ``RopeTable``; attn: the torch backend, planned for this step -> the final norm's (T, H), or None when
+        this step is not one it runs (the caller takes the Python path)."""
+        plan = attn.c_decode_rows()
+        if plan is None:
+            return None
+        slots, rows = plan
+        kv = attn.kv
         T = x.shape[0]
         if (x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.H or not x.is_contiguous()
                 or any(m.max_rows is not None and T > m.max_rows for m in self.blocks) or rope.partial
@@ -108,17 +116,40 @@ class DecodeStep:
                 or rope.signed_sin.numel() != T * self.D or not self.supports(kv)):
             return None
         S = kv.k[0].shape[1]
-        shape = _Shape(T, self.H, self.I, S, self.L, self.Hq, self.Hkv, self.D, rows.page_size,
+        shape = _Shape(T, self.H, self.I, S, self.L, self.Hq, self.Hkv, self.D, kv.page_size,
                        int(kv.quantized), 1.0 / self.D ** 0.5)
         out = torch.empty_like(x)
+        failed: list[BaseException] = []
+        callback = None if rows is not None else _ATTEND(self._attend_back(attn, (T, self.Hq, self.D), failed))
+        pages = (rows.pages.data_ptr(), rows.page_start.data_ptr(), rows.kv_len.data_ptr()) if rows else (0, 0, 0)
         rc = self.fn(ctypes.addressof(self.kernels), self._table(kv).data_ptr(), ctypes.addressof(shape),
                      self.eps.data_ptr(), self.post_eps.data_ptr(), self.final_w.data_ptr(), x.data_ptr(),
-                     rope.cos.data_ptr(), rope.signed_sin.data_ptr(), slots.data_ptr(), rows.pages.data_ptr(),
-                     rows.page_start.data_ptr(), rows.kv_len.data_ptr(), out.data_ptr())
+                     rope.cos.data_ptr(), rope.signed_sin.data_ptr(), slots.data_ptr(), *pages,
+                     ctypes.cast(callback, ctypes.c_void_p) if callback else None, out.data_ptr())
+        if failed:
+            raise failed[0]
         if rc != 0:
             what = "out of memory" if rc == -2 else f"layer {rc // 100}: {OPS.get(rc % 100, rc % 100)} failed"
             raise RuntimeError(f"decode step in C: {what}")
         return out
+
+    @staticmethod
+    def _attend_back(attn, shape: tuple[int, int, int], failed: list):
+        """The callback for a step whose rows share a prefix: the backend's own ``forward(layer, q, None, None)``
+        (what the Python loop calls after ``rotate_and_store``) on the C side's q, written into its buffer.
+        An exception is kept in ``failed`` (re-raised after the call) and stops the step."""
+        n = shape[0] * shape[1] * shape[2]
+
+        def attend(layer: int, q_ptr: int, out_ptr: int) -> int:
+            try:
+                q = torch.frombuffer((ctypes.c_float * n).from_address(q_ptr), dtype=torch.float32).view(shape)
+                o = torch.frombuffer((ctypes.c_float * n).from_address(out_ptr), dtype=torch.float32).view(shape)
+                o.copy_(attn.forward(layer, q, None, None))
+                return 0
+            except BaseException as exc:   # noqa: BLE001 - handed back to the caller, never lost in ctypes
+                failed.append(exc)
+                return 1
+        return attend
 
 
 def _projections(layer) -> tuple:

@@ -166,8 +166,7 @@ class LlamaModel(nn.Module):
         layers, in fewer operations."""
         x = x.contiguous()
         if self.decode_step is not None:                     # a decode step's layers in one C call
-            rows = attn.c_decode_rows()
-            h = None if rows is None else self.decode_step(x, rope, *rows, attn.kv)
+            h = self.decode_step(x, rope, attn)
             if h is not None:
                 return h
         ops, layers = self.cpu_ops, self.layers

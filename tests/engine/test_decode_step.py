@@ -1,8 +1,9 @@
 """The one-call decode step (engine/models/decode_step.py) against the Python layer loop it replaces.
 
 Both make the same kernel calls on the same values, so the logits must be equal bit for bit, on float32
-and on int8 KV pages, at one row and at several rows of different context lengths; the steps it does not
-take (a prefill chunk, rows over a shared prefix, more rows than the blocks multiply) fall back to that loop.
+and on int8 KV pages, at one row, at several rows of different context lengths, over a shared prefix and for a
+verification's rows (attention called back into the backend); the steps it does not take (a prefill chunk,
+more rows than the blocks multiply) fall back to that loop.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class Counting:
 
 
 def batch_of(engine: LLMEngine, ctx_lens: list[int], new: list[int] | None = None, shared: int = 0,
-             seed: int = 0) -> ScheduledBatch:
+             drafts: int = 0, seed: int = 0) -> ScheduledBatch:
     """One sequence per context length, each with its last ``new`` tokens (default 1: decoding) to compute;
-    the first ``shared`` tokens (whole pages) on pages they all share."""
+    the first ``shared`` tokens (whole pages) on pages they all share; ``drafts`` tokens drafted after the
+    first sequence's last one, to verify."""
     P = engine.config.page_size
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
@@ -59,10 +61,11 @@ def batch_of(engine: LLMEngine, ctx_lens: list[int], new: list[int] | None = Non
     for i, (ctx, n) in enumerate(zip(ctx_lens, new)):
         req = Request(f"r{i}", common + torch.randint(0, vocab, (ctx - shared,), generator=gen).tolist(),
                       SamplingParams(max_tokens=1))
-        req.pages = common_pages + engine.pool.alloc(-(-(ctx - shared) // P))
+        req.pages = common_pages + engine.pool.alloc(-(-(ctx + (drafts if i == 0 else 0) - shared) // P))
         req.num_computed = ctx - n
         reqs.append(req)
-    return ScheduledBatch(reqs, new)
+    draft = {0: torch.randint(0, vocab, (drafts,), generator=gen).tolist()} if drafts else {}
+    return ScheduledBatch(reqs, new, draft)
 
 
 def both_paths(engine: LLMEngine, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Counting]:
@@ -91,13 +94,41 @@ def test_on_for_float32_steps_on_blocks(engine, default_engine):
     assert "the C layer ops are off" == decode_step.eligible(default_engine.runner.model)
 
 
-@pytest.mark.parametrize("ctx_lens", [[64], [300, 17, 129], [40, 80, 120, 160, 200, 240, 280, 33]],
-                         ids=["b1", "b3_mixed", "b8"])
-def test_same_logits_as_the_python_loop(engine, ctx_lens):
-    fast, ref, counting = both_paths(engine, batch_of(engine, ctx_lens))
+CASES = {"b1": dict(ctx_lens=[64]), "b3_mixed": dict(ctx_lens=[300, 17, 129]),
+         "b8": dict(ctx_lens=[40, 80, 120, 160, 200, 240, 280, 33]),
+         # rows over a prefix they share (an agent's system prompt): the cascade, attention called back
+         "b3_shared_prefix": dict(ctx_lens=[200, 210, 220], shared=128),
+         # a verification of 3 drafts: 4 rows of one sequence, over the same pages
+         "verify": dict(ctx_lens=[150], drafts=3)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_logits_as_the_python_loop(engine, case):
+    fast, ref, counting = both_paths(engine, batch_of(engine, **CASES[case]))
     assert counting.ran == 1 and counting.declined == 0
     assert torch.equal(fast, ref), f"largest difference {(fast - ref).abs().max().item()}"
-    assert fast.shape == (len(ctx_lens), engine.model_config.vocab_size) and torch.isfinite(fast).all()
+    rows = len(CASES[case]["ctx_lens"]) + CASES[case].get("drafts", 0)   # a logits row per verified token
+    assert fast.shape == (rows, engine.model_config.vocab_size) and torch.isfinite(fast).all()
+
+
+def test_an_error_in_the_called_back_attention_reaches_the_caller(engine, monkeypatch):
+    """A shared-prefix step calls the backend's attention from C: an exception there stops the step and is
+    raised to the caller as it was, not swallowed by ctypes."""
+    backend = engine.runner.attn
+    real = backend.forward
+
+    def failing(layer, q, k, v):
+        if layer == 5:
+            raise ValueError("planted failure in layer 5")
+        return real(layer, q, k, v)
+
+    batch = batch_of(engine, [200, 210, 220], shared=128)
+    monkeypatch.setattr(backend, "forward", failing)
+    try:
+        with pytest.raises(ValueError, match="planted failure in layer 5"):
+            engine.runner.run(batch)
+    finally:
+        engine.pool.free(sorted({p for req in batch.requests for p in req.pages}))
 
 
 def test_greedy_generation_unchanged(engine):
@@ -119,14 +150,9 @@ def test_greedy_generation_unchanged(engine):
     assert fast == ref and len(fast) == 24
 
 
-@pytest.mark.parametrize("case", ["prefill_beside_decode", "shared_prefix"])
-def test_other_steps_take_the_python_loop(engine, case):
-    if case == "prefill_beside_decode":
-        batch = batch_of(engine, [96, 50], new=[1, 50])
-    else:                                         # the cascade: the prefix's pages scored once for all rows
-        batch = batch_of(engine, [200, 210, 220], shared=128)
-    fast, ref, counting = both_paths(engine, batch)
-    assert counting.ran == 0 and counting.declined == 0    # the backend reports no C decode rows
+def test_a_step_with_a_prefill_chunk_takes_the_python_loop(engine):
+    fast, ref, counting = both_paths(engine, batch_of(engine, [96, 50], new=[1, 50]))
+    assert counting.ran == 0 and counting.declined == 1    # the backend reports no C decode rows
     assert torch.equal(fast, ref)
 
 

@@ -36,6 +36,11 @@ typedef int (*attn_i8_fn)(const void *q, const int8_t *k, const int8_t *v, const
                           int64_t S, const int32_t *pages, const int64_t *page_start, const int64_t *kv_len, int B,
                           int Hq, int Hkv, int D, int P, float scale, int qbf16, void *out, float *lse);
 
+/* a step whose attention the kernel cannot take in place (rows over a prefix they share, scored once by the
+ * torch backend's cascade): the backend's own attention of layer l, q [T, Hq, D] -> out [T, Hq, D], called
+ * back into Python; 0 on success */
+typedef int (*attend_fn)(int layer, float *q, float *out);
+
 /* the kernels, by address (decode_step.py FNS, in this order) */
 typedef struct {
     norm_fn add_rms_norm;
@@ -61,13 +66,14 @@ typedef struct {
 /* x [T, H] float32: the embedded tokens, updated in place to the residual stream as the Python path
  * leaves it; eps [L + 1]: each layer's input norm eps then the final norm's (post-attention norms use
  * post_eps [L]); final_w: the final norm's weight; h_out [T, H]: the final norm of the residual stream.
- * cos, ssin [T, D]; slots [T]; pages / page_start / kv_len: the rows' pages as the decode kernel reads them.
+ * cos, ssin [T, D]; slots [T]; pages / page_start / kv_len: the rows' pages as the decode kernel reads them,
+ * or attend (then they are unused): the attention of each layer, called back.
  * Returns 0; 100 * layer + op for the first kernel that failed (op: 1 the first norm, 2 q/k/v, 3 attention,
  * 4 o, 5 the post-attention norm, 6 MLP, 7 the next norm); -2 when out of memory. L >= 1. */
 int decode_layers_f32(const kernels *k, const int64_t *layers, const shape *s, const float *eps,
                       const float *post_eps, const float *final_w, float *x, const float *cos, const float *ssin,
                       const int64_t *slots, const int32_t *pages, const int64_t *page_start, const int64_t *kv_len,
-                      float *h_out) {
+                      attend_fn attend, float *h_out) {
     const int64_t T = s->T, H = s->H, qd = (int64_t)s->Hq * s->D, qkvd = (int64_t)(s->Hq + 2 * s->Hkv) * s->D;
     float *buf = malloc(sizeof(float) * (size_t)(T * (qkvd + 2 * qd + 2 * H)) + 64);
     if (!buf) return -2;
@@ -78,16 +84,19 @@ int decode_layers_f32(const kernels *k, const int64_t *layers, const shape *s, c
         rc = k->qmm_q4(h, 0, T, H, PTR(l, W_QKV), qkvd, qkv, 0);
         if (rc == 0) {
             op = 3;
-            if (s->int8_pages) {
+            if (s->int8_pages)
                 k->rope_i8(qkv, 0, cos, ssin, slots, PTR(l, KV_K), PTR(l, KV_V), PTR(l, KV_KS), PTR(l, KV_VS), s->S,
                            T, s->Hq, s->Hkv, s->D, q);
+            else
+                k->rope_f32(qkv, cos, ssin, slots, PTR(l, KV_K), PTR(l, KV_V), s->S, T, s->Hq, s->Hkv, s->D, q);
+            if (attend)
+                rc = attend(l, q, att);
+            else if (s->int8_pages)
                 rc = k->attn_i8(q, PTR(l, KV_K), PTR(l, KV_V), PTR(l, KV_KS), PTR(l, KV_VS), s->S, pages, page_start,
                                 kv_len, (int)T, s->Hq, s->Hkv, s->D, s->P, s->scale, 0, att, NULL);
-            } else {
-                k->rope_f32(qkv, cos, ssin, slots, PTR(l, KV_K), PTR(l, KV_V), s->S, T, s->Hq, s->Hkv, s->D, q);
+            else
                 rc = k->attn_f32(q, PTR(l, KV_K), PTR(l, KV_V), s->S, pages, page_start, kv_len, (int)T, s->Hq,
                                  s->Hkv, s->D, s->P, s->scale, att, NULL);
-            }
         }
         if (rc == 0) op = 4, rc = k->qmm_q4(att, 0, T, qd, PTR(l, W_O), H, d, 0);
         if (rc == 0) op = 5, rc = k->add_rms_norm(x, d, PTR(l, W_POST_NORM), post_eps[l], T, H, h);
