@@ -121,7 +121,8 @@ class DecodeStep:
         out = torch.empty_like(x)
         failed: list[BaseException] = []
         callback = None if rows is not None else _ATTEND(self._attend_back(attn, (T, self.Hq, self.D), failed))
-        pages = (rows.pages.data_ptr(), rows.page_start.data_ptr(), rows.kv_len.data_ptr()) if rows is not None else (0, 0, 0)
+        pages = (0, 0, 0) if rows is None else (rows.pages.data_ptr(), rows.page_start.data_ptr(),
+                                                rows.kv_len.data_ptr())
         rc = self.fn(ctypes.addressof(self.kernels), self._table(kv).data_ptr(), ctypes.addressof(shape),
                      self.eps.data_ptr(), self.post_eps.data_ptr(), self.final_w.data_ptr(), x.data_ptr(),
                      rope.cos.data_ptr(), rope.signed_sin.data_ptr(), slots.data_ptr(), *pages,
