@@ -254,12 +254,12 @@ class TorchAttentionBackend(AttentionBackend):
     def c_decode_rows(self):
         """``(slots, rows)`` when this step is decode rows only, with RoPE + the K/V write in C, on plain layers of
         a full pool: the step engine/models/decode_step.py runs whole in C. ``rows`` is the kernel's
-        ``KernelRows`` where each row reads its own pages in place, None where the rows share a prefix (the
-        cascade scores it once, in torch: the C loop calls ``forward`` back for each layer's attention);
-        None for any other step."""
+        ``KernelRows`` where each row reads its own pages in place, None where the rows share a prefix (scored
+        once by ``_KernelDecode.attend``: the C loop calls ``forward`` back for each layer's attention);
+        None for any other step (with the kernel's decode rows there is no torch decode plan besides)."""
         kd = self.kernel_decode
-        if (kd is None or kd.rows is not None or self.prefills or not self.store_in_c or self.decode is not None
-                or self.cascade is not None or self.kv.window_layers or self._windows):
+        if (kd is None or kd.rows is not None or self.prefills or not self.store_in_c or self.kv.window_layers
+                or self._windows):
             return None
         return self.slots, (kd.own if kd.shared is None else None)
 

@@ -10,10 +10,11 @@ reference and runs every step this one does not take.
 
 It takes a step when the model is a plain Llama-family decoder on 4-bit blocks with float32
 activations (``quantization="gguf"``, ``use_cpu_ops`` on: the path the AVX2 CPUs without native bf16 run),
-and the attention backend reports the step as decode rows that the C decode kernel reads in place,
-RoPE + K/V write in C, each row over its own pages (``TorchAttentionBackend.c_decode_rows``). Prefill
-chunks, a batch whose rows share a cached prefix (the cascade), sliding or special layers and bf16
-pages take the Python path.
+and the attention backend reports the step as decode rows only, RoPE + K/V write in C
+(``TorchAttentionBackend.c_decode_rows``). Where each row reads its own pages, attention is the C decode
+kernel's call; where the rows share a cached prefix (several sessions over one system prompt, or a
+verification's rows), the C loop calls the backend's own attention back for each layer. Prefill chunks,
+sliding or special layers and bf16 pages take the Python path.
 """
 
 from __future__ import annotations

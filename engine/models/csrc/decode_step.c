@@ -8,7 +8,7 @@
  * layers runs in C, and Python makes one call.
  *
  * The kernels themselves stay where they are tested (csrc/qmatmul.c, csrc/layer_ops.c,
- * engine/attention/csrc/decode_attention.c); engine/models/decode_step.py passes their addresses (``fns``),
+ * engine/attention/csrc/decode_attention.c); engine/models/decode_step.py passes their addresses (``FNS``),
  * so this file calls exactly the functions the Python path calls, and needs none of their code. The
  * result is bit for bit the Python path's (tests/engine/test_decode_step.py).
  *
@@ -36,9 +36,9 @@ typedef int (*attn_i8_fn)(const void *q, const int8_t *k, const int8_t *v, const
                           int64_t S, const int32_t *pages, const int64_t *page_start, const int64_t *kv_len, int B,
                           int Hq, int Hkv, int D, int P, float scale, int qbf16, void *out, float *lse);
 
-/* a step whose attention the kernel cannot take in place (rows over a prefix they share, scored once by the
- * torch backend's cascade): the backend's own attention of layer l, q [T, Hq, D] -> out [T, Hq, D], called
- * back into Python; 0 on success */
+/* a step whose rows share a prefix (scored once for all of them by the backend, engine/attention/torch_backend.py
+ * _KernelDecode): the backend's own attention of layer l, q [T, Hq, D] -> out [T, Hq, D], called back into
+ * Python; 0 on success */
 typedef int (*attend_fn)(int layer, float *q, float *out);
 
 /* the kernels, by address (decode_step.py FNS, in this order) */
