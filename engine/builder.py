@@ -232,7 +232,7 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
     fused = m.device == "cpu" and hasattr(m.model, "use_cpu_ops") and \
         (m.dtype == torch.bfloat16 or (m.dtype == torch.float32 and m.quantization != "off")) and \
         m.model.use_cpu_ops(config.cpu_kernels)
-    # float32 decode steps on 4-bit blocks: the layers in one C call (engine/models/decode_step.py)
+    # bfloat16 and float32 decode steps on 4-bit blocks: the layers in one C call (engine/models/decode_step.py)
     one_call = bool(fused) and m.quantization == "gguf" and m.model.use_decode_step(config.cpu_kernels, attn)
     decode_kernel, prefill_kernel = getattr(attn, "kernel", None), getattr(attn, "prefill_kernel", None)
     kernels = {"decode_attention": decode_kernel is not None, "prefill_attention": prefill_kernel is not None,

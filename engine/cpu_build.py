@@ -14,7 +14,7 @@ already loaded: one thread pool.
 
 Users: engine/attention/cpu_kernel.py (decode attention; RoPE and the K/V write), engine/models/cpu_ops.py
 (residual add and RMSNorm; SiLU-multiply), engine/models/qmatmul.py (matmuls on GGUF blocks),
-engine/models/decode_step.py (a float32 decode step's layers, calling the others' functions by address),
+engine/models/decode_step.py (a bfloat16 or float32 decode step's layers, calling the others' functions by address),
 engine/loader/gguf_file.py (GGUF blocks to float32 at load).
 """
 
@@ -87,7 +87,7 @@ def no_compiler_reason() -> str | None:
 
 
 # the C libraries: engine/attention/cpu_kernel.py (decode and prefill attention), engine/models/cpu_ops.py,
-# engine/models/qmatmul.py, engine/models/decode_step.py (a float32 decode step's layers in one call)
+# engine/models/qmatmul.py, engine/models/decode_step.py (a decode step's layers in one call)
 KERNELS = ("decode_attention", "prefill_attention", "layer_ops", "qmatmul", "decode_step")
 
 

@@ -1,20 +1,22 @@
-"""A float32 decode step's decoder layers in one C call (csrc/decode_step.c), on GGUF blocks.
+"""A decode step's decoder layers in one C call (csrc/decode_step.c), on GGUF blocks, in bfloat16 or float32.
 
 ``LlamaModel._forward_fused`` runs a step's layers from Python, one kernel call at a time: per layer two
 add + RMSNorms, the q/k/v projection, RoPE + the K/V write, decode attention, the output projection and
 the SwiGLU MLP, some 215 ctypes calls a batch-1 step of the default model, each with its Python around
-it. On a 2-core AVX2 EPYC that Python was 4-5 ms of a 10.4 ms step, with the second core idle meanwhile.
+it. On a 2-core AVX2 EPYC that Python was 4-5 ms of a 10.4 ms step (float32), with the second core idle
+meanwhile; a bfloat16 step (CPUs with native bf16) makes the same calls plus two for its MLP.
 ``DecodeStep`` makes the same calls, in the same order, on the same buffers' values, from one C loop:
 its output is the Python path's bit for bit (tests/engine/test_decode_step.py), which stays the
 reference and runs every step this one does not take.
 
-It takes a step when the model is a plain Llama-family decoder on 4-bit blocks with float32
-activations (``quantization="gguf"``, ``use_cpu_ops`` on: the path the AVX2 CPUs without native bf16 run),
+It takes a step when the model is a plain Llama-family decoder on 4-bit blocks with bfloat16 or float32
+activations (``quantization="gguf"``, ``use_cpu_ops`` on: the paths ``--dtype auto`` picks on CPUs with and
+without native bf16), its pool's pages of the activations' dtype or int8,
 and the attention backend reports the step as decode rows only, RoPE + K/V write in C
 (``TorchAttentionBackend.c_decode_rows``). Where each row reads its own pages, attention is the C decode
 kernel's call; where the rows share a cached prefix (several sessions over one system prompt, or a
 verification's rows), the C loop calls the backend's own attention back for each layer. Prefill chunks,
-sliding or special layers and bf16 pages take the Python path.
+sliding or special layers and pages of another float dtype than the activations take the Python path.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ log = logging.getLogger("engine.models")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_step.c"
 # the C ``kernels`` struct's members, in order: (library, function) each
-FNS = (("ops", "add_rms_norm_f32"), ("qmm", "qmm_q4"), ("qmm", "qmm_swiglu_q4_f32"), ("attn", "rope_store_f32"),
-       ("attn", "rope_store_i8"), ("attn", "decode_attention_f32"), ("attn", "decode_attention_i8"))
+FNS = (("ops", "add_rms_norm_f32"), ("ops", "add_rms_norm_bf16"), ("qmm", "qmm_q4"), ("qmm", "qmm_swiglu_q4_f32"),
+       ("ops", "silu_mul_bf16"), ("attn", "rope_store_f32"), ("attn", "rope_store_bf16"), ("attn", "rope_store_i8"),
+       ("attn", "decode_attention_f32"), ("attn", "decode_attention_bf16"), ("attn", "decode_attention_i8"))
+DTYPES = (torch.float32, torch.bfloat16)   # the activations it runs
 LAYER_WORDS = 10   # the C side's per-layer addresses (W_IN_NORM .. KV_VS)
 OPS = {1: "the first norm", 2: "the q/k/v projection", 3: "attention", 4: "the output projection",
        5: "the post-attention norm", 6: "the MLP", 7: "the next norm"}
@@ -50,7 +54,8 @@ class _Kernels(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [("T", ctypes.c_int64), ("H", ctypes.c_int64), ("I", ctypes.c_int64), ("S", ctypes.c_int64),
                 ("L", ctypes.c_int32), ("Hq", ctypes.c_int32), ("Hkv", ctypes.c_int32), ("D", ctypes.c_int32),
-                ("P", ctypes.c_int32), ("int8_pages", ctypes.c_int32), ("scale", ctypes.c_float)]
+                ("P", ctypes.c_int32), ("int8_pages", ctypes.c_int32), ("bf16", ctypes.c_int32),
+                ("scale", ctypes.c_float)]
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
@@ -63,12 +68,13 @@ class DecodeStep:
     def __init__(self, path: Path, model, kernels: _Kernels) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        self.fn = lib.decode_layers_f32
+        self.fn = lib.decode_layers
         p = ctypes.c_void_p
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [p] * 15
         self.kernels = kernels
         layers, cfg = model.layers, model.cfg
+        self.dtype = model.embed_tokens.weight.dtype            # the activations'
         self.L, self.H, self.I = len(layers), cfg.hidden_size, layers[0].mlp.intermediate
         self.Hq, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.blocks = [m for layer in layers for m in _projections(layer)]   # read for their max_rows each step
@@ -96,12 +102,12 @@ class DecodeStep:
         return self._layers
 
     def supports(self, kv) -> bool:
-        """Whether steps over this pool can run here: float32 pages, or int8 ones read as float32."""
-        return kv.layout == "HSD" and not kv.window_layers and kv.dtype == torch.float32 and \
-            kv.kv_dtype in (torch.float32, torch.int8) and kv.k[0].shape[2] == self.D
+        """Whether steps over this pool can run here: pages of the activations' dtype, or int8 ones read as it."""
+        return kv.layout == "HSD" and not kv.window_layers and kv.dtype == self.dtype and \
+            kv.kv_dtype in (self.dtype, torch.int8) and kv.k[0].shape[2] == self.D
 
     def __call__(self, x: torch.Tensor, rope, attn) -> torch.Tensor | None:
-        """x: (T, H) float32, the embedded tokens (updated in place as the Python path does); rope: the step's
+        """x: (T, H) of the activations' dtype, the embedded tokens (updated in place as the Python path does); rope: the step's
         ``RopeTable``; attn: the torch backend, planned for this step -> the final norm's (T, H), or None when
         this step is not one it runs (the caller takes the Python path)."""
         plan = attn.c_decode_rows()
@@ -110,18 +116,19 @@ class DecodeStep:
         slots, rows = plan
         kv = attn.kv
         T = x.shape[0]
-        if (x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.H or not x.is_contiguous()
+        if (x.dtype is not self.dtype or x.dim() != 2 or x.shape[1] != self.H or not x.is_contiguous()
                 or any(m.max_rows is not None and T > m.max_rows for m in self.blocks) or rope.partial
-                or rope.cos.dtype is not torch.float32 or not rope.cos.is_contiguous()
+                or rope.cos.dtype is not self.dtype or rope.signed_sin.dtype is not self.dtype
+                or not rope.cos.is_contiguous()
                 or not rope.signed_sin.is_contiguous() or rope.cos.numel() != T * self.D
                 or rope.signed_sin.numel() != T * self.D or not self.supports(kv)):
             return None
         S = kv.k[0].shape[1]
         shape = _Shape(T, self.H, self.I, S, self.L, self.Hq, self.Hkv, self.D, kv.page_size,
-                       int(kv.quantized), 1.0 / self.D ** 0.5)
+                       int(kv.quantized), int(self.dtype is torch.bfloat16), 1.0 / self.D ** 0.5)
         out = torch.empty_like(x)
         failed: list[BaseException] = []
-        callback = None if rows is not None else _ATTEND(self._attend_back(attn, (T, self.Hq, self.D), failed))
+        callback = None if rows is not None else _ATTEND(self._attend_back(attn, (T, self.Hq, self.D), self.dtype, failed))
         pages = (0, 0, 0) if rows is None else (rows.pages.data_ptr(), rows.page_start.data_ptr(),
                                                 rows.kv_len.data_ptr())
         rc = self.fn(ctypes.addressof(self.kernels), self._table(kv).data_ptr(), ctypes.addressof(shape),
@@ -136,16 +143,16 @@ class DecodeStep:
         return out
 
     @staticmethod
-    def _attend_back(attn, shape: tuple[int, int, int], failed: list):
+    def _attend_back(attn, shape: tuple[int, int, int], dtype: torch.dtype, failed: list):
         """The callback for a step whose rows share a prefix: the backend's own ``forward(layer, q, None, None)``
         (what the Python loop calls after ``rotate_and_store``) on the C side's q, written into its buffer.
         An exception is kept in ``failed`` (re-raised after the call) and stops the step."""
-        n = shape[0] * shape[1] * shape[2]
+        n = shape[0] * shape[1] * shape[2] * dtype.itemsize     # bytes
 
         def attend(layer: int, q_ptr: int, out_ptr: int) -> int:
             try:
-                q = torch.frombuffer((ctypes.c_float * n).from_address(q_ptr), dtype=torch.float32).view(shape)
-                o = torch.frombuffer((ctypes.c_float * n).from_address(out_ptr), dtype=torch.float32).view(shape)
+                q = torch.frombuffer((ctypes.c_char * n).from_address(q_ptr), dtype=dtype).view(shape)
+                o = torch.frombuffer((ctypes.c_char * n).from_address(out_ptr), dtype=dtype).view(shape)
                 o.copy_(attn.forward(layer, q, None, None))
                 return 0
             except BaseException as exc:   # noqa: BLE001 - handed back to the caller, never lost in ctypes
@@ -164,8 +171,8 @@ def eligible(model) -> str | None:
     take its decode steps in one C call, or None when it can."""
     if model.cpu_ops is None:
         return "the C layer ops are off"
-    if model.embed_tokens.weight.dtype is not torch.float32:
-        return f"activations are {model.embed_tokens.weight.dtype}, not float32"
+    if model.embed_tokens.weight.dtype not in DTYPES:
+        return f"activations are {model.embed_tokens.weight.dtype}, not bfloat16 or float32"
     if model.rope.partial:
         return "partial rotary embedding"
     for layer in model.layers:

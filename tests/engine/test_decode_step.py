@@ -1,7 +1,7 @@
 """The one-call decode step (engine/models/decode_step.py) against the Python layer loop it replaces.
 
-Both make the same kernel calls on the same values, so the logits must be equal bit for bit, on float32
-and on int8 KV pages, at one row, at several rows of different context lengths, over a shared prefix and for a
+Both make the same kernel calls on the same values, so the logits must be equal bit for bit, in float32 and
+in bfloat16 activations, on pages of their dtype and on int8 KV pages, at one row, at several rows of different context lengths, over a shared prefix and for a
 verification's rows (attention called back into the backend); the steps it does not take (a prefill chunk,
 more rows than the blocks multiply) fall back to that loop.
 """
@@ -23,10 +23,12 @@ pytestmark = pytest.mark.skipif(load_qmatmul() is None or load_attention() is No
                                 reason="no C compiler: the kernels could not be built")
 
 
-@pytest.fixture(scope="module", params=["float32", "int8"])
+# (activations, KV pages): float32 is what ``--dtype auto`` runs on a CPU without native bf16, bfloat16 on one with
+@pytest.fixture(scope="module", params=[("float32", "float32"), ("float32", "int8"), ("bfloat16", "bfloat16"),
+                                        ("bfloat16", "int8")], ids=lambda p: "-".join(p))
 def engine(request):
-    eng = LLMEngine(EngineConfig(dtype="float32", quantization="gguf", kv_cache_tokens=4096,
-                                 kv_cache_dtype=request.param))
+    dtype, kv_dtype = request.param
+    eng = LLMEngine(EngineConfig(dtype=dtype, quantization="gguf", kv_cache_tokens=4096, kv_cache_dtype=kv_dtype))
     yield eng
     eng.close()
 
@@ -85,7 +87,7 @@ def both_paths(engine: LLMEngine, batch: ScheduledBatch) -> tuple[torch.Tensor, 
     return fast, ref, counting
 
 
-def test_on_for_float32_steps_on_blocks(engine, default_engine):
+def test_on_for_steps_on_blocks(engine, default_engine):
     assert engine.runner.model.decode_step is not None
     assert engine.active_kernels["decode_step"]
     assert engine.stats().cpu_kernels["decode_step"]
@@ -170,3 +172,22 @@ def test_rows_past_the_blocks_limit_follow_the_projections(engine, on_blocks):
         prefill_on_blocks(model, before is None)
     assert (counting.ran, counting.declined) == ((1, 0) if on_blocks else (0, 1))
     assert torch.equal(fast, ref)
+
+
+def test_pools_it_reads(engine):
+    """Pages of the activations' dtype or int8, HSD, no sliding-window pages: a pool of the other float dtype
+    (the Python path converts q to the pool's dtype and back) or another layout is declined."""
+    from engine.kv_pool import KVCache
+    step, cfg = engine.runner.model.decode_step, engine.model_config
+    act = engine.runner.model.embed_tokens.weight.dtype
+    other = torch.float32 if act is torch.bfloat16 else torch.bfloat16
+
+    def pool(**kw):
+        args = dict(num_layers=cfg.num_layers, num_pages=4, page_size=engine.config.page_size,
+                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=act, device="cpu", layout="HSD")
+        return KVCache(**{**args, **kw})
+
+    assert step.supports(pool()) and step.supports(pool(kv_dtype=torch.int8))
+    assert not step.supports(pool(kv_dtype=other))
+    assert not step.supports(pool(layout="NHD"))
+    assert not step.supports(pool(window_layers=(1,), window_pages=2))
