@@ -26,9 +26,9 @@ and the LM head), measured on the default model with the default engine settings
   alternating blocks of steps, so that a noisy machine's slow minutes fall on both alike: medians
   and their ratio.
 
-* ``ab_decode_step`` (``--ab-decode-step``): a float32 engine on GGUF blocks with its decode steps' layers in
-  one C call (engine/models/decode_step.py) against the Python loop of the same calls, in alternating blocks
-  of steps as above: medians and their ratio (one_call / loop).
+* ``ab_decode_step`` (``--ab-decode-step``): an engine on GGUF blocks (float32 or bfloat16) with its decode
+  steps' layers in one C call (engine/models/decode_step.py) against the Python loop of the same calls, in
+  alternating blocks of steps as above: medians and their ratio (one_call / loop).
 
 * ``ab_quantization`` (``--ab-quantization MODE``): a second engine with ``quantization=MODE`` (e.g.
   ``gguf``) against this one, in alternating blocks of steps as above: medians and their ratio.
@@ -211,13 +211,13 @@ def ab_decode_step(engine: LLMEngine, shapes: list[str], steps: int, blocks: int
     """The one-call decode step (engine/models/decode_step.py) against the Python layer loop it replaces (the
     same kernel calls, the same logits) on the same batch, in alternating blocks as ``ab_kernels``: each side's
     median of block medians and their ratio (one_call / loop). Raises ``SystemExit`` when this engine does
-    not run the one-call step (bfloat16 activations, dense weights)."""
+    not run the one-call step (dense weights, say)."""
     model = engine.runner.model
     step = getattr(model, "decode_step", None)
     if step is None:
-        raise SystemExit("--ab-decode-step: this engine does not run the one-call decode step (it needs float32 "
-                         "activations on GGUF blocks: --dtype float32 --quantization gguf, or auto on a CPU "
-                         "without native bf16)")
+        raise SystemExit("--ab-decode-step: this engine does not run the one-call decode step (it needs GGUF "
+                         "blocks with float32 or bfloat16 activations: --dtype auto --quantization auto, or "
+                         "--quantization gguf)")
 
     def side(on: bool, batch) -> None:
         model.decode_step = step if on else None
@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ab-kernels", action="store_true",
                     help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
     ap.add_argument("--ab-decode-step", action="store_true",
-                    help="also time the one-call decode step (float32 on GGUF blocks) against the Python layer "
-                         "loop, in alternating blocks")
+                    help="also time the one-call decode step (GGUF blocks, float32 or bfloat16) against the Python "
+                         "layer loop, in alternating blocks")
     ap.add_argument("--ab-quantization", metavar="MODE",
                     help="also time a second engine with this quantization (e.g. gguf) against this one's, "
                          "in alternating blocks")
@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> None:
                                     kv_cache_dtype=args.kv_cache_dtype))
     backend = engine.runner.attn
     if args.ab_decode_step and getattr(engine.runner.model, "decode_step", None) is None:
-        ap.error("--ab-decode-step: this engine does not run the one-call decode step (it needs float32 activations "
-                 "on GGUF blocks: --dtype float32 --quantization gguf, or auto on a CPU without native bf16)")
+        ap.error("--ab-decode-step: this engine does not run the one-call decode step (it needs GGUF blocks with "
+                 "float32 or bfloat16 activations: --dtype auto --quantization auto, or --quantization gguf)")
     print(f"device {engine.device}, dtype {args.dtype}, KV pages {engine.config.resolved_kv_cache_dtype()}, "
           f"quantization {engine.quantization}, "
           f"backend {engine.backend_name}, torch threads "

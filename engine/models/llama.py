@@ -146,7 +146,7 @@ class LlamaModel(nn.Module):
     # each as one C call (engine/models/cpu_ops.py) when the activations are bfloat16 or float32 on the CPU;
     # None: the plain layers
     cpu_ops = None
-    # set by the engine (``use_decode_step``): float32 decode steps on 4-bit blocks run their layers in one C
+    # set by the engine (``use_decode_step``): bf16 / float32 decode steps on 4-bit blocks run their layers in one C
     # call (engine/models/decode_step.py), the same calls as ``_forward_fused``'s; None: that path
     decode_step = None
 
@@ -195,8 +195,8 @@ class LlamaModel(nn.Module):
         return self.cpu_ops is not None
 
     def use_decode_step(self, enabled: bool, attn) -> bool:
-        """Run the decode steps ``decode_step.DecodeStep`` takes in one C call (the C layer ops on, float32
-        activations, 4-bit blocks, ``attn`` the torch backend with the C decode kernel); returns whether on."""
+        """Run the decode steps ``decode_step.DecodeStep`` takes in one C call (the C layer ops on, bfloat16 or
+        float32 activations, 4-bit blocks, ``attn`` the torch backend with the C decode kernel); returns whether on."""
         self.decode_step = None
         plain = type(self) is LlamaModel and all(type(layer.mlp) is MLP for layer in self.layers)
         if enabled and plain and self.cpu_ops is not None and hasattr(attn, "c_decode_rows"):
