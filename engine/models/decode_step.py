@@ -107,9 +107,9 @@ class DecodeStep:
             kv.kv_dtype in (self.dtype, torch.int8) and kv.k[0].shape[2] == self.D
 
     def __call__(self, x: torch.Tensor, rope, attn) -> torch.Tensor | None:
-        """x: (T, H) of the activations' dtype, the embedded tokens (updated in place as the Python path does); rope: the step's
-        ``RopeTable``; attn: the torch backend, planned for this step -> the final norm's (T, H), or None when
-        this step is not one it runs (the caller takes the Python path)."""
+        """x: (T, H) of the activations' dtype, the embedded tokens (updated in place as the Python path does);
+        rope: the step's ``RopeTable``; attn: the torch backend, planned for this step -> the final norm's (T, H),
+        or None when this step is not one it runs (the caller takes the Python path)."""
         plan = attn.c_decode_rows()
         if plan is None:
             return None
@@ -128,7 +128,8 @@ class DecodeStep:
                        int(kv.quantized), int(self.dtype is torch.bfloat16), 1.0 / self.D ** 0.5)
         out = torch.empty_like(x)
         failed: list[BaseException] = []
-        callback = None if rows is not None else _ATTEND(self._attend_back(attn, (T, self.Hq, self.D), self.dtype, failed))
+        callback = None if rows is not None else _ATTEND(self._attend_back(attn, (T, self.Hq, self.D), self.dtype,
+                                                                           failed))
         pages = (0, 0, 0) if rows is None else (rows.pages.data_ptr(), rows.page_start.data_ptr(),
                                                 rows.kv_len.data_ptr())
         rc = self.fn(ctypes.addressof(self.kernels), self._table(kv).data_ptr(), ctypes.addressof(shape),

@@ -1,9 +1,10 @@
 """The one-call decode step (engine/models/decode_step.py) against the Python layer loop it replaces.
 
 Both make the same kernel calls on the same values, so the logits must be equal bit for bit, in float32 and
-in bfloat16 activations, on pages of their dtype and on int8 KV pages, at one row, at several rows of different context lengths, over a shared prefix and for a
-verification's rows (attention called back into the backend); the steps it does not take (a prefill chunk,
-more rows than the blocks multiply) fall back to that loop.
+in bfloat16 activations, on pages of their dtype and on int8 KV pages, at one row, at several rows of
+different context lengths, over a shared prefix and for a verification's rows (attention called back into
+the backend); the steps it does not take (a prefill chunk, more rows than the blocks multiply) fall back to
+that loop.
 """
 
 from __future__ import annotations
