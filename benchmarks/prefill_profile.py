@@ -18,6 +18,15 @@ import sys
 import time
 
 
+# the two A/B runs, one at a time: each flag's sides A and B
+AB_SIDES = {
+    "--ab-prefill-kernel": "A, torch's attention for the prefill chunks, with B, the C bfloat16 prefill kernel "
+                           "(engine/attention/csrc/prefill_attention.c; bfloat16 on vdpbf16ps only)",
+    "--ab": "A, the dense prefill matmuls and the masked SDPA extend (the paths before prefill on the blocks and "
+            "extend_attention), with B, the paths picked now",
+}
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", choices=["native", "x86-64-v3"], default="native",
@@ -29,12 +38,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="EngineConfig.dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, help="write the runs and their medians here (the harness's header)")
-    p.add_argument("--ab-prefill-kernel", action="store_true",
-                   help="alternate (ABBA) A, torch's attention for the prefill chunks, with B, the C bfloat16 prefill "
-                        "kernel (engine/attention/csrc/prefill_attention.c; bfloat16 on vdpbf16ps only)")
-    p.add_argument("--ab", action="store_true",
-                   help="alternate (ABBA) A, the dense prefill matmuls and the masked SDPA extend (the paths "
-                        "before prefill on the blocks and extend_attention), with B, the paths picked now")
+    for flag, sides in AB_SIDES.items():
+        p.add_argument(flag, action="store_true", help=f"alternate (ABBA) {sides}")
     args = p.parse_args()
     if args.ab and args.ab_prefill_kernel:
         p.error("--ab and --ab-prefill-kernel each alternate their own pair of sides: give one of them")

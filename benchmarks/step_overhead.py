@@ -382,6 +382,15 @@ def ab_overlap(cfg: EngineConfig, shapes: list[str], steps: int, blocks: int = 3
     return out
 
 
+# the A/B comparisons a switch adds to the run, each timed in alternating blocks beside the shapes' own figures
+AB_SWITCHES = (
+    ("--overlap", "whole engine steps without and with overlap_schedule (host ms on the critical path against "
+                  "total host ms)"),
+    ("--ab-kernels", "the CPU's C kernels against the pure-torch paths"),
+    ("--ab-decode-step", "the one-call decode step (GGUF blocks, float32 or bfloat16) against the Python layer loop"),
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_common_args(ap, repeats=3)   # --repeats: blocks per side of --ab-kernels
@@ -395,17 +404,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV pages of the engine (engine.config.KV_CACHE_DTYPES); "
                     "other than auto, also timed against --kv-baseline pages in alternating blocks")
     ap.add_argument("--kv-baseline", default="bfloat16", help="the page dtype --kv-cache-dtype is timed against")
-    ap.add_argument("--overlap", action="store_true",
-                    help="also time whole engine steps without and with overlap_schedule, in alternating blocks: "
-                         "host ms on the critical path against total host ms")
+    for flag, what in AB_SWITCHES:
+        ap.add_argument(flag, action="store_true", help=f"also time {what}, in alternating blocks")
     ap.add_argument("--overlap-shapes", default="b1_ctx64,b16_ctx64,b64_ctx64,b256_ctx64",
                     help="shapes of the --overlap A/B (two engines with their own pools each; the default leaves "
                          "out b64_ctx2048, whose two float32 pools of 6 GB each beside this engine's overflow 24 GB)")
-    ap.add_argument("--ab-kernels", action="store_true",
-                    help="also time the CPU's C kernels against the pure-torch paths, in alternating blocks")
-    ap.add_argument("--ab-decode-step", action="store_true",
-                    help="also time the one-call decode step (GGUF blocks, float32 or bfloat16) against the Python "
-                         "layer loop, in alternating blocks")
     ap.add_argument("--ab-quantization", metavar="MODE",
                     help="also time a second engine with this quantization (e.g. gguf) against this one's, "
                          "in alternating blocks")
