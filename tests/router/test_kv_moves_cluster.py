@@ -211,9 +211,29 @@ def test_the_router_tells_a_turn_sent_away_from_its_holder_to_pull(cl):
     # the holder gets busy (a long reply of its own): least_load sends the next turn to the other worker
     long_body = {"request_id": "blocker", "prompt_token_ids": ids(8)[:64],
                  "sampling": sampling_to_wire(SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))}
-    blocker = threading.Thread(target=lambda: httpx.post(cl[holder].url + "/internal/generate", json=long_body,
-                                                         timeout=300), daemon=True)
+    done = threading.Event()
+
+    def block() -> None:   # reads the blocker's stream until the test is done, then leaves: the worker aborts it
+        with httpx.stream("POST", cl[holder].url + "/internal/generate", json=long_body, timeout=300) as stream:
+            for _ in stream.iter_lines():
+                if done.is_set():
+                    return
+
+    blocker = threading.Thread(target=block, daemon=True)
     blocker.start()
+    try:
+        turn_goes_to_the_other_worker_and_pulls(cl, http, state, body, first, holder, other)
+    finally:
+        done.set()
+        blocker.join(30)
+    # its client gone, the blocker is aborted at once (else the holder's drain at teardown waits its full timeout)
+    c.wait_for(lambda: http.get(cl[holder].url + "/internal/status").json()["load"]["in_flight"] == 0,
+               what="the holder to abort the blocker its client left")
+
+
+def turn_goes_to_the_other_worker_and_pulls(cl, http, state, body, first, holder, other) -> None:
+    """With the holder busy, the same prompt again goes to the other worker, which pulls the holder's blocks."""
+    r0 = cl["r0"].url
     # busy as the router prices it: a report taken during the first turn still says running 1, and the router
     # takes that turn off it once the turn has ended (RouterCore._queue), so wait for the blocker's own report
     busy = lambda load: load and load["running"] + load["waiting"] - load["ended_since_report"] > 0  # noqa: E731
