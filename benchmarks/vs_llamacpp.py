@@ -39,8 +39,9 @@ the same time: ``python -m agentrt_cli serve --port P`` and ``llama-server -m GG
 -c C*8192`` (C slots of 8,192 tokens each: the model's context, enough for a ~7k session). Where
 llama-server's defaults crash at start-up (ggml's AMX repacking on some virtual machines), it runs
 with ``--no-repack``; the JSON (``peer_flags``) and the table say so beside its figures, and agentrt
-runs once more with its equivalent path off (``agentrt_float32``: bf16 off, ``--dtype float32``) as
-the like-for-like figure. A run with any other non-default llama-server flag is ``"headline": false``.
+runs once more with its equivalent path off (``agentrt_float32``: bf16 off, ``--dtype float32
+--quantization gguf``: float32 activations on the file's own blocks, no AMX, as llama-server's unrepacked
+kernels) as the like-for-like figure. A run with any other non-default llama-server flag is ``"headline": false``.
 
 ``--cpu x86-64-v3`` measures both sides as on a CPU with AVX2 and no AVX-512 or native bf16 (most
 laptops, desktops and many cloud VMs), on a machine that has more: llama-server built for AVX2 only
@@ -213,7 +214,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{label:28}" + "".join(f"{c:>26}" for c in cells))
     if peer.get("flags"):
         lines.append(f"llama-server ran with {' '.join(peer['flags'])} ({peer['why']}); "
-                     + ("agentrt_float32 is agentrt with bf16 off (--dtype float32), the like-for-like figure"
+                     + ("agentrt_float32 is agentrt with bf16 off (--dtype float32 --quantization gguf), the like-for-like figure"
                         if "agentrt_float32" in sides else "NOT A HEADLINE: agentrt ran without the equivalent path off"))
     return "\n".join(lines)
 
@@ -323,8 +324,10 @@ async def drive(url: str, system: str, turns: list[list[list[dict]]] | None, arg
 # answers /health): ggml's AMX matmul (the "repack" buffer type on CPUs that list AMX) segfaults on
 # some virtual machines that list AMX in /proc/cpuinfo; without repacking it runs its AVX-512 kernels.
 CRASH_FALLBACK_FLAGS = ["--no-repack"]
-# agentrt's path that matches llama-server's with repacking off: its bf16 weights off
-EQUIVALENT_FLAGS = {"--no-repack": ["--dtype", "float32"]}
+# agentrt's path that matches llama-server's with repacking off: bf16 (AMX) off, the file's blocks kept (the
+# GGUF's Q4_1 blocks times 8-bit activations, as llama-server's unrepacked kernels compute them). Before
+# 2026-12-06 this was --dtype float32 alone, which dequantizes to dense float32 weights: not like for like.
+EQUIVALENT_FLAGS = {"--no-repack": ["--dtype", "float32", "--quantization", "gguf"]}
 
 
 def serve(name: str, cmd: list[str], work) -> tuple[dict, str]:

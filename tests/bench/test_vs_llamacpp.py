@@ -131,14 +131,16 @@ def test_decode_prompts_are_distinct_over_repeats_and_runs():
 
 def test_side_commands_add_the_float32_side_only_when_llama_needs_its_fallback():
     import argparse
-    from benchmarks.vs_llamacpp import side_commands
+    from benchmarks.vs_llamacpp import EQUIVALENT_FLAGS, side_commands
     args = argparse.Namespace(model=None, only=None, agentrt_flag=[], llama_flag=[], concurrency=2, cpu="native")
     plain = side_commands(args, "llama-server", "m.gguf", {"flags": [], "agentrt_equivalent": []})
     assert list(plain) == ["agentrt", "llama_server"]
-    fb = side_commands(args, "llama-server", "m.gguf", {"flags": ["--no-repack"],
-                                                         "agentrt_equivalent": ["--dtype", "float32"]})
+    equivalent = EQUIVALENT_FLAGS["--no-repack"]
+    fb = side_commands(args, "llama-server", "m.gguf", {"flags": ["--no-repack"], "agentrt_equivalent": equivalent})
     assert list(fb) == ["agentrt", "llama_server", "agentrt_float32"]
-    assert fb["llama_server"][-1] == "--no-repack" and fb["agentrt_float32"][-2:] == ["--dtype", "float32"]
+    assert fb["llama_server"][-1] == "--no-repack" and fb["agentrt_float32"][-4:] == equivalent
+    # like llama-server's unrepacked kernels: bf16 (AMX) off, the file's 4-bit blocks kept (not dense float32)
+    assert equivalent == ["--dtype", "float32", "--quantization", "gguf"]
 
 
 def test_avx2_target_runs_agentrt_as_an_avx2_cpu_would_and_builds_llama_server_without_avx512():
