@@ -214,7 +214,8 @@ def format_table(result: dict) -> str:
         lines.append(f"{label:28}" + "".join(f"{c:>26}" for c in cells))
     if peer.get("flags"):
         lines.append(f"llama-server ran with {' '.join(peer['flags'])} ({peer['why']}); "
-                     + ("agentrt_float32 is agentrt with bf16 off (--dtype float32 --quantization gguf), the like-for-like figure"
+                     + ("agentrt_float32 is agentrt with bf16 off (--dtype float32 --quantization gguf), "
+                        "the like-for-like figure"
                         if "agentrt_float32" in sides else "NOT A HEADLINE: agentrt ran without the equivalent path off"))
     return "\n".join(lines)
 
