@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,17 +160,37 @@ def position_logprobs(engine: LLMEngine, seq: list[int], last: int, chunk: int |
         engine.pool.free(pages)
 
 
-def agreement(reference: LLMEngine, engine: LLMEngine, prompts: list, outs: list, scored: int):
-    """``engine`` teacher-forced on the reference's greedy continuations ``outs`` of ``prompts``, in chunks
-    of MAX_QUANT_ROWS tokens (every matmul on the quantized kernels), scored over each one's last
+# reference engine -> {scored: its teacher-forcing runs}; weak, so a module's engine is not kept past its module
+_REFERENCE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reference_runs(reference: LLMEngine, scored: int) -> list[tuple[list[int], torch.Tensor]]:
+    """``reference``'s greedy continuations of PROMPTS, each as (the sequence it is teacher-forced on, the
+    reference's log-probs over its last ``scored`` positions). Computed once per reference engine and
+    ``scored``: tests/engine/test_qmatmul_engine.py scores two engines against the same float32 engine, and
+    recomputing its side (six generations and six forwards, ~7 CPU-s) gave the same tensors."""
+    runs = _REFERENCE_RUNS.setdefault(reference, {})
+    if scored not in runs:
+        prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+        outs = reference.generate(prompts, SamplingParams(max_tokens=scored, temperature=0, ignore_eos=True))
+        runs[scored] = []
+        for prompt, out in zip(prompts, outs):
+            seq = prompt + out.token_ids[:-1]
+            ref = position_logprobs(reference, seq, scored)
+            assert torch.equal(ref.argmax(-1), torch.tensor(out.token_ids))   # the scoring path is the engine's
+            runs[scored].append((seq, ref))
+    return runs[scored]
+
+
+def agreement(reference: LLMEngine, engine: LLMEngine, scored: int):
+    """``engine`` teacher-forced on the reference's greedy continuations of PROMPTS (``reference_runs``), in
+    chunks of MAX_QUANT_ROWS tokens (every matmul on the quantized kernels), scored over each one's last
     ``scored`` positions: (top-1 agreements, positions, summed KL(reference || engine), largest change
     of the reference's top-token log-prob)."""
     agree = n = 0
     kl = worst = 0.0
-    for prompt, out in zip(prompts, outs):
-        seq = prompt + out.token_ids[:-1]
-        ref, got = position_logprobs(reference, seq, scored), position_logprobs(engine, seq, scored, MAX_QUANT_ROWS)
-        assert torch.equal(ref.argmax(-1), torch.tensor(out.token_ids))   # the scoring path is the engine's
+    for seq, ref in reference_runs(reference, scored):
+        got = position_logprobs(engine, seq, scored, MAX_QUANT_ROWS)
         top = ref.argmax(-1, keepdim=True)
         agree += int((got.argmax(-1) == top[:, 0]).sum())
         n += scored
@@ -182,9 +204,7 @@ def assert_close_to(reference: LLMEngine, engine: LLMEngine, label: str, scored:
     """``agreement`` of ``engine`` with ``reference``'s greedy continuations of PROMPTS (``scored`` each),
     printed, and held to the stated tolerances: top-1 agreement >= ``top1`` of the positions, mean KL <=
     ``mean_kl`` nats, largest change of the reference's top-token log-prob <= ``top_change`` nats."""
-    prompts = [encode_chat(reference.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    outs = reference.generate(prompts, SamplingParams(max_tokens=scored, temperature=0, ignore_eos=True))
-    agree, n, kl, worst = agreement(reference, engine, prompts, outs, scored)
+    agree, n, kl, worst = agreement(reference, engine, scored)
     print(f"{label}: top-1 {agree}/{n}, mean KL {kl / n:.4f}, top-token change {worst:.3f}")
     assert agree >= top1 * n, f"top-1 agreement {agree}/{n}"
     assert kl / n <= mean_kl, f"mean KL {kl / n:.4f}"
