@@ -115,7 +115,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     the tests made. A full collection of the collected heap took 0.3-0.45 s, about 150 of them a run. The
     interpreter starts a full collection once its long-lived objects grew by a quarter, counting unfrozen ones
     only, so it would now run them often during a long generation: ten times the third threshold keeps them
-    rare (measured on two test_speculative tests: 38.1 s unfrozen, 40.9 s frozen, 37.1 s frozen with it)."""
+    rare (measured on two test_speculative tests: 38.1 s unfrozen, 40.9 s frozen, 37.1 s frozen with it).
+    First, llama.cpp's chat templates start downloading in the background if a selected test reads them
+    (tests/llamacpp_templates.py ``prefetch``)."""
+    from tests.llamacpp_templates import prefetch
+    prefetch(session.items)
     gc.collect()
     gc.freeze()
     g0, g1, g2 = gc.get_threshold()

@@ -15,6 +15,7 @@ from agentrt.core.errors import APIError
 from agentrt.core.generation import chat_switches
 from agentrt.core.request_fields import CHAT, COMPLETIONS, check_extra_fields
 from engine.tokenizer import Tokenizer, render_chat_prompt
+from tests.llamacpp_templates import templates_dir
 
 USER = [{"role": "user", "content": "Name one colour."}]
 # SmolLM2's chat format written out
@@ -130,7 +131,6 @@ def test_reasoning_effort_is_the_templates_switch(oai):
 
 def _template_and_tokenizer(filename: str) -> tuple[str, Tokenizer]:
     from engine.loader import load_tokenizer
-    from tests.llamacpp_templates import templates_dir
     template = (templates_dir() / filename).read_text()
     base = load_tokenizer(None)[0]
     return template, Tokenizer(hf=base.hf, chat_template=template, bos_token_id=base.bos_token_id,
