@@ -250,24 +250,28 @@ def copy_hf_weights(module: nn.Module, state, skip: tuple[str, ...] = ()) -> Non
     for name, tensor in module.state_dict().items():
         if skip and name.startswith(skip):
             continue
-        value = hf_weight(state, name, missing)
-        if value is None:
+        parts = hf_weight_parts(state, name, missing)
+        if parts is None:
             continue
-        if value.shape != tensor.shape:
-            raise ValueError(f"weight {name}: shape {tuple(value.shape)} != expected {tuple(tensor.shape)}")
-        tensor.copy_(value)
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or shape != tensor.shape:
+            raise ValueError(f"weight {name}: shape {tuple(shape)} != expected {tuple(tensor.shape)}")
+        row = 0
+        for p in parts:            # a fused weight's parts straight into their rows: no stacked copy first
+            tensor[row:row + p.shape[0]].copy_(p)
+            row += p.shape[0]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
 
-def hf_weight(state, name: str, missing: list[str]) -> torch.Tensor | None:
-    """Our parameter ``name`` from a checkpoint in HF names (fused ones stacked); None (and the names
-    appended to ``missing``) when the checkpoint lacks it."""
+def hf_weight_parts(state, name: str, missing: list[str]) -> list[torch.Tensor] | None:
+    """Our parameter ``name`` from a checkpoint in HF names: its parts, stacked along the first dimension
+    (one part unless fused); None (and the names appended to ``missing``) when the checkpoint lacks it."""
     if name.rpartition(".")[0].endswith(tuple(FUSED)) and "model." + name in state:
-        return state["model." + name]      # stored fused (Phi-3's qkv_proj, gate_up_proj)
+        return [state["model." + name]]    # stored fused (Phi-3's qkv_proj, gate_up_proj)
     sources = hf_sources(name)
     absent = [s for s in sources if s not in state]
     if absent:
         missing.extend(absent)
         return None
-    return state[sources[0]] if len(sources) == 1 else torch.cat([state[s] for s in sources])
+    return [state[s] for s in sources]

@@ -7,6 +7,7 @@ import copy
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,3 +66,22 @@ def test_a_model_build_does_not_import_sympy():
             "print('sympy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
+def test_fused_weights_load_their_parts_in_order_and_a_wrong_or_missing_part_is_named():
+    """q, k, v into the fused qkv_proj's rows in that order (and gate, up into gate_up_proj); a part of
+    the wrong shape or a missing one is a ValueError naming it."""
+    files = load_model_files(None, torch.float32)
+    model = build_model(files.config, files.state, torch.float32, "cpu")
+    attn, mlp, state = model.layers[3].self_attn, model.layers[3].mlp, files.state
+    q, k, v = (state[f"model.layers.3.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
+    gate, up = (state[f"model.layers.3.mlp.{p}_proj.weight"] for p in ("gate", "up"))
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate, up]))
+    bad = dict(state)
+    bad["model.layers.3.self_attn.k_proj.weight"] = k[:-1]
+    with pytest.raises(ValueError, match=r"layers\.3\.self_attn\.qkv_proj\.weight: shape"):
+        model.load_hf_state_dict(bad)
+    del bad["model.layers.3.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match="missing 1 weights.*layers.3.self_attn.k_proj"):
+        model.load_hf_state_dict(bad)
