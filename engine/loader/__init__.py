@@ -25,7 +25,7 @@ def load_tokenizer(path: str | None):
     """``(Tokenizer, context length, model id)`` without loading any weights (routers)."""
     import json
 
-    from engine.loader.gguf_file import GGUFFile
+    from engine.loader.gguf_file import read_gguf
     from engine.loader.tokenizer_files import gguf_context_length, gguf_tokenizer, load_hf_tokenizer
 
     path, model_id = resolve_model(path)
@@ -34,7 +34,7 @@ def load_tokenizer(path: str | None):
             raw = json.load(f)
         return load_hf_tokenizer(path, raw), int(raw.get("max_position_embeddings", 4096)), model_id
     if path.endswith(".gguf") and os.path.isfile(path):
-        reader = GGUFFile(path)
+        reader = read_gguf(path)
         return gguf_tokenizer(reader), gguf_context_length(reader), model_id
     raise FileNotFoundError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
 
@@ -71,12 +71,12 @@ def load_model_files(path: str | None, dtype: torch.dtype | None = None, int4_gr
 def gguf_weight_types(path: str | None) -> set[str]:
     """The block types of a GGUF file's layer weights (``blk.*``; e.g. ``{"Q4_1"}``); empty for a
     Hugging Face directory. Reads only the header."""
-    from engine.loader.gguf_file import GGUFFile
+    from engine.loader.gguf_file import read_gguf
 
     path, _ = resolve_model(path)
     if not (path.endswith(".gguf") and os.path.isfile(path)):
         return set()
-    return {t.type_name for t in GGUFFile(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    return {t.type_name for t in read_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
 __all__ = ["ModelConfig", "ModelFiles", "gguf_weight_types", "load_model_files", "load_tokenizer", "resolve_model"]

@@ -18,6 +18,7 @@ into the data section, which starts at the next multiple of ``general.alignment`
 from __future__ import annotations
 
 import functools
+import os
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,20 @@ class GGUFFile:
             return out
         # arrays of arrays are legal GGUF but no model metadata we read uses them
         return [self._value(etype, key) for _ in range(count)]
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """``GGUFFile(path)``, parsed once per process while the file stays the same (its inode, size and
+    modification time): an engine start read the default model's header four times (its block types for
+    the quantization choice, the tokenizer, the weights, the shapes the CPU picks time), ~50 ms a parse of
+    its 49,152-token vocabulary and merges. The result is shared: callers only read it."""
+    st = os.stat(path)
+    return _read_gguf(os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf(path: str, inode: int, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 # -- dequantization ------------------------------------------------------------------------

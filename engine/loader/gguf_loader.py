@@ -9,7 +9,7 @@ import torch
 
 from engine.loader.gguf_arch import config_from_gguf
 from engine.loader.gguf_families import FAMILY_ARCHS, family_state
-from engine.loader.gguf_file import GGUFFile, dequantize, q4_blocks, q8_blocks
+from engine.loader.gguf_file import dequantize, q4_blocks, q8_blocks, read_gguf
 from engine.loader.progress import load_bar
 from engine.models.qmatmul import Q8Blocks
 from engine.models.quant import Int4Groups
@@ -62,7 +62,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving, and the
     Q8_0 ``token_embd`` / ``output`` weights as ``engine.models.qmatmul.Q8Blocks`` (the LM head of
     ``quantization="gguf"``)."""
-    reader = GGUFFile(path)
+    reader = read_gguf(path)
     cfg = config_from_gguf(reader, path)
     tokenizer = gguf_tokenizer(reader)   # before the weights: a refused tokenizer costs no dequantization
     arch = reader.fields["general.architecture"]

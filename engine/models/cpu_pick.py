@@ -46,9 +46,9 @@ PREFILL_ROWS = 256
 def model_shapes(path: str | None) -> dict[str, tuple[int, int]]:
     """(out, in) of one layer's fused projections and of the LM head, from a GGUF file's header."""
     from engine.loader import resolve_model
-    from engine.loader.gguf_file import GGUFFile
+    from engine.loader.gguf_file import read_gguf
 
-    shape = {t.name: tuple(reversed(t.shape)) for t in GGUFFile(resolve_model(path)[0]).tensors}
+    shape = {t.name: tuple(reversed(t.shape)) for t in read_gguf(resolve_model(path)[0]).tensors}
     q, k, v = (shape[f"blk.0.attn_{x}.weight"] for x in "qkv")
     gate, up = shape["blk.0.ffn_gate.weight"], shape["blk.0.ffn_up.weight"]
     return {"qkv": (q[0] + k[0] + v[0], q[1]), "o": shape["blk.0.attn_output.weight"],

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as reference_dequantize
 
-from engine.loader.gguf_file import GGML_TYPES, GGUFError, GGUFFile, GGUFTensor, dequantize
+from engine.loader.gguf_file import GGML_TYPES, GGUFError, GGUFFile, GGUFTensor, dequantize, read_gguf
 from engine.loader.gguf_loader import default_model_path
 
 
@@ -101,3 +101,21 @@ def test_a_damaged_file_is_refused_with_what_is_wrong(tmp_path):
     header_only.write_bytes(data)           # metadata complete, tensor data missing
     with pytest.raises(GGUFError, match="runs past the end of the file"):
         GGUFFile(str(header_only))
+
+
+def test_read_gguf_parses_a_file_once_until_it_changes(tmp_path):
+    """The engine's reads of one file share one parse; a file rewritten (or replaced) at that path is
+    parsed again, and a damaged one is refused each time, not remembered as the last good parse."""
+    path = tmp_path / "model.gguf"
+    data = open(default_model_path(), "rb").read()
+    path.write_bytes(data)
+    first = read_gguf(path)
+    assert read_gguf(str(path)) is first
+    fields = dict(first.fields)
+    path.write_bytes(data + b"\0" * 64)        # rewritten: another size
+    again = read_gguf(path)
+    assert again is not first and again.fields == fields
+    path.write_bytes(data[:200_000])           # now damaged
+    for _ in range(2):
+        with pytest.raises(GGUFError, match="past the end|ends early"):
+            read_gguf(path)
