@@ -8,6 +8,7 @@ reads and writes the paged KV cache using per-step metadata.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -244,10 +245,16 @@ def hf_sources(name: str) -> list[str]:
 
 
 def copy_hf_weights(module: nn.Module, state, skip: tuple[str, ...] = ()) -> None:
-    """Copy every parameter and buffer of ``module`` (but those whose names start with one of ``skip``)
-    from a checkpoint in HF names; a missing weight or a shape that differs is a ``ValueError``."""
+    """Load every parameter and buffer of ``module`` (but those whose names start with one of ``skip``)
+    from a checkpoint in HF names; a missing weight or a shape that differs is a ``ValueError``. A checkpoint
+    tensor that is already what the parameter holds (one part, same dtype and device, contiguous, alone in its
+    storage) becomes the parameter, not copied: the model and the checkpoint then share it, which only reads
+    its weights (the embedding, o_proj, down_proj: half the default model's bytes not copied, not faulted in
+    twice). Fused parameters get their parts copied into their rows."""
     missing: list[str] = []
-    for name, tensor in module.state_dict().items():
+    weights = module.state_dict()
+    owners = Counter(t.data_ptr() for t in weights.values())
+    for name, tensor in weights.items():
         if skip and name.startswith(skip):
             continue
         parts = hf_weight_parts(state, name, missing)
@@ -256,12 +263,30 @@ def copy_hf_weights(module: nn.Module, state, skip: tuple[str, ...] = ()) -> Non
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or shape != tensor.shape:
             raise ValueError(f"weight {name}: shape {tuple(shape)} != expected {tuple(tensor.shape)}")
+        if len(parts) == 1 and owners[tensor.data_ptr()] == 1 and _shareable(parts[0], tensor):
+            _set_weight(module, name, parts[0])
+            continue
         row = 0
         for p in parts:            # a fused weight's parts straight into their rows: no stacked copy first
             tensor[row:row + p.shape[0]].copy_(p)
             row += p.shape[0]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _shareable(value: torch.Tensor, like: torch.Tensor) -> bool:
+    return (value.dtype == like.dtype and value.device == like.device and value.is_contiguous()
+            and not value.requires_grad and value.untyped_storage().nbytes() == value.numel() * value.element_size())
+
+
+def _set_weight(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """``module``'s parameter or buffer ``name`` (dotted) replaced by ``value``."""
+    path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(path)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=owner._parameters[leaf].requires_grad)
+    else:
+        owner._buffers[leaf] = value
 
 
 def hf_weight_parts(state, name: str, missing: list[str]) -> list[torch.Tensor] | None:

@@ -85,3 +85,27 @@ def test_fused_weights_load_their_parts_in_order_and_a_wrong_or_missing_part_is_
     del bad["model.layers.3.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match="missing 1 weights.*layers.3.self_attn.k_proj"):
         model.load_hf_state_dict(bad)
+
+
+def test_a_weight_the_checkpoint_already_holds_is_shared_not_copied():
+    """Same dtype, one part: the parameter is the checkpoint's tensor (no second copy); a fused parameter and
+    one in another dtype are copies; the values are the checkpoint's either way."""
+    files = load_model_files(None, torch.float32)
+    state = files.state
+    model = build_model(files.config, state, torch.float32, "cpu")
+    o_proj, embed = state["model.layers.2.self_attn.o_proj.weight"], state["model.embed_tokens.weight"]
+    assert model.layers[2].self_attn.o_proj.weight.data_ptr() == o_proj.data_ptr()
+    assert model.embed_tokens.weight.data_ptr() == embed.data_ptr()
+    qkv = model.layers[2].self_attn.qkv_proj.weight
+    assert qkv.data_ptr() != state["model.layers.2.self_attn.q_proj.weight"].data_ptr()
+    assert model.layers[2].self_attn.o_proj.weight.requires_grad == qkv.requires_grad   # as built
+    assert not o_proj.requires_grad                     # the checkpoint's tensor itself is left as it was
+    bf16 = build_model(files.config, state, torch.bfloat16, "cpu")
+    assert bf16.layers[2].self_attn.o_proj.weight.data_ptr() != o_proj.data_ptr()
+    assert torch.equal(bf16.layers[2].self_attn.o_proj.weight, o_proj.to(torch.bfloat16))
+    sliced = dict(state)       # a view into a larger tensor is copied: sharing it would keep all of it alive
+    sliced["model.layers.2.self_attn.o_proj.weight"] = torch.cat([o_proj, o_proj])[:o_proj.shape[0]]
+    again = build_model(files.config, sliced, torch.float32, "cpu")
+    view = sliced["model.layers.2.self_attn.o_proj.weight"]
+    assert again.layers[2].self_attn.o_proj.weight.data_ptr() != view.data_ptr()
+    assert torch.equal(again.layers[2].self_attn.o_proj.weight, o_proj)
