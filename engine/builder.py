@@ -24,6 +24,7 @@ from engine.kv_move import KVLayout, KVMover, model_fingerprint
 from engine.kv_pool import KVCache, PagePool, kv_bytes_per_token, pool_pages
 from engine.kv_tier import DiskTier, HostTier, KVTiers
 from engine.loader import gguf_weight_types, load_model_files
+from engine.loader.gguf_file import gguf_headers_kept
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.quant import MAX_QUANT_ROWS
@@ -114,7 +115,13 @@ def build_engine(config: EngineConfig, on_kv_event: Callable | None = None, kv_e
 
 
 def load_model(config: EngineConfig) -> Model:
-    """The model and its tokenizer, in the resolved dtype, device and weight format."""
+    """The model and its tokenizer, in the resolved dtype, device and weight format; a GGUF file's header
+    parsed once for all of it (``gguf_headers_kept``)."""
+    with gguf_headers_kept():
+        return _load_model(config)
+
+
+def _load_model(config: EngineConfig) -> Model:
     device = config.resolved_device()
     dtype = DTYPES[config.resolved_dtype()]
     quantization = config.resolved_quantization(gguf_weight_types(config.model))

@@ -17,11 +17,13 @@ into the data section, which starts at the next multiple of ``general.alignment`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -180,12 +182,35 @@ class GGUFFile:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """``GGUFFile(path)``, parsed once per process while the file stays the same (its inode, size and
-    modification time): an engine start read the default model's header four times (its block types for
-    the quantization choice, the tokenizer, the weights, the shapes the CPU picks time), ~50 ms a parse of
-    its 49,152-token vocabulary and merges. The result is shared: callers only read it."""
+    """``GGUFFile(path)``; inside :func:`gguf_headers_kept`, parsed once while the file stays the same (its
+    inode, size and modification time): a model load read the default model's header four times (its block
+    types for the quantization choice, the tokenizer, the weights, the shapes the CPU picks time), ~50 ms a
+    parse of its 49,152-token vocabulary and merges. Callers only read the result."""
+    if not _kept_depth:
+        return GGUFFile(path)
     st = os.stat(path)
     return _read_gguf(os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@contextlib.contextmanager
+def gguf_headers_kept() -> Iterator[None]:
+    """While it is open (engine/builder.py: the model load), :func:`read_gguf` keeps what it parsed; when the
+    last one closes, the parses go (the default model's is 9 MB of Python objects, a 128k-token vocabulary's
+    some 30 MB, which a serving process would otherwise hold for nothing)."""
+    global _kept_depth
+    with _kept_lock:
+        _kept_depth += 1
+    try:
+        yield
+    finally:
+        with _kept_lock:
+            _kept_depth -= 1
+            if not _kept_depth:
+                _read_gguf.cache_clear()
+
+
+_kept_depth = 0
+_kept_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=8)

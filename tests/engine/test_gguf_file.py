@@ -11,7 +11,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as reference_dequantize
 
-from engine.loader.gguf_file import GGML_TYPES, GGUFError, GGUFFile, GGUFTensor, dequantize, read_gguf
+from engine.loader.gguf_file import (GGML_TYPES, GGUFError, GGUFFile, GGUFTensor, dequantize, gguf_headers_kept,
+                                    read_gguf)
 from engine.loader.gguf_loader import default_model_path
 
 
@@ -104,18 +105,43 @@ def test_a_damaged_file_is_refused_with_what_is_wrong(tmp_path):
 
 
 def test_read_gguf_parses_a_file_once_until_it_changes(tmp_path):
-    """The engine's reads of one file share one parse; a file rewritten (or replaced) at that path is
-    parsed again, and a damaged one is refused each time, not remembered as the last good parse."""
+    """Inside gguf_headers_kept (a model load) reads of one file share one parse; a file rewritten (or replaced)
+    at that path is parsed again, a damaged one is refused each time, not remembered as the last good parse;
+    once the last one closes, nothing is kept."""
     path = tmp_path / "model.gguf"
     data = open(default_model_path(), "rb").read()
     path.write_bytes(data)
-    first = read_gguf(path)
-    assert read_gguf(str(path)) is first
-    fields = dict(first.fields)
-    path.write_bytes(data + b"\0" * 64)        # rewritten: another size
-    again = read_gguf(path)
-    assert again is not first and again.fields == fields
-    path.write_bytes(data[:200_000])           # now damaged
-    for _ in range(2):
-        with pytest.raises(GGUFError, match="past the end|ends early"):
-            read_gguf(path)
+    with gguf_headers_kept():
+        first = read_gguf(path)
+        with gguf_headers_kept():                  # nested: the inner one closing keeps the outer's parses
+            assert read_gguf(str(path)) is first
+        assert read_gguf(path) is first
+        fields = dict(first.fields)
+        path.write_bytes(data + b"\0" * 64)        # rewritten: another size
+        again = read_gguf(path)
+        assert again is not first and again.fields == fields
+        path.write_bytes(data[:200_000])           # now damaged
+        for _ in range(2):
+            with pytest.raises(GGUFError, match="past the end|ends early"):
+                read_gguf(path)
+        path.write_bytes(data)
+        kept = read_gguf(path)
+    assert read_gguf(path) is not kept and read_gguf(path) is not read_gguf(path)   # closed: parsed each time
+
+
+def test_a_model_load_parses_its_gguf_header_once(monkeypatch):
+    """The block types, the tokenizer, the weights and the CPU picks of one engine load share one parse."""
+    import engine.builder as builder
+    from engine import EngineConfig
+    from engine.loader import gguf_file, load_model_files
+
+    parsed = []
+
+    class Counting(gguf_file.GGUFFile):
+        def __init__(self, path):
+            parsed.append(path)
+            super().__init__(path)
+    monkeypatch.setattr(gguf_file, "GGUFFile", Counting)
+    monkeypatch.setattr(builder, "load_model_files", load_model_files)   # the real loader, not the suite's cache
+    builder.load_model(EngineConfig(kv_cache_tokens=1024, dtype="auto"))
+    assert len(parsed) == 1
