@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrt.bench.llamacpp_sdist import LLAMA_CPP_PYTHON_VERSION, SDIST_DIR, chat_templates
+from agentrt.bench.llamacpp_sdist import LLAMA_CPP_PYTHON_VERSION, chat_templates, templates_folder
 
 ROOT = Path(__file__).resolve().parents[1] / "out" / "llamacpp"
 
@@ -30,7 +30,7 @@ def prefetch(items: list[pytest.Item]) -> threading.Thread | None:
     that reads them (it imports ``templates_dir``) and they are not here yet; the thread, or None. Not a
     daemon: a test process that ends first waits for it rather than leave pip half done. Two test
     processes may both start one: the sdist module's lock file lets one download, the other then finds it."""
-    if (ROOT / SDIST_DIR / "vendor" / "llama.cpp" / "models" / "templates").is_dir():
+    if templates_folder(ROOT).is_dir():
         return None
     if not any(getattr(getattr(item, "module", None), "templates_dir", None) is templates_dir for item in items):
         return None

@@ -62,11 +62,16 @@ def llama_cpp_source(root: Path, log: IO[bytes] | None = None) -> Path:
     return src
 
 
+def templates_folder(root: Path) -> Path:
+    """Where :func:`chat_templates` unpacks the templates under ``root`` (there or not yet)."""
+    return root / SDIST_DIR / "vendor" / "llama.cpp" / "models" / "templates"
+
+
 def chat_templates(root: Path) -> Path:
     """llama.cpp's folder of model chat templates (``*.jinja``), from the sdist under ``root`` (only
     that folder is unpacked when the sources are not; into a temporary folder first, then moved into
     place, so a reader sees all of them or none)."""
-    folder = root / SDIST_DIR / "vendor" / "llama.cpp" / "models" / "templates"
+    folder = templates_folder(root)
     if folder.is_dir():
         return folder
     sdist = download_sdist(root)

@@ -30,7 +30,10 @@ def fake_sdist(root: Path) -> Path:
 
 def test_a_present_sdist_is_not_downloaded_again(tmp_path):
     path = fake_sdist(tmp_path)
-    assert download_sdist(tmp_path) == path          # pip would fail here: no such package in tmp_path
+    before = path.read_bytes()
+    assert download_sdist(tmp_path) == path
+    assert path.read_bytes() == before               # still the stand-in: no pip download replaced it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]   # no lock taken, no temporary folder
 
 
 def test_callers_at_once_each_get_every_template_and_nothing_else_is_unpacked(tmp_path):
