@@ -54,6 +54,7 @@ class Model:
     quantization: str
     ep: Any                     # the expert-parallel ranks (MoE, ep_size > 1), or None
     prefill_on_blocks: bool = False   # gguf prefill chunks run on the blocks (measured faster here)
+    packed_linear: bool = False       # float32 projections through oneDNN's packed linear (measured faster here)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class EngineParts:
     spec: SpeculativeDecoder
     backend_name: str
     attention_desc: str
-    active_kernels: dict[str, bool]      # the C kernels this engine runs (engine/cpu_build.py KERNELS)
+    active_kernels: dict[str, bool]      # the CPU kernels this engine runs (engine/cpu_build.py KERNELS)
     waiting_tokens_limit: int
 
 
@@ -137,9 +138,25 @@ def _load_model(config: EngineConfig) -> Model:
     if quantization == "gguf" and device == "cpu":   # prefill chunks too, where measured faster
         from engine.models.cpu_pick import pick_prefill_path
         on_blocks = pick_prefill_path(model, dtype)
+    packed = ep is None and _pack_projections(config, model, device, dtype, quantization)
     model.rope.fit_context(max_model_len)   # longrope: its long table only past the original length
     return Model(model, tok, mcfg, config.served_model_name or model_id, max_model_len, device, dtype,
-                 quantization, ep, on_blocks)
+                 quantization, ep, on_blocks, packed)
+
+
+def _pack_projections(config: EngineConfig, model, device: str, dtype: torch.dtype, quantization: str) -> bool:
+    """Dense float32 projections on the CPU through oneDNN's packed linear, where it measured faster than
+    ``F.linear`` on this machine (engine/models/packed_linear.py); returns whether they run so."""
+    if device != "cpu" or dtype != torch.float32 or quantization != "off" or not config.cpu_kernels:
+        return False
+    from engine.models.cpu_pick import pick_packed_linear
+    from engine.models.packed_linear import available, pack_dense_projections, step_shapes
+
+    if not available() or not hasattr(model, "layers"):
+        return False
+    if not pick_packed_linear(tuple(sorted(step_shapes(model).items()))):
+        return False
+    return pack_dense_projections(model) > 0
 
 
 def _expert_parallel(config: EngineConfig, mcfg, state, dtype, device: str):
@@ -235,7 +252,7 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
                          window_page=pool.window_page if window_layers else None,
                          window=pool.window if window_layers else None)
     # bfloat16 steps, and float32 steps on quantized weights (already inexact: 8-bit activations);
-    # float32 on dense weights keeps torch's ops, transformers-exact
+    # float32 on dense weights keeps torch's elementwise ops (its projections: _pack_projections)
     fused = m.device == "cpu" and hasattr(m.model, "use_cpu_ops") and \
         (m.dtype == torch.bfloat16 or (m.dtype == torch.float32 and m.quantization != "off")) and \
         m.model.use_cpu_ops(config.cpu_kernels)
@@ -243,11 +260,13 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
     one_call = bool(fused) and m.quantization == "gguf" and m.model.use_decode_step(config.cpu_kernels, attn)
     decode_kernel, prefill_kernel = getattr(attn, "kernel", None), getattr(attn, "prefill_kernel", None)
     kernels = {"decode_attention": decode_kernel is not None, "prefill_attention": prefill_kernel is not None,
-               "layer_ops": bool(fused), "qmatmul": m.quantization == "gguf", "decode_step": one_call}
+               "layer_ops": bool(fused), "qmatmul": m.quantization == "gguf", "decode_step": one_call,
+               "packed_linear": m.packed_linear}
     desc = (backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
             + (" + CPU bfloat16 prefill kernel" if prefill_kernel else "")
             + (" + fused add/RMSNorm, SiLU-multiply" if fused else "")
-            + (" + decode layers in one C call" if one_call else ""))
+            + (" + decode layers in one C call" if one_call else "")
+            + (" + oneDNN packed float32 linear" if m.packed_linear else ""))
     return runner, kernels, desc
 
 

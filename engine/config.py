@@ -99,11 +99,13 @@ class EngineConfig:
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
     (torch backend) goes through a C kernel that reads each row's own pages in place
     (engine/attention/cpu_kernel.py), as do each layer's RoPE and K/V write (one call); bfloat16 steps, and
-    float32 steps on quantized weights (float32 on dense weights stays transformers-exact), add each
+    float32 steps on quantized weights (float32 on dense weights keeps torch's elementwise ops), add each
     layer's output to the residual stream and take the next RMSNorm in one call, and
     SwiGLU's activation in another (engine/models/cpu_ops.py); both libraries are compiled on first use by the
     system C compiler. Where they cannot be built the engine logs why and runs the
-    pure-torch paths, as it does with False.
+    pure-torch paths, as it does with False. float32 on dense weights runs its projections and LM head through
+    oneDNN's packed GEMM where that measured faster than ``F.linear`` on this machine (MKL's generic path on
+    AMD CPUs: engine/models/packed_linear.py); float32 either way, equal to ``F.linear``'s within rounding.
 
     KV cache precision (docs/kv_cache.md): ``kv_cache_dtype`` ``auto`` stores K/V in the activation
     dtype; ``bfloat16`` / ``float32`` store that dtype whatever the activations; ``int8`` stores each

@@ -87,8 +87,9 @@ def no_compiler_reason() -> str | None:
 
 
 # the C libraries: engine/attention/cpu_kernel.py (decode and prefill attention), engine/models/cpu_ops.py,
-# engine/models/qmatmul.py, engine/models/decode_step.py (a decode step's layers in one call)
-KERNELS = ("decode_attention", "prefill_attention", "layer_ops", "qmatmul", "decode_step")
+# engine/models/qmatmul.py, engine/models/decode_step.py (a decode step's layers in one call); and one that is
+# torch's own, picked the same way: oneDNN's packed float32 linear (engine/models/packed_linear.py)
+KERNELS = ("decode_attention", "prefill_attention", "layer_ops", "qmatmul", "decode_step", "packed_linear")
 
 
 @functools.cache   # once a process: every kernel library's cache key asks for it

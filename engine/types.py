@@ -186,7 +186,7 @@ class EngineStats:
     # KV tiers (engine/kv_tier.py): per medium ("host", "disk") its TierStats as a dict: pages,
     # hit_tokens, loads, load_time_s, bytes_written, bytes_read, corrupt, dropped, errors, enabled
     kv_tiers: dict = field(default_factory=dict)
-    # the C kernels (engine/cpu_build.py KERNELS) and whether this engine runs each: Engine.active_kernels
+    # the CPU kernels (engine/cpu_build.py KERNELS) and whether this engine runs each: Engine.active_kernels
     cpu_kernels: dict = field(default_factory=dict)
     # bytes of K and V a token takes in the pool over every layer (EngineConfig.kv_cache_dtype)
     kv_cache_bytes_per_token: int = 0

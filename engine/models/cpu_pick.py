@@ -17,6 +17,12 @@ With ``gguf``, prefill chunks are measured apart (``pick_prefill_on_blocks``): o
 faster runs every chunk of more than ``MAX_QUANT_ROWS`` rows (measured on the dev host class, AMD EPYC
 with AVX-512: the blocks won in float32 AVX2-only, where the dense matmul is oneDNN's AVX2 sgemm, by
 ~1.2-1.6x a projection, and natively in bfloat16 too, 22.2 vs 26.8 ms; another CPU may pick the dense weights).
+
+Dense float32 models measure one more choice (``pick_packed_linear``): their projections and LM head through
+``F.linear`` (``off``, MKL's sgemm) or through oneDNN's GEMM on weights reordered once (``packed``,
+engine/models/packed_linear.py), at one row over ``LAYERS`` layers and the head, and at ``PREFILL_ROWS`` rows
+over one layer, cached the same way; packed where it wins both (on the dev host class, AMD EPYC Zen 4, where
+MKL runs its generic path, the default model: packed 17.2 against 21.9 ms at one row, 17.0 against 19.6 ms a chunk).
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ def model_shapes(path: str | None) -> dict[str, tuple[int, int]]:
 
 def _layers(mode: str, shapes: dict, dtype: torch.dtype, layers: int = LAYERS):
     """Callables x -> y for ``layers`` layers' projections and the head (where ``shapes`` has one), as
-    ``mode`` would run them (``gguf``: on the blocks, whatever the rows)."""
+    ``mode`` would run them (``gguf``: on the blocks, whatever the rows; ``packed``: oneDNN's packed linear)."""
+    from engine.models.packed_linear import PackedLinear
     from engine.models.qlinear import BlockLinear, Q4Blocks, Q8Blocks, load
     from engine.models.quant import Int4Groups, Int4Linear, Int8Linear
 
@@ -75,6 +82,8 @@ def _layers(mode: str, shapes: dict, dtype: torch.dtype, layers: int = LAYERS):
         if mode == "off":
             w = weights(n, k)
             fns.append((k, functools.partial(F.linear, weight=w)))
+        elif mode == "packed":
+            fns.append((k, PackedLinear(weights(n, k))))
         elif mode == "int4":
             fns.append((k, Int8Linear(weights(n, k)) if name == "head" else Int4Linear(q4(n, k))))
         else:
@@ -155,6 +164,23 @@ def pick_prefill_on_blocks(shapes: tuple[tuple[str, tuple[int, int]], ...], dtyp
              "%.1f ms (%s)", "blocks" if blocks else "dense weights", dtype_name, PREFILL_ROWS, times["off"],
              times["gguf"], how)
     return blocks
+
+
+@functools.cache
+def pick_packed_linear(shapes: tuple[tuple[str, tuple[int, int]], ...]) -> bool:
+    """Whether oneDNN's packed float32 linear beats ``F.linear`` here at both a decode step's one row (the
+    projections of ``cpu_pick.LAYERS`` layers of weights of their own, and the head) and a prefill chunk's
+    rows (one layer), once per machine."""
+    shape = dict(shapes)
+    step, how = _times(["off", "packed"], shape, torch.float32)
+    layer = {k: v for k, v in shape.items() if k != "head"}
+    chunk, _ = _times(["off", "packed"], layer, torch.float32, PREFILL_ROWS, layers=1)
+    packed = step["packed"] < step["off"] and chunk["packed"] < chunk["off"]
+    log.info("float32 projections through %s: a step's matmuls at 1 row, F.linear %.1f ms, packed %.1f ms; "
+             "%d rows of one layer, F.linear %.1f ms, packed %.1f ms (%s)",
+             "oneDNN's packed linear" if packed else "F.linear", step["off"], step["packed"], PREFILL_ROWS,
+             chunk["off"], chunk["packed"], how)
+    return packed
 
 
 _PICK_NAMES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",

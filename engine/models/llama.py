@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # activations ``LlamaModel._forward_fused`` runs (engine/models/cpu_ops.py DTYPES): bfloat16, and float32 where
 # the CPU has no native bf16 (there the unfused norm was ~8 torch calls, 61 a step); the engine turns them on
-# for float32 only on quantized weights, so float32 on dense weights stays transformers-exact
+# for float32 only on quantized weights, so float32 on dense weights keeps torch's elementwise ops
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 

@@ -10,6 +10,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.tokenizer import encode_chat
 from engine.cpu_build import build
 from engine.models.cpu_ops import SOURCE, LayerOps
+from engine.models.packed_linear import PackedLinear
 from kernel_build import KernelBuild
 
 BUILD = KernelBuild(lambda: LayerOps(build(SOURCE)))   # skipped only without a compiler on PATH
@@ -162,20 +163,23 @@ def test_model_with_the_c_layer_ops_scores_as_the_plain_layers():
     assert engine.model.cpu_ops is not None
     # logged, in /metrics; the weights are not gguf blocks here (quantization auto in explicit bfloat16)
     assert engine.active_kernels == {"decode_attention": True, "prefill_attention": _prefill_in_c(),
-                                     "layer_ops": True, "qmatmul": False, "decode_step": False}
+                                     "layer_ops": True, "qmatmul": False, "decode_step": False,
+                                     "packed_linear": False}
     _within_bfloat16_noise(engine, "fused vs plain")
 
 
 @pytest.mark.slow
 def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
-    """float32 on dense weights (``quantization`` off) is the transformers-exact configuration: the engine
-    keeps torch's ops there. Turned on by hand, the ops differ from torch's by a few float32 steps, so the
+    """float32 on dense weights (``quantization`` off) is the configuration tested against transformers: the
+    engine keeps torch's elementwise ops there (its projections may run oneDNN's packed GEMM, float32 too:
+    tests/engine/test_packed_linear.py). Turned on by hand, the ops differ from torch's by a few float32 steps, so the
     log-probs agree to float32 noise. Measured when written: top-1 96/96, mean KL 1.8e-8, largest
     top-token change 1e-5 nats. Tolerances: every top-1 equal, mean KL <= 1e-6, <= 1e-3 nats."""
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is None
     assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": False,
-                                     "qmatmul": False, "decode_step": False}
+                                     "qmatmul": False, "decode_step": False,
+                                     "packed_linear": isinstance(engine.model.lm_head, PackedLinear)}
     assert engine.model.use_cpu_ops(True)
     agree, n, kl, worst = _fused_against_plain(engine)
     print(f"float32, fused vs plain: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
@@ -196,7 +200,7 @@ def test_model_in_float32_on_gguf_blocks_with_the_c_layer_ops_scores_as_the_plai
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="gguf", kv_cache_tokens=4096))
     # decode steps' layers in one C call (engine/models/decode_step.py), the same values as the loop
     assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": True,
-                                     "qmatmul": True, "decode_step": True}
+                                     "qmatmul": True, "decode_step": True, "packed_linear": False}
     _within_bfloat16_noise(engine, "float32 gguf, fused vs plain")
 
 
@@ -205,5 +209,5 @@ def test_engines_without_the_c_kernels_count_none_active():
     engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_tokens=1024, cpu_kernels=False))
     assert engine.model.cpu_ops is None
     assert engine.active_kernels == {"decode_attention": False, "prefill_attention": False, "layer_ops": False,
-                                     "qmatmul": False, "decode_step": False}
+                                     "qmatmul": False, "decode_step": False, "packed_linear": False}
     assert engine.stats().cpu_kernels == engine.active_kernels
