@@ -270,17 +270,18 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
     return runner, kernels, desc
 
 
-def step_cost_setup(config: EngineConfig, device: str, quantization: str) -> dict:
+def step_cost_setup(config: EngineConfig, device: str, quantization: str, packed_linear: bool = False) -> dict:
     """What a step-cost measurement must match to apply here (engine/step_cost.py)."""
     return {"device": device, "cpu_model": cpu_model() if device == "cpu" else device,
-            "dtype": config.resolved_dtype(), "quantization": quantization, "torch_threads": torch.get_num_threads()}
+            "dtype": config.resolved_dtype(), "quantization": quantization, "torch_threads": torch.get_num_threads(),
+            "packed_linear": packed_linear}
 
 
 def _speculative(config: EngineConfig, m: Model, scheduler: Scheduler) -> SpeculativeDecoder:
     """Speculative decoding (engine/speculative.py) as configured, and the scheduler hooks it needs."""
     mode = config.resolved_speculative()
     # a verification's cost in decode steps, for the draft-length rule (engine/step_cost.py)
-    step_cost, why = step_cost_for(step_cost_setup(config, m.device, m.quantization))
+    step_cost, why = step_cost_for(step_cost_setup(config, m.device, m.quantization, m.packed_linear))
     spec = SpeculativeDecoder(mode, config.num_speculative_tokens, step_cost, m.max_model_len)
     scheduler.spec = spec
     if mode != "off":

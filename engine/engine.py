@@ -121,7 +121,7 @@ class LLMEngine:
 
     def step_cost_setup(self) -> dict:
         """What a step-cost measurement must match to apply here (engine/step_cost.py)."""
-        return step_cost_setup(self.config, self.device, self.quantization)
+        return step_cost_setup(self.config, self.device, self.quantization, self.active_kernels["packed_linear"])
 
     # -- commands (any thread) -------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,

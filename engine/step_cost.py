@@ -5,7 +5,7 @@ step cost, a verification of ``k`` drafts costing ``1 + FIXED + ROW * k`` decode
 numbers depend on the machine, the dtype, the weights and the threads, so they are measured by
 ``benchmarks/step_cost.py`` (one decoding row timed with 0..K drafts, in alternating order) into
 ``benchmarks/results/step_cost.json``. The engine uses that file only when it was measured on the
-same setup (device, CPU model, dtype, quantization, torch threads); otherwise it falls back to
+same setup (device, CPU model, dtype, quantization, torch threads, packed float32 linear); otherwise it falls back to
 ``STEP_COST``, a constant from one old run (one thread, before the C kernels), and says so in its log.
 """
 
@@ -19,7 +19,9 @@ from pathlib import Path
 # Used only where no measurement of this setup exists.
 STEP_COST = (0.2, 0.23)   # (FIXED, ROW)
 MEASURED = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "step_cost.json"
-SETUP_KEYS = ("device", "cpu_model", "dtype", "quantization", "torch_threads")
+# packed_linear: dense float32 projections through oneDNN (engine/models/packed_linear.py), whose cost at a
+# few rows differs from F.linear's (MKL's generic path on AMD: 3 rows cost it 2x 1 row)
+SETUP_KEYS = ("device", "cpu_model", "dtype", "quantization", "torch_threads", "packed_linear")
 MIN_ROW = 1e-3            # DraftLength needs ROW > 0; a measured slope at or below 0 is clamped here
 
 

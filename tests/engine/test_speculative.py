@@ -169,7 +169,7 @@ def test_fit_step_cost_is_the_least_squares_line_of_the_relative_costs():
 
 def test_a_step_cost_file_applies_only_to_the_setup_it_was_measured_on(tmp_path):
     setup = {"device": "cpu", "cpu_model": "Some CPU", "dtype": "bfloat16", "quantization": "int4",
-             "torch_threads": 2}
+             "torch_threads": 2, "packed_linear": False}
     path = tmp_path / "step_cost.json"
     cost, why = step_cost_for(setup, path)
     assert cost == STEP_COST and why.startswith("unmeasured: no step_cost.json")
@@ -177,6 +177,8 @@ def test_a_step_cost_file_applies_only_to_the_setup_it_was_measured_on(tmp_path)
     assert step_cost_for(setup, path) == ((0.05, 0.12), "measured by benchmarks/step_cost.py (step_cost.json)")
     cost, why = step_cost_for({**setup, "torch_threads": 1}, path)
     assert cost == STEP_COST and "torch_threads 2 there, 1 here" in why
+    cost, why = step_cost_for({**setup, "packed_linear": True}, path)
+    assert cost == STEP_COST and "packed_linear False there, True here" in why
     path.write_text(json.dumps({"setup": setup, "step_cost": [0.05, 0.0]}))
     with pytest.raises(ValueError, match="row > 0"):
         step_cost_for(setup, path)
