@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.tokenizer import encode_chat
+from engine import EngineConfig, LLMEngine
 from engine.cpu_build import build
 from engine.models.cpu_ops import SOURCE, LayerOps
 from engine.models.packed_linear import PackedLinear
@@ -107,28 +106,11 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and explain
 
 
 def _fused_against_plain(engine: LLMEngine, scored: int = 24) -> tuple[int, int, float, float]:
-    """The engine's model with and without its C layer ops over its own greedy continuations of PROMPTS,
-    in one forward and in steps of 4 tokens: (top-1 agreements, positions, mean KL, largest change of the
-    plain top token's log-prob)."""
-    from tests.engine.test_quant import position_logprobs
+    """The engine's model with and without its C layer ops over its own greedy continuations of PROMPTS
+    (tests/engine/test_quant.py ``paths_compared``)."""
+    from tests.engine.test_quant import paths_compared
 
-    prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=scored, temperature=0, ignore_eos=True))
-    agree = n = 0
-    worst = kl = 0.0
-    for prompt, out in zip(prompts, outs):
-        seq = prompt + out.token_ids[:-1]
-        for chunk in (None, 4):
-            fused = position_logprobs(engine, seq, scored, chunk)
-            engine.model.use_cpu_ops(False)
-            ref = position_logprobs(engine, seq, scored, chunk)
-            engine.model.use_cpu_ops(True)
-            agree += int((fused.argmax(-1) == ref.argmax(-1)).sum())
-            n += scored
-            top = ref.argmax(-1, keepdim=True)
-            worst = max(worst, float((ref.gather(-1, top) - fused.gather(-1, top)).abs().max()))
-            kl += float((ref.exp() * (ref - fused)).sum())
-    return agree, n, kl / n, worst
+    return paths_compared(engine, engine.model.use_cpu_ops, PROMPTS, scored)
 
 
 def _within_bfloat16_noise(engine: LLMEngine, what: str) -> None:

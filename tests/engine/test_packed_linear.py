@@ -8,14 +8,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.models import cpu_pick
 from engine.models.cpu_pick import pick_packed_linear
 from engine.models.packed_linear import PackedLinear, available, pack_dense_projections, step_shapes
 from engine.models.quant import projections
-from engine.tokenizer import encode_chat
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch was built without oneDNN (MKL-DNN)")
+
+
+PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ def test_the_default_model_through_packed_layers_scores_as_through_f_linear():
     forward and in steps of 4 tokens, packed against ``F.linear``: float32 noise, as the C layer ops in
     float32 (tests/engine/test_cpu_ops.py). Measured when written: top-1 96/96, mean KL 2.3e-8, largest
     top-token change 1.5e-5 nats. Tolerances: every top-1 equal, mean KL <= 1e-6, <= 1e-3 nats."""
-    from tests.engine.test_quant import position_logprobs
+    from tests.engine.test_quant import paths_compared
 
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
     model = engine.model
@@ -81,27 +83,17 @@ def test_the_default_model_through_packed_layers_scores_as_through_f_linear():
     assert not any(isinstance(m, PackedLinear) for m in model.modules()) and model.lm_head is None
     assert pack_dense_projections(model) == 4 * len(model.layers) + 1
     assert isinstance(model.lm_head, PackedLinear) and model.embed_tokens.weight.shape == model.lm_head.weight.shape
-    prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}])
-               for p in ("Write a haiku about the sea.", "List three prime numbers and explain why they are prime.")]
-    scored = 24
-    outs = engine.generate(prompts, SamplingParams(max_tokens=scored, temperature=0, ignore_eos=True))
-    agree = n = 0
-    kl = worst = 0.0
-    for prompt, out in zip(prompts, outs):
-        seq = prompt + out.token_ids[:-1]
-        for chunk in (None, 4):
+
+    def use_packed(on: bool) -> None:
+        if on:
             pack_dense_projections(model)
-            packed = position_logprobs(engine, seq, scored, chunk)
+        else:
             _unpacked(model)
-            ref = position_logprobs(engine, seq, scored, chunk)
-            agree += int((packed.argmax(-1) == ref.argmax(-1)).sum())
-            n += scored
-            top = ref.argmax(-1, keepdim=True)
-            worst = max(worst, float((ref.gather(-1, top) - packed.gather(-1, top)).abs().max()))
-            kl += float((ref.exp() * (ref - packed)).sum())
-    print(f"float32, packed vs F.linear: top-1 {agree}/{n}, mean KL {kl / n:.2e}, top-token change {worst:.2e}")
+
+    agree, n, kl, worst = paths_compared(engine, use_packed, PROMPTS)
+    print(f"float32, packed vs F.linear: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
     assert agree == n
-    assert kl / n <= 1e-6
+    assert kl <= 1e-6
     assert worst <= 1e-3
 
 

@@ -160,6 +160,31 @@ def position_logprobs(engine: LLMEngine, seq: list[int], last: int, chunk: int |
         engine.pool.free(pages)
 
 
+def paths_compared(engine: LLMEngine, use_path, prompts: list[str], scored: int = 24) -> tuple[int, int, float, float]:
+    """The engine's model through a path under test (``use_path(True)``) and its reference (``use_path(False)``)
+    over its own greedy continuations of ``prompts``, in one forward and in steps of 4 tokens: (top-1
+    agreements, positions, mean KL, largest change of the reference's top token's log-prob). Leaves the path
+    under test on."""
+    ids = [encode_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    outs = engine.generate(ids, SamplingParams(max_tokens=scored, temperature=0, ignore_eos=True))
+    agree = n = 0
+    worst = kl = 0.0
+    for prompt, out in zip(ids, outs):
+        seq = prompt + out.token_ids[:-1]
+        for chunk in (None, 4):
+            use_path(True)
+            got = position_logprobs(engine, seq, scored, chunk)
+            use_path(False)
+            ref = position_logprobs(engine, seq, scored, chunk)
+            use_path(True)
+            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            n += scored
+            top = ref.argmax(-1, keepdim=True)
+            worst = max(worst, float((ref.gather(-1, top) - got.gather(-1, top)).abs().max()))
+            kl += float((ref.exp() * (ref - got)).sum())
+    return agree, n, kl / n, worst
+
+
 # reference engine -> {scored: its teacher-forcing runs}; weak, so a module's engine is not kept past its module
 _REFERENCE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
