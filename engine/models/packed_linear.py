@@ -11,11 +11,11 @@ bit.
 ``pack_dense_projections`` swaps a float32 model's decoder projections (``qkv_proj``, ``o_proj``,
 ``gate_up_proj``, ``down_proj``, engine/models/quant.py ``projections``) and its LM head for
 ``PackedLinear``: the reordered weight replaces the plain one (no second copy), except a head tied to the
-embedding table, which keeps the table for the lookup. engine/models/cpu_pick.py ``pick_packed_linear``
-decides, once per machine: both ways timed on this model's shapes at one row (a step's projections and the
-head) and at a prefill chunk's rows (one layer), rounds alternating, the best round of each kept, cached as
-JSON in the kernel cache beside the quantization pick; packed only where it wins both. ``cpu_kernels=False``
-keeps torch's ``F.linear``.
+embedding table, which keeps the table for the lookup (its bytes once more: 113 MB for the default model).
+engine/models/cpu_pick.py ``pick_packed_linear`` decides, once per machine: both ways timed on this model's
+shapes at one row (a step's projections and the head) and at a prefill chunk's rows (one layer), rounds
+alternating, the best round of each kept, cached as JSON in the kernel cache beside the quantization pick;
+packed only where it wins both. ``cpu_kernels=False`` keeps torch's ``F.linear``.
 """
 
 from __future__ import annotations
