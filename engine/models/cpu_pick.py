@@ -6,7 +6,8 @@ dtype), ``int4`` (torch's packed kernel; bfloat16 only, where torch has it) and 
 blocks with 8-bit activations, engine/models/qlinear.py; where its C kernel builds). Each is timed on the
 weight matmuls of a batch-1 decode step at this model's shapes (read from the file's header: the fused
 q/k/v, o, gate/up and down projections of ``LAYERS`` layers with weights of their own, so they stream
-from memory as a step's do, and the LM head), rounds alternating between candidates, the best round of
+from memory as a step's do, and the LM head; fewer layers, and no head, where they would pass
+``MEASURED_BYTES``), rounds alternating between candidates, the best round of
 each kept; the fastest wins. The times are cached as JSON in the kernel cache
 (engine/cpu_build.cache_dir), keyed by the CPU's flags, the kernels' ``-march``, torch's and oneDNN's ISA
 caps (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), torch's version, the shapes, the dtype and the
@@ -146,10 +147,12 @@ def pick_quantization(path: str | None, dtype_name: str) -> str:
     candidates += ["gguf"] if load() is not None else []
     if len(candidates) == 1:
         return "off"
-    times, how = _times(candidates, model_shapes(path), dtype)
+    timed, layers = _step_timed(model_shapes(path), dtype.itemsize)
+    times, how = _times(candidates, timed, dtype, layers=layers)
     choice = min(times, key=times.get)
-    log.info("quantization auto picked %s in %s: batch-1 step matmuls of %d layers + the LM head %s (%s)",
-             choice, dtype_name, LAYERS, ", ".join(f"{c} {t:.1f} ms" for c, t in times.items()), how)
+    log.info("quantization auto picked %s in %s: batch-1 step matmuls of %d layers%s %s (%s)",
+             choice, dtype_name, layers, " + the LM head" if "head" in timed else "",
+             ", ".join(f"{c} {t:.1f} ms" for c, t in times.items()), how)
     return choice
 
 
@@ -166,20 +169,38 @@ def pick_prefill_on_blocks(shapes: tuple[tuple[str, tuple[int, int]], ...], dtyp
     return blocks
 
 
+# bytes of dense weights one candidate is timed on (each candidate's weights are held while all are timed):
+# the default model's 8 layers and head take 250 MB in float32; a 7B model's layer takes 800 MB, so such a
+# model is timed on one layer and no head
+MEASURED_BYTES = 512 << 20
+
+
+def _step_timed(shape: dict[str, tuple[int, int]], itemsize: int = 4) -> tuple[dict[str, tuple[int, int]], int]:
+    """The shapes and layer count a step is timed on within ``MEASURED_BYTES`` of ``itemsize``-byte values: up
+    to ``LAYERS`` layers, and the head where it fits beside them."""
+    layer = {k: v for k, v in shape.items() if k != "head"}
+    layer_bytes = itemsize * sum(n * k for n, k in layer.values())
+    layers = max(1, min(LAYERS, MEASURED_BYTES // layer_bytes))
+    head = shape.get("head")
+    fits = head is not None and itemsize * head[0] * head[1] <= MEASURED_BYTES - layers * layer_bytes
+    return (shape if fits else layer), layers
+
+
 @functools.cache
 def pick_packed_linear(shapes: tuple[tuple[str, tuple[int, int]], ...]) -> bool:
     """Whether oneDNN's packed float32 linear beats ``F.linear`` here at both a decode step's one row (the
-    projections of ``cpu_pick.LAYERS`` layers of weights of their own, and the head) and a prefill chunk's
-    rows (one layer), once per machine."""
+    projections of up to ``LAYERS`` layers of weights of their own, and the head, within ``MEASURED_BYTES``)
+    and a prefill chunk's rows (one layer), once per machine."""
     shape = dict(shapes)
-    step, how = _times(["off", "packed"], shape, torch.float32)
+    timed, layers = _step_timed(shape)
+    step, how = _times(["off", "packed"], timed, torch.float32, layers=layers)
     layer = {k: v for k, v in shape.items() if k != "head"}
     chunk, _ = _times(["off", "packed"], layer, torch.float32, PREFILL_ROWS, layers=1)
     packed = step["packed"] < step["off"] and chunk["packed"] < chunk["off"]
-    log.info("float32 projections through %s: a step's matmuls at 1 row, F.linear %.1f ms, packed %.1f ms; "
-             "%d rows of one layer, F.linear %.1f ms, packed %.1f ms (%s)",
-             "oneDNN's packed linear" if packed else "F.linear", step["off"], step["packed"], PREFILL_ROWS,
-             chunk["off"], chunk["packed"], how)
+    log.info("float32 projections through %s: a step's matmuls at 1 row (%d layers%s), F.linear %.1f ms, packed "
+             "%.1f ms; %d rows of one layer, F.linear %.1f ms, packed %.1f ms (%s)",
+             "oneDNN's packed linear" if packed else "F.linear", layers, " and the head" if "head" in timed else "",
+             step["off"], step["packed"], PREFILL_ROWS, chunk["off"], chunk["packed"], how)
     return packed
 
 

@@ -123,3 +123,20 @@ def test_the_pick_packs_only_where_both_timings_favour_it(tmp_path, monkeypatch,
         key = cpu_pick._key(["off", "packed"], shape, torch.float32, rows)
         (tmp_path / f"pick-{key}.json").write_text(json.dumps({"off": times[0], "packed": times[1]}))
     assert pick_packed_linear.__wrapped__(tuple(sorted(shapes.items()))) is packed
+
+
+def test_the_pick_times_a_large_model_on_fewer_layers_within_its_byte_budget():
+    """Both candidates' weights are held at once while timed: a 7B model's float32 layers (800 MB each) must not
+    be timed eight at a time, nor its head beside them."""
+    small = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+    assert cpu_pick._step_timed(small) == (small, cpu_pick.LAYERS)          # the default model: 250 MB in all
+    seven_b = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+               "head": (32000, 4096)}
+    timed, layers = cpu_pick._step_timed(seven_b)
+    assert layers == 1 and "head" not in timed
+    one_b = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+             "head": (128256, 2048)}
+    timed, layers = cpu_pick._step_timed(one_b)
+    assert layers == 2 and "head" not in timed
+    layer_bytes = 4 * sum(n * k for name, (n, k) in timed.items())
+    assert layers * layer_bytes <= cpu_pick.MEASURED_BYTES
