@@ -89,12 +89,14 @@ class EngineConfig:
     bfloat16 (a decode step then reads a quarter of the bf16 bytes), and ``off`` otherwise: float32
     stays exact, and a checkpoint stored in full precision is not quantized unless asked.
     ``gguf`` (engine/models/qlinear.py) multiplies decode steps (at most ``MAX_QUANT_ROWS`` rows) on the
-    file's own blocks (Q4_0 / Q4_1 layers, a Q8_0 LM head; other weights quantized to Q4_1 / Q8_0) with
+    file's own blocks (Q4_0 / Q4_1 / Q4_K layers as 4-bit blocks of 32; layers stored wider, Q5_K / Q6_K / Q8_0
+    as in Q4_K_M files, as 8-bit blocks, a fused layer with such a part all in 8 bits; a Q8_0 LM head; other
+    weights quantized to Q4_1 / Q8_0) with
     activations quantized to 8 bits per block of 32 and integer dot products (a C kernel), and longer
     steps on the dense weights in ``dtype``, or on the blocks too where that measured faster on this CPU
     (engine/models/cpu_pick.py ``pick_prefill_on_blocks``). With ``dtype="auto"`` too, ``auto`` on the CPU
-    is measured: the fastest of ``off``, ``int4`` (bfloat16 only) and ``gguf`` at this model's shapes, once per CPU
-    (engine/models/cpu_pick.py).
+    is measured: the fastest of ``off``, ``int4`` (bfloat16 only, and only where every layer is 4-bit) and ``gguf``
+    at this model's shapes, once per CPU (engine/models/cpu_pick.py).
 
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
     (torch backend) goes through a C kernel that reads each row's own pages in place
@@ -181,7 +183,8 @@ class EngineConfig:
                                           "ngram or suffix")
     quantization: str = setting("auto", "weight-only quantization on the CPU: int4, int8 (torch's bf16 packed "
                                 "kernels), gguf (the GGUF's own Q4/Q8 blocks x 8-bit activations in a C kernel), "
-                                "off, or auto (with dtype auto and a Q4_0/Q4_1 GGUF: the fastest of off, int4 and "
+                                "off, or auto (with dtype auto and a Q4_0/Q4_1/Q4_K GGUF, or a K-quant mix such as "
+                                "Q4_K_M: the fastest of off, int4 and "
                                 "gguf measured once per CPU; int4 for such a GGUF in bfloat16; off otherwise, "
                                 "float32 included)", QUANTIZATIONS)
     cpu_kernels: bool = setting(True, "on the CPU, decode attention and the bf16 residual add + RMSNorm through C "
@@ -339,20 +342,24 @@ class EngineConfig:
         return self.resolved_dtype() if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def resolved_quantization(self, weight_types: set[str] | None = None) -> str:
-        """``auto``: ``int4`` when the model is a GGUF file whose layer weights are all Q4_0 / Q4_1
-        (``weight_types``, as ``engine.loader.gguf_weight_types`` reads them) and it runs on the CPU in
-        bfloat16 with torch's packed kernels available; else ``off``. With ``dtype="auto"`` such a file
-        gets the fastest of the paths measured on this CPU (engine/models/cpu_pick.py)."""
+        """``auto``: ``int4`` when the model is a GGUF file whose layer weights are all 4-bit (Q4_0, Q4_1,
+        Q4_K; ``weight_types``, as ``engine.loader.gguf_weight_types`` reads them) and it runs on the CPU in
+        bfloat16 with torch's packed kernels available; else ``off``. With ``dtype="auto"`` a file of 4-bit
+        layers, or of the K-quant mixes of 4-bit and wider ones (Q4_K_M: some Q6_K), gets the fastest of the
+        paths measured on this CPU (engine/models/cpu_pick.py)."""
         if self.quantization != "auto":
             return self.quantization
+        from engine.loader import blocks_servable
+        from engine.loader.gguf_file import Q4_TYPES
         from engine.models.quant import kernels_available
 
-        if not (weight_types and weight_types <= {"Q4_0", "Q4_1"} and self.resolved_device() == "cpu"):
+        if not (weight_types and blocks_servable(weight_types) and self.resolved_device() == "cpu"):
             return "off"
+        four_bit = weight_types <= set(Q4_TYPES)
         if self.dtype == "auto":
             from engine.models.cpu_pick import pick_quantization
-            return pick_quantization(self.model, self.resolved_dtype())
-        return "int4" if self.resolved_dtype() == "bfloat16" and kernels_available() else "off"
+            return pick_quantization(self.model, self.resolved_dtype(), four_bit)
+        return "int4" if four_bit and self.resolved_dtype() == "bfloat16" and kernels_available() else "off"
 
     def resolved_speculative(self) -> str:
         """``auto``: ``suffix`` on the CPU, where benchmarks/speculative.py chose it

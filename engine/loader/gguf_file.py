@@ -239,11 +239,32 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return out
 
 
+Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")   # what q4_blocks reads as 32-value blocks of 4-bit values
+
+
+def _q4k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of packed 6-bit sub-block scales and minimums -> (sc, m), each (n, 8) float32."""
+    d, m, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (hi & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (hi >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
 def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0 / Q4_1 tensor's blocks as stored: ``(q, d, m)`` with ``w = d * q + m``, q (blocks, 32) uint8
-    in 0..15, d and m (blocks, 1) float32. Q4_0 (d, nibbles; ``w = d * (q - 8)``) gives m = -8 d."""
+    """A Q4_0 / Q4_1 / Q4_K tensor's blocks as stored: ``(q, d, m)`` with ``w = d * q + m``, q (blocks, 32)
+    uint8 in 0..15, d and m (blocks, 1) float32. Q4_0 (d, nibbles; ``w = d * (q - 8)``) gives m = -8 d.
+    Q4_K's 256-value super-blocks (fp16 d and dmin, eight 6-bit scales sc and minimums mn) are eight blocks
+    of 32 with d = d * sc and m = -(dmin * mn), the float32 products its dequantization computes, so
+    ``d * q + m`` is its ``d * sc * q - dmin * mn`` bit for bit."""
     import torch
 
+    if t.type_name == "Q4_K":
+        b = _blocks(t, 144)
+        sc, mn = _q4k_scales(b[:, 4:16])
+        d, m = _f16(b, 0) * sc, -(_f16(b, 2) * mn)                             # (n, 8)
+        qs = b[:, 16:].reshape(-1, 4, 1, 32)                                    # 4 groups of 32 bytes
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 32)        # sub-blocks 2g, 2g + 1
+        return torch.from_numpy(q), torch.from_numpy(d.reshape(-1, 1)), torch.from_numpy(m.reshape(-1, 1))
     if t.type_name == "Q4_1":
         b = _blocks(t, 20)
         return tuple(map(torch.from_numpy, (_nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2))))
@@ -251,7 +272,7 @@ def q4_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = _blocks(t, 18)
         d = _f16(b, 0)
         return torch.from_numpy(_nibbles(b[:, 2:])), torch.from_numpy(d), torch.from_numpy(np.float32(-8.0) * d)
-    raise ValueError(f"tensor {t.name} is {t.type_name}, not Q4_0 or Q4_1")
+    raise ValueError(f"tensor {t.name} is {t.type_name}, not Q4_0, Q4_1 or Q4_K")
 
 
 def q8_blocks(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 
 from engine.loader.gguf_arch import config_from_gguf
 from engine.loader.gguf_families import FAMILY_ARCHS, family_state
-from engine.loader.gguf_file import dequantize, q4_blocks, q8_blocks, read_gguf
+from engine.loader.gguf_file import Q4_TYPES, dequantize, q4_blocks, q8_blocks, read_gguf
 from engine.loader.progress import load_bar
 from engine.models.qmatmul import Q8Blocks
 from engine.models.quant import Int4Groups
@@ -58,10 +58,11 @@ def _unpermute_rows(out_dim: int, n_head: int) -> torch.Tensor:
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict | None = None):
     """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)`` (architectures: engine/loader/gguf_arch.py).
 
-    ``int4_groups``: a dict that receives, by HF name, every Q4_0 / Q4_1 weight's blocks as
-    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving, and the
-    Q8_0 ``token_embd`` / ``output`` weights as ``engine.models.qmatmul.Q8Blocks`` (the LM head of
-    ``quantization="gguf"``)."""
+    ``int4_groups``: a dict that receives, by HF name, every Q4_0 / Q4_1 / Q4_K layer weight's blocks as
+    ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving; every layer weight
+    in wider blocks (Q5_K, Q6_K, Q8_0, ...) as 8-bit ``engine.models.qmatmul.Q8Blocks`` (Q8_0's scheme from
+    its values: a Q8_0 weight's own blocks, a Q6_K weight's within half an 8-bit step); and the Q8_0
+    ``token_embd`` / ``output`` weights as ``Q8Blocks`` (the LM head of ``quantization="gguf"``)."""
     reader = read_gguf(path)
     cfg = config_from_gguf(reader, path)
     tokenizer = gguf_tokenizer(reader)   # before the weights: a refused tokenizer costs no dequantization
@@ -92,17 +93,25 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
             for i, w in enumerate(arr):
                 state[key[:-len("_exps")].replace("{i}", str(i))] = w.to(dtype)
             continue
-        if int4_groups is not None and t.type_name in ("Q4_0", "Q4_1") and key.startswith("model.layers."):
+        if int4_groups is not None and t.type_name in Q4_TYPES and key.startswith("model.layers."):
             groups = Int4Groups.from_blocks(*q4_blocks(t), arr.shape[0])
             if heads is not None:
                 groups = groups.rows(_unpermute_rows(arr.shape[0], heads))
             int4_groups[key] = groups
+        elif int4_groups is not None and t.type_name in WIDER_TYPES and key.startswith("model.layers.") \
+                and arr.dim() == 2:
+            int4_groups[key] = Q8Blocks.quantize(arr)     # Q8_0: its own blocks again (max |q| is 127)
         if int4_groups is not None and t.type_name == "Q8_0" and key in ("model.embed_tokens.weight",
                                                                           "lm_head.weight"):
             int4_groups[key] = Q8Blocks.from_blocks(*q8_blocks(t), arr.shape[0])
         state[key] = arr.to(dtype)
     progress.close()
     return cfg, state, tokenizer
+
+
+# blocks of 5-8 bits a value: kept as 8-bit blocks for ``quantization="gguf"``, never fewer bits than the file
+# gives them (Q4_K_M files store attn_v and ffn_down of half their layers, and the output, as Q6_K)
+WIDER_TYPES = frozenset({"Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q5_K", "Q6_K", "Q8_K"})
 
 
 def _hf_name(path: str, name: str, names: dict, permuted: dict) -> tuple[str, int | None]:

@@ -137,13 +137,15 @@ def _times(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int = 
 
 
 @functools.cache
-def pick_quantization(path: str | None, dtype_name: str) -> str:
-    """The fastest of the candidates for the model at ``path`` (None: the default) in ``dtype_name``."""
+def pick_quantization(path: str | None, dtype_name: str, four_bit: bool = True) -> str:
+    """The fastest of the candidates for the model at ``path`` (None: the default) in ``dtype_name``;
+    ``four_bit``: its layer weights are all 4-bit (else ``int4``, which would requantize a Q6_K weight to 4
+    bits, is no candidate)."""
     from engine.models.qmatmul import load
     from engine.models.quant import kernels_available
 
     dtype = getattr(torch, dtype_name)
-    candidates = ["off"] + (["int4"] if dtype == torch.bfloat16 and kernels_available() else [])
+    candidates = ["off"] + (["int4"] if four_bit and dtype == torch.bfloat16 and kernels_available() else [])
     candidates += ["gguf"] if load() is not None else []
     if len(candidates) == 1:
         return "off"

@@ -80,10 +80,15 @@ def prefill_on_blocks(model: nn.Module, enabled: bool) -> None:
             m.max_rows = None if enabled else MAX_QUANT_ROWS
 
 
-def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks:
-    """A (fused) layer's 4-bit blocks: the file's where every part has them, else Q4_1 from its weight."""
+def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks | Q8Blocks:
+    """A (fused) layer's blocks: the file's 4-bit ones where every part has them; 8-bit ones where every part
+    has blocks and one is stored in more bits (Q6_K, Q8_0, ...: the loader's ``Q8Blocks``; the 4-bit parts'
+    values requantized to 8 bits beside it, within half an 8-bit step); else Q4_1 from its weight."""
     if parts and all(isinstance(p, Int4Groups) and p.group_size == 32 for p in parts):
         return Q4Blocks.from_groups(Int4Groups.cat(parts))
+    if parts and all(p is not None for p in parts) and any(isinstance(p, Q8Blocks) for p in parts):
+        q8 = [p if isinstance(p, Q8Blocks) else Q8Blocks.quantize(p.dequantize()) for p in parts]
+        return Q8Blocks(torch.cat([p.qs for p in q8]), torch.cat([p.d for p in q8]))
     return Q4Blocks.from_groups(quantize_int4(weight))
 
 

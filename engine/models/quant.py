@@ -244,7 +244,8 @@ def quantize_model(model: nn.Module, mode: str, int4_groups: dict | None = None,
             setattr(parent, attr, Int8Linear(linear.weight, linear.bias, dense))
             continue
         parts = stored_parts(groups, sources)
-        weights = Int4Groups.cat(parts) if all(p is not None for p in parts) else quantize_int4(linear.weight)
+        stored = all(isinstance(p, Int4Groups) for p in parts)     # not a part kept in 8-bit blocks
+        weights = Int4Groups.cat(parts) if stored else quantize_int4(linear.weight)
         setattr(parent, attr, Int4Linear(weights, linear.bias, dense))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int8Linear(head, dense=head if keep_dense else None)

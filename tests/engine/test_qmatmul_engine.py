@@ -46,7 +46,12 @@ def test_float32_stays_exact_unless_dtype_is_auto():
     types = {"Q4_1"}
     assert EngineConfig(dtype="float32").resolved_quantization(types) == "off"
     assert EngineConfig(dtype="auto", quantization="off").resolved_quantization(types) == "off"
-    assert EngineConfig(dtype="auto").resolved_quantization({"Q4_1", "Q6_K"}) == "off"
+    # a type no block path serves: dense; a K-quant mix (Q4_K_M: Q4_K and Q6_K): measured, never int4 (which
+    # would requantize the Q6_K weights to 4 bits)
+    assert EngineConfig(dtype="auto").resolved_quantization({"Q4_1", "Q3_K"}) == "off"
+    assert EngineConfig(dtype="auto").resolved_quantization({"F16"}) == "off"
+    assert EngineConfig(dtype="auto").resolved_quantization({"Q4_K", "Q6_K"}) in ("off", "gguf")
+    assert EngineConfig(dtype="bfloat16").resolved_quantization({"Q4_K", "Q6_K"}) == "off"
     assert EngineConfig(quantization="gguf").resolved_quantization(types) == "gguf"
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="gguf", device="cuda")
