@@ -11,10 +11,11 @@ import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.loader import blocks_servable, gguf_weight_types, resolve_model
-from engine.loader.gguf_file import GGUFTensor, dequantize, q4_blocks, read_gguf
+from engine.loader.gguf_file import GGUFTensor, dequantize, q4_blocks
 from engine.models.qlinear import BlockLinear
 from engine.models.qmatmul import Q4Blocks, Q8Blocks
 from engine.models.quant import Int4Groups
+from benchmarks.kquant_decode import quantize_q4_k, recode
 from tests.engine.test_gguf_dequant import random_tensor
 from tests.engine.test_quant import assert_close_to
 
@@ -52,29 +53,6 @@ def test_q4_blocks_refuses_a_wider_type_by_name():
         q4_blocks(t)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """float32 (rows, cols), cols a multiple of 256 -> Q4_K blocks (rows, cols / 256 * 144) uint8: per block of
-    32 its min (<= 0) and range / 15, the super-block's d and dmin the largest of those over 63, each then
-    rounded to 6 bits. A plain encoder (llama.cpp's searches its scales), enough to make valid blocks."""
-    rows, cols = w.shape
-    x = w.reshape(-1, 8, 32).astype(np.float32)
-    n = x.shape[0]
-    lo = np.minimum(x.min(-1), 0)
-    step = (x.max(-1) - lo) / 15
-    d16, dmin16 = (step.max(-1) / 63).astype(np.float16), ((-lo).max(-1) / 63).astype(np.float16)
-    d, dmin = d16.astype(np.float32)[:, None], dmin16.astype(np.float32)[:, None]
-    sc = np.clip(np.round(np.divide(step, d, out=np.zeros_like(step), where=d > 0)), 0, 63)
-    mn = np.clip(np.round(np.divide(-lo, dmin, out=np.zeros_like(lo), where=dmin > 0)), 0, 63)
-    dj, mj = (d * sc)[..., None], (dmin * mn)[..., None]
-    q = np.clip(np.round(np.divide(x + mj, dj, out=np.zeros_like(x), where=dj > 0)), 0, 15).astype(np.uint8)
-    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
-    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
-                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)                  # blocks 2g (low) and 2g + 1 (high)
-    out = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), scales, qs], 1)
-    return out.reshape(rows, -1)
-
-
 def test_the_test_encoder_makes_blocks_that_decode_near_their_weights():
     w = np.random.default_rng(0).normal(0, 0.02, (16, 512)).astype(np.float32)
     raw = quantize_q4_k(w)
@@ -85,41 +63,6 @@ def test_the_test_encoder_makes_blocks_that_decode_near_their_weights():
     # a 4-bit grid over each block's range, the scales in 6 bits: within ~1/15 of a block's range, plus the
     # 6-bit rounding of its step and minimum
     assert np.abs(back - w).max() <= 0.15 * np.ptp(w.reshape(-1, 32), axis=1).max()
-
-
-def recode(path: str, out) -> dict[str, str]:
-    """The default model as a K-quant mix, as llama.cpp's Q4_K_M lays one out where shapes allow: every
-    ffn_down (1536 inputs, whole super-blocks) Q4_K in odd layers and Q8_0 in even ones (standing for Q6_K:
-    wider blocks), attn_v Q8_0 in even layers; the rest as stored (Q4_1; 576 inputs take no Q4_K). Returns the
-    type of each recoded tensor."""
-    reader = gguf.GGUFReader(path)
-    w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        kind = field.types[0]
-        w.add_key_value(field.name, field.contents(), kind,
-                        sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    ours = {t.name: t for t in read_gguf(path).tensors}
-    types = {}
-    for t in reader.tensors:
-        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
-        if t.name.endswith("ffn_down.weight"):
-            types[t.name] = "Q4_K" if layer % 2 else "Q8_0"
-        elif t.name.endswith("attn_v.weight") and layer % 2 == 0:
-            types[t.name] = "Q8_0"
-        if t.name not in types:
-            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-            continue
-        dense = dequantize(ours[t.name]).numpy()
-        kind = gguf.GGMLQuantizationType[types[t.name]]
-        data = quantize_q4_k(dense) if types[t.name] == "Q4_K" else gguf.quants.quantize(dense, kind)
-        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return types
 
 
 @pytest.fixture(scope="module")
