@@ -6,9 +6,11 @@ through engine/models/csrc/qmatmul.c (activations quantized to 8 bits per block 
 products against the 4-bit / 8-bit weight blocks, out in the activations' dtype, float32 or bfloat16);
 longer steps (prefill chunks) multiply the model's dense weights, or the blocks too where that measured
 faster on this machine (``prefill_on_blocks``, engine/models/cpu_pick.py ``pick_prefill_on_blocks``).
-The blocks are the file's as stored (Q4_0 / Q4_1 layers; a Q8_0 ``token_embd`` for a tied head); a weight
-the file holds in another form is quantized here (4-bit as Q4_1, round to nearest; the LM head to Q8_0), as
-is every weight of a Hugging Face checkpoint.
+The blocks are the file's as stored (Q4_0 / Q4_1 / Q4_K layers, Q4_K's super-blocks as eight blocks of 32;
+a Q8_0 ``token_embd`` for a tied head); a layer the file stores in wider blocks (Q5_K, Q6_K, Q8_0, ...) runs on
+8-bit blocks of its values, with any 4-bit part fused beside it requantized to 8 bits; a weight the file holds
+in another form is quantized here (4-bit as Q4_1, round to nearest; the LM head to Q8_0), as is every weight of
+a Hugging Face checkpoint.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks | Q8Blocks:
 def quantize_model_blocks(model: nn.Module, blocks: dict | None = None, lib: QMatmulLib | None = None) -> None:
     """Swap a loaded ``LlamaModel``'s dense projections (dense MLPs; MoE experts stay as they are) and
     its LM head for ``BlockLinear`` layers, in place. ``blocks``: a GGUF file's blocks by HF name
-    (``engine.loader.ModelFiles.int4_groups``: ``Int4Groups`` of Q4_0 / Q4_1 weights, ``Q8Blocks`` of Q8_0
-    ones). Raises ``RuntimeError`` when the kernel cannot be built."""
+    (``engine.loader.ModelFiles.int4_groups``: ``Int4Groups`` of Q4_0 / Q4_1 / Q4_K weights, ``Q8Blocks`` of
+    wider ones, Q5_K / Q6_K / Q8_0 ...). Raises ``RuntimeError`` when the kernel cannot be built."""
     lib = lib or load()
     if lib is None:
         raise RuntimeError("quantization='gguf' needs the C kernel engine/models/csrc/qmatmul.c, which could "
