@@ -74,7 +74,8 @@ def test_the_default_model_through_packed_layers_scores_as_through_f_linear():
     """The default model in float32 on dense weights, teacher-forced over its own greedy continuations in one
     forward and in steps of 4 tokens, packed against ``F.linear``: float32 noise, as the C layer ops in
     float32 (tests/engine/test_cpu_ops.py). Measured when written: top-1 48/48, mean KL -1.5e-9 (float32
-    noise about 0; 2.3e-8 over two prompts), largest top-token change 1.3e-5 nats. Tolerances: every top-1 equal, mean KL <= 1e-6, <= 1e-3 nats."""
+    noise about 0; 2.3e-8 over two prompts), largest top-token change 1.3e-5 nats. Tolerances: every top-1
+    equal, mean KL <= 1e-6, <= 1e-3 nats."""
     from tests.engine.test_quant import paths_compared
 
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
