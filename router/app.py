@@ -59,7 +59,8 @@ def create_router_app(config: RouterServerConfig, rconfig: RouterConfig) -> Fast
 
     model = load_router_model(config.model, config.served_model_name, config.max_model_len)
     core = RouterCore(rconfig, model.model_id)
-    remote = RemoteEngine(core, model.max_model_len, vocab_size=model.tokenizer.vocab_size)
+    remote = RemoteEngine(core, model.max_model_len, header_timeout_s=rconfig.worker_header_timeout_s,
+                          vocab_size=model.tokenizer.vocab_size)
     store = RedisSessionStore(core.redis, rconfig, remote.worker_of)
     limits = RedisTenantLimits(core.redis, rconfig, retry_after_s=config.retry_after_s)
     metrics = Metrics()

@@ -22,7 +22,7 @@ ROUTER_FIELDS = CONNECTION + ("event_max_bytes", "event_max_hashes", "session_ma
                               "tentative_grace_s", "turn_lock_ttl_s", "affinity_ttl_s", "policy", "policy_options",
                               "vllm_workers", "vllm_events_topic", "vllm_health_interval_s", "kv_moves",
                               "kv_move_min_tokens", "kv_move_bandwidth_bytes_s", "kv_move_prefill_tokens_s",
-                              "kv_move_overhead_s")
+                              "kv_move_overhead_s", "worker_header_timeout_s")
 
 
 def _serve(app, config: ServingSettings) -> None:

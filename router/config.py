@@ -107,6 +107,10 @@ class RouterConfig(Settings):
                                             "tokens a second, until it reported a measured one")
     kv_move_overhead_s: float = Field(0.05, ge=0, description="fixed cost of a KV move (connection, first "
                                       "chunk, insertion), in seconds")
+    worker_header_timeout_s: float = Field(10.0, gt=0, description="seconds a worker has to answer a request with "
+                                           "its response headers (it streams at once) before the router counts it "
+                                           "hung, marks it unhealthy and sends the request elsewhere; a KV move "
+                                           "told to a target gets half of it")
 
     @field_validator("redis_url")
     @classmethod

@@ -32,7 +32,8 @@ from tests.router import cluster as c
 CFG = RouterConfig()
 SYSTEM = "You are a terse assistant for a build farm. Answer in a few words. " * 6
 BUILD_2 = "Build 2 is red too. Log: " + " ".join(f"step {i} compiled module_{i}.o in {i % 7}.{i % 10} s;" for i in range(12))
-HEADER_TIMEOUT_S = 10.0  # router.remote.RemoteEngine's default
+# the replica's --worker-header-timeout-s (10 by default): the hung-worker test waits it out once
+HEADER_TIMEOUT_S = 4.0
 
 
 class Cluster:
@@ -47,7 +48,8 @@ class Cluster:
         return self.router.url
 
     def start_router(self, name: str) -> None:
-        self.router = c.router(self.group, self.server.url, name).wait_ready()
+        self.router = c.router(self.group, self.server.url, name, "--worker-header-timeout-s",
+                               str(HEADER_TIMEOUT_S)).wait_ready()
         c.wait_for(lambda: len(self.state()["workers"]) >= 2, 30, what="the new router to see both workers")
 
     def state(self, url: str | None = None) -> dict:
@@ -172,6 +174,8 @@ def test_hung_worker_times_out_and_is_marked_unhealthy(cl):
         assert cl.record(sid).last_worker != hung and reply["message"]["role"] == "assistant"
         assert hung not in [w["id"] for w in state["workers"]]
         assert state["failovers"] == failovers + 1 and elapsed >= HEADER_TIMEOUT_S * 0.9, (state, elapsed)
+        # the replica's flag, not the 10 s default, timed it out (the failover turn: 8 tokens on the other worker)
+        assert elapsed < RouterConfig().worker_header_timeout_s, elapsed
     finally:
         os.kill(pid, signal.SIGCONT)
     # Resumed, it heartbeats again and comes back.
