@@ -9,7 +9,8 @@ meanwhile; a bfloat16 step (CPUs with native bf16) makes the same calls plus two
 its output is the Python path's bit for bit (tests/engine/test_decode_step.py), which stays the
 reference and runs every step this one does not take.
 
-It takes a step when the model is a plain Llama-family decoder on 4-bit blocks with bfloat16 or float32
+It takes a step when the model is a plain Llama-family decoder on GGUF blocks (4-bit, or 8-bit for a K-quant
+file's wider layers) with bfloat16 or float32
 activations (``quantization="gguf"``, ``use_cpu_ops`` on: the paths ``--dtype auto`` picks on CPUs with and
 without native bf16), its pool's pages of the activations' dtype or int8,
 and the attention backend reports the step as decode rows only, RoPE + K/V write in C
@@ -37,9 +38,10 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_step.c"
 # the C ``kernels`` struct's members, in order: (library, function) each
 FNS = (("ops", "add_rms_norm_f32"), ("ops", "add_rms_norm_bf16"), ("qmm", "qmm_q4"), ("qmm", "qmm_swiglu_q4_f32"),
        ("ops", "silu_mul_bf16"), ("attn", "rope_store_f32"), ("attn", "rope_store_bf16"), ("attn", "rope_store_i8"),
-       ("attn", "decode_attention_f32"), ("attn", "decode_attention_bf16"), ("attn", "decode_attention_i8"))
+       ("attn", "decode_attention_f32"), ("attn", "decode_attention_bf16"), ("attn", "decode_attention_i8"),
+       ("qmm", "qmm_q8"), ("ops", "silu_mul_f32"))
 DTYPES = (torch.float32, torch.bfloat16)   # the activations it runs
-LAYER_WORDS = 10   # the C side's per-layer addresses (W_IN_NORM .. KV_VS)
+LAYER_WORDS = 11   # the C side's per-layer words (W_IN_NORM .. KV_VS, then W_BITS)
 OPS = {1: "the first norm", 2: "the q/k/v projection", 3: "attention", 4: "the output projection",
        5: "the post-attention norm", 6: "the MLP", 7: "the next norm"}
 
@@ -87,6 +89,9 @@ class DecodeStep:
                                       layer.post_attention_layernorm.weight.data_ptr(),
                                       *(m.packed.ptr for m in _projections(layer))] for layer in layers],
                                     dtype=torch.int64)
+        # W_BITS: bit i where projection i (qkv, o, gate_up, down) is on 8-bit blocks (a GGUF's wider layers)
+        self.bits = torch.tensor([[sum(1 << i for i, m in enumerate(_projections(layer)) if m.packed.bits == 8)]
+                                  for layer in layers], dtype=torch.int64)
         self._kv_key = None
         self._layers = None
 
@@ -97,7 +102,8 @@ class DecodeStep:
             pool = [[kv.k[i].data_ptr(), kv.v[i].data_ptr(),
                      kv.k_scale[i].data_ptr() if kv.quantized else 0,
                      kv.v_scale[i].data_ptr() if kv.quantized else 0] for i in range(self.L)]
-            self._layers = torch.cat([self.weights, torch.tensor(pool, dtype=torch.int64)], dim=1).contiguous()
+            self._layers = torch.cat([self.weights, torch.tensor(pool, dtype=torch.int64), self.bits],
+                                     dim=1).contiguous()
             self._kv_key = key
         return self._layers
 
@@ -181,8 +187,8 @@ def eligible(model) -> str | None:
             return "q/k norms"
         for m in _projections(layer):
             packed = getattr(m, "packed", None)           # a BlockLinear (engine/models/qlinear.py)
-            if packed is None or packed.bits != 4 or m.bias is not None:
-                return "a projection not on 4-bit GGUF blocks without bias"
+            if packed is None or packed.bits not in (4, 8) or m.bias is not None:
+                return "a projection not on GGUF blocks without bias"
     return None
 
 

@@ -98,3 +98,18 @@ def test_a_k_quant_mix_on_blocks_agrees_with_the_file_dequantized(kquant_file):
     v = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim                  # q and k rows first, then v's
     assert torch.equal(even.self_attn.qkv_proj.blocks.dequantize()[v:], dense[2].self_attn.qkv_proj.weight[v:])
     assert_close_to(ref, eng, "k-quant mix, gguf vs float32", 60, top1=0.93, mean_kl=0.01, top_change=0.5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_one_call_decode_step_takes_a_mix_of_4_and_8_bit_layers(kquant_file, dtype):
+    """Its 8-bit projections go through the 8-bit kernel from the C loop too (float32's MLP as three calls where a
+    part is 8-bit), so the step's logits are the Python loop's bit for bit, as on an all-4-bit file."""
+    from tests.engine.test_decode_step import CASES, batch_of, both_paths
+
+    eng = LLMEngine(EngineConfig(model=kquant_file, dtype=dtype, quantization="gguf", kv_cache_tokens=4096))
+    assert eng.active_kernels["decode_step"] and eng.runner.model.decode_step is not None
+    assert eng.runner.model.decode_step.bits[:4, 0].tolist() == [1 | 8, 0, 1 | 8, 0]     # even layers: qkv, down
+    for case in ("b1", "b3_mixed", "verify"):
+        fast, ref, counting = both_paths(eng, batch_of(eng, **CASES[case]))
+        assert counting.ran == 1 and torch.equal(fast, ref), (case, (fast - ref).abs().max().item())
+    eng.close()

@@ -13,14 +13,16 @@
  * so this file calls exactly the functions the Python path calls, and needs none of their code. The
  * result is bit for bit the Python path's (tests/engine/test_decode_step.py).
  *
- * The Python path's MLP differs by dtype, and so does this loop's: float32 runs the whole SwiGLU MLP as one
- * kernel call (``qmm_swiglu_q4_f32``), bfloat16 as three (the gate/up projection, ``silu_mul_bf16``, the down
- * projection), each rounding to bfloat16 as the Python path's tensors do.
+ * The Python path's MLP differs by dtype, and so does this loop's: float32 on 4-bit blocks runs the whole SwiGLU
+ * MLP as one kernel call (``qmm_swiglu_q4_f32``), bfloat16 (and float32 with a projection on 8-bit blocks) as three
+ * (the gate/up projection, ``silu_mul_bf16`` / ``silu_mul_f32``, the down projection), each rounding to bfloat16
+ * as the Python path's tensors do. A projection on 8-bit blocks (a K-quant GGUF's wider layers) goes through
+ * ``qmm_q8``, as ``BlockLinear`` sends it.
  *
  * Layer l's addresses (``layers`` [L, LAYER_WORDS] int64): input norm weight, post-attention norm weight
- * (float32 [H]), the 4-bit packed q/k/v, o, gate/up and down projections (qmatmul.py's ``Packed``), the
+ * (float32 [H]), the packed q/k/v, o, gate/up and down projections (qmatmul.py's ``Packed``), the
  * pool's k and v for the layer ([Hkv, S, D], of the activations' dtype or int8) and, for int8 pages, their
- * scales ([Hkv, S]).
+ * scales ([Hkv, S]); then which projections are 8-bit (W_BITS).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,9 +61,14 @@ typedef struct {
     rope_i8_fn rope_i8;
     attn_fn attn_f32, attn_bf16;
     attn_i8_fn attn_i8;
+    qmm_fn qmm_q8;
+    silu_mul_fn silu_mul_f32;
 } kernels;
 
-enum { W_IN_NORM, W_POST_NORM, W_QKV, W_O, W_GATE_UP, W_DOWN, KV_K, KV_V, KV_KS, KV_VS, LAYER_WORDS };
+/* a layer's words: its norms' and projections' addresses, its pool's, and W_BITS: which projections are on 8-bit
+ * blocks (a GGUF's wider layers, Q6_K, Q8_0, ...), bit i for projection i (BIT_QKV ...), the others on 4-bit ones */
+enum { W_IN_NORM, W_POST_NORM, W_QKV, W_O, W_GATE_UP, W_DOWN, KV_K, KV_V, KV_KS, KV_VS, W_BITS, LAYER_WORDS };
+enum { BIT_QKV = 1, BIT_O = 2, BIT_GATE_UP = 4, BIT_DOWN = 8 };
 
 typedef struct {
     int64_t T, H, I, S;        /* rows, hidden size, MLP intermediate size, pool slots per KV head */
@@ -72,6 +79,8 @@ typedef struct {
 } shape;
 
 #define PTR(l, w) ((void *)(intptr_t)layers[(int64_t)(l) * LAYER_WORDS + (w)])
+/* the matmul of layer l's projection with bit b: on 8-bit or 4-bit blocks */
+#define MM(l, b) ((layers[(int64_t)(l) * LAYER_WORDS + W_BITS] & (b)) ? k->qmm_q8 : k->qmm_q4)
 
 /* x [T, H] (float32 or, s->bf16, bfloat16): the embedded tokens, updated in place to the residual stream as
  * the Python path leaves it; eps [L + 1]: each layer's input norm eps then the final norm's (post-attention
@@ -88,8 +97,8 @@ int decode_layers(const kernels *k, const int64_t *layers, const shape *s, const
     const int64_t qkvd = (int64_t)(s->Hq + 2 * s->Hkv) * s->D;
     const int bf = s->bf16;
     const size_t es = bf ? 2 : 4;   /* bytes an activation */
-    /* qkv, q, attention out, h, d; bfloat16 also the gate/up output and silu(gate) * up */
-    int64_t n = T * (qkvd + 2 * qd + 2 * H + (bf ? 3 * I : 0));
+    /* qkv, q, attention out, h, d, the gate/up output and silu(gate) * up (bfloat16, or an MLP on 8-bit blocks) */
+    int64_t n = T * (qkvd + 2 * qd + 2 * H + 3 * I);
     char *buf = malloc(es * (size_t)n + 64);
     if (!buf) return -2;
     char *qkv = buf, *q = qkv + es * T * qkvd, *att = q + es * T * qd, *h = att + es * T * qd, *d = h + es * T * H;
@@ -98,7 +107,7 @@ int decode_layers(const kernels *k, const int64_t *layers, const shape *s, const
     int rc = norm(x, NULL, PTR(0, W_IN_NORM), eps[0], T, H, h) ? 1 : 0;
     for (int l = 0; l < s->L && rc == 0; l++) {
         int op = 2;
-        rc = k->qmm_q4(h, bf, T, H, PTR(l, W_QKV), qkvd, qkv, bf);
+        rc = MM(l, BIT_QKV)(h, bf, T, H, PTR(l, W_QKV), qkvd, qkv, bf);
         if (rc == 0) {
             op = 3;
             if (s->int8_pages)
@@ -117,15 +126,16 @@ int decode_layers(const kernels *k, const int64_t *layers, const shape *s, const
                                                        kv_len, (int)T, s->Hq, s->Hkv, s->D, s->P, s->scale, att,
                                                        NULL);
         }
-        if (rc == 0) op = 4, rc = k->qmm_q4(att, bf, T, qd, PTR(l, W_O), H, d, bf);
+        if (rc == 0) op = 4, rc = MM(l, BIT_O)(att, bf, T, qd, PTR(l, W_O), H, d, bf);
         if (rc == 0) op = 5, rc = norm(x, d, PTR(l, W_POST_NORM), post_eps[l], T, H, h);
         if (rc == 0) {
             op = 6;
-            if (bf) {
-                rc = k->qmm_q4(h, 1, T, H, PTR(l, W_GATE_UP), 2 * I, gu, 1);
+            if (bf || (layers[(int64_t)l * LAYER_WORDS + W_BITS] & (BIT_GATE_UP | BIT_DOWN))) {
+                /* three calls, as the Python loop makes them (the fused float32 SwiGLU takes 4-bit blocks only) */
+                rc = MM(l, BIT_GATE_UP)(h, bf, T, H, PTR(l, W_GATE_UP), 2 * I, gu, bf);
                 if (rc == 0) {
-                    k->silu_mul_bf16(gu, T, I, mid);
-                    rc = k->qmm_q4(mid, 1, T, I, PTR(l, W_DOWN), H, d, 1);
+                    (bf ? k->silu_mul_bf16 : k->silu_mul_f32)(gu, T, I, mid);
+                    rc = MM(l, BIT_DOWN)(mid, bf, T, I, PTR(l, W_DOWN), H, d, bf);
                 }
             } else {
                 rc = k->swiglu_f32((const float *)h, T, H, PTR(l, W_GATE_UP), I, PTR(l, W_DOWN), H, (float *)d);
