@@ -83,8 +83,7 @@ def blocks_servable(weight_types: set[str]) -> bool:
     """Whether a GGUF file's layer weights (``gguf_weight_types``) can be served on blocks: 4-bit ones (Q4_0,
     Q4_1, Q4_K) and any wider ones (Q5_K, Q6_K, Q8_0, ...: 8-bit blocks), as the K-quant mixes (Q4_K_M)
     store them."""
-    from engine.loader.gguf_file import Q4_TYPES
-    from engine.loader.gguf_loader import WIDER_TYPES
+    from engine.loader.gguf_file import Q4_TYPES, WIDER_TYPES
 
     return bool(weight_types & set(Q4_TYPES)) and weight_types <= set(Q4_TYPES) | WIDER_TYPES
 

@@ -240,6 +240,10 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")   # what q4_blocks reads as 32-value blocks of 4-bit values
+# blocks of 5-8 bits a value: kept as 8-bit blocks for ``quantization="gguf"`` (engine/loader/gguf_loader.py), never
+# fewer bits than the file gives them (Q4_K_M files store attn_v and ffn_down of half their layers, and the
+# output, as Q6_K)
+WIDER_TYPES = frozenset({"Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q5_K", "Q6_K", "Q8_K"})
 
 
 def _q4k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

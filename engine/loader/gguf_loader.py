@@ -9,7 +9,7 @@ import torch
 
 from engine.loader.gguf_arch import config_from_gguf
 from engine.loader.gguf_families import FAMILY_ARCHS, family_state
-from engine.loader.gguf_file import Q4_TYPES, dequantize, q4_blocks, q8_blocks, read_gguf
+from engine.loader.gguf_file import Q4_TYPES, WIDER_TYPES, dequantize, q4_blocks, q8_blocks, read_gguf
 from engine.loader.progress import load_bar
 from engine.models.qmatmul import Q8Blocks
 from engine.models.quant import Int4Groups
@@ -107,11 +107,6 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
         state[key] = arr.to(dtype)
     progress.close()
     return cfg, state, tokenizer
-
-
-# blocks of 5-8 bits a value: kept as 8-bit blocks for ``quantization="gguf"``, never fewer bits than the file
-# gives them (Q4_K_M files store attn_v and ffn_down of half their layers, and the output, as Q6_K)
-WIDER_TYPES = frozenset({"Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q5_K", "Q6_K", "Q8_K"})
 
 
 def _hf_name(path: str, name: str, names: dict, permuted: dict) -> tuple[str, int | None]:

@@ -12,14 +12,18 @@ import torch
 from engine import EngineConfig, LLMEngine
 from engine.loader import blocks_servable, gguf_weight_types, resolve_model
 from engine.loader.gguf_file import GGUFTensor, dequantize, q4_blocks
+from engine.models import decode_step
 from engine.models.qlinear import BlockLinear
-from engine.models.qmatmul import Q4Blocks, Q8Blocks
+from engine.models.qmatmul import Q4Blocks, Q8Blocks, load as load_qmatmul
 from engine.models.quant import Int4Groups
 from benchmarks.kquant_decode import quantize_q4_k, recode
 from tests.engine.test_gguf_dequant import random_tensor
 from tests.engine.test_quant import assert_close_to
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
+# the engine tests run the block kernel (and the one-call step): skipped only without a C compiler, as their siblings
+needs_kernels = pytest.mark.skipif(load_qmatmul() is None or decode_step._library() is None,
+                                   reason="no C compiler: the kernels could not be built")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,6 +77,7 @@ def kquant_file(tmp_path_factory):
     return str(out)
 
 
+@needs_kernels
 @pytest.mark.slow
 def test_a_k_quant_mix_on_blocks_agrees_with_the_file_dequantized(kquant_file):
     """Odd layers: ffn_down on its Q4_K blocks, q/k/v on the Q4_1 ones. Even layers: ffn_down on 8-bit blocks
@@ -100,6 +105,7 @@ def test_a_k_quant_mix_on_blocks_agrees_with_the_file_dequantized(kquant_file):
     assert_close_to(ref, eng, "k-quant mix, gguf vs float32", 60, top1=0.93, mean_kl=0.01, top_change=0.5)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_one_call_decode_step_takes_a_mix_of_4_and_8_bit_layers(kquant_file, dtype):
     """Its 8-bit projections go through the 8-bit kernel from the C loop too (float32's MLP as three calls where a
