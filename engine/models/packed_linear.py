@@ -1,9 +1,10 @@
 """Float32 dense projections on the CPU through oneDNN's packed GEMM, where it measures faster than torch's.
 
 ``F.linear`` in float32 on the CPU calls MKL's sgemm. On AMD CPUs MKL takes its generic code path: on the
-dev host class (AMD EPYC, Zen 4) a batch-1 step's projections and head of the default model (30 layers) ran
-50 ms through it and 39 ms through oneDNN's GEMM on weights reordered once into its blocked layout; at 3-23
-rows, a speculative verification's or a small batch's step, 1.8-3x faster; at 256 rows, 1.15x. Both are
+dev host class (AMD EPYC, Zen 4, one thread) a batch-1 step's projections and head of the default model (30
+layers) ran 51.3 ms through it and 44.2 ms through oneDNN's GEMM on weights reordered once into its blocked
+layout; at 3-23 rows, a speculative verification's or a small batch's step, 1.7-2.8x faster; at 256 rows, 1.18x
+(benchmarks/packed_linear.py, benchmarks/results/packed_linear-epyc-cpu.json). Both are
 IEEE float32 matmuls; they sum in different orders, as MKL itself does at different row counts, so a packed
 layer's output equals ``F.linear``'s within float32 rounding (tests/engine/test_packed_linear.py), not bit for
 bit.
