@@ -145,7 +145,8 @@ class RouterCore:
         self._seeds: dict[str, bytes] = {}
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        # worker id -> when this replica's last mark_dead reached Redis (inf: still on its way)
+        # worker id -> when this replica's last mark_dead reached Redis (inf: still on its way; later than now:
+        # it could not reach Redis, and refreshes keep the worker out until its heartbeat key has expired)
         self._marked_dead: dict[str, float] = {}
         self._frozen_sets = 0  # the index's per-worker sets made when the collector last froze
 
@@ -290,12 +291,16 @@ class RouterCore:
             self.vllm.mark_dead(worker_id)
             self._marked_dead[worker_id] = time.monotonic()
             return
+        kept_out_s = 0.0
         try:
             await self.registry.mark_dead(worker_id)
         except (aioredis.RedisError, OSError) as exc:
+            # Its heartbeat key is still there: refreshes would read it live again until it expires. Keep it
+            # out for one TTL; by then the key is gone (it died) or newer than this mark (it heartbeats again).
             log.warning("could not mark %s dead in Redis: %s", worker_id, exc)
-        finally:
-            self._marked_dead[worker_id] = time.monotonic()  # refreshes reading from now on do not
+            kept_out_s = self.config.heartbeat_ttl_s
+        finally:  # refreshes that start reading from now on (plus kept_out_s) do not find it live
+            self._marked_dead[worker_id] = time.monotonic() + kept_out_s
 
     # ------------------------------------------------------------ routing
 

@@ -457,8 +457,12 @@ def test_sigkill_worker_mid_session_fails_over_without_losing_turns(cl):
     assert [m["content"] for m in session["messages"][0::2]] == (
         [f"Turn {t} before the crash." for t in range(2)] + [f"Turn {t} after the crash." for t in range(2, 6)])
     assert cl.state("r0")["failovers"] + cl.state("r1")["failovers"] >= 1
+    # The replica that failed over deleted the victim's heartbeat; the other drops it at its next refresh
+    # (every 0.5 s): it may not have run yet if that replica's turns all went to the survivor.
+    assert not cl.redis().exists(CFG.heartbeat_key(victim))
     for router in ("r0", "r1"):
-        assert [w["id"] for w in cl.state(router)["workers"]] == [survivor]
+        c.wait_for(lambda: [w["id"] for w in cl.state(router)["workers"]] == [survivor], timeout_s=10,
+                   what=f"{router} to list only the survivor {survivor}")
 
 
 def test_heartbeat_expiry_and_a_returning_worker_drops_stale_entries(cl):

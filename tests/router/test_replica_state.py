@@ -305,6 +305,39 @@ def test_a_refresh_in_flight_when_a_worker_is_marked_dead_does_not_bring_it_back
     asyncio.run(body())
 
 
+def test_a_worker_marked_dead_while_redis_refuses_the_mark_stays_out_until_its_heartbeat_expires(redis_url):
+    """A request found a worker dead but the mark could not reach Redis: its heartbeat key is still there,
+    and refreshes must not read it back into the live set (each request would fail over to it again)
+    until that key has expired; a worker that heartbeats after that is live again."""
+    cfg = RouterConfig(redis_url=redis_url, heartbeat_ttl_s=2.0, heartbeat_interval_s=0.5)
+
+    async def body():
+        (a,) = await _replicas(cfg, 1)
+        client = aioredis.Redis.from_url(redis_url)
+        real = a.registry.mark_dead
+
+        async def refused(worker_id):
+            raise aioredis.ConnectionError("Connection refused")
+        try:
+            for wid in ("w0", "w1", "w2"):
+                await WorkerRegistry(client, cfg).heartbeat(wid)
+            a.registry.mark_dead = refused
+            await a.mark_dead("w1")
+            assert await client.exists(cfg.heartbeat_key("w1"))   # the mark did not reach Redis
+            await a.refresh()
+            assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
+            await asyncio.sleep(cfg.heartbeat_ttl_s + 0.2)        # its heartbeat key has expired by now
+            await WorkerRegistry(client, cfg).heartbeat("w1")    # and it was only unreachable: back
+            await a.refresh()
+            assert "w1" in a.workers
+        finally:
+            a.registry.mark_dead = real
+            await client.aclose()
+            await a.stop()
+
+    asyncio.run(body())
+
+
 def test_a_started_core_stops(redis_url):
     """Stopping right after start: the event consumer's first cancel can land where redis-py swallows
     it (the loop then polled on and ``stop`` waited for ever); ``KVEventConsumer.stop`` cancels until
