@@ -263,7 +263,7 @@ def _runner(config: EngineConfig, m: Model, kv: KVCache, pool, window_layers, ba
                "layer_ops": bool(fused), "qmatmul": m.quantization == "gguf", "decode_step": one_call,
                "packed_linear": m.packed_linear}
     desc = (backend_name + (" + CPU decode kernel, RoPE + KV write" if decode_kernel else "")
-            + (" + CPU bfloat16 prefill kernel" if prefill_kernel else "")
+            + (" + CPU prefill kernel" if prefill_kernel else "")
             + (" + fused add/RMSNorm, SiLU-multiply" if fused else "")
             + (" + decode layers in one C call" if one_call else "")
             + (" + oneDNN packed float32 linear" if m.packed_linear else ""))

@@ -131,15 +131,16 @@ _PROBE_Q, _PROBE_CACHED = 128, 1024
 
 
 @functools.cache
-def prefill_kernel_wins(kernel, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def prefill_kernel_wins(kernel, num_heads: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the C prefill kernel is faster here than torch's path (``chunk_attention`` after the gather) on a
-    bfloat16 chunk of 128 queries over 1,024 cached keys: best of 3 each, alternating, once per process and
-    shape, logged. On a CPU whose oneDNN attention runs on AMX tiles torch's may be the faster one."""
+    chunk of 128 queries over 1,024 cached keys in ``dtype``: best of 3 each, alternating, once per process,
+    shape and dtype, logged. On a CPU whose oneDNN attention runs on AMX tiles torch's may be the faster one."""
     g = torch.Generator().manual_seed(0)
     L = _PROBE_CACHED + _PROBE_Q
-    q = torch.randn(_PROBE_Q, num_heads, head_dim, generator=g).bfloat16()
-    k = torch.randn(num_kv_heads, L, head_dim, generator=g).bfloat16()
-    v = torch.randn(num_kv_heads, L, head_dim, generator=g).bfloat16()
+    q = torch.randn(_PROBE_Q, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_kv_heads, L, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_kv_heads, L, head_dim, generator=g).to(dtype)
     slots = torch.arange(L)
     mask = torch.arange(L)[None, :] <= torch.arange(_PROBE_CACHED, L)[:, None]
     out = torch.empty_like(q)
@@ -153,8 +154,8 @@ def prefill_kernel_wins(kernel, num_heads: int, num_kv_heads: int, head_dim: int
             if r:
                 best[name] = min(best[name], time.perf_counter() - t0)
     wins = best["C kernel"] < best["torch"]
-    log.info("bfloat16 prefill attention, %d queries over %d cached keys: C kernel %.2f ms, torch %.2f ms: %s",
-             _PROBE_Q, _PROBE_CACHED, best["C kernel"] * 1e3, best["torch"] * 1e3,
+    log.info("%s prefill attention, %d queries over %d cached keys: C kernel %.2f ms, torch %.2f ms: %s",
+             str(dtype).removeprefix("torch."), _PROBE_Q, _PROBE_CACHED, best["C kernel"] * 1e3, best["torch"] * 1e3,
              "the C kernel" if wins else "torch")
     return wins
 
@@ -178,15 +179,19 @@ class TorchAttentionBackend(AttentionBackend):
             kernel = load()
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
-        if cpu_kernel and kv.k[0].device.type == "cpu" and kv.dtype == torch.bfloat16 \
-                and kv.k[0].dtype in (torch.bfloat16, torch.int8):   # bfloat16 pages, or int8 ones read as bfloat16
+        # bfloat16 pages, or int8 ones read as bfloat16; or float32 pages
+        bf16 = kv.dtype == torch.bfloat16 and kv.k[0].dtype in (torch.bfloat16, torch.int8)
+        f32 = kv.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+        if cpu_kernel and kv.k[0].device.type == "cpu" and (bf16 or f32):
             from engine.attention.cpu_kernel import PrefillKernel, load_prefill
             if PrefillKernel.supports(num_heads, num_kv_heads, head_dim):
                 prefill = load_prefill()
-                # only on vdpbf16ps (the portable loops are the tests' reference, never faster than torch),
-                # and only where it measured faster than torch's path (or is forced)
-                if prefill is not None and prefill.dpbf16 and self.force_prefill_kernel is not False and (
-                        self.force_prefill_kernel or prefill_kernel_wins(prefill, num_heads, num_kv_heads, head_dim)):
+                # only on vdpbf16ps, or on AVX's vectors for float32 (the portable loops are the tests' reference,
+                # never faster than torch), and only where it measured faster than torch's path (or is forced)
+                vector = prefill is not None and (prefill.dpbf16 if bf16 else prefill.f32_lanes >= 8)
+                if vector and self.force_prefill_kernel is not False and (
+                        self.force_prefill_kernel
+                        or prefill_kernel_wins(prefill, num_heads, num_kv_heads, head_dim, kv.dtype)):
                     self.prefill_kernel = prefill
 
     def set_layer_attention(self, layers: list[LayerAttention]) -> None:
@@ -283,9 +288,9 @@ class TorchAttentionBackend(AttentionBackend):
         if self.layer_attention and not self.layer_attention[layer].plain:
             return self._attend_special(layer, q, self.layer_attention[layer])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # (T, Hq, D), contiguous
-        in_c = self.prefill_kernel is not None and q.dtype == torch.bfloat16
+        in_c = self.prefill_kernel is not None and q.dtype == self.kv.dtype
         for start, end, idx, mask in self.prefills:
-            if in_c:   # the bfloat16 pool read in place, whatever the chunk's length and its cached prefix
+            if in_c:   # the pool read in place, whatever the chunk's length and its cached prefix
                 self.prefill_kernel.paged(q[start:end].contiguous(), self.kv, layer, idx, out=out[start:end])
                 continue
             ks, vs = self.kv.gather(layer, idx)                       # (Hkv, kl, D)

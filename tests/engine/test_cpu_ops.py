@@ -123,15 +123,17 @@ def _within_bfloat16_noise(engine: LLMEngine, what: str) -> None:
     assert worst <= 0.35
 
 
-def _prefill_in_c() -> bool:
-    """Whether a bfloat16 pool's prefill chunks run in the C prefill kernel here (only on vdpbf16ps, and where it
-    measured faster than torch's path: the probe's answer is cached per process, so it is the engine's)."""
+def _prefill_in_c(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a ``dtype`` pool's prefill chunks run in the C prefill kernel here (bfloat16 only on vdpbf16ps,
+    float32 only on AVX vectors, and where it measured faster than torch's path: the probe's answer is cached
+    per process, so it is the engine's)."""
     from engine.attention.cpu_kernel import load_prefill
 
     from engine.attention.torch_backend import prefill_kernel_wins
 
     kernel = load_prefill()
-    return kernel is not None and kernel.dpbf16 and prefill_kernel_wins(kernel, 9, 3, 64)   # the default model's heads
+    vector = kernel is not None and (kernel.dpbf16 if dtype == torch.bfloat16 else kernel.f32_lanes >= 8)
+    return vector and prefill_kernel_wins(kernel, 9, 3, 64, dtype)   # the default model's heads
 
 
 @pytest.mark.slow
@@ -159,8 +161,8 @@ def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
     top-token change 1e-5 nats. Tolerances: every top-1 equal, mean KL <= 1e-6, <= 1e-3 nats."""
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
     assert engine.model.cpu_ops is None
-    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": False,
-                                     "qmatmul": False, "decode_step": False,
+    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": _prefill_in_c(torch.float32),
+                                     "layer_ops": False, "qmatmul": False, "decode_step": False,
                                      "packed_linear": isinstance(engine.model.lm_head, PackedLinear)}
     assert engine.model.use_cpu_ops(True)
     agree, n, kl, worst = _fused_against_plain(engine)
@@ -181,8 +183,8 @@ def test_model_in_float32_on_gguf_blocks_with_the_c_layer_ops_scores_as_the_plai
     <= 0.35 nats."""
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="gguf", kv_cache_tokens=4096))
     # decode steps' layers in one C call (engine/models/decode_step.py), the same values as the loop
-    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": False, "layer_ops": True,
-                                     "qmatmul": True, "decode_step": True, "packed_linear": False}
+    assert engine.active_kernels == {"decode_attention": True, "prefill_attention": _prefill_in_c(torch.float32),
+                                     "layer_ops": True, "qmatmul": True, "decode_step": True, "packed_linear": False}
     _within_bfloat16_noise(engine, "float32 gguf, fused vs plain")
 
 

@@ -1,6 +1,7 @@
 """The compiled bfloat16 prefill-attention kernel (engine/attention/csrc/prefill_attention.c) against a float64
 reference, in its vdpbf16ps build and its portable one, and inside the torch backend."""
 
+import functools
 import math
 import random
 
@@ -76,6 +77,53 @@ def test_both_builds_agree():
     torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
 
 
+# the float32 path's builds: this CPU's, AVX2 + FMA only (x86-64-v3, a machine that has more), and no AVX at all
+# (4 lanes, SSE2: the plain build the vector ones are held against)
+F32_FLAGS = {"native": (), "x86-64-v3": ("-march=x86-64-v3",), "no-avx": ("-mno-avx",)}
+
+
+@functools.cache
+def f32_kernel(variant: str) -> PrefillKernel:
+    return kernel if variant == "native" else PrefillKernel(build(PREFILL_SOURCE, extra_flags=F32_FLAGS[variant]))
+
+
+def _avx2_here() -> bool:
+    from engine.cpu_info import cpu_flags
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+@pytest.mark.parametrize("variant", list(F32_FLAGS))
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (16, 1, 64)])
+@pytest.mark.parametrize("Q,n_cached", [(1, 0), (7, 0), (65, 63), (130, 70), (33, 1000), (40, 3)])
+def test_float32_kernel_matches_reference(variant, Hq, Hkv, D, Q, n_cached):
+    """float32 queries over float32 pages, in each build: within float32 rounding of the float64 reference (a
+    planted off-by-one in the causal mask, a wrong scale or a dropped rescale is orders of magnitude outside)."""
+    if variant == "x86-64-v3" and not _avx2_here():
+        pytest.skip("this CPU cannot run a build for AVX2")
+    kern = f32_kernel(variant)
+    assert kern.f32_lanes == {"x86-64-v3": 8, "no-avx": 4}.get(variant, kern.f32_lanes)
+    q, k, v, slots = case(Q, n_cached, Hq, Hkv, D, Q * 5 + n_cached + D)
+    q, k, v = q.float(), k.float(), v.float()
+    out = kern(q, k, v, slots)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    err = (out.double() - reference(q, k, v, slots)).abs()
+    assert err.max().item() <= 3e-5 and err.mean().item() <= 2e-6
+
+
+def test_float32_builds_agree_and_the_native_one_is_vectorized():
+    """The vector builds against the plain one on one chunk (float32 sums in another order: within 1e-5), and the
+    default build of an AVX machine runs the vector path (the one the backend takes)."""
+    from engine.cpu_info import cpu_flags
+
+    q, k, v, slots = case(200, 900, 9, 3, 64, 3)
+    q, k, v = q.float(), k.float(), v.float()
+    plain = f32_kernel("no-avx")(q, k, v, slots)
+    for variant in ("native", "x86-64-v3") if _avx2_here() else ("native",):
+        torch.testing.assert_close(f32_kernel(variant)(q, k, v, slots), plain, atol=1e-5, rtol=1e-5)
+    if "avx" in cpu_flags():
+        assert kernel.f32_lanes >= 8
+
+
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_int8_pages_are_read_as_the_gather_dequantizes_them(variant):
     """An int8 pool (values and a scale per token and KV head): the kernel dequantizes each row as it repacks it,
@@ -108,7 +156,11 @@ def test_output_written_in_place_and_inputs_checked():
     with pytest.raises(ValueError, match="L >= Q"):
         kernel(q, k, v, slots[:10])
     with pytest.raises(ValueError, match="bfloat16"):
-        kernel(q.float(), k, v, slots)
+        kernel(q.float(), k, v, slots)                                    # float32 queries over bfloat16 pages
+    with pytest.raises(ValueError, match="all float32"):
+        kernel(q, k.float(), v.float(), slots)                            # and bfloat16 ones over float32 pages
+    out32 = torch.full_like(q, float("nan"), dtype=torch.float32)
+    assert kernel(q.float(), k.float(), v.float(), slots, out=out32) is out32 and not out32.isnan().any()
     assert not PrefillKernel.supports(9, 3, 48) and not PrefillKernel.supports(32, 1, 64)
     assert PrefillKernel.supports(32, 8, 128)
 
@@ -137,10 +189,10 @@ class _Counting:
         return self.kernel.paged(q, *args, **kwargs)
 
 
-def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only(monkeypatch):
+def test_the_backend_takes_the_kernel_for_every_prefill_chunk(monkeypatch):
     """In a batch of a cold prefill, chunks over cached prefixes (short and long) and decode rows, a bfloat16
     pool, or an int8 one of a bfloat16 model, sends every prefill chunk through the kernel (where it runs
-    vdpbf16ps) and matches the reference; a float32 pool never takes it."""
+    vdpbf16ps), and a float32 pool too (where its float32 path is vectorized: AVX); each matches the reference."""
     from engine.attention import BatchLayout
 
     specs = [(40, 40), (17, 300), (150, 700), (1, 90), (3, 50)]
@@ -169,7 +221,8 @@ def test_the_backend_takes_the_kernel_for_bfloat16_prefill_only(monkeypatch):
         tol = 2e-2 if act == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
         if dtype == torch.float32:
-            assert backend.prefill_kernel is None
+            assert calls == ([40, 17, 150] if kernel.f32_lanes >= 8 else [])
+            assert (backend.prefill_kernel is None) == (kernel.f32_lanes < 8)
         elif kernel.dpbf16:
             assert calls == [40, 17, 150]
         else:
@@ -194,3 +247,22 @@ def test_the_probe_decides_and_forcing_overrides_it(monkeypatch):
 
     first = torch_backend.prefill_kernel_wins(load_prefill(), 9, 3, 64)
     assert isinstance(first, bool) and torch_backend.prefill_kernel_wins(load_prefill(), 9, 3, 64) is first
+
+
+def test_the_float32_probe_decides(monkeypatch):
+    """A float32 pool takes the kernel only where ``prefill_kernel_wins`` measured its float32 path faster than
+    torch's (asked with the pool's dtype), and the probe answers once per dtype."""
+    from engine.attention import torch_backend
+    from engine.attention.cpu_kernel import load_prefill
+
+    if kernel.f32_lanes < 8:
+        pytest.skip("the float32 path is taken only where it is vectorized (AVX), which this CPU lacks")
+    asked = []
+    for verdict in (True, False):
+        monkeypatch.setattr(torch_backend, "prefill_kernel_wins", lambda *a, v=verdict: asked.append(a[-1]) or v)
+        assert (_backend(torch.float32, 8)[1].prefill_kernel is not None) == verdict
+    assert asked == [torch.float32, torch.float32]
+    monkeypatch.undo()
+    first = torch_backend.prefill_kernel_wins(load_prefill(), 9, 3, 64, torch.float32)
+    again = torch_backend.prefill_kernel_wins(load_prefill(), 9, 3, 64, torch.float32)
+    assert isinstance(first, bool) and again is first

@@ -1,6 +1,6 @@
-/* Prefill attention for the CPU in bfloat16: a chunk of Q new queries of one sequence over its L keys,
- * the first L - Q of them cached before the chunk (L == Q: nothing cached). Query i of the chunk sees
- * keys 0 .. L - Q + i (the bottom-right causal mask).
+/* Prefill attention for the CPU in bfloat16 (and float32, at the end): a chunk of Q new queries of one
+ * sequence over its L keys, the first L - Q of them cached before the chunk (L == Q: nothing cached). Query i
+ * of the chunk sees keys 0 .. L - Q + i (the bottom-right causal mask).
  *
  * The keys and values are read in place from one layer of the KV pool (engine/kv_pool.py's head-major
  * "HSD" layout, [Hkv, S, D]; bfloat16 pages, or int8 pages dequantized to bfloat16 as they are read, the
@@ -19,7 +19,10 @@
  *
  * Without AVX512-BF16 the same loops run in portable C on the widened values (every bfloat16 is a
  * float32 exactly): the path the tests compare the vector one with; engine/attention/torch_backend.py
- * calls this kernel only where it runs vdpbf16ps and keeps torch's fused attention elsewhere.
+ * calls the bfloat16 kernel only where it runs vdpbf16ps and keeps torch's fused attention elsewhere.
+ *
+ * A float32 version (prefill_attention_f32, at the end) runs the same flash attention on float32 pages
+ * for float32 engines, on AVX / AVX-512 vectors; torch_backend.py calls it where it is vectorized.
  * Threads: OpenMP, in the process's one libgomp pool, as engine/attention/csrc/decode_attention.c.
  *
  * engine/attention/cpu_kernel.py builds and calls this; engine/attention/reference.py is the oracle
@@ -320,3 +323,220 @@ int prefill_attention_i8(const uint16_t *q, const int8_t *k, const int8_t *v, co
 }
 
 int prefill_attention_dpbf16(void) { return HAVE_DPBF16; }
+
+/* ------------------------------------------------------------------ float32
+ * The same flash attention over float32 pages, for float32 engines (the default on every CPU without native
+ * bfloat16: all AVX2-only ones). Scores, probabilities and the output stay float32 (nothing is rounded to
+ * bfloat16); the queries are scaled by 1/sqrt(D) as they are copied. Written with GCC's vector extensions,
+ * VW lanes: 16 with AVX-512F, 8 with AVX (fused multiply-adds with FMA), else 4 (SSE2 or scalar code: the
+ * build the tests hold the vector ones against, beside a float64 reference). Register blocking: RBF rows of
+ * queries against SC vectors of keys (scores), RBF rows against DC vectors of dims (values), sized so the
+ * accumulators and the loaded vectors fit in 16 (AVX) or 32 (AVX-512) registers. */
+#if defined(__AVX512F__)
+#define VW 16
+#define SC 4
+#elif defined(__AVX__)
+#define VW 8
+#define SC 2
+#else
+#define VW 4
+#define SC 2
+#endif
+#define DC 2
+#define RBF 6
+#define KBF 64             /* keys per block */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));   /* unaligned loads and stores */
+#define VLOAD(p) (*(const vf_u *)(p))
+#define VSTORE(p, x) (*(vf_u *)(p) = (x))
+
+/* Keep a loaded vector in a register: without it GCC folds the load into each multiply-add that uses it (one
+ * load per multiply-add instead of one per vector), and the loops run at the load ports' speed. */
+#if defined(__AVX512F__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#elif defined(__SSE2__)
+#define IN_REGISTER(x) __asm__("" : "+x"(x))
+#else
+#define IN_REGISTER(x) ((void)0)   /* other architectures: the compiler's choice */
+#endif
+
+/* s[r][j] = qt[r] . k[j] for RBF rows and one block. qt: [D][RBF], the rows interleaved (already scaled);
+ * kp: [D][KBF]. */
+static __attribute__((noinline)) void scores_f32(const float *qt, const float *kp, int D, float *s) {
+    for (int c0 = 0; c0 < KBF; c0 += SC * VW) {
+        vf acc[RBF][SC];
+        for (int r = 0; r < RBF; r++)
+            for (int c = 0; c < SC; c++) acc[r][c] = (vf){0};
+        for (int d = 0; d < D; d++) {
+            vf kv[SC];
+            for (int c = 0; c < SC; c++) {
+                kv[c] = VLOAD(kp + (int64_t)d * KBF + c0 + c * VW);
+                IN_REGISTER(kv[c]);
+            }
+            for (int r = 0; r < RBF; r++) {
+                float a = qt[d * RBF + r];
+                for (int c = 0; c < SC; c++) acc[r][c] += kv[c] * a;
+            }
+        }
+        for (int r = 0; r < RBF; r++)
+            for (int c = 0; c < SC; c++) VSTORE(s + r * KBF + c0 + c * VW, acc[r][c]);
+    }
+}
+
+/* o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] for RBF rows and one block. p: [RBF][KBF]; vp: [KBF][D]. */
+static __attribute__((noinline)) void values_f32(const float *p, const float *vp, int D, const float *alpha, float *o) {
+    for (int d0 = 0; d0 < D; d0 += DC * VW) {
+        vf acc[RBF][DC];
+        for (int r = 0; r < RBF; r++)
+            for (int c = 0; c < DC; c++) acc[r][c] = VLOAD(o + r * D + d0 + c * VW) * alpha[r];
+        for (int j = 0; j < KBF; j++) {
+            vf vv[DC];
+            for (int c = 0; c < DC; c++) {
+                vv[c] = VLOAD(vp + (int64_t)j * D + d0 + c * VW);
+                IN_REGISTER(vv[c]);
+            }
+            for (int r = 0; r < RBF; r++) {
+                float w = p[r * KBF + j];
+                for (int c = 0; c < DC; c++) acc[r][c] += vv[c] * w;
+            }
+        }
+        for (int r = 0; r < RBF; r++)
+            for (int c = 0; c < DC; c++) VSTORE(o + r * D + d0 + c * VW, acc[r][c]);
+    }
+}
+
+/* One row's scores of a block (the first n of KBF visible) -> its probabilities in place (0 past n), with the
+ * running max *m and sum *l updated; returns the factor the row's output is rescaled by. */
+static float softmax_f32(float *sr, int n, float *m, float *l) {
+    float mx = *m, sum = 0.0f;
+    if (n == KBF) {   /* every key of the block visible (all but the diagonal blocks): fixed trip counts, no masks */
+#pragma omp simd reduction(max : mx)
+        for (int j = 0; j < KBF; j++) mx = sr[j] > mx ? sr[j] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < KBF; j++) {
+            float e = exp_nonpos(sr[j] - mx);
+            sr[j] = e;
+            sum += e;
+        }
+    } else {
+#pragma omp simd reduction(max : mx)
+        for (int j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < KBF; j++) {
+            float e = j < n ? exp_nonpos(sr[j] - mx) : 0.0f;
+            sr[j] = e;
+            sum += e;
+        }
+    }
+    float a = exp_nonpos(*m - mx);           /* *m = -inf at first: a = exp(-87), and l, o are 0 */
+    *l = *l * a + sum;
+    *m = mx;
+    return a;
+}
+
+/* Block b of KV head h: keys transposed to [D][KBF], values as rows [KBF][D]; keys past L are zeros. */
+static void repack_block_f32(const float *k, const float *v, int64_t S, int D, int64_t h, const int64_t *slots,
+                             int64_t L, int64_t b, float *kp, float *vp) {
+    for (int j = 0; j < KBF; j++) {
+        int64_t key = b * KBF + j;
+        if (key < L) {
+            const float *kr = k + (h * S + slots[key]) * D, *vr = v + (h * S + slots[key]) * D;
+            for (int d = 0; d < D; d++) kp[(int64_t)d * KBF + j] = kr[d];
+            memcpy(vp + (int64_t)j * D, vr, sizeof(float) * D);
+        } else {
+            for (int d = 0; d < D; d++) kp[(int64_t)d * KBF + j] = 0.0f;
+            memset(vp + (int64_t)j * D, 0, sizeof(float) * D);
+        }
+    }
+}
+
+/* One task: KV head h, queries i0 .. i1 - 1 (rows as in run_task, padded to a multiple of RBF). */
+static void run_task_f32(const float *q, const float *kpack, const float *vpack, int64_t L, int64_t Q, int Hq,
+                         int Hkv, int D, float scale, int h, int64_t i0, int64_t i1, float *out, float *qr, float *s,
+                         float *o, float *m, float *l) {
+    int G = Hq / Hkv;
+    int rows = (int)(i1 - i0) * G, padded = (rows + RBF - 1) / RBF * RBF;
+    int64_t n_cached = L - Q, block = (int64_t)KBF * D, per_head = (L + KBF - 1) / KBF;
+    for (int r = 0; r < padded; r++) {
+        int rr = r < rows ? r : rows - 1;
+        const float *src = q + ((i0 + rr / G) * Hq + h * G + rr % G) * D;
+        float *dst = qr + (int64_t)(r / RBF) * RBF * D + r % RBF;   /* group r / RBF, [D][RBF] */
+        for (int d = 0; d < D; d++) dst[d * RBF] = src[d] * scale;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * padded * D);
+    int64_t n_blocks = (n_cached + i1 - 1) / KBF + 1;
+    float alpha[RBF];
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const float *kp = kpack + (h * per_head + b) * block, *vp = vpack + (h * per_head + b) * block;
+        for (int r0 = 0; r0 < padded; r0 += RBF) {
+            scores_f32(qr + (int64_t)r0 * D, kp, D, s);
+            for (int r = r0; r < r0 + RBF; r++) {
+                int rr = r < rows ? r : rows - 1;
+                int64_t visible = n_cached + i0 + rr / G + 1 - b * KBF;
+                int n = visible >= KBF ? KBF : visible <= 0 ? 0 : (int)visible;
+                alpha[r - r0] = softmax_f32(s + (r - r0) * KBF, n, m + r, l + r);
+            }
+            values_f32(s, vp, D, alpha, o + (int64_t)r0 * D);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *dst = out + ((i0 + r / G) * Hq + h * G + r % G) * D;
+        float inv = 1.0f / l[r];
+        for (int d = 0; d < D; d++) dst[d] = o[(int64_t)r * D + d] * inv;
+    }
+}
+
+/* q: (Q, Hq, D) float32, contiguous; k, v: one layer of the pool, (Hkv, S, D) float32; slots: the sequence's L
+ * slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) float32. Returns as prefill_attention_bf16. */
+int prefill_attention_f32(const float *q, const float *k, const float *v, int64_t S, const int64_t *slots, int64_t L,
+                          int64_t Q, int Hq, int Hkv, int D, float scale, float *out) {
+    if (Q < 1 || L < Q || Hkv < 1 || Hq % Hkv || Hq / Hkv > MAX_G || D % 64 || D > MAX_D) return -1;
+    int G = Hq / Hkv;
+    int64_t n_blocks = (L + KBF - 1) / KBF, block = (int64_t)KBF * D;
+    float *kpack = malloc(sizeof(float) * Hkv * n_blocks * block);
+    float *vpack = malloc(sizeof(float) * Hkv * n_blocks * block);
+    if (!kpack || !vpack) {
+        free(kpack);
+        free(vpack);
+        return -2;
+    }
+    int64_t n_tiles = (Q + QT - 1) / QT, n_tasks = Hkv * n_tiles;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < Hkv * n_blocks; t++)
+            repack_block_f32(k, v, S, D, t / n_blocks, slots, L, t % n_blocks, kpack + t * block, vpack + t * block);
+        int max_rows = (QT * G + RBF - 1) / RBF * RBF;
+        float *qr = malloc(sizeof(float) * max_rows * D), *o = malloc(sizeof(float) * max_rows * D);
+        float *m = malloc(sizeof(float) * max_rows), *l = malloc(sizeof(float) * max_rows);
+        float s[RBF * KBF];
+        if (!qr || !o || !m || !l) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < n_tasks; t++) {
+                int64_t tile = n_tiles - 1 - t / Hkv;
+                int h = (int)(t % Hkv);
+                int64_t i0 = tile * QT, i1 = i0 + QT < Q ? i0 + QT : Q;
+                run_task_f32(q, kpack, vpack, L, Q, Hq, Hkv, D, scale, h, i0, i1, out, qr, s, o, m, l);
+            }
+        }
+        free(qr);
+        free(o);
+        free(m);
+        free(l);
+    }
+    free(kpack);
+    free(vpack);
+    return failed ? -2 : 0;
+}
+
+/* The float32 path's vector width in floats: 16 (AVX-512F), 8 (AVX, with FMA where the CPU has it), 4 otherwise. */
+int prefill_attention_f32_lanes(void) { return VW; }
