@@ -216,9 +216,16 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _prefill_wins(prefill) -> bool:
+def _prefill_runs(prefill) -> bool:
+    """Whether an engine of this CPU's default dtype on the default model's heads takes the prefill kernel: in
+    bfloat16 where it runs vdpbf16ps, else in float32 where its float32 path is vectorized (AVX); either only
+    where the start-up probe times it faster than torch's path."""
+    import torch
+
     from engine.attention.torch_backend import prefill_kernel_wins
-    return prefill_kernel_wins(prefill, 9, 3, 64)
+    if prefill.dpbf16:
+        return prefill_kernel_wins(prefill, 9, 3, 64)
+    return prefill.f32_lanes >= 8 and prefill_kernel_wins(prefill, 9, 3, 64, torch.float32)
 
 
 def loaded_kernels() -> dict[str, bool]:
@@ -229,8 +236,8 @@ def loaded_kernels() -> dict[str, bool]:
     from engine.models import cpu_ops, decode_step, qmatmul
     prefill = cpu_kernel.load_prefill()
     return {"decode_attention": cpu_kernel.load() is not None,
-            # run only on vdpbf16ps, where it measures faster than torch (the default model's heads)
-            "prefill_attention": prefill is not None and prefill.dpbf16 and _prefill_wins(prefill),
+            # bfloat16 on vdpbf16ps or float32 on AVX, where it measures faster than torch (the default model's heads)
+            "prefill_attention": prefill is not None and _prefill_runs(prefill),
             "layer_ops": cpu_ops.load() is not None, "qmatmul": qmatmul.load() is not None,
             # run by a float32 engine on GGUF blocks (a CPU without native bf16, or --dtype float32)
             "decode_step": decode_step._library() is not None}
