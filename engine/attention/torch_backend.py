@@ -42,7 +42,11 @@ a cached prefix, goes through it instead: the sequence's keys read in place at i
 summed in float32, flash attention over blocks of 64 keys. One turn of the agent workload (750 new tokens over
 5,000 cached, bf16 on the GGUF blocks, 2 threads, a 2-core AVX-512 EPYC; ``benchmarks/prefill_profile.py
 --dtype bfloat16 --ab-prefill-kernel``, benchmarks/results/prefill_profile-prefill-kernel-epyc-cpu.json):
-attention 2,281 -> 1,268 ms, the turn 2,679 -> 1,663 ms. Elsewhere the paths above stay.
+attention 2,281 -> 1,268 ms, the turn 2,679 -> 1,663 ms. On a float32 pool (every AVX2-only CPU's default) the
+kernel's float32 path takes every prefill chunk the same way where it is vectorized (AVX) and its own probe timed it
+faster: the pages read in place, no gather and no two-call merge (the same turn on a 2-core AVX2 EPYC, float32 on the
+GGUF blocks, benchmarks/results/prefill_profile-f32-prefill-kernel-avx2-epyc-cpu.json: attention 3,156 -> 2,690 ms,
+the turn 4,358 -> 3,911 ms). Elsewhere the paths above stay.
 
 On an int8 pool (``EngineConfig.kv_cache_dtype="int8"``) the kernel reads the int8 pages in place and
 ``rope_store`` writes them quantized; the torch paths read through ``KVCache.gather`` / ``slot_range``,
