@@ -211,14 +211,30 @@ static void repack_block(const Pool *pool, int64_t h, const int64_t *slots, int6
     }
 }
 
+/* One call, of either path: the queries, the pool layer, the packed keys and values, the shapes. */
+typedef struct {
+    const void *q;          /* (Q, Hq, D): bfloat16, or float32 (f32) */
+    void *out;              /* (Q, Hq, D), q's dtype */
+    Pool pool;              /* bfloat16 or int8 pages, or float32 ones (f32) */
+    int f32;
+    const int64_t *slots;
+    int64_t L, Q;
+    int Hq, Hkv;
+    float scale;
+    const char *kpack, *vpack;   /* per (KV head, block): block_bytes each, in the path's layouts */
+    int64_t n_blocks, block_bytes;
+} Call;
+
 /* One task: KV head h, queries i0 .. i1 - 1 of the chunk. rows = (i1 - i0) * G, row r = (i - i0) * G + g;
  * padded to a multiple of RB with copies of the last row (their output is not written). */
-static void run_task(const uint16_t *q, const uint32_t *kpack, const uint32_t *vpack, int64_t L, int64_t Q,
-                     int Hq, int Hkv, int D, float scale, int h, int64_t i0, int64_t i1, uint16_t *out,
-                     uint32_t *qp, float *s, uint32_t *pp, float *o, float *m, float *l, float *alpha) {
-    int G = Hq / Hkv, D2 = D / 2;
+static void run_task(const Call *c, int h, int64_t i0, int64_t i1, uint32_t *qp, float *o, float *m, float *l) {
+    const uint16_t *q = c->q;
+    uint16_t *out = c->out;
+    int Hq = c->Hq, D = c->pool.D, G = Hq / c->Hkv, D2 = D / 2;
     int rows = (int)(i1 - i0) * G, padded = (rows + RB - 1) / RB * RB;
-    int64_t n_cached = L - Q, block_words = (int64_t)KB * D2;
+    int64_t n_cached = c->L - c->Q;
+    float s[RB * KB], alpha[RB];
+    uint32_t pp[RB * KB / 2];
     for (int r = 0; r < padded; r++) {
         int rr = r < rows ? r : rows - 1;
         int64_t i = i0 + rr / G;
@@ -231,15 +247,15 @@ static void run_task(const uint16_t *q, const uint32_t *kpack, const uint32_t *v
     int64_t last_key = n_cached + i1 - 1;                 /* the last key any row of the task sees */
     int64_t n_blocks = last_key / KB + 1;
     for (int64_t b = 0; b < n_blocks; b++) {
-        const uint32_t *kp = kpack + (h * ((L + KB - 1) / KB) + b) * block_words;
-        const uint32_t *vp = vpack + (h * ((L + KB - 1) / KB) + b) * block_words;
+        const uint32_t *kp = (const uint32_t *)(c->kpack + (h * c->n_blocks + b) * c->block_bytes);
+        const uint32_t *vp = (const uint32_t *)(c->vpack + (h * c->n_blocks + b) * c->block_bytes);
         for (int r0 = 0; r0 < padded; r0 += RB) {
             scores_block(qp + (int64_t)r0 * D2, kp, D2, s);
             for (int r = r0; r < r0 + RB; r++) {
                 int rr = r < rows ? r : rows - 1;
                 int64_t visible = n_cached + i0 + rr / G + 1 - b * KB;   /* keys of this block the row sees */
                 int n = visible >= KB ? KB : visible <= 0 ? 0 : (int)visible;
-                alpha[r - r0] = softmax_row(s + (r - r0) * KB, n, scale, m + r, l + r, pp + (r - r0) * (KB / 2));
+                alpha[r - r0] = softmax_row(s + (r - r0) * KB, n, c->scale, m + r, l + r, pp + (r - r0) * (KB / 2));
             }
             values_block(pp, vp, D, alpha, o + (int64_t)r0 * D);
         }
@@ -253,98 +269,25 @@ static void run_task(const uint16_t *q, const uint32_t *kpack, const uint32_t *v
     }
 }
 
-static int prefill(const uint16_t *q, const Pool *pool, const int64_t *slots, int64_t L, int64_t Q, int Hq, int Hkv,
-                   float scale, uint16_t *out) {
-    int D = pool->D;
-    if (Q < 1 || L < Q || Hkv < 1 || Hq % Hkv || Hq / Hkv > MAX_G || D % 64 || D > MAX_D) return -1;
-    int G = Hq / Hkv, D2 = D / 2;
-    int64_t n_blocks = (L + KB - 1) / KB, block_words = (int64_t)KB * D2;
-    uint32_t *kpack = malloc(sizeof(uint32_t) * Hkv * n_blocks * block_words);
-    uint32_t *vpack = malloc(sizeof(uint32_t) * Hkv * n_blocks * block_words);
-    if (!kpack || !vpack) {
-        free(kpack);
-        free(vpack);
-        return -2;
-    }
-    int64_t n_tiles = (Q + QT - 1) / QT, n_tasks = Hkv * n_tiles;
-    int failed = 0;
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < Hkv * n_blocks; t++) {
-            int64_t h = t / n_blocks, b = t % n_blocks;
-            repack_block(pool, h, slots, L, b, kpack + t * block_words, vpack + t * block_words);
-        }
-        int max_rows = (QT * G + RB - 1) / RB * RB;
-        uint32_t *qp = malloc(sizeof(uint32_t) * max_rows * D2);
-        float *o = malloc(sizeof(float) * max_rows * D);
-        float *m = malloc(sizeof(float) * max_rows), *l = malloc(sizeof(float) * max_rows);
-        float s[RB * KB], alpha[RB];
-        uint32_t pp[RB * KB / 2];
-        if (!qp || !o || !m || !l) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-            /* the tiles with the most keys (the last queries) first */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < n_tasks; t++) {
-                int64_t tile = n_tiles - 1 - t / Hkv;
-                int h = (int)(t % Hkv);
-                int64_t i0 = tile * QT, i1 = i0 + QT < Q ? i0 + QT : Q;
-                run_task(q, kpack, vpack, L, Q, Hq, Hkv, D, scale, h, i0, i1, out, qp, s, pp, o, m, l, alpha);
-            }
-        }
-        free(qp);
-        free(o);
-        free(m);
-        free(l);
-    }
-    free(kpack);
-    free(vpack);
-    return failed ? -2 : 0;
-}
-
-/* q: (Q, Hq, D) bfloat16, contiguous; k, v: one layer of the pool, (Hkv, S, D) bfloat16; slots: the
- * sequence's L slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) bfloat16.
- * Returns 0, or -1 for shapes outside the kernel's limits, -2 when memory runs out. */
-int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int64_t *slots,
-                           int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
-    Pool pool = {k, v, NULL, NULL, 0, S, D};
-    return prefill(q, &pool, slots, L, Q, Hq, Hkv, scale, out);
-}
-
-/* The same over int8 pages: k, v (Hkv, S, D) int8 with ks, vs (Hkv, S) float32 scales. */
-int prefill_attention_i8(const uint16_t *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs, int64_t S,
-                         const int64_t *slots, int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
-    Pool pool = {k, v, ks, vs, 1, S, D};
-    return prefill(q, &pool, slots, L, Q, Hq, Hkv, scale, out);
-}
-
-int prefill_attention_dpbf16(void) { return HAVE_DPBF16; }
-
 /* ------------------------------------------------------------------ float32
  * The same flash attention over float32 pages, for float32 engines (the default on every CPU without native
  * bfloat16: all AVX2-only ones). Scores, probabilities and the output stay float32 (nothing is rounded to
  * bfloat16); the queries are scaled by 1/sqrt(D) as they are copied. Written with GCC's vector extensions,
  * VW lanes: 16 with AVX-512F, 8 with AVX (fused multiply-adds with FMA), else 4 (SSE2 or scalar code: the
  * build the tests hold the vector ones against, beside a float64 reference). Register blocking: RBF rows of
- * queries against SC vectors of keys (scores), RBF rows against DC vectors of dims (values), sized so the
- * accumulators and the loaded vectors fit in 16 (AVX) or 32 (AVX-512) registers. */
+ * queries against NC vectors of keys (scores) or of dims (values), sized so the accumulators and the loaded
+ * vectors fit in AVX's 16 registers. */
 #if defined(__AVX512F__)
 #define VW 16
-#define SC 4
 #elif defined(__AVX__)
 #define VW 8
-#define SC 2
 #else
 #define VW 4
-#define SC 2
 #endif
-#define DC 2
-#define RBF 6
+#define NC 2               /* vectors of keys (scores) or of dims (values) a register block spans */
+#define RBF 6              /* query rows a register block spans */
 #define KBF 64             /* keys per block */
+_Static_assert(KBF == KB, "the driver packs both paths in blocks of KB keys");
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));   /* unaligned loads and stores */
@@ -361,49 +304,39 @@ typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));   /* unalig
 #define IN_REGISTER(x) ((void)0)   /* other architectures: the compiler's choice */
 #endif
 
-/* s[r][j] = qt[r] . k[j] for RBF rows and one block. qt: [D][RBF], the rows interleaved (already scaled);
- * kp: [D][KBF]. */
-static __attribute__((noinline)) void scores_f32(const float *qt, const float *kp, int D, float *s) {
-    for (int c0 = 0; c0 < KBF; c0 += SC * VW) {
-        vf acc[RBF][SC];
-        for (int r = 0; r < RBF; r++)
-            for (int c = 0; c < SC; c++) acc[r][c] = (vf){0};
-        for (int d = 0; d < D; d++) {
-            vf kv[SC];
-            for (int c = 0; c < SC; c++) {
-                kv[c] = VLOAD(kp + (int64_t)d * KBF + c0 + c * VW);
-                IN_REGISTER(kv[c]);
-            }
-            for (int r = 0; r < RBF; r++) {
-                float a = qt[d * RBF + r];
-                for (int c = 0; c < SC; c++) acc[r][c] += kv[c] * a;
-            }
+/* c[r] = c[r] * scale[r] + sum_k a[r][k] b[k] for RBF rows of NC vectors each (scale NULL: c starts at 0): element
+ * (r, k) of a at a[r * a_r + k * a_k], row k of b at b + k * ldb, row r of c at c + r * ldc. Inlined into its two
+ * callers, so the strides are constants there and the broadcasts of a need no register of their own. */
+static inline __attribute__((always_inline)) void rows_times_block(const float *a, int a_r, int a_k, const float *b,
+                                                                   int64_t ldb, int K, const float *scale, float *c,
+                                                                   int ldc) {
+    vf acc[RBF][NC];
+    for (int r = 0; r < RBF; r++)
+        for (int j = 0; j < NC; j++) acc[r][j] = scale ? VLOAD(c + r * ldc + j * VW) * scale[r] : (vf){0};
+    for (int k = 0; k < K; k++) {
+        vf bv[NC];
+        for (int j = 0; j < NC; j++) {
+            bv[j] = VLOAD(b + k * ldb + j * VW);
+            IN_REGISTER(bv[j]);
         }
-        for (int r = 0; r < RBF; r++)
-            for (int c = 0; c < SC; c++) VSTORE(s + r * KBF + c0 + c * VW, acc[r][c]);
+        for (int r = 0; r < RBF; r++) {
+            float w = a[r * a_r + k * a_k];
+            for (int j = 0; j < NC; j++) acc[r][j] += bv[j] * w;
+        }
     }
+    for (int r = 0; r < RBF; r++)
+        for (int j = 0; j < NC; j++) VSTORE(c + r * ldc + j * VW, acc[r][j]);
+}
+
+/* s[r][j] = qt[r] . k[j] for RBF rows and one block. qt: [D][RBF], the rows interleaved (already scaled);
+ * kp: [D][KBF]; s: [RBF][KBF]. */
+static __attribute__((noinline)) void scores_f32(const float *qt, const float *kp, int D, float *s) {
+    for (int c0 = 0; c0 < KBF; c0 += NC * VW) rows_times_block(qt, 1, RBF, kp + c0, KBF, D, NULL, s + c0, KBF);
 }
 
 /* o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] for RBF rows and one block. p: [RBF][KBF]; vp: [KBF][D]. */
 static __attribute__((noinline)) void values_f32(const float *p, const float *vp, int D, const float *alpha, float *o) {
-    for (int d0 = 0; d0 < D; d0 += DC * VW) {
-        vf acc[RBF][DC];
-        for (int r = 0; r < RBF; r++)
-            for (int c = 0; c < DC; c++) acc[r][c] = VLOAD(o + r * D + d0 + c * VW) * alpha[r];
-        for (int j = 0; j < KBF; j++) {
-            vf vv[DC];
-            for (int c = 0; c < DC; c++) {
-                vv[c] = VLOAD(vp + (int64_t)j * D + d0 + c * VW);
-                IN_REGISTER(vv[c]);
-            }
-            for (int r = 0; r < RBF; r++) {
-                float w = p[r * KBF + j];
-                for (int c = 0; c < DC; c++) acc[r][c] += vv[c] * w;
-            }
-        }
-        for (int r = 0; r < RBF; r++)
-            for (int c = 0; c < DC; c++) VSTORE(o + r * D + d0 + c * VW, acc[r][c]);
-    }
+    for (int d0 = 0; d0 < D; d0 += NC * VW) rows_times_block(p, KBF, 1, vp + d0, D, KBF, alpha, o + d0, D);
 }
 
 /* One row's scores of a block (the first n of KBF visible) -> its probabilities in place (0 past n), with the
@@ -435,13 +368,16 @@ static float softmax_f32(float *sr, int n, float *m, float *l) {
     return a;
 }
 
-/* Block b of KV head h: keys transposed to [D][KBF], values as rows [KBF][D]; keys past L are zeros. */
-static void repack_block_f32(const float *k, const float *v, int64_t S, int D, int64_t h, const int64_t *slots,
-                             int64_t L, int64_t b, float *kp, float *vp) {
+/* Block b of KV head h of a float32 pool: keys transposed to [D][KBF], values as rows [KBF][D]; keys past L are
+ * zeros. */
+static void repack_block_f32(const Pool *pool, int64_t h, const int64_t *slots, int64_t L, int64_t b, float *kp,
+                             float *vp) {
+    int D = pool->D;
     for (int j = 0; j < KBF; j++) {
         int64_t key = b * KBF + j;
         if (key < L) {
-            const float *kr = k + (h * S + slots[key]) * D, *vr = v + (h * S + slots[key]) * D;
+            int64_t off = (h * pool->S + slots[key]) * D;
+            const float *kr = (const float *)pool->k + off, *vr = (const float *)pool->v + off;
             for (int d = 0; d < D; d++) kp[(int64_t)d * KBF + j] = kr[d];
             memcpy(vp + (int64_t)j * D, vr, sizeof(float) * D);
         } else {
@@ -452,25 +388,26 @@ static void repack_block_f32(const float *k, const float *v, int64_t S, int D, i
 }
 
 /* One task: KV head h, queries i0 .. i1 - 1 (rows as in run_task, padded to a multiple of RBF). */
-static void run_task_f32(const float *q, const float *kpack, const float *vpack, int64_t L, int64_t Q, int Hq,
-                         int Hkv, int D, float scale, int h, int64_t i0, int64_t i1, float *out, float *qr, float *s,
-                         float *o, float *m, float *l) {
-    int G = Hq / Hkv;
+static void run_task_f32(const Call *c, int h, int64_t i0, int64_t i1, float *qr, float *o, float *m, float *l) {
+    const float *q = c->q;
+    float *out = c->out;
+    int Hq = c->Hq, D = c->pool.D, G = Hq / c->Hkv;
     int rows = (int)(i1 - i0) * G, padded = (rows + RBF - 1) / RBF * RBF;
-    int64_t n_cached = L - Q, block = (int64_t)KBF * D, per_head = (L + KBF - 1) / KBF;
+    int64_t n_cached = c->L - c->Q;
+    float s[RBF * KBF], alpha[RBF];
     for (int r = 0; r < padded; r++) {
         int rr = r < rows ? r : rows - 1;
         const float *src = q + ((i0 + rr / G) * Hq + h * G + rr % G) * D;
         float *dst = qr + (int64_t)(r / RBF) * RBF * D + r % RBF;   /* group r / RBF, [D][RBF] */
-        for (int d = 0; d < D; d++) dst[d * RBF] = src[d] * scale;
+        for (int d = 0; d < D; d++) dst[d * RBF] = src[d] * c->scale;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * padded * D);
     int64_t n_blocks = (n_cached + i1 - 1) / KBF + 1;
-    float alpha[RBF];
     for (int64_t b = 0; b < n_blocks; b++) {
-        const float *kp = kpack + (h * per_head + b) * block, *vp = vpack + (h * per_head + b) * block;
+        const float *kp = (const float *)(c->kpack + (h * c->n_blocks + b) * c->block_bytes);
+        const float *vp = (const float *)(c->vpack + (h * c->n_blocks + b) * c->block_bytes);
         for (int r0 = 0; r0 < padded; r0 += RBF) {
             scores_f32(qr + (int64_t)r0 * D, kp, D, s);
             for (int r = r0; r < r0 + RBF; r++) {
@@ -489,32 +426,44 @@ static void run_task_f32(const float *q, const float *kpack, const float *vpack,
     }
 }
 
-/* q: (Q, Hq, D) float32, contiguous; k, v: one layer of the pool, (Hkv, S, D) float32; slots: the sequence's L
- * slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) float32. Returns as prefill_attention_bf16. */
-int prefill_attention_f32(const float *q, const float *k, const float *v, int64_t S, const int64_t *slots, int64_t L,
-                          int64_t Q, int Hq, int Hkv, int D, float scale, float *out) {
-    if (Q < 1 || L < Q || Hkv < 1 || Hq % Hkv || Hq / Hkv > MAX_G || D % 64 || D > MAX_D) return -1;
-    int G = Hq / Hkv;
-    int64_t n_blocks = (L + KBF - 1) / KBF, block = (int64_t)KBF * D;
-    float *kpack = malloc(sizeof(float) * Hkv * n_blocks * block);
-    float *vpack = malloc(sizeof(float) * Hkv * n_blocks * block);
+/* ------------------------------------------------------------------ the driver
+ * Repack every (KV head, block) once, then run the (KV head, QT queries) tasks, the tiles with the most keys (the
+ * last queries) first. Per thread: the task's queries (float32: max_rows x D; bfloat16: pairs, half of that),
+ * its output rows, running maxima and sums. Returns 0, -1 for shapes outside the kernel's limits, -2 when memory
+ * runs out. */
+static int prefill(Call *c) {
+    int D = c->pool.D, Hkv = c->Hkv;
+    int64_t L = c->L, Q = c->Q;
+    if (Q < 1 || L < Q || Hkv < 1 || c->Hq % Hkv || c->Hq / Hkv > MAX_G || D % 64 || D > MAX_D) return -1;
+    int G = c->Hq / Hkv;
+    c->n_blocks = (L + KB - 1) / KB;   /* KB == KBF */
+    c->block_bytes = c->f32 ? (int64_t)sizeof(float) * KBF * D : (int64_t)sizeof(uint32_t) * KB * (D / 2);
+    char *kpack = malloc(c->block_bytes * Hkv * c->n_blocks), *vpack = malloc(c->block_bytes * Hkv * c->n_blocks);
     if (!kpack || !vpack) {
         free(kpack);
         free(vpack);
         return -2;
     }
-    int64_t n_tiles = (Q + QT - 1) / QT, n_tasks = Hkv * n_tiles;
+    c->kpack = kpack;
+    c->vpack = vpack;
+    int64_t n_tiles = (Q + QT - 1) / QT, n_tasks = Hkv * n_tiles, n_blocks = c->n_blocks;
     int failed = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < Hkv * n_blocks; t++)
-            repack_block_f32(k, v, S, D, t / n_blocks, slots, L, t % n_blocks, kpack + t * block, vpack + t * block);
-        int max_rows = (QT * G + RBF - 1) / RBF * RBF;
-        float *qr = malloc(sizeof(float) * max_rows * D), *o = malloc(sizeof(float) * max_rows * D);
+        for (int64_t t = 0; t < Hkv * n_blocks; t++) {
+            int64_t h = t / n_blocks, b = t % n_blocks;
+            if (c->f32)
+                repack_block_f32(&c->pool, h, c->slots, L, b, (float *)(kpack + t * c->block_bytes),
+                                 (float *)(vpack + t * c->block_bytes));
+            else
+                repack_block(&c->pool, h, c->slots, L, b, (uint32_t *)(kpack + t * c->block_bytes),
+                             (uint32_t *)(vpack + t * c->block_bytes));
+        }
+        int max_rows = QT * G + RBF;   /* the rows of a task padded to RB or RBF */
+        float *qbuf = malloc(sizeof(float) * max_rows * D), *o = malloc(sizeof(float) * max_rows * D);
         float *m = malloc(sizeof(float) * max_rows), *l = malloc(sizeof(float) * max_rows);
-        float s[RBF * KBF];
-        if (!qr || !o || !m || !l) {
+        if (!qbuf || !o || !m || !l) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -525,10 +474,13 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, int64_
                 int64_t tile = n_tiles - 1 - t / Hkv;
                 int h = (int)(t % Hkv);
                 int64_t i0 = tile * QT, i1 = i0 + QT < Q ? i0 + QT : Q;
-                run_task_f32(q, kpack, vpack, L, Q, Hq, Hkv, D, scale, h, i0, i1, out, qr, s, o, m, l);
+                if (c->f32)
+                    run_task_f32(c, h, i0, i1, qbuf, o, m, l);
+                else
+                    run_task(c, h, i0, i1, (uint32_t *)qbuf, o, m, l);
             }
         }
-        free(qr);
+        free(qbuf);
         free(o);
         free(m);
         free(l);
@@ -537,6 +489,34 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, int64_
     free(vpack);
     return failed ? -2 : 0;
 }
+
+/* q: (Q, Hq, D) bfloat16, contiguous; k, v: one layer of the pool, (Hkv, S, D) bfloat16; slots: the
+ * sequence's L slots in order (each in [0, S): the caller checks); out: (Q, Hq, D) bfloat16.
+ * Returns 0, or -1 for shapes outside the kernel's limits, -2 when memory runs out. */
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t S, const int64_t *slots,
+                           int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
+    Call c = {.q = q, .out = out, .pool = {k, v, NULL, NULL, 0, S, D}, .slots = slots, .L = L, .Q = Q, .Hq = Hq,
+              .Hkv = Hkv, .scale = scale};
+    return prefill(&c);
+}
+
+/* The same over int8 pages: k, v (Hkv, S, D) int8 with ks, vs (Hkv, S) float32 scales. */
+int prefill_attention_i8(const uint16_t *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs, int64_t S,
+                         const int64_t *slots, int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, uint16_t *out) {
+    Call c = {.q = q, .out = out, .pool = {k, v, ks, vs, 1, S, D}, .slots = slots, .L = L, .Q = Q, .Hq = Hq,
+              .Hkv = Hkv, .scale = scale};
+    return prefill(&c);
+}
+
+/* The same in float32: q, out (Q, Hq, D) and k, v (Hkv, S, D) float32. */
+int prefill_attention_f32(const float *q, const float *k, const float *v, int64_t S, const int64_t *slots, int64_t L,
+                          int64_t Q, int Hq, int Hkv, int D, float scale, float *out) {
+    Call c = {.q = q, .out = out, .pool = {k, v, NULL, NULL, 0, S, D}, .f32 = 1, .slots = slots, .L = L, .Q = Q,
+              .Hq = Hq, .Hkv = Hkv, .scale = scale};
+    return prefill(&c);
+}
+
+int prefill_attention_dpbf16(void) { return HAVE_DPBF16; }
 
 /* The float32 path's vector width in floats: 16 (AVX-512F), 8 (AVX, with FMA where the CPU has it), 4 otherwise. */
 int prefill_attention_f32_lanes(void) { return VW; }
