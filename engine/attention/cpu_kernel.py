@@ -185,8 +185,8 @@ PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_attention.c"
 
 class PrefillKernel:
     """ctypes binding of ``csrc/prefill_attention.c``: a prefill chunk over its sequence's keys, read in place
-    from the pool: bfloat16 queries over bfloat16 pages (or int8 pages with their scales), or float32 queries over
-    float32 pages."""
+    from the pool: bfloat16 queries over bfloat16 pages, or float32 queries over float32 pages; either over int8
+    pages with their scales, dequantized to the queries' dtype as read."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -201,7 +201,7 @@ class PrefillKernel:
         self.dpbf16 = bool(lib.prefill_attention_dpbf16())   # vdpbf16ps (AVX512-BF16), else portable C
         self.fn_f32 = lib.prefill_attention_f32
         self.fn_f32.restype = i32
-        self.fn_f32.argtypes = [p, p, p, i64, p, i64, i64, i32, i32, i32, ctypes.c_float, p]
+        self.fn_f32.argtypes = [p, p, p, p, p, i64, p, i64, i64, i32, i32, i32, ctypes.c_float, p]
         lanes = lib.prefill_attention_f32_lanes
         lanes.restype = i32
         self.f32_lanes = int(lanes())   # the float32 path's vector width: 16 (AVX-512F), 8 (AVX / AVX2), else 4
@@ -212,8 +212,8 @@ class PrefillKernel:
             and head_dim <= MAX_HEAD_DIM
 
     def paged(self, q: torch.Tensor, kv, layer: int, slots: torch.Tensor, out: torch.Tensor | None = None):
-        """:meth:`__call__` over one layer of a ``KVCache`` (engine/kv_pool.py): bfloat16 pages, or int8 pages with
-        their scales (dequantized to bfloat16 as read)."""
+        """:meth:`__call__` over one layer of a ``KVCache`` (engine/kv_pool.py): pages of q's dtype, or int8 pages
+        with their scales (dequantized to q's dtype as read)."""
         if kv.quantized:
             return self(q, kv.k[layer], kv.v[layer], slots, out, kv.k_scale[layer], kv.v_scale[layer])
         return self(q, kv.k[layer], kv.v[layer], slots, out)
@@ -221,10 +221,10 @@ class PrefillKernel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                  out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """q: (Q, Hq, D) bfloat16, the chunk's queries; k, v: one layer's pool (Hkv, S, D), bfloat16, or int8 with
-        ``k_scale``, ``v_scale`` (Hkv, S) float32; or q, k and v all float32; slots: (L,) int64, the sequence's keys
-        in order, the chunk's own last (L >= Q) -> (Q, Hq, D) in q's dtype, written into ``out`` when given
-        (contiguous, of q's shape and dtype)."""
+        """q: (Q, Hq, D) bfloat16 or float32, the chunk's queries; k, v: one layer's pool (Hkv, S, D) of q's dtype,
+        or int8 with ``k_scale``, ``v_scale`` (Hkv, S) float32; slots: (L,) int64, the sequence's keys in order, the
+        chunk's own last (L >= Q) -> (Q, Hq, D) in q's dtype, written into ``out`` when given (contiguous, of q's
+        shape and dtype)."""
         Q, Hq, D = q.shape
         Hkv, S, _ = k.shape
         L = slots.numel()
@@ -233,14 +233,13 @@ class PrefillKernel:
         scales_ok = (not i8 and k_scale is None and v_scale is None) or (
             i8 and k_scale is not None and v_scale is not None and all(
                 s.dtype == torch.float32 and s.is_contiguous() and s.shape == (Hkv, S) for s in (k_scale, v_scale)))
-        pages_ok = k.dtype == torch.float32 if f32 else (q.dtype == torch.bfloat16 and k.dtype in (torch.bfloat16,
-                                                                                                    torch.int8))
+        pages_ok = q.dtype in (torch.bfloat16, torch.float32) and k.dtype in (q.dtype, torch.int8)
         if not (pages_ok and q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype
                 and scales_ok) \
                 or k.shape != v.shape or k.shape[2] != D or slots.dtype != torch.int64 or not slots.is_contiguous() \
                 or L < Q:
-            raise ValueError("prefill kernel: contiguous bfloat16 q (Q, Hq, D), k and v (Hkv, S, D) bfloat16 (or int8 "
-                             "with float32 scales (Hkv, S)), or q, k and v all float32; int64 slots (L,) with L >= Q")
+            raise ValueError("prefill kernel: contiguous bfloat16 or float32 q (Q, Hq, D), k and v (Hkv, S, D) of q's "
+                             "dtype (or int8 with float32 scales (Hkv, S)), int64 slots (L,) with L >= Q")
         if L and (int(slots.min()) < 0 or int(slots.max()) >= S):   # the C side reads slots unchecked
             raise ValueError(f"prefill kernel: a slot lies outside the pool of {S} slots")
         if out is None:
@@ -248,8 +247,9 @@ class PrefillKernel:
         elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
             raise ValueError("prefill kernel: out must be contiguous and of q's shape and dtype")
         if f32:
-            rc = self.fn_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), S, slots.data_ptr(), L, Q, Hq, Hkv, D,
-                             1.0 / D ** 0.5, out.data_ptr())
+            rc = self.fn_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_scale.data_ptr() if i8 else None,
+                             v_scale.data_ptr() if i8 else None, S, slots.data_ptr(), L, Q, Hq, Hkv, D, 1.0 / D ** 0.5,
+                             out.data_ptr())
         elif i8:
             rc = self.fn_i8(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), S,
                             slots.data_ptr(), L, Q, Hq, Hkv, D, 1.0 / D ** 0.5, out.data_ptr())

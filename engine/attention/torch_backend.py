@@ -183,9 +183,9 @@ class TorchAttentionBackend(AttentionBackend):
             kernel = load()
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
-        # bfloat16 pages, or int8 ones read as bfloat16; or float32 pages
+        # pages of the activations' dtype (bfloat16 or float32), or int8 ones read as that dtype
         bf16 = kv.dtype == torch.bfloat16 and kv.k[0].dtype in (torch.bfloat16, torch.int8)
-        f32 = kv.dtype == torch.float32 and kv.k[0].dtype == torch.float32
+        f32 = kv.dtype == torch.float32 and kv.k[0].dtype in (torch.float32, torch.int8)
         if cpu_kernel and kv.k[0].device.type == "cpu" and (bf16 or f32):
             from engine.attention.cpu_kernel import PrefillKernel, load_prefill
             if PrefillKernel.supports(num_heads, num_kv_heads, head_dim):

@@ -124,6 +124,27 @@ def test_float32_builds_agree_and_the_native_one_is_vectorized():
         assert kernel.f32_lanes >= 8
 
 
+@pytest.mark.parametrize("variant", ["native", "no-avx"])
+def test_float32_over_int8_pages_reads_them_as_the_gather_dequantizes_them(variant):
+    """A float32 model's int8 pool: the float32 path dequantizes each row as it repacks it, to the float32 values
+    ``KVCache.gather`` returns (int8 times the scale in float32), so its output is bit for bit its output over the
+    gathered copy, and within float32 rounding of the float64 reference over those values."""
+    kern = f32_kernel(variant)
+    P, Hq, Hkv, D, Q, n_cached = 16, 9, 3, 64, 70, 300
+    torch.manual_seed(12)
+    kv = KVCache(1, 40, P, Hkv, D, torch.float32, "cpu", layout="HSD", kv_dtype=torch.int8)
+    L = n_cached + Q
+    slots = torch.randperm(40 * P)[:L]
+    kv.write(0, slots, torch.randn(L, Hkv, D), torch.randn(L, Hkv, D))
+    q = torch.randn(Q, Hq, D) * 2
+    out = kern.paged(q, kv, 0, slots)
+    k, v = kv.gather(0, slots)                                            # (Hkv, L, D) float32
+    assert out.dtype == torch.float32 and torch.equal(out, kern(q, k.contiguous(), v.contiguous(), torch.arange(L)))
+    assert (out.double() - reference(q, k, v, torch.arange(L))).abs().max().item() <= 3e-5
+    with pytest.raises(ValueError, match="int8 with float32 scales"):
+        kern(q, kv.k[0], kv.v[0], slots)                                  # int8 pages without their scales
+
+
 @pytest.mark.parametrize("variant", ["native", "portable"])
 def test_int8_pages_are_read_as_the_gather_dequantizes_them(variant):
     """An int8 pool (values and a scale per token and KV head): the kernel dequantizes each row as it repacks it,
@@ -157,7 +178,7 @@ def test_output_written_in_place_and_inputs_checked():
         kernel(q, k, v, slots[:10])
     with pytest.raises(ValueError, match="bfloat16"):
         kernel(q.float(), k, v, slots)                                    # float32 queries over bfloat16 pages
-    with pytest.raises(ValueError, match="all float32"):
+    with pytest.raises(ValueError, match="of q's dtype"):
         kernel(q, k.float(), v.float(), slots)                            # and bfloat16 ones over float32 pages
     out32 = torch.full_like(q, float("nan"), dtype=torch.float32)
     assert kernel(q.float(), k.float(), v.float(), slots, out=out32) is out32 and not out32.isnan().any()
@@ -165,12 +186,12 @@ def test_output_written_in_place_and_inputs_checked():
     assert PrefillKernel.supports(32, 8, 128)
 
 
-def _backend(dtype, num_pages, P=16, Hq=9, Hkv=3, D=64, cpu_kernel=True):
-    """A backend over a pool of random pages: ``dtype`` bfloat16 or float32, or int8 (pages of a bfloat16 model)."""
+def _backend(dtype, num_pages, P=16, Hq=9, Hkv=3, D=64, cpu_kernel=True, model=torch.bfloat16):
+    """A backend over a pool of random pages: ``dtype`` bfloat16 or float32, or int8 (pages of a ``model`` model)."""
     if dtype == torch.int8:
-        kv = KVCache(1, num_pages, P, Hkv, D, torch.bfloat16, "cpu", layout="HSD", kv_dtype=torch.int8)
+        kv = KVCache(1, num_pages, P, Hkv, D, model, "cpu", layout="HSD", kv_dtype=torch.int8)
         slots = torch.arange(num_pages * P)
-        kv.write(0, slots, torch.randn(len(slots), Hkv, D).bfloat16(), torch.randn(len(slots), Hkv, D).bfloat16())
+        kv.write(0, slots, torch.randn(len(slots), Hkv, D).to(model), torch.randn(len(slots), Hkv, D).to(model))
     else:
         kv = KVCache(1, num_pages, P, Hkv, D, dtype, "cpu", layout="HSD")
         for t in kv.k + kv.v:
@@ -192,7 +213,8 @@ class _Counting:
 def test_the_backend_takes_the_kernel_for_every_prefill_chunk(monkeypatch):
     """In a batch of a cold prefill, chunks over cached prefixes (short and long) and decode rows, a bfloat16
     pool, or an int8 one of a bfloat16 model, sends every prefill chunk through the kernel (where it runs
-    vdpbf16ps), and a float32 pool too (where its float32 path is vectorized: AVX); each matches the reference."""
+    vdpbf16ps), and a float32 pool or a float32 model's int8 one too (where its float32 path is vectorized: AVX);
+    each matches the reference."""
     from engine.attention import BatchLayout
 
     specs = [(40, 40), (17, 300), (150, 700), (1, 90), (3, 50)]
@@ -206,9 +228,10 @@ def test_the_backend_takes_the_kernel_for_every_prefill_chunk(monkeypatch):
     from engine.attention.torch_backend import TorchAttentionBackend
 
     monkeypatch.setattr(TorchAttentionBackend, "force_prefill_kernel", True)   # wherever it loaded: no probe
-    for dtype in (torch.bfloat16, torch.int8, torch.float32):
+    for dtype, model in ((torch.bfloat16, None), (torch.int8, torch.bfloat16), (torch.float32, None),
+                         (torch.int8, torch.float32)):
         torch.manual_seed(1)
-        kv, backend = _backend(dtype, num_pages)
+        kv, backend = _backend(dtype, num_pages, model=model or dtype)
         calls = []
         if backend.prefill_kernel is not None:
             backend.prefill_kernel = _Counting(backend.prefill_kernel, calls)
@@ -220,7 +243,7 @@ def test_the_backend_takes_the_kernel_for_every_prefill_chunk(monkeypatch):
         ref = reference_attention(kv, 0, layout, q)   # over the pages as gathered (int8: dequantized)
         tol = 2e-2 if act == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-        if dtype == torch.float32:
+        if act == torch.float32:   # float32 pages, or int8 ones of a float32 model
             assert calls == ([40, 17, 150] if kernel.f32_lanes >= 8 else [])
             assert (backend.prefill_kernel is None) == (kernel.f32_lanes < 8)
         elif kernel.dpbf16:

@@ -368,18 +368,31 @@ static float softmax_f32(float *sr, int n, float *m, float *l) {
     return a;
 }
 
-/* Block b of KV head h of a float32 pool: keys transposed to [D][KBF], values as rows [KBF][D]; keys past L are
- * zeros. */
+/* Row `slot` of KV head h of k (which = 0) or v (1) of a float32 pool: in place, or for int8 pages dequantized into
+ * buf as KVCache.gather does for a float32 model (int8 times the scale in float32). */
+INLINE const float *pool_row_f32(const Pool *p, int which, int64_t h, int64_t slot, float *buf) {
+    int64_t off = (h * p->S + slot) * p->D;
+    if (!p->i8) return (const float *)(which ? p->v : p->k) + off;
+    const int8_t *x = (const int8_t *)(which ? p->v : p->k) + off;
+    float sc = (which ? p->vs : p->ks)[h * p->S + slot];
+    for (int d = 0; d < p->D; d++) buf[d] = (float)x[d] * sc;
+    return buf;
+}
+
+/* Block b of KV head h of a float32 pool (or int8 pages read as float32): keys transposed to [D][KBF], values as
+ * rows [KBF][D]; keys past L are zeros. */
 static void repack_block_f32(const Pool *pool, int64_t h, const int64_t *slots, int64_t L, int64_t b, float *kp,
                              float *vp) {
     int D = pool->D;
+    float kb[MAX_D];
     for (int j = 0; j < KBF; j++) {
         int64_t key = b * KBF + j;
         if (key < L) {
-            int64_t off = (h * pool->S + slots[key]) * D;
-            const float *kr = (const float *)pool->k + off, *vr = (const float *)pool->v + off;
+            const float *kr = pool_row_f32(pool, 0, h, slots[key], kb);
             for (int d = 0; d < D; d++) kp[(int64_t)d * KBF + j] = kr[d];
-            memcpy(vp + (int64_t)j * D, vr, sizeof(float) * D);
+            float *vrow = vp + (int64_t)j * D;
+            const float *vr = pool_row_f32(pool, 1, h, slots[key], vrow);   /* int8: dequantized into its place */
+            if (vr != vrow) memcpy(vrow, vr, sizeof(float) * D);
         } else {
             for (int d = 0; d < D; d++) kp[(int64_t)d * KBF + j] = 0.0f;
             memset(vp + (int64_t)j * D, 0, sizeof(float) * D);
@@ -508,10 +521,11 @@ int prefill_attention_i8(const uint16_t *q, const int8_t *k, const int8_t *v, co
     return prefill(&c);
 }
 
-/* The same in float32: q, out (Q, Hq, D) and k, v (Hkv, S, D) float32. */
-int prefill_attention_f32(const float *q, const float *k, const float *v, int64_t S, const int64_t *slots, int64_t L,
-                          int64_t Q, int Hq, int Hkv, int D, float scale, float *out) {
-    Call c = {.q = q, .out = out, .pool = {k, v, NULL, NULL, 0, S, D}, .f32 = 1, .slots = slots, .L = L, .Q = Q,
+/* The same in float32: q, out (Q, Hq, D) float32; k, v (Hkv, S, D) float32, or int8 with ks, vs (Hkv, S) float32
+ * scales (NULL for float32 pages). */
+int prefill_attention_f32(const float *q, const void *k, const void *v, const float *ks, const float *vs, int64_t S,
+                          const int64_t *slots, int64_t L, int64_t Q, int Hq, int Hkv, int D, float scale, float *out) {
+    Call c = {.q = q, .out = out, .pool = {k, v, ks, vs, ks != NULL, S, D}, .f32 = 1, .slots = slots, .L = L, .Q = Q,
               .Hq = Hq, .Hkv = Hkv, .scale = scale};
     return prefill(&c);
 }
