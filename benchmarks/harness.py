@@ -223,9 +223,8 @@ def _prefill_runs(prefill) -> bool:
     import torch
 
     from engine.attention.torch_backend import prefill_kernel_wins
-    if prefill.dpbf16:
-        return prefill_kernel_wins(prefill, 9, 3, 64)
-    return prefill.f32_lanes >= 8 and prefill_kernel_wins(prefill, 9, 3, 64, torch.float32)
+    dtype = torch.bfloat16 if prefill.dpbf16 else torch.float32
+    return prefill.vectorized(dtype) and prefill_kernel_wins(prefill, 9, 3, 64, dtype)
 
 
 def loaded_kernels() -> dict[str, bool]:

@@ -206,6 +206,11 @@ class PrefillKernel:
         lanes.restype = i32
         self.f32_lanes = int(lanes())   # the float32 path's vector width: 16 (AVX-512F), 8 (AVX / AVX2), else 4
 
+    def vectorized(self, dtype: torch.dtype) -> bool:
+        """Whether this build runs ``dtype`` (the activations') on vector instructions: bfloat16 on vdpbf16ps, float32
+        on AVX or AVX-512. Only then may it replace torch's fused attention; the plain loops are the tests' reference."""
+        return self.dpbf16 if dtype == torch.bfloat16 else dtype == torch.float32 and self.f32_lanes >= 8
+
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP and head_dim % 64 == 0 \

@@ -184,18 +184,16 @@ class TorchAttentionBackend(AttentionBackend):
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
         # pages of the activations' dtype (bfloat16 or float32), or int8 ones read as that dtype
-        bf16 = kv.dtype == torch.bfloat16 and kv.k[0].dtype in (torch.bfloat16, torch.int8)
-        f32 = kv.dtype == torch.float32 and kv.k[0].dtype in (torch.float32, torch.int8)
-        if cpu_kernel and kv.k[0].device.type == "cpu" and (bf16 or f32):
+        pages_ok = kv.dtype in (torch.bfloat16, torch.float32) and kv.k[0].dtype in (kv.dtype, torch.int8)
+        if cpu_kernel and kv.k[0].device.type == "cpu" and pages_ok:
             from engine.attention.cpu_kernel import PrefillKernel, load_prefill
             if PrefillKernel.supports(num_heads, num_kv_heads, head_dim):
                 prefill = load_prefill()
-                # only on vdpbf16ps, or on AVX's vectors for float32 (the portable loops are the tests' reference,
-                # never faster than torch), and only where it measured faster than torch's path (or is forced)
-                vector = prefill is not None and (prefill.dpbf16 if bf16 else prefill.f32_lanes >= 8)
-                if vector and self.force_prefill_kernel is not False and (
-                        self.force_prefill_kernel
-                        or prefill_kernel_wins(prefill, num_heads, num_kv_heads, head_dim, kv.dtype)):
+                # only on vector instructions (``PrefillKernel.vectorized``), and only where it measured faster than
+                # torch's path (or is forced)
+                if prefill is not None and prefill.vectorized(kv.dtype) and self.force_prefill_kernel is not False \
+                        and (self.force_prefill_kernel
+                             or prefill_kernel_wins(prefill, num_heads, num_kv_heads, head_dim, kv.dtype)):
                     self.prefill_kernel = prefill
 
     def set_layer_attention(self, layers: list[LayerAttention]) -> None:

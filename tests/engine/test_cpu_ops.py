@@ -132,8 +132,7 @@ def _prefill_in_c(dtype: torch.dtype = torch.bfloat16) -> bool:
     from engine.attention.torch_backend import prefill_kernel_wins
 
     kernel = load_prefill()
-    vector = kernel is not None and (kernel.dpbf16 if dtype == torch.bfloat16 else kernel.f32_lanes >= 8)
-    return vector and prefill_kernel_wins(kernel, 9, 3, 64, dtype)   # the default model's heads
+    return kernel is not None and kernel.vectorized(dtype) and prefill_kernel_wins(kernel, 9, 3, 64, dtype)   # the default model's heads
 
 
 @pytest.mark.slow

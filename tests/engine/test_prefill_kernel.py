@@ -244,8 +244,8 @@ def test_the_backend_takes_the_kernel_for_every_prefill_chunk(monkeypatch):
         tol = 2e-2 if act == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
         if act == torch.float32:   # float32 pages, or int8 ones of a float32 model
-            assert calls == ([40, 17, 150] if kernel.f32_lanes >= 8 else [])
-            assert (backend.prefill_kernel is None) == (kernel.f32_lanes < 8)
+            assert calls == ([40, 17, 150] if kernel.vectorized(torch.float32) else [])
+            assert (backend.prefill_kernel is None) == (not kernel.vectorized(torch.float32))
         elif kernel.dpbf16:
             assert calls == [40, 17, 150]
         else:
@@ -278,7 +278,7 @@ def test_the_float32_probe_decides(monkeypatch):
     from engine.attention import torch_backend
     from engine.attention.cpu_kernel import load_prefill
 
-    if kernel.f32_lanes < 8:
+    if not kernel.vectorized(torch.float32):
         pytest.skip("the float32 path is taken only where it is vectorized (AVX), which this CPU lacks")
     asked = []
     for verdict in (True, False):
