@@ -21,9 +21,13 @@ with AVX-512: the blocks won in float32 AVX2-only, where the dense matmul is one
 
 Dense float32 models measure one more choice (``pick_packed_linear``): their projections and LM head through
 ``F.linear`` (``off``, MKL's sgemm) or through oneDNN's GEMM on weights reordered once (``packed``,
-engine/models/packed_linear.py), at one row over ``LAYERS`` layers and the head, and at ``PREFILL_ROWS`` rows
-over one layer, cached the same way; packed where it wins both (on the dev host class, AMD EPYC Zen 4, where
-MKL runs its generic path, the default model: packed 17.2 against 21.9 ms at one row, 17.0 against 19.6 ms a chunk).
+engine/models/packed_linear.py), at one row and at ``BATCH_ROWS`` rows over ``LAYERS`` layers and the head, and at
+``PREFILL_ROWS`` rows over one layer, cached the same way; packed where the geometric mean of the three time ratios
+is below 1 (on the dev host class, AMD EPYC Zen 4, where MKL runs its generic path, the default model: packed 17.2
+against 21.9 ms at one row, 17.0 against 19.6 ms a chunk). It asked for a win at one row and at a chunk until a
+2-core Zen 3 EPYC (AVX2 only), measuring while another process ran, kept ``F.linear`` (one row 21.2 against 27.5 ms,
+a chunk 28.8 against 29.0) that runs a batch of 8 rows 1.5x slower than packed
+(benchmarks/results/packed_linear-zen3-avx2-cpu.json); a decode batch's rows are where the two differ most.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ ROUNDS = 5
 # rows of the prefill timing: a chunk holds up to max_batched_tokens (512 by default); one layer's weights,
 # as a chunk reuses each weight for all of its rows
 PREFILL_ROWS = 256
+# rows of a small decode batch (sessions decoding together, or a speculative verification's draft rows)
+BATCH_ROWS = 8
 
 
 def model_shapes(path: str | None) -> dict[str, tuple[int, int]]:
@@ -190,19 +196,26 @@ def _step_timed(shape: dict[str, tuple[int, int]], itemsize: int = 4) -> tuple[d
 
 @functools.cache
 def pick_packed_linear(shapes: tuple[tuple[str, tuple[int, int]], ...]) -> bool:
-    """Whether oneDNN's packed float32 linear beats ``F.linear`` here at both a decode step's one row (the
-    projections of up to ``LAYERS`` layers of weights of their own, and the head, within ``MEASURED_BYTES``)
-    and a prefill chunk's rows (one layer), once per machine."""
+    """Whether oneDNN's packed float32 linear beats ``F.linear`` here over the three kinds of step a server
+    runs, once per machine: a batch-1 decode step (the projections of up to ``LAYERS`` layers of weights of
+    their own, and the head, within ``MEASURED_BYTES``), the same at ``BATCH_ROWS`` rows (a batch of sessions
+    decoding, or a speculative verification) and a prefill chunk (one layer at ``PREFILL_ROWS`` rows). Each
+    kind counts the same: packed where the geometric mean of its three time ratios (packed / ``F.linear``)
+    is below 1."""
     shape = dict(shapes)
     timed, layers = _step_timed(shape)
     step, how = _times(["off", "packed"], timed, torch.float32, layers=layers)
+    batch, _ = _times(["off", "packed"], timed, torch.float32, BATCH_ROWS, layers=layers)
     layer = {k: v for k, v in shape.items() if k != "head"}
     chunk, _ = _times(["off", "packed"], layer, torch.float32, PREFILL_ROWS, layers=1)
-    packed = step["packed"] < step["off"] and chunk["packed"] < chunk["off"]
-    log.info("float32 projections through %s: a step's matmuls at 1 row (%d layers%s), F.linear %.1f ms, packed "
-             "%.1f ms; %d rows of one layer, F.linear %.1f ms, packed %.1f ms (%s)",
-             "oneDNN's packed linear" if packed else "F.linear", layers, " and the head" if "head" in timed else "",
-             step["off"], step["packed"], PREFILL_ROWS, chunk["off"], chunk["packed"], how)
+    ratio = (step["packed"] / step["off"] * batch["packed"] / batch["off"]
+             * chunk["packed"] / chunk["off"]) ** (1 / 3)
+    packed = ratio < 1
+    log.info("float32 projections through %s (packed / F.linear %.2f, geometric mean): a step's matmuls (%d layers%s) "
+             "at 1 row F.linear %.1f ms, packed %.1f ms; at %d rows %.1f, %.1f ms; %d rows of one layer %.1f, %.1f ms "
+             "(%s)", "oneDNN's packed linear" if packed else "F.linear", ratio, layers,
+             " and the head" if "head" in timed else "", step["off"], step["packed"], BATCH_ROWS, batch["off"],
+             batch["packed"], PREFILL_ROWS, chunk["off"], chunk["packed"], how)
     return packed
 
 

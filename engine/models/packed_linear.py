@@ -14,9 +14,11 @@ bit.
 ``PackedLinear``: the reordered weight replaces the plain one (no second copy), except a head tied to the
 embedding table, which keeps the table for the lookup (its bytes once more: 113 MB for the default model).
 engine/models/cpu_pick.py ``pick_packed_linear`` decides, once per machine: both ways timed on this model's
-shapes at one row (a step's projections and the head) and at a prefill chunk's rows (one layer), rounds
-alternating, the best round of each kept, cached as JSON in the kernel cache beside the quantization pick;
-packed only where it wins both. ``cpu_kernels=False`` keeps torch's ``F.linear``.
+shapes at one row and at a decode batch's rows (a step's projections and the head) and at a prefill chunk's rows
+(one layer), rounds alternating, the best round of each kept, cached as JSON in the kernel cache beside the
+quantization pick; packed where the geometric mean of its three time ratios is below 1 (on a 2-core Zen 3 EPYC,
+AVX2 only: 1.3-1.8x faster at 2-23 rows, within a few percent at 1 and 256, benchmarks/results/
+packed_linear-zen3-avx2-cpu.json). ``cpu_kernels=False`` keeps torch's ``F.linear``.
 """
 
 from __future__ import annotations

@@ -112,15 +112,24 @@ def test_the_engine_packs_where_picked_and_not_without_cpu_kernels():
     assert not any(isinstance(m, PackedLinear) for m in bf16.model.modules())
 
 
-@pytest.mark.parametrize("step,chunk,packed", [((2.0, 1.0), (2.0, 1.0), True), ((2.0, 1.0), (1.0, 2.0), False),
-                                               ((1.0, 2.0), (2.0, 1.0), False)])
-def test_the_pick_packs_only_where_both_timings_favour_it(tmp_path, monkeypatch, step, chunk, packed):
-    """Times cached in the kernel cache are the pick's (no timing in this test): packed only where it beat
-    ``F.linear`` at one row and at a prefill chunk's rows."""
+@pytest.mark.parametrize("step,batch,chunk,packed", [
+    ((2.0, 1.0), (2.0, 1.0), (2.0, 1.0), True),
+    ((1.0, 2.0), (1.0, 2.0), (1.0, 2.0), False),
+    # the Zen 3 case: a little slower at one row and a chunk, 1.6x faster at a decode batch
+    ((21.2, 27.5), (43.0, 26.3), (28.8, 29.0), True),
+    # faster at one row only: the batch and the chunk it loses outweigh it
+    ((2.0, 1.0), (1.0, 1.5), (1.0, 1.5), False),
+    # equal overall (ratios 0.5, 2 and 1): F.linear stays
+    ((2.0, 1.0), (1.0, 2.0), (1.0, 1.0), False),
+])
+def test_the_pick_packs_where_the_three_kinds_of_step_favour_it(tmp_path, monkeypatch, step, batch, chunk, packed):
+    """Times cached in the kernel cache are the pick's (no timing in this test): packed where the geometric mean of
+    its time ratios to ``F.linear`` at one row, at a decode batch's rows and at a prefill chunk's rows is below 1."""
     monkeypatch.setenv("AGENTRT_KERNEL_CACHE", str(tmp_path))
     shapes = {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128), "head": (1000, 64)}
     layer = {k: v for k, v in shapes.items() if k != "head"}
-    for times, shape, rows in ((step, shapes, 1), (chunk, layer, cpu_pick.PREFILL_ROWS)):
+    for times, shape, rows in ((step, shapes, 1), (batch, shapes, cpu_pick.BATCH_ROWS),
+                               (chunk, layer, cpu_pick.PREFILL_ROWS)):
         key = cpu_pick._key(["off", "packed"], shape, torch.float32, rows)
         (tmp_path / f"pick-{key}.json").write_text(json.dumps({"off": times[0], "packed": times[1]}))
     assert pick_packed_linear.__wrapped__(tuple(sorted(shapes.items()))) is packed
