@@ -1,5 +1,6 @@
 """Greedy token-for-token parity with Hugging Face transformers on the same GGUF file."""
 
+import functools
 import os
 
 import pytest
@@ -22,10 +23,16 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def hf_model():
+    """transformers' own GGUF path (its reader and dequantizers, not ours). It builds gguf-py's tensor name table
+    anew for each of the ~400 modules it walks (``get_gguf_hf_weights_map``); the table depends only on the
+    architecture and the layer count, so while loading it is built once: 18.8 -> 13.4 s on the 2-core Zen 3 host."""
     transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
     path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     return model.eval()
 
 
