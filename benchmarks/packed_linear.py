@@ -13,6 +13,14 @@ in ABBA order over ``--repeats``, the best of ``--calls`` a side a block:
 
 ``max_abs_diff``: the largest difference of the two sides' outputs at each row count (float32 rounding: they sum
 in different orders). The engine's own choice between them is engine/models/cpu_pick.py ``pick_packed_linear``.
+
+    python benchmarks/packed_linear.py --engine --json OUT
+
+compares the two sides through the engine instead: benchmarks/engine_sessions.py's agentic workload (``--sessions``
+sessions sharing a ~1,500-token system prompt, ``--turns`` turns each, 32-token greedy replies, speculation off)
+on a float32 engine of the default model built with each side whatever the start-up pick, its prefix cache flushed
+before every run, the runs in ABBA order over ``--repeats``: wall time, generated tokens a second, TTFT of turns 2+,
+and how many replies came out token for token the same on both sides.
 """
 
 from __future__ import annotations
@@ -39,8 +47,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=30, help="layers of weights of their own (default 30)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, a test worker's)")
     parser.add_argument("--calls", type=int, default=3, help="timed passes a side a block; the best is kept")
+    parser.add_argument("--engine", action="store_true", help="compare the sides through the engine on "
+                        "engine_sessions.py's agentic workload instead of the matmuls alone")
+    parser.add_argument("--sessions", type=int, default=4, help="with --engine: agent sessions (default 4)")
+    parser.add_argument("--turns", type=int, default=3, help="with --engine: turns per session (default 3)")
     harness.add_common_args(parser, repeats=3)
     args = parser.parse_args(argv)
+    if min(args.sessions, args.turns) < 1:
+        parser.error("--sessions and --turns must be >= 1")
     try:
         rows = [int(r) for r in args.rows.split(",") if r]
     except ValueError:
@@ -56,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("this torch has no oneDNN packed linear: nothing to compare")
     torch.set_num_threads(args.threads)
     run = harness.Run(args, __file__, argv)
+    if args.engine:
+        return engine_ab(args, run)
     gen = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(args.layers) for s in LAYER.values()] + [HEAD]
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
@@ -83,6 +99,53 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{m} rows: F.linear {ms['f_linear']['median']:.1f} ms, packed {ms['packed']['median']:.1f} ms "
                   f"({body['rows'][str(m)]['f_linear_over_packed']:.2f}x), max |diff| {diff:.2e}", flush=True)
     return run.write(body)
+
+
+def engine_ab(args, run) -> dict:
+    """The two sides through the engine (module docstring)."""
+    from unittest import mock
+
+    import torch
+
+    from agentrt.bench.text import system_prompt
+    from benchmarks.engine_sessions import run_engine
+    from benchmarks.workload import AgenticWorkload
+    from engine import EngineConfig, LLMEngine
+    from engine.models import cpu_pick
+
+    wl = AgenticWorkload(sessions=args.sessions, turns=args.turns, system_tokens=1500)
+    engines = {}
+    for side in SIDES:
+        # the builder asks the pick at build time (engine/builder.py _pack_projections): each side its own answer
+        with mock.patch.object(cpu_pick, "pick_packed_linear", lambda shapes, on=side == "packed": on):
+            engines[side] = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=131072,
+                                                   max_batched_tokens=512, speculative="off"))
+        if engines[side].active_kernels["packed_linear"] != (side == "packed"):
+            raise SystemExit(f"--engine: the {side} engine did not build as asked (cpu_kernels off, or no oneDNN?)")
+    system = system_prompt(engines["f_linear"].tokenizer, wl.system_tokens)
+    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    replies: dict[str, dict] = {}
+    with torch.inference_mode():
+        for _, side in harness.ab_order(SIDES, args.repeats, args.order):
+            engine = engines[side]
+            engine.flush_cache()
+            engine.step()                                   # applies the flush: every run starts cold
+            result = run_engine(engine, wl, system)
+            replies.setdefault(side, result.pop("_replies"))
+            runs[side].append(result)
+    keys = ("wall_s", "tokens_per_s", "ttft_p50_s_turns2plus")
+    sides = {s: {k: harness.spread(r[k] for r in runs[s]) for k in keys} for s in SIDES}
+    same = sum(replies["f_linear"][k] == replies["packed"][k] for k in replies["f_linear"])
+    body = {"workload": {**vars(wl), "dtype": "float32", "speculative": "off", "threads": args.threads},
+            "engine": sides,
+            "f_linear_over_packed_wall": sides["f_linear"]["wall_s"]["median"] / sides["packed"]["wall_s"]["median"],
+            "replies_identical": same, "replies": len(replies["f_linear"])}
+    for s in SIDES:
+        print(f"{s}: wall {sides[s]['wall_s']['median']:.1f} s, {sides[s]['tokens_per_s']['median']:.1f} tok/s, "
+              f"TTFT p50 turns 2+ {sides[s]['ttft_p50_s_turns2plus']['median']:.3f} s", flush=True)
+    print(f"wall F.linear / packed {body['f_linear_over_packed_wall']:.2f}x; {same}/{body['replies']} replies "
+          f"identical", flush=True)
+    return run.write(body, engine=engines["packed"])
 
 
 if __name__ == "__main__":
