@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from agentrt.config import ServerConfig
 from agentrt_cli import OTHER_ENV, unknown_env
 from router.config import RouterConfig, WorkerSettings
@@ -34,6 +36,7 @@ def test_every_variable_a_command_or_the_docs_name_is_known():
     assert unknown_env(dict.fromkeys(names, "1")) == []
 
 
+@pytest.mark.slow
 def test_the_command_warns_on_stderr():
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("AGENTRT_")}
     run = [sys.executable, "-m", "agentrt_cli", "status", "--help"]

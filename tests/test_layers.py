@@ -25,6 +25,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "agentrt", "router", "agentrt_cli")
 OURS = PACKAGES + ("benchmarks", "tests")
@@ -219,6 +221,7 @@ def test_the_checker_sees_what_it_must():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow
 def test_a_router_loads_its_model_side_without_torch():
     """A router reads only the tokenizer side of the model (engine/loader/tokenizer_files.py): importing torch
     was over half of its start (1 of 1.8 CPU-s). Its app is built (Redis is reached only when it starts) in a fresh

@@ -158,6 +158,7 @@ def test_write_then_gather_roundtrip_both_layouts():
         torch.testing.assert_close(gv, v.transpose(0, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_cpu_pool_reads_zero_and_takes_memory_only_where_written(dtype):
     """The pool's CPU tensors (``zeros_on_first_write``) are zeros of their shape and dtype that take memory

@@ -118,6 +118,7 @@ def test_a_session_turn_coming_back_joins_the_very_next_step(tokenizer):
     assert engine.coalescer.waits >= 1            # C came after the loop had begun to hold
 
 
+@pytest.mark.slow
 def test_a_release_applied_during_a_hold_is_published_at_once(tokenizer):
     """A session turn ends and the loop holds its next step for the agent; the session is deleted meanwhile
     and the release of its lease is applied by the hold. The published state (what ``pin_active`` and the

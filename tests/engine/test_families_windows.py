@@ -228,6 +228,7 @@ GGUF_CASES = {  # case: (family, config overrides); llama.cpp fixes Gemma 3's pa
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
 def test_families_windows_gguf_greedy_matches_transformers(case, tmp_path, tokenizer):
     """The same random weights written as llama.cpp's converter writes arch ``gemma3`` / ``gpt-oss``

@@ -52,6 +52,7 @@ def test_random_blocks_decode_as_numpy_and_gguf_py(kernel, name):
     assert torch.equal(bits(got), bits(torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32)).reshape(96, 256)))
 
 
+@pytest.mark.slow
 def test_every_block_tensor_of_the_default_model(kernel):
     reader = GGUFFile(resolve_model(None)[0])
     blocks = [t for t in reader.tensors if t.type_name in TYPES]

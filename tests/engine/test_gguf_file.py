@@ -129,6 +129,7 @@ def test_read_gguf_parses_a_file_once_until_it_changes(tmp_path):
     assert read_gguf(path) is not kept and read_gguf(path) is not read_gguf(path)   # closed: parsed each time
 
 
+@pytest.mark.slow
 def test_a_model_load_parses_its_gguf_header_once(monkeypatch):
     """The block types, the tokenizer, the weights and the CPU picks of one engine load share one parse."""
     import engine.builder as builder

@@ -105,6 +105,7 @@ def test_a_k_quant_mix_on_blocks_agrees_with_the_file_dequantized(kquant_file):
     assert_close_to(ref, eng, "k-quant mix, gguf vs float32", 60, top1=0.93, mean_kl=0.01, top_change=0.5)
 
 
+@pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_one_call_decode_step_takes_a_mix_of_4_and_8_bit_layers(kquant_file, dtype):

@@ -37,6 +37,7 @@ def test_materialize_allocates_what_to_empty_does_and_keeps_a_shared_weight_shar
     assert got[0].weight.data_ptr() != got[0].bias.data_ptr()
 
 
+@pytest.mark.slow
 def test_the_default_model_builds_as_it_did_through_to_empty():
     """The weights, buffers and dtypes of the build through ``materialize`` equal the old build's: allocated in
     float32 by ``to_empty``, then converted to the target dtype, then loaded."""
@@ -55,6 +56,7 @@ def test_the_default_model_builds_as_it_did_through_to_empty():
         assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
 
 
+@pytest.mark.slow
 def test_a_model_build_does_not_import_sympy():
     """What ``materialize`` is for: torch's ``to_empty`` imports its symbolic-shapes module and sympy, 0.2-0.4 s
     of every server's start."""
@@ -87,6 +89,7 @@ def test_fused_weights_load_their_parts_in_order_and_a_wrong_or_missing_part_is_
         model.load_hf_state_dict(bad)
 
 
+@pytest.mark.slow
 def test_a_weight_the_checkpoint_already_holds_is_shared_not_copied():
     """Same dtype, one part: the parameter is the checkpoint's tensor (no second copy); a fused parameter and
     one in another dtype are copies; the values are the checkpoint's either way."""

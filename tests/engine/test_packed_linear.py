@@ -98,6 +98,7 @@ def test_the_default_model_through_packed_layers_scores_as_through_f_linear():
     assert worst <= 1e-3
 
 
+@pytest.mark.slow
 def test_the_engine_packs_where_picked_and_not_without_cpu_kernels():
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=1024))
     model = engine.model

@@ -238,6 +238,7 @@ def chi2_pvalue(observed, expected):
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+@pytest.mark.slow
 def test_sampled_verify_commits_tokens_distributed_as_the_model():
     """The first committed token is distributed as p0 whatever the draft; after an accepted first
     token, the second as p1: chi-square against the exact (temperature, top-k processed) probabilities."""

@@ -39,6 +39,7 @@ def check_accounts(eng):
     assert all(not pool._is_free[p] for p in range(pool.num_pages) if pool.window_page[p])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "mistral"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_window_cache_multi_turn_matches_transformers(family, overlap, tmp_path, tokenizer):
@@ -73,6 +74,7 @@ def test_window_cache_multi_turn_matches_transformers(family, overlap, tmp_path,
     check_accounts(eng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, {"speculative": "ngram"}], ids=["plain", "ngram"])
 def test_window_cache_under_pressure_matches_transformers(extra, tmp_path, tokenizer):
     """Three sessions at once on a sliding pool of one window and a chunk: requests wait, evict and are

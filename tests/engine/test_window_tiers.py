@@ -156,6 +156,7 @@ def test_a_demoted_windowed_pin_reads_back_whole(tmp_path, tokenizer):
     eng.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap,kv", [(True, "auto"), (False, "int8"), (True, "int8")],
                          ids=["overlap", "int8", "overlap-int8"])
 def test_windowed_tiers_under_overlap_and_with_int8_pages(overlap, kv, tmp_path, tokenizer):
