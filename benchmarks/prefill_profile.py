@@ -66,6 +66,9 @@ def main() -> None:
     run_info = harness.Run(args, __file__)
     if args.ab_prefill_kernel:   # both sides whatever the start-up probe would pick (the JSON records the pick's rule)
         TorchAttentionBackend.force_prefill_kernel = True
+    if args.ab:                  # side A multiplies the dense weights a build on the blocks would release
+        from engine.models import qlinear
+        qlinear.RELEASE_DENSE = False
     eng = LLMEngine(EngineConfig(dtype=args.dtype, quantization=args.quantization,
                                  kv_cache_tokens=args.prefix + args.extend * 4 * (args.repeats + 2) + 1024))
     times: dict[str, float] = {}

@@ -225,7 +225,9 @@ _PICK_NAMES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": 
 
 def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Prefill chunks on the blocks where they measured faster than on the dense weights in ``dtype`` at
-    this model's shapes (``pick_prefill_on_blocks``, once per machine); returns whether they run so."""
+    this model's shapes (``pick_prefill_on_blocks``, once per machine), the dense weights then released
+    (engine/models/qlinear.py ``release_dense``, unless ``RELEASE_DENSE`` is off); returns whether they run so."""
+    from engine.models import qlinear
     from engine.models.qlinear import BlockLinear, prefill_on_blocks
 
     layers = getattr(model, "layers", None)
@@ -236,6 +238,8 @@ def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
             shapes.append((name, (m.out_features, m.in_features)))
     enabled = bool(shapes) and pick_prefill_on_blocks(tuple(shapes), str(dtype).removeprefix("torch."))
     prefill_on_blocks(model, enabled)
+    if enabled and qlinear.RELEASE_DENSE:
+        log.info("gguf prefill on the blocks: %.0f MB of dense weights released", qlinear.release_dense(model) / 2**20)
     return enabled
 
 

@@ -5,7 +5,10 @@ a ``BlockLinear``: steps of at most ``max_rows`` rows (decode, small batches, sh
 through engine/models/csrc/qmatmul.c (activations quantized to 8 bits per block of 32, integer dot
 products against the 4-bit / 8-bit weight blocks, out in the activations' dtype, float32 or bfloat16);
 longer steps (prefill chunks) multiply the model's dense weights, or the blocks too where that measured
-faster on this machine (``prefill_on_blocks``, engine/models/cpu_pick.py ``pick_prefill_on_blocks``).
+faster on this machine (``prefill_on_blocks``, engine/models/cpu_pick.py ``pick_prefill_on_blocks``); then no
+step multiplies the dense weights and the engine's build releases them (``release_dense``: the default model's
+projections in float32, 405 MiB; `agentrt serve` on the 2-core Zen 3 host after one request, VmRSS 1,112 -> 806 MiB,
+two runs each way, alternated).
 The blocks are the file's as stored (Q4_0 / Q4_1 / Q4_K layers, Q4_K's super-blocks as eight blocks of 32;
 a Q8_0 ``token_embd`` for a tied head); a layer the file stores in wider blocks (Q5_K, Q6_K, Q8_0, ...) runs on
 8-bit blocks of its values, with any 4-bit part fused beside it requantized to 8 bits; a weight the file holds
@@ -39,8 +42,9 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features or (self.max_rows is not None
-                                                and x.numel() > self.max_rows * self.in_features):
+        if x.shape[-1] != self.in_features:
+            raise RuntimeError(f"BlockLinear: an input of {x.shape[-1]} features; this layer takes {self.in_features}")
+        if self.max_rows is not None and x.numel() > self.max_rows * self.in_features:
             return F.linear(x, self.dense, self.bias)                          # (prefill: many rows)
         if x.dtype in KERNEL_DTYPES and x.is_contiguous():
             y = self.lib.run(x, self.packed)                                   # (..., N) in x's dtype
@@ -76,10 +80,34 @@ def _fits(rows: int, max_rows: int | None) -> bool:
 
 def prefill_on_blocks(model: nn.Module, enabled: bool) -> None:
     """Every ``BlockLinear`` of ``model`` runs steps of any size on its blocks (``enabled``), or only steps
-    of at most ``MAX_QUANT_ROWS`` rows, the longer ones on its dense weight."""
+    of at most ``MAX_QUANT_ROWS`` rows, the longer ones on its dense weight (``ValueError`` where
+    ``release_dense`` has dropped it)."""
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    if not enabled and any(m.dense is None for m in layers):
+        raise ValueError("prefill on the dense weights: this model's build released them (its prefill ran on the "
+                         "blocks); build it with engine.models.qlinear.RELEASE_DENSE = False to switch back")
+    for m in layers:
+        m.max_rows = None if enabled else MAX_QUANT_ROWS
+
+
+# Whether a build whose prefill runs on the blocks drops the dense weights (``release_dense``). A benchmark or test
+# that switches a built engine's prefill back to the dense weights (benchmarks/prefill_profile.py --ab) sets it False
+# before building.
+RELEASE_DENSE = True
+
+
+def release_dense(model: nn.Module) -> int:
+    """Drop the dense weight of every ``BlockLinear`` of ``model`` that runs every step on its blocks (its
+    ``max_rows`` None): nothing multiplies by it. Returns the bytes released (a weight another module still holds,
+    a tied LM head's embedding table, stays alive there and is not counted)."""
+    held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    released = 0
     for m in model.modules():
-        if isinstance(m, BlockLinear):
-            m.max_rows = None if enabled else MAX_QUANT_ROWS
+        if isinstance(m, BlockLinear) and m.max_rows is None and m.dense is not None:
+            if m.dense.untyped_storage().data_ptr() not in held:
+                released += m.dense.numel() * m.dense.element_size()
+            m.dense = None
+    return released
 
 
 def _layer_blocks(parts: list, weight: torch.Tensor) -> Q4Blocks | Q8Blocks:

@@ -15,6 +15,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention.cpu_kernel import load as load_attention
 from engine.models import decode_step
+from engine.models import qlinear
 from engine.models.qlinear import prefill_on_blocks
 from engine.models.qmatmul import load as load_qmatmul
 from engine.request import Request
@@ -29,7 +30,9 @@ pytestmark = pytest.mark.skipif(load_qmatmul() is None or load_attention() is No
                                         ("bfloat16", "int8")], ids=lambda p: "-".join(p))
 def engine(request):
     dtype, kv_dtype = request.param
-    eng = LLMEngine(EngineConfig(dtype=dtype, quantization="gguf", kv_cache_tokens=4096, kv_cache_dtype=kv_dtype))
+    with pytest.MonkeyPatch.context() as mp:   # keeps the dense weights: a test switches prefill back to them
+        mp.setattr(qlinear, "RELEASE_DENSE", False)
+        eng = LLMEngine(EngineConfig(dtype=dtype, quantization="gguf", kv_cache_tokens=4096, kv_cache_dtype=kv_dtype))
     yield eng
     eng.close()
 

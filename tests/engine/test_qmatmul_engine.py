@@ -79,6 +79,9 @@ def test_prefill_chunks_take_the_measured_faster_path(tmp_path, monkeypatch):
     from engine.models.cpu_pick import pick_prefill_path
     from engine.models.qlinear import prefill_on_blocks
 
+    from engine.models import qlinear
+
+    monkeypatch.setattr(qlinear, "RELEASE_DENSE", False)   # the pick is asked again each way on one model
     monkeypatch.setattr(cpu_pick, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(cpu_pick, "ROUNDS", 1)
     monkeypatch.setattr(cpu_pick, "PREFILL_ROWS", 16)
@@ -102,6 +105,61 @@ def test_prefill_chunks_take_the_measured_faster_path(tmp_path, monkeypatch):
         assert pick_prefill_path(model, torch.float32) is blocks_faster
         assert (layer.mlp.down_proj.max_rows is None) is blocks_faster
     prefill_on_blocks(model, False)
+
+
+def _one_layer_model(gen: torch.Generator, tied_head: bool) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+    for parent, name, (n, k) in ((layer.self_attn, "qkv_proj", (96, 64)), (layer.self_attn, "o_proj", (64, 64)),
+                                 (layer.mlp, "gate_up_proj", (128, 64)), (layer.mlp, "down_proj", (64, 64))):
+        w = torch.randn(n, k, generator=gen)
+        setattr(parent, name, BlockLinear(load(), Q4Blocks.from_groups(quantize_int4(w)), w))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    model.embed_tokens = torch.nn.Embedding(256, 64)
+    if tied_head:
+        head = model.embed_tokens.weight.detach()
+        model.lm_head = BlockLinear(load(), Q8Blocks.quantize(head), head)
+    return model
+
+
+@pytest.mark.parametrize("blocks_faster", [True, False])
+def test_a_build_on_the_blocks_releases_the_dense_weights(tmp_path, monkeypatch, blocks_faster):
+    """Prefill on the blocks: no step multiplies the dense weights, and the build drops them (a tied head's
+    embedding table stays, as the lookup's); a long step gives the blocks' values. Prefill on the dense weights
+    keeps them, and its long steps' values. Switching a released model back to them is refused, not run on a
+    missing weight."""
+    from engine.models.cpu_pick import pick_prefill_path
+    from engine.models.qlinear import prefill_on_blocks, release_dense
+
+    monkeypatch.setattr(cpu_pick, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_pick, "PREFILL_ROWS", 16)
+    monkeypatch.setattr(cpu_pick, "pick_prefill_on_blocks", cpu_pick.pick_prefill_on_blocks.__wrapped__)
+    gen = torch.Generator().manual_seed(1)
+    model = _one_layer_model(gen, tied_head=True)
+    shapes = {"qkv": (96, 64), "o": (64, 64), "gate_up": (128, 64), "down": (64, 64)}
+    key = cpu_pick._key(["off", "gguf"], shapes, torch.float32, cpu_pick.PREFILL_ROWS)
+    (tmp_path / f"pick-{key}.json").write_text(json.dumps({"off": 2.0, "gguf": 1.0} if blocks_faster
+                                                          else {"off": 1.0, "gguf": 2.0}))
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    x = torch.randn(300, 64, generator=gen)                                # past MAX_QUANT_ROWS
+    before = [m(x) for m in layers[:4]]
+    assert pick_prefill_path(model, torch.float32) is blocks_faster
+    assert all((m.dense is None) is blocks_faster for m in layers[:4])
+    if blocks_faster:                                                      # every row count on the blocks
+        assert all(torch.equal(m(x), load().matmul(x, m.blocks)) for m in layers[:4])
+    else:                                                                  # long steps still on the dense weights
+        assert all(torch.equal(m(x), b) for m, b in zip(layers[:4], before))
+    if blocks_faster:
+        assert model.lm_head.dense is None and model.embed_tokens.weight.shape == (256, 64)
+        with pytest.raises(ValueError, match="released them"):
+            prefill_on_blocks(model, False)
+        assert release_dense(model) == 0                                   # nothing left to release
+    else:
+        assert model.lm_head.dense is not None
+        prefill_on_blocks(model, True)
+        # the head shares the embedding table: only the projections' bytes count as released
+        assert release_dense(model) == 4 * sum(n * k for n, k in shapes.values())
 
 
 def test_the_pick_is_measured_again_for_another_kernel_target(tmp_path, monkeypatch):
