@@ -94,9 +94,9 @@ class EngineConfig:
     weights quantized to Q4_1 / Q8_0) with
     activations quantized to 8 bits per block of 32 and integer dot products (a C kernel), and longer
     steps on the dense weights in ``dtype``, or on the blocks too where that measured faster on this CPU
-    (engine/models/cpu_pick.py ``pick_prefill_on_blocks``; the dense weights are then released). With ``dtype="auto"`` too, ``auto`` on the CPU
-    is measured: the fastest of ``off``, ``int4`` (bfloat16 only, and only where every layer is 4-bit) and ``gguf``
-    at this model's shapes, once per CPU (engine/models/cpu_pick.py).
+    (engine/models/cpu_pick.py ``pick_prefill_on_blocks``; the dense weights are then released). With
+    ``dtype="auto"`` too, ``auto`` on the CPU is measured: the fastest of ``off``, ``int4`` (bfloat16 only, and
+    only where every layer is 4-bit) and ``gguf`` at this model's shapes, once per CPU (engine/models/cpu_pick.py).
 
     C kernels on the CPU (engine/cpu_build.py): with ``cpu_kernels`` (the default) decode attention
     (torch backend) goes through a C kernel that reads each row's own pages in place
