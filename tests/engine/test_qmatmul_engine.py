@@ -73,40 +73,6 @@ def test_auto_picks_the_fastest_measured_path(tmp_path, monkeypatch):
         assert pick(None, "float32") != slow
 
 
-def test_prefill_chunks_take_the_measured_faster_path(tmp_path, monkeypatch):
-    """A gguf model's prefill chunks run on the blocks exactly when they timed faster there than on the
-    dense weights (fresh times, then the cache's either way)."""
-    from engine.models.cpu_pick import pick_prefill_path
-    from engine.models.qlinear import prefill_on_blocks
-
-    from engine.models import qlinear
-
-    monkeypatch.setattr(qlinear, "RELEASE_DENSE", False)   # the pick is asked again each way on one model
-    monkeypatch.setattr(cpu_pick, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_pick, "ROUNDS", 1)
-    monkeypatch.setattr(cpu_pick, "PREFILL_ROWS", 16)
-    pick = cpu_pick.pick_prefill_on_blocks.__wrapped__
-    monkeypatch.setattr(cpu_pick, "pick_prefill_on_blocks", pick)
-    gen = torch.Generator().manual_seed(0)
-    layer = torch.nn.Module()
-    layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
-    for parent, name, (n, k) in ((layer.self_attn, "qkv_proj", (96, 64)), (layer.self_attn, "o_proj", (64, 64)),
-                                 (layer.mlp, "gate_up_proj", (128, 64)), (layer.mlp, "down_proj", (64, 64))):
-        w = torch.randn(n, k, generator=gen)
-        setattr(parent, name, BlockLinear(load(), Q4Blocks.from_groups(quantize_int4(w)), w))
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList([layer])
-    first = pick_prefill_path(model, torch.float32)
-    (cache,) = tmp_path.glob("pick-*.json")
-    times = json.loads(cache.read_text())
-    assert set(times) == {"off", "gguf"} and first == (times["gguf"] < times["off"])
-    for blocks_faster in (True, False):
-        cache.write_text(json.dumps({"off": 2.0, "gguf": 1.0} if blocks_faster else {"off": 1.0, "gguf": 2.0}))
-        assert pick_prefill_path(model, torch.float32) is blocks_faster
-        assert (layer.mlp.down_proj.max_rows is None) is blocks_faster
-    prefill_on_blocks(model, False)
-
-
 def _one_layer_model(gen: torch.Generator, tied_head: bool) -> torch.nn.Module:
     layer = torch.nn.Module()
     layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
@@ -121,6 +87,32 @@ def _one_layer_model(gen: torch.Generator, tied_head: bool) -> torch.nn.Module:
         head = model.embed_tokens.weight.detach()
         model.lm_head = BlockLinear(load(), Q8Blocks.quantize(head), head)
     return model
+
+
+def test_prefill_chunks_take_the_measured_faster_path(tmp_path, monkeypatch):
+    """A gguf model's prefill chunks run on the blocks exactly when they timed faster there than on the
+    dense weights (fresh times, then the cache's either way)."""
+    from engine.models import qlinear
+    from engine.models.cpu_pick import pick_prefill_path
+    from engine.models.qlinear import prefill_on_blocks
+
+    monkeypatch.setattr(qlinear, "RELEASE_DENSE", False)   # the pick is asked again each way on one model
+    monkeypatch.setattr(cpu_pick, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_pick, "ROUNDS", 1)
+    monkeypatch.setattr(cpu_pick, "PREFILL_ROWS", 16)
+    pick = cpu_pick.pick_prefill_on_blocks.__wrapped__
+    monkeypatch.setattr(cpu_pick, "pick_prefill_on_blocks", pick)
+    model = _one_layer_model(torch.Generator().manual_seed(0), tied_head=False)
+    layer = model.layers[0]
+    first = pick_prefill_path(model, torch.float32)
+    (cache,) = tmp_path.glob("pick-*.json")
+    times = json.loads(cache.read_text())
+    assert set(times) == {"off", "gguf"} and first == (times["gguf"] < times["off"])
+    for blocks_faster in (True, False):
+        cache.write_text(json.dumps({"off": 2.0, "gguf": 1.0} if blocks_faster else {"off": 1.0, "gguf": 2.0}))
+        assert pick_prefill_path(model, torch.float32) is blocks_faster
+        assert (layer.mlp.down_proj.max_rows is None) is blocks_faster
+    prefill_on_blocks(model, False)
 
 
 @pytest.mark.parametrize("blocks_faster", [True, False])
