@@ -239,7 +239,7 @@ def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     enabled = bool(shapes) and pick_prefill_on_blocks(tuple(shapes), str(dtype).removeprefix("torch."))
     prefill_on_blocks(model, enabled)
     if enabled and qlinear.RELEASE_DENSE:
-        log.info("gguf prefill on the blocks: %.0f MB of dense weights released", qlinear.release_dense(model) / 2**20)
+        log.info("gguf prefill on the blocks: %.0f MiB of dense weights released", qlinear.release_dense(model) / 2**20)
     return enabled
 
 

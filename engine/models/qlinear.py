@@ -7,8 +7,7 @@ products against the 4-bit / 8-bit weight blocks, out in the activations' dtype,
 longer steps (prefill chunks) multiply the model's dense weights, or the blocks too where that measured
 faster on this machine (``prefill_on_blocks``, engine/models/cpu_pick.py ``pick_prefill_on_blocks``); then no
 step multiplies the dense weights and the engine's build releases them (``release_dense``: the default model's
-projections in float32, 405 MiB; `agentrt serve` on the 2-core Zen 3 host after one request, VmRSS 1,112 -> 806 MiB,
-two runs each way, alternated).
+projections in float32, 405 MiB).
 The blocks are the file's as stored (Q4_0 / Q4_1 / Q4_K layers, Q4_K's super-blocks as eight blocks of 32;
 a Q8_0 ``token_embd`` for a tied head); a layer the file stores in wider blocks (Q5_K, Q6_K, Q8_0, ...) runs on
 8-bit blocks of its values, with any 4-bit part fused beside it requantized to 8 bits; a weight the file holds
