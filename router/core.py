@@ -282,8 +282,12 @@ class RouterCore:
         for wid in self.workers:
             self.fleet.update(self._state(wid))
 
-    async def mark_dead(self, worker_id: str) -> None:
-        """A connection to the worker failed: route around it now, and tell the other replicas."""
+    async def mark_dead(self, worker_id: str, wait: bool = True) -> None:
+        """A connection to the worker failed: route around it now, and tell the other replicas.
+
+        ``wait=False`` (a request failing over) returns once this replica routes around it; the mark
+        reaches Redis in the background (with Redis down, redis-py's retries would otherwise hold
+        the failing-over request up), and ``stop`` waits for it."""
         log.warning("worker %s unreachable: marked dead", worker_id)
         self._marked_dead[worker_id] = math.inf  # a refresh reading Redis meanwhile may still find it live
         self._forget(worker_id)
@@ -291,6 +295,13 @@ class RouterCore:
             self.vllm.mark_dead(worker_id)
             self._marked_dead[worker_id] = time.monotonic()
             return
+        task = asyncio.get_running_loop().create_task(self._mark_dead_in_redis(worker_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if wait:
+            await asyncio.shield(task)
+
+    async def _mark_dead_in_redis(self, worker_id: str) -> None:
         kept_out_s = 0.0
         try:
             await self.registry.mark_dead(worker_id)

@@ -210,7 +210,7 @@ class RemoteEngine:
                 self.failovers += 1
                 tracing.add_event(trace, "agentrt.failover", {"agentrt.route.worker": route.worker.worker_id,
                                                               "error.type": type(exc).__name__})
-                await self.core.mark_dead(route.worker.worker_id)
+                await self.core.mark_dead(route.worker.worker_id, wait=False)
             finally:
                 if not completed:
                     self.core.completed(route, ok=False)

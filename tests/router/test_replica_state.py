@@ -305,6 +305,57 @@ def test_a_refresh_in_flight_when_a_worker_is_marked_dead_does_not_bring_it_back
     asyncio.run(body())
 
 
+def test_a_request_failing_over_does_not_wait_for_the_dead_mark_to_reach_redis(redis_url):
+    """``mark_dead(wait=False)`` (what a failing-over request calls) routes around the worker at once while the
+    mark is still on its way to Redis (a slow or unreachable Redis would hold the request up); refreshes keep the
+    worker out meanwhile, the mark lands in the background, and ``stop`` waits for a mark still on its way."""
+    cfg = RouterConfig(redis_url=redis_url)
+
+    async def body():
+        (a,) = await _replicas(cfg, 1)
+        client = aioredis.Redis.from_url(redis_url)
+        real = a.registry.mark_dead
+        started, release = asyncio.Event(), asyncio.Event()
+        stopping = None
+
+        async def slow(worker_id):
+            started.set()
+            await release.wait()
+            await real(worker_id)
+        try:
+            a.registry.mark_dead = slow
+            await asyncio.wait_for(a.mark_dead("w1", wait=False), 5.0)   # returns with the mark held up
+            assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
+            await a.refresh()                                    # Redis still says live: kept out all the same
+            assert await client.exists(cfg.heartbeat_key("w1")) and "w1" not in a.workers
+            assert (await a.choose("req-1", SYSTEM + [1], 8)).worker.worker_id != "w1"
+            release.set()
+            for _ in range(200):                                 # the mark lands without anyone awaiting it
+                if not await client.exists(cfg.heartbeat_key("w1")):
+                    break
+                await asyncio.sleep(0.01)
+            assert not await client.exists(cfg.heartbeat_key("w1"))
+            await a.refresh()
+            assert "w1" not in a.workers
+            release.clear()
+            started.clear()
+            await a.mark_dead("w2", wait=False)
+            await started.wait()
+            stopping = asyncio.create_task(a.stop())             # a mark on its way: stop waits for it
+            await asyncio.sleep(0.05)
+            assert not stopping.done()
+            release.set()
+            await stopping
+            assert not await client.exists(cfg.heartbeat_key("w2"))
+        finally:
+            release.set()
+            await client.aclose()
+            if stopping is None:
+                await a.stop()
+
+    asyncio.run(body())
+
+
 def test_a_worker_marked_dead_while_redis_refuses_the_mark_stays_out_until_its_heartbeat_expires(redis_url):
     """A request found a worker dead but the mark could not reach Redis: its heartbeat key is still there,
     and refreshes must not read it back into the live set (each request would fail over to it again)
