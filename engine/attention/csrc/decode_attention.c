@@ -281,8 +281,10 @@ INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, c
  * x86-64-v3 build: 4.068 -> 3.989-4.005 ms in benchmarks/decode_kernel_ab.py, the same output bit for bit;
  * 8 and 16 were slower than 12). Each value vector is widened and used at once by the G queries, not all RB
  * of them widened first: those RB vectors beside 12 accumulators and the broadcast weight were 17 registers
- * for G = 3, and the AVX2 build spilled accumulators in the loop (x86-64-v3, Zen 4, 64 rows x 2,048 keys:
- * 7.85 -> 7.02 ms, 1.12x, the same output bit for bit; AVX-512 build unchanged, 1.00-1.02x). */
+ * for G = 3, and the AVX2 build spilled accumulators in the loop (Zen 4, one call of 64 rows x 2,048 keys,
+ * benchmarks/decode_kernel_ab.py, medians of the ABBA blocks: x86-64-v3 build 6.62 -> 6.16 ms, 1.075x (6 a
+ * side); the native AVX-512 build 5.83 -> 5.82 ms, unchanged (10 a side); the same output bit for bit;
+ * benchmarks/results/decode_kernel_ab-int8-values-order-zen4-*-cpu.json). */
 #if I8_LANES == 8
 #define I8_ACC_REGS 12
 #else
