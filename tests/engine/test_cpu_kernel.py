@@ -13,7 +13,7 @@ from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows
 from engine.cpu_build import build
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache
-from kernel_build import KernelBuild
+from kernel_build import KernelBuild, built_for
 
 BUILD = KernelBuild(lambda: DecodeKernel(build(SOURCE)))   # skipped only without a compiler on PATH
 kernel = BUILD.value
@@ -53,27 +53,9 @@ def portable_kernel():
     return DecodeKernel(build(SOURCE, extra_flags=("-mno-avx512bf16",)))
 
 
-def _x86_64_only() -> None:
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
-
-
 def avx2_kernel():
     """The kernel built for AVX2 only (``AGENTRT_KERNEL_MARCH=x86-64-v3``), as on most users' CPUs."""
-    import os
-
-    _x86_64_only()
-    before = os.environ.get("AGENTRT_KERNEL_MARCH")
-    os.environ["AGENTRT_KERNEL_MARCH"] = "x86-64-v3"
-    try:
-        return DecodeKernel(build(SOURCE))
-    finally:
-        if before is None:
-            del os.environ["AGENTRT_KERNEL_MARCH"]
-        else:
-            os.environ["AGENTRT_KERNEL_MARCH"] = before
+    return built_for("x86-64-v3", lambda: DecodeKernel(build(SOURCE)))
 
 
 @pytest.mark.parametrize("variant", ["native", "portable", "x86-64-v3"])
@@ -366,9 +348,12 @@ def test_kernel_march_builds_for_the_named_target(monkeypatch):
     """``AGENTRT_KERNEL_MARCH=x86-64-v3``: the kernels built for AVX2 only (what most users' CPUs run), on
     a machine that may have more: no AVX-512 instruction in the library, its own cache entry, and it
     computes what the native build does. A value that is no target name is refused, naming the variable."""
+    import platform
+
     from engine.cpu_build import kernel_march
 
-    _x86_64_only()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
     # the shared kernel cache, as a server uses it: each build is compiled once per machine, so only a fresh
     # machine pays the two compiles (9 s here), and the cache must keep the two targets apart
     monkeypatch.delenv("AGENTRT_KERNEL_MARCH", raising=False)

@@ -13,6 +13,7 @@ from engine.attention.cpu_kernel import KernelRows, load
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache, kv_bytes_per_token, pool_pages, quantize_int8
 from engine.kv_tier import DiskTier, HostTier
+from kernel_build import built_for
 from test_cpu_kernel import backend_batch as batch   # tests/engine is on the path (no __init__.py)
 
 kernel = load()
@@ -92,19 +93,20 @@ def reference_rows(q, kv, tables, lens, P):
 @pytest.mark.parametrize("variant", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("Hq,Hkv,D,P", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 24, 1), (20, 2, 64, 4), (4, 2, 40, 8)])
 def test_kernel_reads_int8_pages_as_the_torch_path(variant, Hq, Hkv, D, P):
-    """The kernel over int8 pages in place (this CPU's build, an AVX2-only build: -mno-avx512f, and the
-    portable -mno-avx build) against float64 attention over the same pages dequantized: tight, output and
-    log-sum-exp. The shapes reach the vectorised passes with a constant and a runtime query group (3, 10),
-    and the per-query path (D 24; D 40 under AVX-512, whose 16 lanes do not divide it)."""
+    """The kernel over int8 pages in place (this CPU's build, the AVX2-only build users get with
+    ``AGENTRT_KERNEL_MARCH=x86-64-v3``, and the portable -mno-avx build) against float64 attention over the same
+    pages dequantized: tight, output and log-sum-exp. The shapes reach the vectorised passes with a constant and
+    a runtime query group (3, 10), and the per-query path (D 24; D 40 under AVX-512, whose 16 lanes do not
+    divide it). The AVX2-only build is test_cpu_kernel's x86-64-v3 one (the same flags: compiled once)."""
     from engine.attention.cpu_kernel import SOURCE, DecodeKernel
     from engine.cpu_build import build
 
-    from engine.cpu_info import cpu_flags
-
-    flags = {"native": None, "avx2": ("-mno-avx512f",), "portable": ("-mno-avx", "-mno-avx2")}[variant]
-    if variant == "avx2" and "avx512f" not in cpu_flags():
-        flags = None        # this CPU's own build is the AVX2 one: the same code, not compiled twice (11 s)
-    kern = kernel if flags is None else DecodeKernel(build(SOURCE, extra_flags=flags))
+    if variant == "avx2":
+        kern = built_for("x86-64-v3", lambda: DecodeKernel(build(SOURCE)))
+    elif variant == "portable":
+        kern = DecodeKernel(build(SOURCE, extra_flags=("-mno-avx", "-mno-avx2")))
+    else:
+        kern = kernel
     rng = random.Random(D + P)
     torch.manual_seed(D + P)
     lens = [1, 17, 255, 256, 257, 1100]
