@@ -116,11 +116,9 @@ def _fused_against_plain(engine: LLMEngine, scored: int = 24) -> tuple[int, int,
 def _within_bfloat16_noise(engine: LLMEngine, what: str) -> None:
     """``_fused_against_plain`` within the noise of bfloat16 (or of 8-bit activations, as large):
     top-1 >= 90%, mean KL <= 0.005, largest top-token change <= 0.35 nats."""
-    agree, n, kl, worst = _fused_against_plain(engine)
-    print(f"{what}: top-1 {agree}/{n}, mean KL {kl:.5f}, top-token change {worst:.4f}")
-    assert agree >= 0.90 * n
-    assert kl <= 0.005
-    assert worst <= 0.35
+    from tests.engine.test_quant import assert_paths_agree
+
+    assert_paths_agree(what, _fused_against_plain(engine), top1=0.90, kl_max=0.005, worst_max=0.35)
 
 
 def _prefill_in_c(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -164,11 +162,9 @@ def test_model_in_float32_with_the_c_layer_ops_scores_as_the_plain_layers():
                                      "layer_ops": False, "qmatmul": False, "decode_step": False,
                                      "packed_linear": isinstance(engine.model.lm_head, PackedLinear)}
     assert engine.model.use_cpu_ops(True)
-    agree, n, kl, worst = _fused_against_plain(engine)
-    print(f"float32, fused vs plain: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
-    assert agree == n
-    assert kl <= 1e-6
-    assert worst <= 1e-3
+    from tests.engine.test_quant import assert_paths_agree
+
+    assert_paths_agree("float32, fused vs plain", _fused_against_plain(engine))
 
 
 @pytest.mark.slow

@@ -76,7 +76,7 @@ def test_the_default_model_through_packed_layers_scores_as_through_f_linear():
     float32 (tests/engine/test_cpu_ops.py). Measured when written: top-1 48/48, mean KL -1.5e-9 (float32
     noise about 0; 2.3e-8 over two prompts), largest top-token change 1.3e-5 nats. Tolerances: every top-1
     equal, mean KL <= 1e-6, <= 1e-3 nats."""
-    from tests.engine.test_quant import paths_compared
+    from tests.engine.test_quant import assert_paths_agree, paths_compared
 
     engine = LLMEngine(EngineConfig(dtype="float32", quantization="off", kv_cache_tokens=4096))
     model = engine.model
@@ -91,11 +91,7 @@ def test_the_default_model_through_packed_layers_scores_as_through_f_linear():
         else:
             _unpacked(model)
 
-    agree, n, kl, worst = paths_compared(engine, use_packed, PROMPTS)
-    print(f"float32, packed vs F.linear: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
-    assert agree == n
-    assert kl <= 1e-6
-    assert worst <= 1e-3
+    assert_paths_agree("float32, packed vs F.linear", paths_compared(engine, use_packed, PROMPTS))
 
 
 @pytest.mark.slow

@@ -185,6 +185,17 @@ def paths_compared(engine: LLMEngine, use_path, prompts: list[str], scored: int 
     return agree, n, kl / n, worst
 
 
+def assert_paths_agree(what: str, compared: tuple[int, int, float, float], top1: float = 1.0,
+                       kl_max: float = 1e-6, worst_max: float = 1e-3) -> None:
+    """``paths_compared``'s figures, printed under ``what`` and held to: top-1 agreement on at least ``top1`` of the
+    positions, mean KL <= ``kl_max``, largest change of the reference's top token's log-prob <= ``worst_max`` nats."""
+    agree, n, kl, worst = compared
+    print(f"{what}: top-1 {agree}/{n}, mean KL {kl:.2e}, top-token change {worst:.2e}")
+    assert agree >= top1 * n, f"{what}: top-1 agreement {agree}/{n}"
+    assert kl <= kl_max, f"{what}: mean KL {kl:.2e}"
+    assert worst <= worst_max, f"{what}: top-token change {worst:.2e}"
+
+
 # reference engine -> {scored: its teacher-forcing runs}; weak, so a module's engine is not kept past its module
 _REFERENCE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -9,6 +9,7 @@ registered records (routing decisions need no worker process), KV events come fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import redis
 import redis.asyncio as aioredis
@@ -32,6 +33,19 @@ async def _replicas(cfg: RouterConfig, n: int = 2) -> list[RouterCore]:
     for core in cores:
         await core.start()
     return cores
+
+
+@contextlib.asynccontextmanager
+async def _one_replica(cfg: RouterConfig):
+    """One started replica over w0-w2 and a Redis client; both closed at the end (a replica the test already
+    stopped is stopped again: ``stop`` tolerates it)."""
+    (a,) = await _replicas(cfg, 1)
+    client = aioredis.Redis.from_url(cfg.redis_url)
+    try:
+        yield a, client
+    finally:
+        await client.aclose()
+        await a.stop()
 
 
 async def _settle(*cores: RouterCore) -> None:
@@ -272,35 +286,32 @@ def test_a_refresh_in_flight_when_a_worker_is_marked_dead_does_not_bring_it_back
     cfg = RouterConfig(redis_url=redis_url)
 
     async def body():
-        (a,) = await _replicas(cfg, 1)
-        client = aioredis.Redis.from_url(redis_url)
-        real = a.registry.live_workers
-        read, resume = asyncio.Event(), asyncio.Event()
+        async with _one_replica(cfg) as (a, client):
+            real = a.registry.live_workers
+            read, resume = asyncio.Event(), asyncio.Event()
 
-        async def read_then_wait():
-            live = await real()
-            read.set()
-            await resume.wait()
-            return live
-        try:
-            a.registry.live_workers = read_then_wait
-            refresh = asyncio.create_task(a.refresh())
-            await read.wait()                       # the refresh found w1 live ...
-            await a.mark_dead("w1")                 # ... then a request to it failed
-            assert not await client.exists(cfg.heartbeat_key("w1"))
-            resume.set()
-            await refresh
-            assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
-            a.registry.live_workers = real
-            await a.refresh()
-            assert "w1" not in a.workers
-            await WorkerRegistry(client, cfg).heartbeat("w1")  # it was only unreachable, and is back
-            await a.refresh()
-            assert "w1" in a.workers
-        finally:
-            resume.set()
-            await client.aclose()
-            await a.stop()
+            async def read_then_wait():
+                live = await real()
+                read.set()
+                await resume.wait()
+                return live
+            try:
+                a.registry.live_workers = read_then_wait
+                refresh = asyncio.create_task(a.refresh())
+                await read.wait()                       # the refresh found w1 live ...
+                await a.mark_dead("w1")                 # ... then a request to it failed
+                assert not await client.exists(cfg.heartbeat_key("w1"))
+                resume.set()
+                await refresh
+                assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
+                a.registry.live_workers = real
+                await a.refresh()
+                assert "w1" not in a.workers
+                await WorkerRegistry(client, cfg).heartbeat("w1")  # it was only unreachable, and is back
+                await a.refresh()
+                assert "w1" in a.workers
+            finally:
+                resume.set()
 
     asyncio.run(body())
 
@@ -310,48 +321,43 @@ def test_a_request_failing_over_does_not_wait_for_the_dead_mark_to_reach_redis(r
     mark is still on its way to Redis (a slow or unreachable Redis would hold the request up); refreshes keep the
     worker out meanwhile, the mark lands in the background, and ``stop`` waits for a mark still on its way."""
     cfg = RouterConfig(redis_url=redis_url)
+    started, release = asyncio.Event(), asyncio.Event()
 
     async def body():
-        (a,) = await _replicas(cfg, 1)
-        client = aioredis.Redis.from_url(redis_url)
-        real = a.registry.mark_dead
-        started, release = asyncio.Event(), asyncio.Event()
-        stopping = None
+        async with _one_replica(cfg) as (a, client):
+            real = a.registry.mark_dead
 
-        async def slow(worker_id):
-            started.set()
-            await release.wait()
-            await real(worker_id)
-        try:
-            a.registry.mark_dead = slow
-            await asyncio.wait_for(a.mark_dead("w1", wait=False), 5.0)   # returns with the mark held up
-            assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
-            await a.refresh()                                    # Redis still says live: kept out all the same
-            assert await client.exists(cfg.heartbeat_key("w1")) and "w1" not in a.workers
-            assert (await a.choose("req-1", SYSTEM + [1], 8)).worker.worker_id != "w1"
-            release.set()
-            for _ in range(200):                                 # the mark lands without anyone awaiting it
-                if not await client.exists(cfg.heartbeat_key("w1")):
-                    break
-                await asyncio.sleep(0.01)
-            assert not await client.exists(cfg.heartbeat_key("w1"))
-            await a.refresh()
-            assert "w1" not in a.workers
-            release.clear()
-            started.clear()
-            await a.mark_dead("w2", wait=False)
-            await started.wait()
-            stopping = asyncio.create_task(a.stop())             # a mark on its way: stop waits for it
-            await asyncio.sleep(0.05)
-            assert not stopping.done()
-            release.set()
-            await stopping
-            assert not await client.exists(cfg.heartbeat_key("w2"))
-        finally:
-            release.set()
-            await client.aclose()
-            if stopping is None:
-                await a.stop()
+            async def held_up(worker_id):
+                started.set()
+                await release.wait()
+                await real(worker_id)
+            try:   # a failed check must not leave stop waiting on the held-up mark
+                a.registry.mark_dead = held_up
+                await asyncio.wait_for(a.mark_dead("w1", wait=False), 5.0)   # returns with the mark held up
+                assert "w1" not in a.workers and {"w0", "w2"} <= set(a.workers)
+                await a.refresh()                                    # Redis still says live: kept out all the same
+                assert await client.exists(cfg.heartbeat_key("w1")) and "w1" not in a.workers
+                assert (await a.choose("req-1", SYSTEM + [1], 8)).worker.worker_id != "w1"
+                release.set()
+                for _ in range(200):                                 # the mark lands without anyone awaiting it
+                    if not await client.exists(cfg.heartbeat_key("w1")):
+                        break
+                    await asyncio.sleep(0.01)
+                assert not await client.exists(cfg.heartbeat_key("w1"))
+                await a.refresh()
+                assert "w1" not in a.workers
+                release.clear()
+                started.clear()
+                await a.mark_dead("w2", wait=False)
+                await started.wait()
+                stopping = asyncio.create_task(a.stop())             # a mark on its way: stop waits for it
+                await asyncio.sleep(0.05)
+                assert not stopping.done()
+                release.set()
+                await stopping
+                assert not await client.exists(cfg.heartbeat_key("w2"))
+            finally:
+                release.set()
 
     asyncio.run(body())
 
@@ -363,13 +369,9 @@ def test_a_worker_marked_dead_while_redis_refuses_the_mark_stays_out_until_its_h
     cfg = RouterConfig(redis_url=redis_url, heartbeat_ttl_s=2.0, heartbeat_interval_s=0.5)
 
     async def body():
-        (a,) = await _replicas(cfg, 1)
-        client = aioredis.Redis.from_url(redis_url)
-        real = a.registry.mark_dead
-
-        async def refused(worker_id):
-            raise aioredis.ConnectionError("Connection refused")
-        try:
+        async with _one_replica(cfg) as (a, client):
+            async def refused(worker_id):
+                raise aioredis.ConnectionError("Connection refused")
             for wid in ("w0", "w1", "w2"):
                 await WorkerRegistry(client, cfg).heartbeat(wid)
             a.registry.mark_dead = refused
@@ -381,10 +383,6 @@ def test_a_worker_marked_dead_while_redis_refuses_the_mark_stays_out_until_its_h
             await WorkerRegistry(client, cfg).heartbeat("w1")    # and it was only unreachable: back
             await a.refresh()
             assert "w1" in a.workers
-        finally:
-            a.registry.mark_dead = real
-            await client.aclose()
-            await a.stop()
 
     asyncio.run(body())
 
