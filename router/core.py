@@ -44,7 +44,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentrt.core.tasks import cancel_and_wait
+from agentrt.core.tasks import cancel_and_wait, in_background
 from engine.hashing import block_hashes, make_seed
 from router.affinity import AffinityMap
 from router.config import RouterConfig
@@ -295,9 +295,7 @@ class RouterCore:
             self.vllm.mark_dead(worker_id)
             self._marked_dead[worker_id] = time.monotonic()
             return
-        task = asyncio.get_running_loop().create_task(self._mark_dead_in_redis(worker_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task = in_background(self._background, self._mark_dead_in_redis(worker_id))
         if wait:
             await asyncio.shield(task)
 
@@ -466,9 +464,7 @@ class RouterCore:
         self._sync_worker(on)
         self.policy.on_complete(route.request, route.worker.worker_id)
         end = self.tentative.completed if ok else self.tentative.failed
-        task = asyncio.get_running_loop().create_task(end(route.worker.worker_id, route.tentative_hashes))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        in_background(self._background, end(route.worker.worker_id, route.tentative_hashes))
 
     def state(self) -> dict:
         """This replica's view, for ``GET /router/state`` and ``agentrt status``."""

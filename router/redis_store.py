@@ -45,6 +45,7 @@ from redis.exceptions import WatchError
 from agentrt.core.store import (SessionDecodeError, SessionExists, SessionNotFound, SessionRecord, SessionStore,
                            SessionTooLarge, TenantSessionLimitReached, TurnLock, TurnRecord, apply_turn,
                            apply_turn_update, check_tenant_limit)
+from agentrt.core.tasks import in_background
 from router.config import RouterConfig
 from router.core import retry_for
 
@@ -301,9 +302,7 @@ class RedisSessionStore(SessionStore):
             return await asyncio.shield(call)
         except BaseException:
             call.add_done_callback(lambda t: t.cancelled() or t.exception())  # outcome not needed any more
-            task = asyncio.get_running_loop().create_task(self._withdraw_lock(session_id, token))
-            self._withdrawals.add(task)
-            task.add_done_callback(self._withdrawals.discard)
+            in_background(self._withdrawals, self._withdraw_lock(session_id, token))
             raise
 
     async def _acquire_turn_lock(self, session_id: str, token: str, ttl_ms: int) -> bool:

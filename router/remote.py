@@ -52,6 +52,7 @@ from engine.types import EngineStats, RequestOutput, SamplingParams, SchedulingK
 
 from agentrt import tracing
 from agentrt.core.errors import APIError
+from agentrt.core.tasks import in_background
 from router.core import Route, RouterCore
 from router.openai_worker import CompletionStreamError, completion_body, stream_completion
 from router.policy import NoWorkerAvailable
@@ -337,9 +338,7 @@ class RemoteEngine:
                         op, lease_id, wid)
             return
         body = lease_body(lease_id, ttl_s)
-        task = asyncio.get_running_loop().create_task(self._post_quietly(f"{url}/internal/lease/{op}", body))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        in_background(self._background, self._post_quietly(f"{url}/internal/lease/{op}", body))
 
     async def _post_quietly(self, url: str, body: dict) -> None:
         """A lease call, tried ``LEASE_ATTEMPTS`` times (each op is idempotent: an extend of a lease that is

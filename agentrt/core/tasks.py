@@ -7,6 +7,9 @@ in the turn of the event loop in which an ``asyncio.wait_for`` inside the task g
 goes on (a loop goes round again; a request runs to its end for nobody), and whoever did ``task.cancel();
 await task`` waits for all of it, forever for a loop (seen: a router's stop hung with its refresh loop still
 polling a live Redis). ``cancel_and_wait`` cancels again until the task has ended.
+
+``in_background`` starts work nobody awaits now (a mark, a withdrawal, a lease call) and holds its task until it
+ends: the event loop keeps only weak references to tasks, and its owner waits for what is left when it stops.
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ import asyncio
 import logging
 
 log = logging.getLogger("agentrt.tasks")
+
+
+def in_background(tasks: set[asyncio.Task], coro) -> asyncio.Task:
+    """``coro`` as a task held in ``tasks`` until it ends (then dropped from it)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 async def cancel_and_wait(task: asyncio.Task | asyncio.Future | None, poll_s: float = 0.1, *,
