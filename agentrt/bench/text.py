@@ -47,15 +47,52 @@ TOOLS = [
 
 
 def words(rng: random.Random, tokenizer, n_tokens: int) -> str:
-    """Text of about ``n_tokens`` tokens drawn from WORDS."""
+    """Text of about ``n_tokens`` tokens drawn from WORDS: 32 words at a time until the text reaches
+    ``n_tokens``, then trimmed a word at a time (on a word boundary, keeping one word at least) until it is
+    within ``n_tokens``. The count of a prefix is found from each word's own count (a tokenizer that splits
+    on spaces before its merges counts a text as the sum of its words) and checked by encoding the text at
+    the prefixes that decide; where a check fails, every prefix is encoded instead (``_words_encoding_each``),
+    which gives the same text from the same ``rng`` state."""
+    state = rng.getstate()
+    per_word: dict[str, int] = {}
+    base = len(tokenizer.encode("the"))
+
+    def count_of(word: str, first: bool) -> int:
+        if first:
+            return len(tokenizer.encode(word))
+        if word not in per_word:
+            per_word[word] = len(tokenizer.encode("the " + word)) - base
+        return per_word[word]
+
     out: list[str] = []
-    text = ""
+    counts: list[int] = []   # counts[k - 1]: the estimated count of the first k words
+    while not counts or counts[-1] < n_tokens:
+        for w in (rng.choice(WORDS) for _ in range(32)):
+            counts.append((counts[-1] if counts else 0) + count_of(w, not out))
+            out.append(w)
+    grown = len(out)
+    keep = grown
+    while keep > 1 and counts[keep - 1] > n_tokens:
+        keep -= 1
+
+    def exact(k: int) -> int:
+        return len(tokenizer.encode(" ".join(out[:k])))
+
+    decided = exact(grown) >= n_tokens and (grown == 32 or exact(grown - 32) < n_tokens)
+    decided = decided and (keep == 1 or exact(keep) <= n_tokens) and (keep == grown or exact(keep + 1) > n_tokens)
+    if decided:
+        return " ".join(out[:keep])
+    rng.setstate(state)
+    return _words_encoding_each(rng, tokenizer, n_tokens)
+
+
+def _words_encoding_each(rng: random.Random, tokenizer, n_tokens: int) -> str:
+    """``words`` for any tokenizer: the whole text encoded after every 32 words drawn and every word trimmed."""
+    out: list[str] = []
     while True:
         out.extend(rng.choice(WORDS) for _ in range(32))
-        text = " ".join(out)
-        if len(tokenizer.encode(text)) >= n_tokens:
+        if len(tokenizer.encode(" ".join(out))) >= n_tokens:
             break
-    # trim to the token budget on a word boundary
     while len(out) > 1 and len(tokenizer.encode(" ".join(out))) > n_tokens:
         out.pop()
     return " ".join(out)

@@ -11,6 +11,7 @@ from agentrt.bench import prom
 from agentrt.bench.ablation import LADDER, AblationOptions, factors
 from agentrt.bench.bench import load_tokenizer
 from agentrt.bench.summary import SLO, best_rate, percentile, summarize
+from agentrt.bench.text import _words_encoding_each, words
 from agentrt.bench.trace import BlockText, plan_trace
 from agentrt.bench.workload import LogNormal, plan_sessions, preset
 
@@ -34,7 +35,41 @@ def test_presets_are_seeded_and_text_round_trips(tokenizer):
     assert [p.arrival_s for p in a] == sorted(p.arrival_s for p in a) and a[0].arrival_s == 0.0
 
 
-@pytest.mark.slow
+class Trigrams:
+    """A tokenizer whose count of a text is not the sum of its words' (a token every three characters, spaces
+    included): ``words`` must notice and fall back to encoding every prefix."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(range((len(text) + 2) // 3))
+
+
+class Counting:
+    """The real tokenizer, counting how many texts of more than one word it encoded."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.texts = tokenizer, 0
+
+    def encode(self, text: str) -> list[int]:
+        self.texts += " " in text.removeprefix("the ")
+        return self.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 31, 100, 1500])
+def test_words_are_the_text_of_encoding_every_prefix(tokenizer, n_tokens):
+    """The counted-by-word path (the real tokenizer) and the fallback (Trigrams) give the text, and leave the
+    generator in the state, that encoding the whole text after every draw and every trim gives."""
+    for tok in (tokenizer, Trigrams()):
+        for seed in range(2):
+            fast, slow = random.Random(seed), random.Random(seed)
+            text = words(fast, tok, n_tokens)
+            assert text == _words_encoding_each(slow, tok, n_tokens)
+            assert fast.getstate() == slow.getstate()
+            assert len(tok.encode(text)) <= n_tokens or " " not in text
+    counting = Counting(tokenizer)
+    words(random.Random(0), counting, n_tokens)
+    assert counting.texts <= 4   # the decisive prefixes only: the words' counts decided the rest
+
+
 def test_toolagent_mix(tokenizer):
     plans = plan_sessions(preset("toolagent"), 80, tokenizer, seed=1)
     share = {name: sum(p.agent == name for p in plans) / len(plans) for name in ("tool-6k", "tool-2.5k", "chat")}
