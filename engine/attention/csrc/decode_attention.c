@@ -284,29 +284,38 @@ INLINE void scores_i8_vec(const float *qf, const int8_t *kh, const int8_t *vh, c
  * for G = 3, and the AVX2 build spilled accumulators in the loop (Zen 4, one call of 64 rows x 2,048 keys,
  * benchmarks/decode_kernel_ab.py, medians of the ABBA blocks: x86-64-v3 build 6.62 -> 6.16 ms, 1.075x (6 a
  * side); the native AVX-512 build 5.83 -> 5.82 ms, unchanged (10 a side); the same output bit for bit;
- * benchmarks/results/decode_kernel_ab-int8-values-order-zen4-*-cpu.json). */
+ * benchmarks/results/decode_kernel_ab-int8-values-order-zen4-*-cpu.json). The accumulators are a block of a
+ * constant rb (values_i8_block): with rb a run-time value the AVX2 build still stored all 12 to the stack with every
+ * key (Zen 3, AVX2: 6.20 -> 4.97 ms, 1.25x, the same output bit for bit,
+ * benchmarks/results/decode_kernel_ab-int8-values-block-zen3-avx2-cpu.json). */
 #if I8_LANES == 8
 #define I8_ACC_REGS 12
 #else
 #define I8_ACC_REGS 24
 #endif
+/* One block of rb of a value row's vectors, rb a constant where the caller's G and D are, so the G x rb
+ * accumulators stay in registers. */
+INLINE void values_i8_block(const float *w, const int8_t *vh, const int64_t *slot, int n, int G, int D, int r0, int rb,
+                            float *acc) {
+    i8vec a[I8_ACC_REGS > MAX_G ? I8_ACC_REGS : MAX_G];
+    for (int j = 0; j < G * rb; j++) a[j] = i8_zero();
+    for (int t = 0; t < n; t++) {
+        const int8_t *vr = vh + slot[t] * D + r0 * I8_LANES;
+        for (int r = 0; r < rb; r++) {
+            i8vec x = i8_load(vr + r * I8_LANES);
+            for (int g = 0; g < G; g++) a[g * rb + r] = i8_fma(w[g * CHUNK + t], x, a[g * rb + r]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < rb; r++) i8_store(acc + g * D + (r0 + r) * I8_LANES, a[g * rb + r]);
+}
+
 INLINE void values_i8_vec(const float *w, const int8_t *vh, const int64_t *slot, int n, int G, int D, float *acc) {
     int R = D / I8_LANES, RB = I8_ACC_REGS / G < 1 ? 1 : I8_ACC_REGS / G;
     if (RB > R) RB = R;
-    for (int r0 = 0; r0 < R; r0 += RB) {
-        int rb = R - r0 < RB ? R - r0 : RB;
-        i8vec a[I8_ACC_REGS > MAX_G ? I8_ACC_REGS : MAX_G];
-        for (int j = 0; j < G * rb; j++) a[j] = i8_zero();
-        for (int t = 0; t < n; t++) {
-            const int8_t *vr = vh + slot[t] * D + r0 * I8_LANES;
-            for (int r = 0; r < rb; r++) {
-                i8vec x = i8_load(vr + r * I8_LANES);
-                for (int g = 0; g < G; g++) a[g * rb + r] = i8_fma(w[g * CHUNK + t], x, a[g * rb + r]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int r = 0; r < rb; r++) i8_store(acc + g * D + (r0 + r) * I8_LANES, a[g * rb + r]);
-    }
+    int r0 = 0;
+    for (; r0 + RB <= R; r0 += RB) values_i8_block(w, vh, slot, n, G, D, r0, RB, acc);
+    if (r0 < R) values_i8_block(w, vh, slot, n, G, D, r0, R - r0, acc);
 }
 #endif
 
