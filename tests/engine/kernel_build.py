@@ -41,17 +41,23 @@ class KernelBuild:
         return _built
 
 
+def skip_off_x86_64(march: str) -> None:
+    """Skip the calling test where ``march`` (e.g. ``x86-64-v3``) is an x86-64 target and this machine is not one."""
+    import platform
+
+    if march.startswith("x86-64") and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"{march} is an x86-64 target; this machine is {platform.machine()}")
+
+
 def built_for(march: str, make: Callable[[], Any]) -> Any:
     """``make()`` with the kernels built for ``-march=<march>`` (``AGENTRT_KERNEL_MARCH``, as a user sets it), e.g.
     ``x86-64-v3``: AVX2 and FMA only, as on most users' CPUs. Tests that ask for the same target share one build
     (the kernel cache keys it by its flags). Skipped off x86-64, where those targets do not exist."""
     import os
-    import platform
 
     from engine.cpu_build import MARCH_ENV
 
-    if march.startswith("x86-64") and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"{march} is an x86-64 target; this machine is {platform.machine()}")
+    skip_off_x86_64(march)
     before = os.environ.get(MARCH_ENV)
     os.environ[MARCH_ENV] = march
     try:

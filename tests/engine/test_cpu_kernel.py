@@ -13,7 +13,7 @@ from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows
 from engine.cpu_build import build
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache
-from kernel_build import KernelBuild, built_for
+from kernel_build import KernelBuild, built_for, skip_off_x86_64
 
 BUILD = KernelBuild(lambda: DecodeKernel(build(SOURCE)))   # skipped only without a compiler on PATH
 kernel = BUILD.value
@@ -348,12 +348,9 @@ def test_kernel_march_builds_for_the_named_target(monkeypatch):
     """``AGENTRT_KERNEL_MARCH=x86-64-v3``: the kernels built for AVX2 only (what most users' CPUs run), on
     a machine that may have more: no AVX-512 instruction in the library, its own cache entry, and it
     computes what the native build does. A value that is no target name is refused, naming the variable."""
-    import platform
-
     from engine.cpu_build import kernel_march
 
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"x86-64-v3 is an x86-64 target; this machine is {platform.machine()}")
+    skip_off_x86_64("x86-64-v3")
     # the shared kernel cache, as a server uses it: each build is compiled once per machine, so only a fresh
     # machine pays the two compiles (9 s here), and the cache must keep the two targets apart
     monkeypatch.delenv("AGENTRT_KERNEL_MARCH", raising=False)
