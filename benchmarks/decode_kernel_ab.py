@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-dtype", choices=("int8", "bfloat16", "float32"), default="int8",
                         help="the pool's pages (default int8)")
     parser.add_argument("--calls", type=int, default=20, help="calls a side makes a block (default 20)")
+    parser.add_argument("--query-scale", type=float, default=1.0, metavar="X",
+                        help="the query's entries are X times standard normal (default 1: a row's scores spread "
+                             "about +-6; 10 makes the softmax as peaked as a real model's sink-heavy heads, with "
+                             "most keys' probabilities at the float32 floor)")
     harness.add_common_args(parser, repeats=5)
     args = parser.parse_args(argv)
     for name in ("rows", "keys", "page_size", "calls"):
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     free = list(range(pages))
     random.Random(0).shuffle(free)
     rows = KernelRows([[free.pop() for _ in range(per_row)] for _ in range(B)], [L] * B, P)
-    q = torch.randn(B, HQ, D)
+    q = torch.randn(B, HQ, D) * args.query_scale
 
     outputs = {side: k.paged(q, kv, 0, rows) for side, k in kernels.items()}   # also the first-call warm-up
     blocks: dict[str, list[float]] = {s: [] for s in SIDES}

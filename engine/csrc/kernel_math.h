@@ -39,6 +39,28 @@ INLINE float f16_to_f32(uint16_t h) {
     return c.f;
 }
 
+/* Subnormal float32s flushed to zero, as operands and as results, in the calling thread (the FTZ and DAZ bits of
+ * its SSE control register) until subnormals_restored puts back what was there. An attention kernel runs its
+ * threads so: in a peaked softmax (a model's sink-heavy heads) most keys' probabilities sit at float32's floor,
+ * their products with the values and the sums that start from them are subnormal, and an x86 core takes a
+ * microcode assist for every multiply-add with a subnormal operand or result: one decode call of 64 rows x 2,048
+ * keys with the query 10x a standard normal (benchmarks/decode_kernel_ab.py --query-scale 10, x86-64-v3 build,
+ * 2-core Xeon) took 23 ms over bfloat16 pages against 6 ms with scores of an ordinary spread. Flushed, what is
+ * lost is below 1.2e-38 of a term; torch's own kernels are untouched (the bits go back as they were). Elsewhere
+ * (no SSE) nothing is changed. */
+#if defined(__SSE__)
+#include <xmmintrin.h>
+INLINE unsigned int subnormals_flushed(void) {
+    unsigned int was = _mm_getcsr();
+    _mm_setcsr(was | 0x8040u);                 /* FTZ (bit 15), DAZ (bit 6) */
+    return was;
+}
+INLINE void subnormals_restored(unsigned int was) { _mm_setcsr(was); }
+#else
+INLINE unsigned int subnormals_flushed(void) { return 0; }
+INLINE void subnormals_restored(unsigned int was) { (void)was; }
+#endif
+
 /* exp(x) for x <= 0 (clamped at -87, where it is below float32's smallest normal anyway): 2^t with
  * t = x log2(e) = n + f, 2^f by a least-squares polynomial of degree 6 (relative error below 1e-7).
  * EXP2_POLY(step) evaluates it by Horner's rule, one coefficient per step, so that the scalar form below and

@@ -115,6 +115,39 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_a_peaked_softmax_matches_reference(dtype, tol):
+    """Queries 25x a standard normal: for a good share of keys exp(score - max) falls below float32's
+    smallest normal, where their products with the values are subnormal (the kernel flushes those,
+    kernel_math.h ``subnormals_flushed``); the output is still the float64 softmax's."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    lens, P, Hq, Hkv, D = [300, 700], 16, 9, 3, 64
+    num_pages = sum(-(-n // P) for n in lens) + 3
+    k = torch.randn(Hkv, num_pages * P, D).to(dtype)
+    v = torch.randn(Hkv, num_pages * P, D).to(dtype)
+    q = (torch.randn(len(lens), Hq, D) * 25).to(dtype)
+    tables = paged_rows(rng, lens, P, num_pages)
+    ref, _ = reference_rows(q, k, v, tables, lens, P)
+    slots = torch.tensor([tables[0][i // P] * P + i % P for i in range(lens[0])])
+    s = torch.einsum("hd,hnd->hn", q[0].double(), k[:, slots].double().repeat_interleave(Hq // Hkv, 0)) / D ** 0.5
+    below = (s - s.max(-1, keepdim=True).values).exp() < torch.finfo(torch.float32).tiny
+    assert float(below.double().mean()) > 0.2                    # exp(s - max) under float32's smallest normal
+    out = kernel(q, k, v, KernelRows(tables, lens, P))
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_the_kernel_leaves_torchs_subnormals_as_they_were():
+    """The kernel flushes subnormals in its threads (the SSE control register's FTZ and DAZ bits) and puts the
+    bits back: torch's own arithmetic afterwards, on the same OpenMP threads, still gives subnormals."""
+    k = torch.randn(3, 64 * 16, 64)
+    q = torch.randn(8, 9, 64) * 12
+    kernel(q, k, k.clone(), KernelRows([[i * 8 + j for j in range(8)] for i in range(8)], [128] * 8, 16))
+    tiny = torch.full((1 << 22,), 1e-39)                          # subnormal; torch splits it over the threads
+    assert torch.get_num_threads() < 2 or tiny.numel() > 2 * 32768
+    assert bool(((tiny * 3) > 0).all()) and bool(((tiny + tiny) == 2e-39).all())
+
+
 def backend_batch(rng, specs, shared_pages, P, num_pages):
     free = list(range(num_pages))
     rng.shuffle(free)

@@ -123,6 +123,30 @@ def test_kernel_reads_int8_pages_as_the_torch_path(variant, Hq, Hkv, D, P):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
+@needs_kernel
+def test_kernel_over_int8_pages_with_a_peaked_softmax_matches_reference():
+    """Queries 25x a standard normal over int8 pages: many keys' weights (probability x the value row's scale)
+    fall under float32's smallest normal, which the kernel flushes (kernel_math.h ``subnormals_flushed``); the
+    output and log-sum-exp are still float64 attention's over the dequantized pages."""
+    rng = random.Random(9)
+    torch.manual_seed(9)
+    P, lens = 16, [300, 700]
+    num_pages = sum(-(-n // P) for n in lens) + 3
+    kv = int8_pool(num_pages, P, 3, 64)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // P))] for n in lens]
+    q = torch.randn(len(lens), 9, 64) * 25
+    lse = torch.empty(len(lens), 9)
+    out = kernel.paged(q, kv, 0, KernelRows(tables, lens, P), lse=lse)
+    ref, ref_lse = reference_rows(q, kv, tables, lens, P)
+    k, _ = kv.gather(0, torch.tensor([tables[0][i // P] * P + i % P for i in range(lens[0])]))
+    s = torch.einsum("hd,hnd->hn", q[0].double(), k.double().repeat_interleave(3, 0)) / 8
+    assert float(((s - s.max(-1, keepdim=True).values).exp() < torch.finfo(torch.float32).tiny).double().mean()) > 0.2
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_int8_attention_is_within_tolerance_of_float32():
     """The same K/V in a float32 pool and an int8 pool: attention outputs within 0.04, mean 0.003 (keys ~N(0, 4),
     values ~N(0, 1); one quantization step is absmax / 127)."""

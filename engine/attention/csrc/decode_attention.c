@@ -508,7 +508,10 @@ static int decode_attention(const void *q, const void *k, const void *v, const f
      * chunks of a row at a time, so the int8 look-ahead that runs past a chunk's end fetches the thread's own
      * next; with few (small batches, short rows) one at a time, so that every thread gets some */
     int at_once = tasks >= (int64_t)8 * TASKS_AT_ONCE * omp_get_max_threads() ? TASKS_AT_ONCE : 1;
-#pragma omp parallel for schedule(dynamic, at_once)
+#pragma omp parallel
+    {
+    unsigned int fp_was = subnormals_flushed();      /* kernel_math.h: no microcode assists in a peaked softmax */
+#pragma omp for schedule(dynamic, at_once)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t c = task % first[B];
         int h = (int)(task / first[B]);
@@ -524,7 +527,7 @@ static int decode_attention(const void *q, const void *k, const void *v, const f
                  i8 ? ks + h * S : NULL, i8 ? vs + h * S : NULL, pages + page_start[lo], P, k0, k1, kv_len[lo], G, D,
                  vbufs + (int64_t)omp_get_thread_num() * CHUNK * D, part + (c * Hkv + h) * stride);
     }
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t bh = 0; bh < (int64_t)B * Hq; bh++) {
         int b = (int)(bh / Hq), hq = (int)(bh % Hq), h = hq / G, g = hq % G;
         float mx = -INFINITY, total = 0.0f, o32[MAX_D];
@@ -547,6 +550,8 @@ static int decode_attention(const void *q, const void *k, const void *v, const f
             else ((float *)out)[bh * D + d] = o32[d] * inv;
         }
         if (lse) lse[bh] = first[b + 1] > first[b] ? mx + logf(total) : -INFINITY;
+    }
+    subnormals_restored(fp_was);
     }
     free(vbufs);
     free(part);
