@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "agentrt-bench/1"
 ORDERS = ("alternate", "fixed")
 # environment variables that change what runs (threads; the kernels' -march; torch's and oneDNN's ISA caps)
-ENV_RECORDED = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "AGENTRT_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+ENV_RECORDED = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "AGENTRT_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                "MKL_ENABLE_INSTRUCTIONS")
 HEADER_KEYS = ("schema", "script", "argv", "commit", "dirty", "diff_sha256", "machine", "torch", "env", "kernels",
                "engine", "servers", "order", "repeats", "started_at", "finished_at")
 HEADER_ADDED = ("loadavg",)   # keys added since the first results (a header has them after HEADER_KEYS)

@@ -51,7 +51,8 @@ def main() -> None:
     args = parse()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.cpu == "x86-64-v3":
-        os.environ.update(AGENTRT_KERNEL_MARCH="x86-64-v3", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+        from engine.cpu_info import AVX2_ONLY_ENV
+        os.environ.update(AVX2_ONLY_ENV)
     import torch  # noqa: F401  (after the caps)
 
     if args.threads:

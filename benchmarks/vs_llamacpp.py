@@ -46,8 +46,8 @@ kernels) as the like-for-like figure. A run with any other non-default llama-ser
 ``--cpu x86-64-v3`` measures both sides as on a CPU with AVX2 and no AVX-512 or native bf16 (most
 laptops, desktops and many cloud VMs), on a machine that has more: llama-server built for AVX2 only
 (``llamacpp_build.TARGET_FLAGS``), and agentrt with its C kernels built ``-march=x86-64-v3``
-(``AGENTRT_KERNEL_MARCH``), torch and oneDNN capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2``,
-``ONEDNN_MAX_CPU_ISA=AVX2``). So capped, agentrt sees no native bf16 (engine/cpu_info.py), and its
+(``AGENTRT_KERNEL_MARCH``), torch, oneDNN and MKL capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2``,
+``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``: engine/cpu_info.py ``AVX2_ONLY_ENV``). So capped, agentrt sees no native bf16 (engine/cpu_info.py), and its
 defaults resolve as on such a CPU: ``--dtype auto`` to float32, ``--quantization auto`` to the faster of
 dense float32 and the GGUF's blocks, measured at start-up. The header's ``env`` and ``cpu_target`` record it.
 """
@@ -73,14 +73,14 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.llamacpp_build import (LLAMA_CPP_PYTHON_VERSION, build_llama_server, cmake_flags,  # noqa: E402
                                        llama_server_version)
 from benchmarks.workload import AgenticWorkload  # noqa: E402
+from engine.cpu_info import AVX2_ONLY_ENV  # noqa: E402
 
 SLOT_CONTEXT = 8192          # llama-server context per slot (SmolLM2's trained context)
 
 # --cpu: how agentrt runs as on that CPU (environment of both servers; agentrt's extra flags)
 CPU_TARGETS = {
     "native": ({}, []),
-    "x86-64-v3": ({"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-                  []),
+    "x86-64-v3": (dict(AVX2_ONLY_ENV), []),
 }
 
 

@@ -12,6 +12,12 @@ import platform
 from typing import Mapping
 
 # the feature flags that decide which kernels and dtypes run fast here (recorded with every benchmark)
+# The environment that runs this process as a CPU with AVX2 and no AVX-512 would, on one that has more: the C
+# kernels built for x86-64-v3 (engine/cpu_build.py), torch's own kernels, oneDNN and MKL (torch's float32 GEMM)
+# held to AVX2. MKL left alone runs its AVX-512 GEMM, which makes every matmul faster than on such a CPU.
+AVX2_ONLY_ENV = {"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
 FLAGS_THAT_MATTER = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni")
 
 

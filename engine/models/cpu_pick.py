@@ -121,7 +121,8 @@ def measure(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int =
 def _key(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int = 1) -> str:
     from engine.models.qmatmul import SOURCE
 
-    caps = [kernel_march(), os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ONEDNN_MAX_CPU_ISA")]
+    caps = [kernel_march(), os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            os.environ.get("MKL_ENABLE_INSTRUCTIONS")]
     text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS, caps]
                       + ([rows] if rows != 1 else []))
     return hashlib.sha256(text.encode() + SOURCE.read_bytes()).hexdigest()[:16]

@@ -144,7 +144,7 @@ def test_side_commands_add_the_float32_side_only_when_llama_needs_its_fallback()
 
 
 def test_avx2_target_runs_agentrt_as_an_avx2_cpu_would_and_builds_llama_server_without_avx512():
-    """--cpu x86-64-v3: agentrt runs with its defaults under AVX2-capped kernels, torch and oneDNN (so its
+    """--cpu x86-64-v3: agentrt runs with its defaults under AVX2-capped kernels, torch, oneDNN and MKL (so its
     dtype auto sees no native bf16); llama-server's cmake turns ggml's native detection off and AVX-512 off."""
     import argparse
     from benchmarks.llamacpp_build import build_dir, cmake_flags
@@ -154,7 +154,8 @@ def test_avx2_target_runs_agentrt_as_an_avx2_cpu_would_and_builds_llama_server_w
     cmds = side_commands(args, "llama-server", "m.gguf", {"flags": [], "agentrt_equivalent": []})
     assert cmds["agentrt"][-2:] == ["{port}", "--x"]
     env = CPU_TARGETS["x86-64-v3"][0]
-    assert env == {"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert env == {"AGENTRT_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                   "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     from engine.config import EngineConfig
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
