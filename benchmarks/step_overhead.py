@@ -76,10 +76,35 @@ SHAPES = {"b1_ctx64": (1, 64, 0), "b16_ctx64": (16, 64, 0), "b64_ctx64": (64, 64
           "b16_shared1536_ctx2048": (16, 2048, 1536)}
 
 
+# What the contexts' pages hold when a step reads them (--kv-contents): "unwritten" (the default, and every
+# run before the option: pages nothing wrote, zeros, so every key scores alike) or "random" (K ~ N(0, 4),
+# V ~ N(0, 1) written through the pool's own write path, int8 pages quantized as the engine quantizes:
+# scores spread as real keys make them, and a data-dependent cost in attention shows).
+KV_CONTENTS = ("unwritten", "random")
+_contents = "unwritten"
+
+
+def write_contents(kv, batch: ScheduledBatch) -> None:
+    """The batch's context pages in ``kv`` filled as ``_contents`` says (nothing for "unwritten"); the same
+    values on every pool and every layer, so that the sides of an A/B read the same keys."""
+    if _contents == "unwritten":
+        return
+    P = kv.page_size
+    pages = sorted({p for req in batch.requests for p in req.pages})
+    slots = (torch.tensor(pages).unsqueeze(1) * P + torch.arange(P)).flatten()
+    gen = torch.Generator().manual_seed(len(slots))
+    t = kv.k[0]
+    heads, dim = (t.shape[0], t.shape[2]) if kv.layout == "HSD" else (t.shape[2], t.shape[3])
+    k = torch.randn(len(slots), heads, dim, generator=gen) * 2
+    v = torch.randn(len(slots), heads, dim, generator=gen)
+    for layer in range(len(kv.k)):
+        kv.write(layer, slots, k, v)
+
+
 def decode_batch(engine: LLMEngine, batch: int, ctx: int, shared: int = 0) -> ScheduledBatch:
     """``batch`` sequences of ``ctx`` tokens, each at its last token (to decode): the first ``shared``
     tokens (whole pages) on pages all of them share, as a cached system prompt is, the rest on pages of
-    its own."""
+    its own; the pages' contents as ``--kv-contents`` says (``write_contents``)."""
     P = engine.config.page_size
     gen = torch.Generator().manual_seed(batch * 100_003 + ctx)
     vocab = engine.model_config.vocab_size
@@ -92,7 +117,9 @@ def decode_batch(engine: LLMEngine, batch: int, ctx: int, shared: int = 0) -> Sc
         req.pages = common_pages + engine.pool.alloc(-(-(ctx - shared) // P))
         req.num_computed = ctx - 1
         requests.append(req)
-    return ScheduledBatch(requests, [1] * batch)
+    out = ScheduledBatch(requests, [1] * batch)
+    write_contents(engine.kv, out)
+    return out
 
 
 def free_batch(engine: LLMEngine, batch: ScheduledBatch) -> None:
@@ -279,6 +306,7 @@ def ab_kv_pages(engine: LLMEngine, baseline: str, shapes: list[str], steps: int,
            for side, attn in sides.items()}
     for shape in shapes:
         batch = decode_batch(engine, *SHAPES[shape])
+        write_contents(kv, batch)
 
         def on(attn):
             engine.runner.attn = attn
@@ -404,6 +432,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV pages of the engine (engine.config.KV_CACHE_DTYPES); "
                     "other than auto, also timed against --kv-baseline pages in alternating blocks")
     ap.add_argument("--kv-baseline", default="bfloat16", help="the page dtype --kv-cache-dtype is timed against")
+    ap.add_argument("--kv-contents", choices=KV_CONTENTS, default="unwritten",
+                    help="what the contexts' pages hold: unwritten (zeros: every key scores alike; the default) or "
+                         "random (K ~ N(0, 4), V ~ N(0, 1) written through the pool, as in every A/B side)")
     for flag, what in AB_SWITCHES:
         ap.add_argument(flag, action="store_true", help=f"also time {what}, in alternating blocks")
     ap.add_argument("--overlap-shapes", default="b1_ctx64,b16_ctx64,b64_ctx64,b256_ctx64",
@@ -414,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                          "in alternating blocks")
     args = ap.parse_args(argv)
     run = harness.Run(args, __file__, argv)
+    global _contents
+    _contents = args.kv_contents
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes + ([args.profile] if args.profile else []):
         if s not in SHAPES:
@@ -485,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         "ab_quantization": abq,
         "kv_cache_dtype": engine.config.resolved_kv_cache_dtype(),
         "kv_pages": kv_pages,
+        "kv_contents": args.kv_contents,
         "overlap": overlap,
         "steps": args.steps,
     }
