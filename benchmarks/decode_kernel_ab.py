@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=20, help="calls a side makes a block (default 20)")
     parser.add_argument("--query-scale", type=float, default=1.0, metavar="X",
                         help="the query's entries are X times standard normal (default 1: a row's scores spread "
-                             "about +-6; 10 makes the softmax as peaked as a real model's sink-heavy heads, with "
-                             "most keys' probabilities at the float32 floor)")
+                             "about +-6; 10 spreads them about +-60, so that many keys' exp(s - max) fall to "
+                             "float32's floor, as in a very peaked softmax)")
     harness.add_common_args(parser, repeats=5)
     args = parser.parse_args(argv)
     for name in ("rows", "keys", "page_size", "calls"):

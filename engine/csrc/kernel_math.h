@@ -41,8 +41,9 @@ INLINE float f16_to_f32(uint16_t h) {
 
 /* Subnormal float32s flushed to zero, as operands and as results, in the calling thread (the FTZ and DAZ bits of
  * its SSE control register) until subnormals_restored puts back what was there. An attention kernel runs its
- * threads so: in a peaked softmax (a model's sink-heavy heads) most keys' probabilities sit at float32's floor,
- * their products with the values and the sums that start from them are subnormal, and an x86 core takes a
+ * threads so: in a very peaked softmax many keys' exp(s - max) sit at float32's floor (scores ~87 below the
+ * best; the default model's heads did not reach it in a measured decode, sink-heavy heads of larger models
+ * can), their products with the values and the sums that start from them are subnormal, and an x86 core takes a
  * microcode assist for every multiply-add with a subnormal operand or result: one decode call of 64 rows x 2,048
  * keys with the query 10x a standard normal (benchmarks/decode_kernel_ab.py --query-scale 10, x86-64-v3 build,
  * 2-core Xeon) took 23 ms over bfloat16 pages against 6 ms with scores of an ordinary spread. Flushed, what is
