@@ -144,7 +144,6 @@ def test_the_kernel_leaves_torchs_subnormals_as_they_were():
     q = torch.randn(8, 9, 64) * 12
     kernel(q, k, k.clone(), KernelRows([[i * 8 + j for j in range(8)] for i in range(8)], [128] * 8, 16))
     tiny = torch.full((1 << 22,), 1e-39)                          # subnormal; torch splits it over the threads
-    assert torch.get_num_threads() < 2 or tiny.numel() > 2 * 32768
     assert bool(((tiny * 3) > 0).all()) and bool(((tiny + tiny) == 2e-39).all())
 
 
