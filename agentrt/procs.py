@@ -52,11 +52,11 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, http: httpx.Client) -> bool:
     if url.startswith(("redis://", "rediss://")):
         return redis_answers(url)
     try:
-        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+        return http.get(url + "/health").status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -97,15 +97,18 @@ class Proc:
         """Wait until ``url`` answers; if the process exits first, or ``timeout_s`` passes (it is then
         killed), RuntimeError with the tail of its log."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}{self._tail()}")
-            if _answers(self.url):
-                return self
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"{self.name} ({self.url}) did not answer in {timeout_s:g} s{self._tail()}")
-            time.sleep(0.1)
+        # one client for the whole wait: each new httpx client builds an SSL context with the system's CA
+        # certificates (25 ms of CPU on a 2-core EPYC), which a poll every 0.1 s took from the starting process
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                if not self.alive():
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}{self._tail()}")
+                if _answers(self.url, http):
+                    return self
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"{self.name} ({self.url}) did not answer in {timeout_s:g} s{self._tail()}")
+                time.sleep(0.1)
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> "Proc":
         """Start it again (same command and port, output appended to the same log) if it is not

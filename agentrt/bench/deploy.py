@@ -75,11 +75,12 @@ class Deployment:
 
     def _wait_workers(self, router: Proc, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            state = httpx.get(router.url + "/router/state", timeout=5).json()
-            if len(state.get("workers") or []) >= self.n_workers:
-                return
-            time.sleep(0.5)
+        with httpx.Client(timeout=5) as http:     # one SSL context for the wait, not one a poll
+            while time.monotonic() < deadline:
+                state = http.get(router.url + "/router/state").json()
+                if len(state.get("workers") or []) >= self.n_workers:
+                    return
+                time.sleep(0.5)
         raise RuntimeError(f"{router.name}: the router did not see {self.n_workers} live workers in {timeout_s} s:\n"
                            f"{router.log()[-3000:]}")
 
