@@ -31,12 +31,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from engine.cpu_info import AVX2_ONLY_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "agentrt-bench/1"
 ORDERS = ("alternate", "fixed")
-# environment variables that change what runs (threads; the kernels' -march; torch's and oneDNN's ISA caps)
-ENV_RECORDED = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "AGENTRT_KERNEL_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                "MKL_ENABLE_INSTRUCTIONS")
+# environment variables that change what runs (threads; the kernels' -march; torch's, oneDNN's and MKL's ISA caps,
+# the variables engine/cpu_info.py AVX2_ONLY_ENV sets)
+ENV_RECORDED = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", *AVX2_ONLY_ENV)
 HEADER_KEYS = ("schema", "script", "argv", "commit", "dirty", "diff_sha256", "machine", "torch", "env", "kernels",
                "engine", "servers", "order", "repeats", "started_at", "finished_at")
 HEADER_ADDED = ("loadavg",)   # keys added since the first results (a header has them after HEADER_KEYS)

@@ -153,8 +153,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     Without this the one-process suite grew to 13.7 GB (peak RSS). What survives the collection is frozen too:
     what stays alive from module to module (the session's engines and servers, the modules a test imported:
     180,000 objects after tests/engine/test_parity.py, which imports transformers) would otherwise be walked by
-    every later collection, 0.1-0.16 s at each module's end on a 2-core EPYC (~150 modules), 0-4 ms once frozen. A module's own engines are garbage by then and
-    gone; refcounting still frees a frozen object, only a cycle that forms among frozen objects later would stay."""
+    every later collection, 0.1-0.16 s at each module's end on a 2-core EPYC (~150 modules), 0-4 ms once frozen.
+    A module's own engines are garbage by then and gone; refcounting still frees a frozen object, only a cycle
+    that forms among frozen objects later would stay."""
     result = yield
     if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         gc.collect()

@@ -9,9 +9,9 @@ q/k/v, o, gate/up and down projections of ``LAYERS`` layers with weights of thei
 from memory as a step's do, and the LM head; fewer layers, and no head, where they would pass
 ``MEASURED_BYTES``), rounds alternating between candidates, the best round of
 each kept; the fastest wins. The times are cached as JSON in the kernel cache
-(engine/cpu_build.cache_dir), keyed by the CPU's flags, the kernels' ``-march``, torch's and oneDNN's ISA
-caps (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), torch's version, the shapes, the dtype and the
-kernel's source, so a machine measures once; the pick and the times are logged.
+(engine/cpu_build.cache_dir), keyed by the CPU's flags, the kernels' ``-march``, torch's, oneDNN's and MKL's
+ISA caps (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``: engine/cpu_info.py
+``AVX2_ONLY_ENV``), torch's version, the shapes, the dtype and the kernel's source, so a machine measures once; the pick and the times are logged.
 
 With ``gguf``, prefill chunks are measured apart (``pick_prefill_on_blocks``): one layer's projections at
 ``PREFILL_ROWS`` rows on the dense weights in the model's dtype against the blocks, cached the same way; the
@@ -42,8 +42,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_build import cache_dir, kernel_march
-from engine.cpu_info import flags_line
+from engine.cpu_build import MARCH_ENV, cache_dir, kernel_march
+from engine.cpu_info import AVX2_ONLY_ENV, flags_line
 
 log = logging.getLogger("engine")
 
@@ -121,8 +121,8 @@ def measure(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int =
 def _key(candidates: list[str], shapes: dict, dtype: torch.dtype, rows: int = 1) -> str:
     from engine.models.qmatmul import SOURCE
 
-    caps = [kernel_march(), os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("ONEDNN_MAX_CPU_ISA"),
-            os.environ.get("MKL_ENABLE_INSTRUCTIONS")]
+    # the kernels' -march, then each library's ISA cap (the variables an AVX2-only run sets, one list of them)
+    caps = [kernel_march(), *(os.environ.get(name) for name in AVX2_ONLY_ENV if name != MARCH_ENV)]
     text = json.dumps([candidates, sorted(shapes.items()), str(dtype), torch.__version__, flags_line(), LAYERS, caps]
                       + ([rows] if rows != 1 else []))
     return hashlib.sha256(text.encode() + SOURCE.read_bytes()).hexdigest()[:16]
