@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from agentrt.procs import Proc, Procs
+from agentrt.procs import Proc, Procs, tls_context
 
 
 class Deployment:
@@ -75,7 +75,7 @@ class Deployment:
 
     def _wait_workers(self, router: Proc, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5) as http:     # one SSL context for the wait, not one a poll
+        with httpx.Client(timeout=5, verify=tls_context()) as http:     # one client for the wait
             while time.monotonic() < deadline:
                 state = http.get(router.url + "/router/state").json()
                 if len(state.get("workers") or []) >= self.n_workers:

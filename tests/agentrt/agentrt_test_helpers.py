@@ -7,6 +7,7 @@ from typing import Callable
 
 import httpx
 
+from agentrt.procs import tls_context
 from engine.types import RequestOutput
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,7 +20,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 def metric(url: str, name: str, headers: dict | None = None) -> float:
     """One unlabelled sample from the server's /metrics."""
-    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10, verify=tls_context()).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

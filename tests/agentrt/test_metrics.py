@@ -19,6 +19,7 @@ from agentrt_test_helpers import MODEL, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentrt.metrics import PROTOCOL_METRICS
+from agentrt.procs import tls_context
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def server(tmp_path_factory, start_agentrt_server):
 
 def scrape(url: str) -> dict:
     """``{family name: family}`` of one scrape (one engine stats snapshot)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10, verify=tls_context()).text
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 

@@ -13,12 +13,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentrt.bench import prom
+from agentrt.procs import tls_context
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _counters(url: str) -> dict:
-    return prom.parse_counters(httpx.get(url + "/metrics", timeout=10).text)
+    return prom.parse_counters(httpx.get(url + "/metrics", timeout=10, verify=tls_context()).text)
 
 
 # gauges of work the server has in hand: the engine's running and queued requests, the HTTP layer's
@@ -31,7 +32,7 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
     in this test's deltas when its first token comes."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = httpx.get(url + "/metrics", timeout=10, verify=tls_context()).text
         busy = sum(s.value for f in text_string_to_metric_families(text) if f.name in BUSY for s in f.samples)
         if busy == 0:
             return

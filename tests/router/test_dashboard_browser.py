@@ -23,6 +23,7 @@ import httpx
 import pytest
 import redis
 
+from agentrt.procs import tls_context
 from router.config import RouterConfig
 from tests.router import cluster as c
 
@@ -64,7 +65,7 @@ def sessions(cluster):
 
 def _metrics(url: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=10, verify=tls_context()).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -85,7 +86,7 @@ def _quiet_figures(router: str, urls: dict[str, str]) -> dict[str, dict[str, flo
             return None
         out[w] = {"cached": m["agentrt_kv_pages_cached"], "indexed": indexed,
                   "prompt": m["agentrt_prompt_tokens_total"], "hit": m["agentrt_prefix_cache_hit_tokens_total"],
-                  "moves": httpx.get(url + "/internal/kv/stats", timeout=10).json()}
+                  "moves": httpx.get(url + "/internal/kv/stats", timeout=10, verify=tls_context()).json()}
     return out
 
 

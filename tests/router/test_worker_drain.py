@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import redis
 
+from agentrt.procs import tls_context
 from router.config import RouterConfig
 from tests.router import cluster as c
 
@@ -19,7 +20,7 @@ CFG = RouterConfig()
 
 
 def in_flight(url: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=10, verify=tls_context()).text.splitlines():
         if line.startswith("agentrt_requests_in_flight "):
             return float(line.split()[1])
     raise KeyError("agentrt_requests_in_flight not in /metrics")
