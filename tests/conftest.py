@@ -82,7 +82,7 @@ def start_agentrt_server():
 @pytest.fixture(autouse=True, scope="session")
 def _default_model_files_read_once():
     """Every in-process engine of the default model (the tests build dozens: one per configuration) reads
-    and dequantizes the same GGUF file; read it once per (dtype, 4-bit groups) and hand each engine the
+    and dequantizes the same GGUF file; read it once per (dtype, 4-bit groups, dense layers) and hand each engine the
     same tensors, which building a model only reads: copies from, or shares read-only where a tensor is
     already the parameter (``copy_hf_weights``), or wraps read-only (the 4-bit blocks). Each engine still
     builds its own model, pool and runner from them, and gets a tokenizer of its own (a tokenizer keys its
@@ -93,15 +93,16 @@ def _default_model_files_read_once():
 
     real, files = builder.load_model_files, {}
 
-    def load_model_files(path, dtype=None, int4_groups=False):
+    def load_model_files(path, dtype=None, int4_groups=False, dense_blocks=True):
         if dtype is None:
             import torch
             dtype = torch.float32
         if path is not None:
-            return real(path, dtype, int4_groups=int4_groups)
-        if (dtype, int4_groups) not in files:
-            files[dtype, int4_groups] = real(None, dtype, int4_groups=int4_groups)
-        return files[dtype, int4_groups]._replace(tokenizer=load_tokenizer(None)[0])
+            return real(path, dtype, int4_groups=int4_groups, dense_blocks=dense_blocks)
+        key = dtype, int4_groups, dense_blocks
+        if key not in files:
+            files[key] = real(None, dtype, int4_groups=int4_groups, dense_blocks=dense_blocks)
+        return files[key]._replace(tokenizer=load_tokenizer(None)[0])
 
     builder.load_model_files = load_model_files
     yield

@@ -47,10 +47,11 @@ class ModelFiles(NamedTuple):
     int4_groups: dict               # HF names -> Int4Groups of a GGUF's 4-bit weights (when asked), else {}
 
 
-def load_model_files(path: str | None, dtype: torch.dtype | None = None, int4_groups: bool = False) -> ModelFiles:
+def load_model_files(path: str | None, dtype: torch.dtype | None = None, int4_groups: bool = False,
+                     dense_blocks: bool = True) -> ModelFiles:
     """A path's model (None = default), its weights in ``dtype`` (None: float32). ``int4_groups``: also keep a
     GGUF file's Q4_0 / Q4_1 blocks as they are (``ModelFiles.int4_groups``), for 4-bit serving without
-    requantizing."""
+    requantizing; ``dense_blocks=False``: and not the dense weights of the layers kept so (see ``load_gguf``)."""
     import torch
 
     from engine.loader.gguf_loader import load_gguf
@@ -62,7 +63,7 @@ def load_model_files(path: str | None, dtype: torch.dtype | None = None, int4_gr
     if os.path.isdir(path):
         cfg, state, tok = load_hf_dir(path, dtype)
     elif path.endswith(".gguf") and os.path.isfile(path):
-        cfg, state, tok = load_gguf(path, dtype, groups if int4_groups else None)
+        cfg, state, tok = load_gguf(path, dtype, groups if int4_groups else None, dense_blocks)
     else:
         raise FileNotFoundError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
     return ModelFiles(cfg, state, tok, model_id, groups)
@@ -79,6 +80,17 @@ def gguf_weight_types(path: str | None) -> set[str]:
     return {t.type_name for t in read_gguf(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
+def gguf_model_config(path: str | None):
+    """A GGUF file's ``ModelConfig`` from its header alone; None for a Hugging Face directory."""
+    from engine.loader.gguf_arch import config_from_gguf
+    from engine.loader.gguf_file import read_gguf
+
+    path, _ = resolve_model(path)
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        return None
+    return config_from_gguf(read_gguf(path), path)
+
+
 def blocks_servable(weight_types: set[str]) -> bool:
     """Whether a GGUF file's layer weights (``gguf_weight_types``) can be served on blocks: 4-bit ones (Q4_0,
     Q4_1, Q4_K) and any wider ones (Q5_K, Q6_K, Q8_0, ...: 8-bit blocks), as the K-quant mixes (Q4_K_M)
@@ -88,5 +100,5 @@ def blocks_servable(weight_types: set[str]) -> bool:
     return bool(weight_types & set(Q4_TYPES)) and weight_types <= set(Q4_TYPES) | WIDER_TYPES
 
 
-__all__ = ["ModelConfig", "ModelFiles", "blocks_servable", "gguf_weight_types", "load_model_files", "load_tokenizer",
-           "resolve_model"]
+__all__ = ["ModelConfig", "ModelFiles", "blocks_servable", "gguf_model_config", "gguf_weight_types",
+           "load_model_files", "load_tokenizer", "resolve_model"]

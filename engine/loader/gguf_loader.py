@@ -55,14 +55,19 @@ def _unpermute_rows(out_dim: int, n_head: int) -> torch.Tensor:
     return torch.arange(out_dim).reshape(n_head, hd // 2, 2).transpose(1, 2).reshape(out_dim)
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict | None = None):
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict | None = None,
+              dense_blocks: bool = True):
     """Returns ``(ModelConfig, state_dict in HF names, Tokenizer)`` (architectures: engine/loader/gguf_arch.py).
 
     ``int4_groups``: a dict that receives, by HF name, every Q4_0 / Q4_1 / Q4_K layer weight's blocks as
     ``engine.models.quant.Int4Groups`` (as stored: no requantization), for 4-bit serving; every layer weight
     in wider blocks (Q5_K, Q6_K, Q8_0, ...) as 8-bit ``engine.models.qmatmul.Q8Blocks`` (Q8_0's scheme from
     its values: a Q8_0 weight's own blocks, a Q6_K weight's within half an 8-bit step); and the Q8_0
-    ``token_embd`` / ``output`` weights as ``Q8Blocks`` (the LM head of ``quantization="gguf"``)."""
+    ``token_embd`` / ``output`` weights as ``Q8Blocks`` (the LM head of ``quantization="gguf"``).
+
+    ``dense_blocks=False`` (with ``int4_groups``): a layer weight whose blocks go into ``int4_groups`` is not
+    decoded into the state, which holds a ``meta`` tensor of its shape instead (``copy_hf_weights`` leaves such
+    a weight unloaded): for a model whose every step runs those layers on their blocks (engine/builder.py)."""
     reader = read_gguf(path)
     cfg = config_from_gguf(reader, path)
     tokenizer = gguf_tokenizer(reader)   # before the weights: a refused tokenizer costs no dequantization
@@ -85,22 +90,27 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
         progress.update(int(t.n_bytes))
         if t.name in _ROPE_TENSORS:
             continue
-        arr = dequantize(t)
         key, heads = _hf_name(path, t.name, names, permuted)
+        layer = int4_groups is not None and key.startswith("model.layers.") and not key.endswith("_exps")
+        if layer and t.type_name in Q4_TYPES:   # the blocks as stored: their shape is all they need
+            rows = int(t.shape[-1])
+            groups = Int4Groups.from_blocks(*q4_blocks(t), rows)
+            int4_groups[key] = groups if heads is None else groups.rows(_unpermute_rows(rows, heads))
+            if not dense_blocks:
+                state[key] = torch.empty(rows, int(t.shape[0]), dtype=dtype, device="meta")
+                continue
+        arr = dequantize(t)
         if heads is not None:
             arr = _unpermute_qk(arr, heads)
         if key.endswith("_exps"):             # (E, out, in) stacked experts -> one HF weight per expert
             for i, w in enumerate(arr):
                 state[key[:-len("_exps")].replace("{i}", str(i))] = w.to(dtype)
             continue
-        if int4_groups is not None and t.type_name in Q4_TYPES and key.startswith("model.layers."):
-            groups = Int4Groups.from_blocks(*q4_blocks(t), arr.shape[0])
-            if heads is not None:
-                groups = groups.rows(_unpermute_rows(arr.shape[0], heads))
-            int4_groups[key] = groups
-        elif int4_groups is not None and t.type_name in WIDER_TYPES and key.startswith("model.layers.") \
-                and arr.dim() == 2:
+        if layer and t.type_name in WIDER_TYPES and arr.dim() == 2:
             int4_groups[key] = Q8Blocks.quantize(arr)     # Q8_0: its own blocks again (max |q| is 127)
+            if not dense_blocks:
+                state[key] = torch.empty(arr.shape, dtype=dtype, device="meta")
+                continue
         if int4_groups is not None and t.type_name == "Q8_0" and key in ("model.embed_tokens.weight",
                                                                           "lm_head.weight"):
             int4_groups[key] = Q8Blocks.from_blocks(*q8_blocks(t), arr.shape[0])

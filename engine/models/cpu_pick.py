@@ -231,17 +231,35 @@ def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     from engine.models import qlinear
     from engine.models.qlinear import BlockLinear, prefill_on_blocks
 
-    layers = getattr(model, "layers", None)
-    shapes = []
-    for name, path in _PICK_NAMES.items() if layers else ():
-        m = _submodule(layers[0], path)
-        if isinstance(m, BlockLinear):
-            shapes.append((name, (m.out_features, m.in_features)))
-    enabled = bool(shapes) and pick_prefill_on_blocks(tuple(shapes), str(dtype).removeprefix("torch."))
+    shapes = _prefill_shapes(model, BlockLinear)
+    enabled = bool(shapes) and pick_prefill_on_blocks(shapes, str(dtype).removeprefix("torch."))
     prefill_on_blocks(model, enabled)
     if enabled and qlinear.RELEASE_DENSE:
         log.info("gguf prefill on the blocks: %.0f MiB of dense weights released", qlinear.release_dense(model) / 2**20)
     return enabled
+
+
+def prefill_runs_on_blocks(cfg, dtype: torch.dtype) -> bool:
+    """What ``pick_prefill_path`` will pick for a Llama-skeleton model of ``cfg`` (the dense families: not an
+    MoE, not engine/models ``FAMILY_BUILDERS``) served on its GGUF blocks, known before its weights are read:
+    its shapes from the skeleton on the meta device, the same pick (measured here once, then cached)."""
+    from engine.models.llama import LlamaModel
+
+    with torch.device("meta"):
+        skeleton = LlamaModel(cfg)
+    shapes = _prefill_shapes(skeleton, torch.nn.Linear)
+    return bool(shapes) and pick_prefill_on_blocks(shapes, str(dtype).removeprefix("torch."))
+
+
+def _prefill_shapes(model: torch.nn.Module, kind: type) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """(name, (out, in)) of the first decoder layer's projections that are ``kind`` layers."""
+    layers = getattr(model, "layers", None)
+    shapes = []
+    for name, path in _PICK_NAMES.items() if layers else ():
+        m = _submodule(layers[0], path)
+        if isinstance(m, kind):
+            shapes.append((name, (m.out_features, m.in_features)))
+    return tuple(shapes)
 
 
 def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:

@@ -250,7 +250,8 @@ def copy_hf_weights(module: nn.Module, state, skip: tuple[str, ...] = ()) -> Non
     tensor that is already what the parameter holds (one part, same dtype and device, contiguous, alone in its
     storage) becomes the parameter, not copied: the model and the checkpoint then share it, which only reads
     its weights (the embedding, o_proj, down_proj: half the default model's bytes not copied, not faulted in
-    twice). Fused parameters get their parts copied into their rows."""
+    twice). Fused parameters get their parts copied into their rows. A weight the checkpoint holds as a ``meta``
+    tensor (every part of it: the loader's ``dense_blocks=False``) is left as it was, unloaded."""
     missing: list[str] = []
     weights = module.state_dict()
     owners = Counter(t.data_ptr() for t in weights.values())
@@ -263,6 +264,11 @@ def copy_hf_weights(module: nn.Module, state, skip: tuple[str, ...] = ()) -> Non
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or shape != tensor.shape:
             raise ValueError(f"weight {name}: shape {tuple(shape)} != expected {tuple(tensor.shape)}")
+        unloaded = [p.is_meta for p in parts]
+        if any(unloaded):
+            if not all(unloaded):
+                raise ValueError(f"weight {name}: some of its parts were not loaded (meta), so none can be")
+            continue
         if len(parts) == 1 and owners[tensor.data_ptr()] == 1 and _shareable(parts[0], tensor):
             _set_weight(module, name, parts[0])
             continue

@@ -112,3 +112,92 @@ def test_a_weight_the_checkpoint_already_holds_is_shared_not_copied():
     view = sliced["model.layers.2.self_attn.o_proj.weight"]
     assert again.layers[2].self_attn.o_proj.weight.data_ptr() != view.data_ptr()
     assert torch.equal(again.layers[2].self_attn.o_proj.weight, o_proj)
+
+
+def _loaded(dense_blocks: bool):
+    from engine.loader.gguf_loader import load_gguf
+    from engine.loader.tokenizer_files import default_model_path
+
+    groups: dict = {}
+    _, state, _ = load_gguf(default_model_path(), torch.float32, groups, dense_blocks=dense_blocks)
+    return state, groups
+
+
+@pytest.mark.slow
+def test_a_load_without_the_block_layers_dense_weights_keeps_the_same_blocks_and_the_rest():
+    """``dense_blocks=False``: each layer weight kept as blocks is a meta tensor of its shape in the state, its
+    blocks those of the full load; every other tensor (embeddings, norms) is loaded as before."""
+    full, full_groups = _loaded(True)
+    bare, bare_groups = _loaded(False)
+    assert list(bare) == list(full) and list(bare_groups) == list(full_groups)
+    layer_blocks = {k for k in full_groups if k.startswith("model.layers.")}
+    assert len(layer_blocks) == 7 * 30                       # q, k, v, o, gate, up, down of 30 layers
+    for name, tensor in bare.items():
+        assert tensor.shape == full[name].shape and tensor.dtype == full[name].dtype, name
+        assert tensor.is_meta == (name in layer_blocks), name
+        if not tensor.is_meta:
+            assert torch.equal(tensor, full[name]), name
+    for name, g in full_groups.items():
+        for field in ("q", "scale", "minimum", "qs", "d"):
+            if hasattr(g, field):
+                assert torch.equal(getattr(bare_groups[name], field), getattr(g, field)), (name, field)
+
+
+def test_a_fused_weight_with_only_some_parts_unloaded_is_refused():
+    from engine.models.llama import copy_hf_weights
+
+    layer = nn.Module()
+    layer.self_attn = nn.Module()
+    layer.self_attn.qkv_proj = nn.Linear(4, 12, bias=False)
+    module = nn.Module()
+    module.layers = nn.ModuleList([layer])
+    q, k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    state = {q: torch.ones(4, 4), k: torch.empty(4, 4, device="meta"), v: torch.ones(4, 4)}
+    with pytest.raises(ValueError, match="some of its parts were not loaded"):
+        copy_hf_weights(module, state)
+    state[q] = state[v] = state[k]
+    before = layer.self_attn.qkv_proj.weight.clone()
+    copy_hf_weights(module, state)                           # all unloaded: left as it was
+    assert torch.equal(layer.self_attn.qkv_proj.weight, before)
+
+
+@pytest.mark.slow
+def test_a_gguf_build_on_blocks_reads_no_dense_layer_weight_and_serves_the_same(monkeypatch):
+    """Where every step runs the block layers on their blocks (the prefill pick forced so here, whatever this
+    machine measured), the build does not decode their dense weights (the loader gets ``dense_blocks=False``),
+    and the engine gives the tokens and log-probs of the build that decoded them and dropped them after, through
+    decode steps and a 600-token prefill."""
+    import engine.builder as builder
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.loader import load_model_files as real_load
+    from engine.models import cpu_pick
+
+    monkeypatch.setattr(cpu_pick, "pick_prefill_on_blocks", lambda shapes, dtype: True)
+    asked = []
+
+    def load(path, dtype=None, int4_groups=False, dense_blocks=True):
+        asked.append(dense_blocks)
+        return real_load(path, dtype, int4_groups=int4_groups, dense_blocks=dense_blocks)
+    monkeypatch.setattr(builder, "load_model_files", load)
+    config = EngineConfig(kv_cache_tokens=2048, max_batched_tokens=256, quantization="gguf")
+    bare = LLMEngine(config)
+    monkeypatch.setattr(builder, "_blocks_only", lambda *args: False)
+    full = LLMEngine(config)
+    assert asked == [False, True]
+    prompts = [list(range(100, 700)), list(range(2000, 2040))]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    got, want = bare.generate(prompts, params), full.generate(prompts, params)
+    assert [(r.token_ids, r.logprobs) for r in got] == [(r.token_ids, r.logprobs) for r in want]
+
+
+def test_a_build_that_read_no_dense_weights_refuses_a_dense_prefill(monkeypatch):
+    """The pick made after the build must agree with the one the load was made for; were it to differ, the block
+    layers would have no weights for a dense prefill: the build fails instead of serving garbage."""
+    import engine.builder as builder
+    from engine import EngineConfig
+    from engine.models import cpu_pick
+
+    monkeypatch.setattr(cpu_pick, "prefill_runs_on_blocks", lambda cfg, dtype: True)
+    monkeypatch.setattr(cpu_pick, "pick_prefill_on_blocks", lambda shapes, dtype: False)
+    with pytest.raises(RuntimeError, match="loaded for prefill on its blocks"):
+        builder.load_model(EngineConfig(kv_cache_tokens=1024, quantization="gguf"))
