@@ -158,6 +158,9 @@ def _blocks_only(config: EngineConfig, device: str, dtype: torch.dtype, quantiza
 
     if quantization != "gguf" or device != "cpu" or config.ep_size > 1 or not qlinear.RELEASE_DENSE:
         return False
+    from engine.models.qmatmul import load
+    if load() is None:   # no kernel to time or serve the blocks with: the build says so (quantize_model_blocks)
+        return False
     mcfg = gguf_model_config(config.model)
     if mcfg is None or mcfg.moe or mcfg.architecture in FAMILY_BUILDERS:
         return False
