@@ -152,8 +152,8 @@ def _blocks_only(config: EngineConfig, device: str, dtype: torch.dtype, quantiza
     """Whether a GGUF model's layers served on their blocks need no dense weights at all: where every step,
     prefill chunks too, runs them on the blocks (``prefill_runs_on_blocks``: the pick ``pick_prefill_path``
     makes after the build) and the build then drops those weights (``RELEASE_DENSE``), the loader does not
-    decode them: the default model's build on a 2-core Zen 3 EPYC took 1.52 s (0.74 s of it in the kernel,
-    faulting in pages), 1.17 s without them (0.33 s), its peak RSS 1.51 -> 0.82 GB."""
+    decode them: the default model's build on a 2-core Zen 3 EPYC 1.58 -> 0.97 s, its process's peak RSS
+    1466 -> 793 MB (benchmarks/engine_start.py ``--compare dense-load``, docs/benchmarking.md)."""
     from engine.models import FAMILY_BUILDERS, qlinear
 
     if quantization != "gguf" or device != "cpu" or config.ep_size > 1 or not qlinear.RELEASE_DENSE:

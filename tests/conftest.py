@@ -82,12 +82,13 @@ def start_agentrt_server():
 @pytest.fixture(autouse=True, scope="session")
 def _default_model_files_read_once():
     """Every in-process engine of the default model (the tests build dozens: one per configuration) reads
-    and dequantizes the same GGUF file; read it once per (dtype, 4-bit groups, dense layers) and hand each engine the
-    same tensors, which building a model only reads: copies from, or shares read-only where a tensor is
-    already the parameter (``copy_hf_weights``), or wraps read-only (the 4-bit blocks). Each engine still
-    builds its own model, pool and runner from them, and gets a tokenizer of its own (a tokenizer keys its
-    grammar compiler cache). Other paths load as before; the loader's own tests call it directly. Measured on
-    this 2-core machine: a build after the first 2.8 s -> 0.7 s (0.22 s since weights are shared, not copied)."""
+    and dequantizes the same GGUF file; read it once per (dtype, 4-bit groups, block layers' dense weights or
+    not) and hand each engine the same tensors, which building a model only reads: copies from, or shares
+    read-only where a tensor is already the parameter (``copy_hf_weights``), or wraps read-only (the 4-bit
+    blocks). Each engine still builds its own model, pool and runner from them, and gets a tokenizer of its own
+    (a tokenizer keys its grammar compiler cache). Other paths load as before; the loader's own tests call it
+    directly. Measured on this 2-core machine: a build after the first 2.8 s -> 0.7 s (0.22 s since weights are
+    shared, not copied)."""
     import engine.builder as builder
     from engine.loader import load_tokenizer
 

@@ -11,7 +11,8 @@ from memory as a step's do, and the LM head; fewer layers, and no head, where th
 each kept; the fastest wins. The times are cached as JSON in the kernel cache
 (engine/cpu_build.cache_dir), keyed by the CPU's flags, the kernels' ``-march``, torch's, oneDNN's and MKL's
 ISA caps (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``: engine/cpu_info.py
-``AVX2_ONLY_ENV``), torch's version, the shapes, the dtype and the kernel's source, so a machine measures once; the pick and the times are logged.
+``AVX2_ONLY_ENV``), torch's version, the shapes, the dtype and the kernel's source, so a machine measures
+once; the pick and the times are logged.
 
 With ``gguf``, prefill chunks are measured apart (``pick_prefill_on_blocks``): one layer's projections at
 ``PREFILL_ROWS`` rows on the dense weights in the model's dtype against the blocks, cached the same way; the
