@@ -72,15 +72,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
     cfg = config_from_gguf(reader, path)
     tokenizer = gguf_tokenizer(reader)   # before the weights: a refused tokenizer costs no dequantization
     arch = reader.fields["general.architecture"]
-    if arch in FAMILY_ARCHS:   # Gemma 3, gpt-oss: their own layouts, read as float (no 4-bit groups kept)
-        with load_bar([path], f"loading {os.path.basename(path)}") as progress:
-            tensors = {}
-            for t in reader.tensors:   # in the model dtype as read (norms float32: Gemma's 1 + w comes off first)
-                progress.update(int(t.n_bytes))
-                if t.name not in _ROPE_TENSORS:
-                    arr = dequantize(t)
-                    tensors[t.name] = arr if t.name.endswith("norm.weight") else arr.to(dtype)
-        return cfg, family_state(arch, tensors, dtype), tokenizer
+    if arch in FAMILY_ARCHS:
+        return cfg, _family_state(reader, path, arch, dtype), tokenizer
     names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     # llama.cpp's converter interleaves q/k rows for llama only (the others use NEOX-style RoPE)
     permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}
@@ -117,6 +110,18 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4_groups: dict |
         state[key] = arr.to(dtype)
     progress.close()
     return cfg, state, tokenizer
+
+
+def _family_state(reader, path: str, arch: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Gemma 3's and gpt-oss's state: their own layouts, read as float (no 4-bit groups kept)."""
+    with load_bar([path], f"loading {os.path.basename(path)}") as progress:
+        tensors = {}
+        for t in reader.tensors:   # in the model dtype as read (norms float32: Gemma's 1 + w comes off first)
+            progress.update(int(t.n_bytes))
+            if t.name not in _ROPE_TENSORS:
+                arr = dequantize(t)
+                tensors[t.name] = arr if t.name.endswith("norm.weight") else arr.to(dtype)
+    return family_state(arch, tensors, dtype)
 
 
 def _hf_name(path: str, name: str, names: dict, permuted: dict) -> tuple[str, int | None]:
