@@ -30,6 +30,8 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 DTYPES = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
 ROPE_DTYPES = {torch.bfloat16: "rope_store_bf16", torch.float32: "rope_store_f32"}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256   # MAX_G and MAX_D in the source
+# the (query heads per KV head, head dim) pairs the source can give an int8 loop nest of their own (run_i8)
+I8_CASE_GROUPS, I8_CASE_DIMS = range(1, 9), (64, 128)
 
 
 class DecodeKernel:
@@ -46,6 +48,8 @@ class DecodeKernel:
             fn.argtypes = [p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, p, p]
             self.fns[dtype] = fn
         self.dpbf16 = bool(lib.decode_attention_dpbf16())   # bfloat16 scores on vdpbf16ps (AVX512-BF16)
+        # the int8 pairs with a loop nest of their own: 1000 * G + D for one, 0 for none, -1 for all (i8_case_flags)
+        self.i8_cases = int(lib.decode_attention_i8_cases())
         self.fn_i8 = lib.decode_attention_i8
         self.fn_i8.restype = i32
         self.fn_i8.argtypes = [p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, i32, p, p]
@@ -162,17 +166,33 @@ class KernelRows:
         self.page_size = page_size
 
 
+def i8_case_flags(i8_shape: tuple[int, int] | None) -> tuple[str, ...]:
+    """The build flags for decode attention over an int8 pool whose layers have ``i8_shape`` = (query heads per
+    KV head, head dim), or over no int8 pool (``None``): only that pair's int8 loop nest, or none (a pair outside
+    ``I8_CASE_GROUPS`` x ``I8_CASE_DIMS`` has none in any build). The 16 nests of the full build are most of the
+    source's compile time (csrc/decode_attention.c, run_i8), which a first start pays."""
+    if i8_shape is not None and i8_shape[0] in I8_CASE_GROUPS and i8_shape[1] in I8_CASE_DIMS:
+        return (f"-DI8_ONE_G={i8_shape[0]}", f"-DI8_ONE_D={i8_shape[1]}")
+    return ("-DI8_NO_CASES",)
+
+
+def load(i8_shape: tuple[int, int] | None = None) -> DecodeKernel | None:
+    """The kernel for a pool of this process, built on first use: ``i8_shape`` (query heads per KV head, head
+    dim) for an int8 pool, ``None`` for a float one (:func:`i8_case_flags`); ``None`` when it cannot be built
+    (logged once a build: the answer is cached). Every build computes every dtype and shape; they differ only
+    in which int8 pair runs a loop nest of its own."""
+    return _load_decode(i8_case_flags(i8_shape))
+
+
 @functools.cache
-def load() -> DecodeKernel | None:
-    """The kernel for this process, built on first use; ``None`` when it cannot be built (logged once:
-    the answer is cached)."""
-    return _load(DecodeKernel, SOURCE, "decode-attention", "the torch decode plans")
+def _load_decode(flags: tuple[str, ...]) -> DecodeKernel | None:
+    return _load(DecodeKernel, SOURCE, "decode-attention", "the torch decode plans", flags)
 
 
-def _load(cls, source: Path, what: str, instead: str):
-    """``cls`` over ``source`` built (cached) and loaded, or ``None`` with the reason logged."""
+def _load(cls, source: Path, what: str, instead: str, flags: tuple[str, ...] = ()):
+    """``cls`` over ``source`` built with ``flags`` (cached) and loaded, or ``None`` with the reason logged."""
     try:
-        kernel = cls(build(source))
+        kernel = cls(build(source, flags))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU %s kernel unavailable, using %s: %s", what, instead, exc)
         return None

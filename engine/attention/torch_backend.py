@@ -180,7 +180,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.kernel = self.prefill_kernel = None
         if cpu_kernel and kv.k[0].device.type == "cpu" and 256 % kv.page_size == 0:
             from engine.attention.cpu_kernel import load
-            kernel = load()
+            # an int8 pool's build holds the loop nest of its query group and head dim (cpu_kernel.i8_case_flags)
+            kernel = load((num_heads // num_kv_heads, head_dim) if kv.k[0].dtype == torch.int8 else None)
             if kernel is not None and kernel.supports(kv.k[0].dtype, num_heads, num_kv_heads, head_dim):
                 self.kernel = kernel
         # pages of the activations' dtype (bfloat16 or float32), or int8 ones read as that dtype

@@ -9,15 +9,19 @@ import torch
 
 from engine import EngineConfig
 from engine.attention import create_backend
-from engine.attention.cpu_kernel import KernelRows, load
+from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows, i8_case_flags, load
+from engine.cpu_build import build
 from engine.attention.reference import reference_attention
 from engine.kv_pool import KVCache, kv_bytes_per_token, pool_pages, quantize_int8
 from engine.kv_tier import DiskTier, HostTier
-from kernel_build import built_for
+from kernel_build import KernelBuild, built_for
 from test_cpu_kernel import backend_batch as batch   # tests/engine is on the path (no __init__.py)
 
-kernel = load()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the kernel could not be built")
+# this CPU's build with every int8 loop nest (the engine's builds hold one or none: test_an_int8_pool_gets_...)
+BUILD = KernelBuild(lambda: DecodeKernel(build(SOURCE)))
+kernel = BUILD.value
+needs_kernel = BUILD.skip_mark()
+_built = BUILD.autouse_require()   # a compile error fails every test here
 
 
 def int8_pool(num_pages, P=16, Hkv=2, D=32, dtype=torch.float32, layers=1):
@@ -75,6 +79,30 @@ def test_backend_on_int8_pages_matches_reference(plan, dtype, tol):
     torch.testing.assert_close(out.float(), reference_attention(kv, 0, layout, q).float(), atol=tol, rtol=tol)
 
 
+@needs_kernel
+def test_an_int8_pool_gets_the_build_with_its_own_loop_nest():
+    """The engine's build for an int8 pool holds only that pool's (query group, head dim) loop nest, a float
+    pool's none (compiling all 16 is most of a first start's kernel builds); each computes what the full build
+    does: the same nest for the pool's pair, the generic calls for a pair outside the 16."""
+    assert i8_case_flags((3, 64)) == ("-DI8_ONE_G=3", "-DI8_ONE_D=64")
+    assert i8_case_flags(None) == i8_case_flags((10, 64)) == i8_case_flags((2, 96)) == ("-DI8_NO_CASES",)
+    assert kernel.i8_cases == -1
+    rng = random.Random(7)
+    for Hq, Hkv, D, cases in ((9, 3, 64, 3064), (8, 2, 128, 4128), (20, 2, 64, 0)):
+        kv = int8_pool(40, 16, Hkv, D)
+        backend = create_backend("torch", kv=kv, num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+        assert backend.kernel is load((Hq // Hkv, D)) and backend.kernel.i8_cases == cases
+        lens = [1, 255, 300]
+        free = list(range(40))
+        rng.shuffle(free)
+        rows = KernelRows([[free.pop() for _ in range(-(-n // 16))] for n in lens], lens, 16)
+        q = torch.randn(len(lens), Hq, D)
+        torch.testing.assert_close(backend.kernel.paged(q, kv, 0, rows), kernel.paged(q, kv, 0, rows),
+                                   atol=1e-6, rtol=1e-6)
+    float_pool = KVCache(1, 8, 16, 3, 64, torch.float32, "cpu", layout="HSD")
+    assert create_backend("torch", kv=float_pool, num_heads=9, num_kv_heads=3, head_dim=64).kernel.i8_cases == 0
+
+
 def reference_rows(q, kv, tables, lens, P):
     """Row-by-row float64 softmax attention over the dequantized pool -> (out, lse)."""
     B, Hq, D = q.shape
@@ -98,9 +126,6 @@ def test_kernel_reads_int8_pages_as_the_torch_path(variant, Hq, Hkv, D, P):
     pages dequantized: tight, output and log-sum-exp. The shapes reach the vectorised passes with a constant and
     a runtime query group (3, 10), and the per-query path (D 24; D 40 under AVX-512, whose 16 lanes do not
     divide it). The AVX2-only build is test_cpu_kernel's x86-64-v3 one (the same flags: compiled once)."""
-    from engine.attention.cpu_kernel import SOURCE, DecodeKernel
-    from engine.cpu_build import build
-
     if variant == "avx2":
         kern = built_for("x86-64-v3", lambda: DecodeKernel(build(SOURCE)))
     elif variant == "portable":
