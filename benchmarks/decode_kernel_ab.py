@@ -7,7 +7,13 @@ Two sides, each the C source built by engine/cpu_build.py with this tree's flags
 (``AGENTRT_KERNEL_MARCH`` holds both to one ISA, e.g. ``x86-64-v3``):
 
 - ``base``: ``--base-source`` (a file; an older revision of engine/attention/csrc/decode_attention.c);
-- ``tree``: this tree's engine/attention/csrc/decode_attention.c.
+- ``tree``: this tree's engine/attention/csrc/decode_attention.c: built with every int8 loop nest, as the
+  base is, or with ``--tree-build engine`` as the engine builds it for this pool (its pair's nest only, none
+  for a float pool: ``engine.attention.cpu_kernel.i8_case_flags``). With this tree's source as the base, that
+  measures the engine's build against the full one:
+
+    python benchmarks/decode_kernel_ab.py --base-source engine/attention/csrc/decode_attention.c \
+        --tree-build engine --json OUT
 
 The work is one layer's decode call, as a ``b{rows}_ctx{keys}`` step makes it: ``--rows`` rows of
 ``--keys`` keys each over a pool of ``--kv-dtype`` pages (SmolLM2's 9 query / 3 KV heads of 64, pages of
@@ -44,6 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--page-size", type=int, default=16, help="keys a page (default 16)")
     parser.add_argument("--kv-dtype", choices=("int8", "bfloat16", "float32"), default="int8",
                         help="the pool's pages (default int8)")
+    parser.add_argument("--tree-build", choices=("full", "engine"), default="full",
+                        help="the tree side built with every int8 loop nest (full, default) or as the engine "
+                             "builds it for this pool (engine: its pair's nest only, none for a float pool)")
     parser.add_argument("--calls", type=int, default=20, help="calls a side makes a block (default 20)")
     parser.add_argument("--query-scale", type=float, default=1.0, metavar="X",
                         help="the query's entries are X times standard normal (default 1: a row's scores spread "
@@ -60,11 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows
+    from engine.attention.cpu_kernel import SOURCE, DecodeKernel, KernelRows, i8_case_flags
     from engine.cpu_build import build
     from engine.kv_pool import KVCache
 
-    kernels = {"base": DecodeKernel(build(args.base_source.resolve())), "tree": DecodeKernel(build(SOURCE))}
+    tree_flags = () if args.tree_build == "full" else i8_case_flags((HQ // HKV, D) if args.kv_dtype == "int8" else None)
+    kernels = {"base": DecodeKernel(build(args.base_source.resolve())), "tree": DecodeKernel(build(SOURCE, tree_flags))}
     torch.manual_seed(0)
     P, B, L = args.page_size, args.rows, args.keys
     per_row = -(-L // P)
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     body = {
         "workload": {"rows": B, "keys": L, "page_size": P, "kv_dtype": args.kv_dtype, "heads": [HQ, HKV, D],
                      "calls_per_block": args.calls, "kv_bytes_per_call": B * L * HKV * D * 2 * kv.k[0].element_size()},
-        "base_source": str(args.base_source),
+        "base_source": str(args.base_source), "tree_build": args.tree_build, "tree_flags": list(tree_flags),
         "call_ms": {s: harness.spread(v) for s, v in blocks.items()},
         "base_over_tree": base / tree,
         "same_output": bool(torch.equal(outputs["base"], outputs["tree"])),
