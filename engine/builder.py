@@ -139,7 +139,7 @@ def _load_model(config: EngineConfig) -> Model:
     on_blocks = False
     if quantization == "gguf" and device == "cpu":   # prefill chunks too, where measured faster
         from engine.models.cpu_pick import pick_prefill_path
-        on_blocks = pick_prefill_path(model, dtype)
+        on_blocks = pick_prefill_path(model, dtype, dense_read=not blocks_only)
     if blocks_only and not on_blocks:   # its block layers' dense weights were never read: they cannot run
         raise RuntimeError("the model was loaded for prefill on its blocks and picked the dense weights")
     packed = ep is None and _pack_projections(config, model, device, dtype, quantization)

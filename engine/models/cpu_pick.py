@@ -225,10 +225,12 @@ _PICK_NAMES = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": 
                "down": "mlp.down_proj"}
 
 
-def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype, dense_read: bool = True) -> bool:
     """Prefill chunks on the blocks where they measured faster than on the dense weights in ``dtype`` at
     this model's shapes (``pick_prefill_on_blocks``, once per machine), the dense weights then released
-    (engine/models/qlinear.py ``release_dense``, unless ``RELEASE_DENSE`` is off); returns whether they run so."""
+    (engine/models/qlinear.py ``release_dense``, unless ``RELEASE_DENSE`` is off); returns whether they run so.
+    ``dense_read=False``: the load never filled those weights (engine/builder.py ``_blocks_only``), which the
+    log line says instead of counting their buffers as memory saved."""
     from engine.models import qlinear
     from engine.models.qlinear import BlockLinear, prefill_on_blocks
 
@@ -236,7 +238,12 @@ def pick_prefill_path(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     enabled = bool(shapes) and pick_prefill_on_blocks(shapes, str(dtype).removeprefix("torch."))
     prefill_on_blocks(model, enabled)
     if enabled and qlinear.RELEASE_DENSE:
-        log.info("gguf prefill on the blocks: %.0f MiB of dense weights released", qlinear.release_dense(model) / 2**20)
+        mib = qlinear.release_dense(model) / 2**20
+        if dense_read:
+            log.info("gguf prefill on the blocks: %.0f MiB of dense weights released", mib)
+        else:
+            log.info("gguf prefill on the blocks: the block layers' dense weights were never read (%.0f MiB of "
+                     "unfilled buffers dropped)", mib)
     return enabled
 
 

@@ -162,11 +162,12 @@ def test_a_fused_weight_with_only_some_parts_unloaded_is_refused():
 
 
 @pytest.mark.slow
-def test_a_gguf_build_on_blocks_reads_no_dense_layer_weight_and_serves_the_same(monkeypatch):
+def test_a_gguf_build_on_blocks_reads_no_dense_layer_weight_and_serves_the_same(monkeypatch, caplog):
     """Where every step runs the block layers on their blocks (the prefill pick forced so here, whatever this
     machine measured), the build does not decode their dense weights (the loader gets ``dense_blocks=False``),
     and the engine gives the tokens and log-probs of the build that decoded them and dropped them after, through
-    decode steps and a 600-token prefill."""
+    decode steps and a 600-token prefill. Only the build that read them logs them as memory released."""
+    import logging
     import engine.builder as builder
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.loader import load_model_files as real_load
@@ -180,10 +181,18 @@ def test_a_gguf_build_on_blocks_reads_no_dense_layer_weight_and_serves_the_same(
         return real_load(path, dtype, int4_groups=int4_groups, dense_blocks=dense_blocks)
     monkeypatch.setattr(builder, "load_model_files", load)
     config = EngineConfig(kv_cache_tokens=2048, max_batched_tokens=256, quantization="gguf")
-    bare = LLMEngine(config)
-    monkeypatch.setattr(builder, "_blocks_only", lambda *args: False)
-    full = LLMEngine(config)
+    lines = []
+    with caplog.at_level(logging.INFO, logger="engine"):
+        bare = LLMEngine(config)
+        lines.append([r.getMessage() for r in caplog.records if "gguf prefill on the blocks" in r.getMessage()])
+        caplog.clear()
+        monkeypatch.setattr(builder, "_blocks_only", lambda *args: False)
+        full = LLMEngine(config)
+        lines.append([r.getMessage() for r in caplog.records if "gguf prefill on the blocks" in r.getMessage()])
     assert asked == [False, True]
+    (never_read,), (released,) = lines
+    assert "dense weights were never read" in never_read and "released" not in never_read, never_read
+    assert released.endswith("MiB of dense weights released") and int(released.split()[5]) > 0, released
     prompts = [list(range(100, 700)), list(range(2000, 2040))]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
     got, want = bare.generate(prompts, params), full.generate(prompts, params)
