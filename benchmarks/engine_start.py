@@ -24,6 +24,7 @@ Both decode to the same float32 values bit for bit (tests/engine/test_gguf_dequa
 
 Each child also reports its peak RSS and whether its load skipped the dense weights (``blocks_only``: false on
 both sides where this machine's pick runs prefill on the dense weights, and then there is nothing to compare).
+The tokens are the same (tests/engine/test_model_build.py).
 
 ``--compare first-start``: the same served engine's first start on a machine, every start with an empty kernel
 cache of its own (``AGENTRT_KERNEL_CACHE``, a new temporary folder): the C kernels are compiled and the
@@ -34,8 +35,8 @@ picks measured inside the timed build, as on a fresh machine. Two sides:
 - ``own-nest``: as built now: the pool's own nest, none for a float pool (this engine's).
 
 Both compute the same (tests/engine/test_kv_int8.py); each side's other builds and picks are the same work.
-The tokens are the same (tests/engine/test_model_build.py). ``--threads``
-sets the children's ``OMP_NUM_THREADS`` (default 1: what each process of the test suite gets on two
+
+``--threads`` sets the children's ``OMP_NUM_THREADS`` (default 1: what each process of the test suite gets on two
 cores); the import of torch is outside the timed part.
 """
 
